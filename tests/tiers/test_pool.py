@@ -1,0 +1,53 @@
+import pytest
+
+from tierkv.errors import BudgetExceeded
+from tierkv.tiers.pool import BlockPool, SlotState
+
+
+def test_lifecycle_and_lowest_slot_first():
+    pool = BlockPool(3)
+    a, b = pool.reserve(), pool.reserve()
+    assert (a, b) == (0, 1) and pool.state(a) is SlotState.RESERVED
+    pool.commit(a)
+    pool.pin(a)
+    with pytest.raises(ValueError, match="pinned"):
+        pool.release(a)
+    pool.unpin(a)
+    pool.release(a)
+    assert pool.state(a) is SlotState.FREE
+    assert pool.reserve() == 0  # reused before new slots
+
+
+def test_full_pool_raises_and_counts():
+    pool = BlockPool(2)
+    pool.reserve(), pool.reserve()
+    assert pool.free == 0 and not pool.can_reserve()
+    with pytest.raises(BudgetExceeded):
+        pool.reserve()
+
+
+def test_wrong_transitions_are_refused():
+    pool = BlockPool(2)
+    slot = pool.reserve()
+    with pytest.raises(ValueError, match="reserved, expected ready"):
+        pool.pin(slot)
+    pool.commit(slot)
+    with pytest.raises(ValueError, match="expected reserved"):
+        pool.commit(slot)
+    with pytest.raises(ValueError, match="unpin without pin"):
+        pool.unpin(slot)
+    pool.release(slot)
+    with pytest.raises(ValueError, match="already free"):
+        pool.release(slot)
+
+
+def test_reserve_at_marks_specific_slots_ready():
+    pool = BlockPool(10)
+    pool.reserve_at(5)
+    pool.reserve_at(2)
+    assert pool.state(5) is SlotState.READY and pool.used == 2
+    assert [pool.reserve() for _ in range(3)] == [0, 1, 3]
+    with pytest.raises(ValueError):
+        pool.reserve_at(5)
+    with pytest.raises(ValueError):
+        pool.reserve_at(10)

@@ -1,0 +1,87 @@
+"""Capability shim: the same code runs with and without CUDA.
+
+Without CUDA, ``torch.cuda.Stream``/``Event`` and ``pin_memory=True`` raise.
+Here they become a null stream (work runs inline on the calling thread), a
+null event (always complete) and plain host memory, so every path that runs
+on a GPU machine also runs, and is tested, on a CPU-only one.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+from collections.abc import Iterator
+
+import torch
+
+ALIGN = 4096  # O_DIRECT wants buffer addresses, offsets and lengths in these units
+
+
+@functools.cache
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def has_cuda_driver() -> bool:
+    """True when libcuda loads (kvikio needs it even for host buffers)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def compute_device() -> torch.device:
+    return torch.device("cuda") if has_cuda() else torch.device("cpu")
+
+
+class NullEvent:
+    """Stands in for ``torch.cuda.Event``: host work is complete when recorded."""
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class NullStream:
+    """Stands in for ``torch.cuda.Stream``: work on it runs inline."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+
+def new_stream(device: torch.device) -> torch.cuda.Stream | NullStream:
+    return torch.cuda.Stream(device) if device.type == "cuda" else NullStream()
+
+
+def new_event(device: torch.device) -> torch.cuda.Event | NullEvent:
+    return torch.cuda.Event() if device.type == "cuda" else NullEvent()
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream | NullStream) -> Iterator[None]:
+    if isinstance(stream, NullStream):
+        yield
+    else:
+        with torch.cuda.stream(stream):
+            yield
+
+
+def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    """A uint8 host tensor of ``nbytes`` whose data starts on an ALIGN boundary.
+
+    Pinned only when asked and CUDA exists. The over-allocation stays alive as
+    the returned view's base.
+    """
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned and has_cuda())
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip:skip + nbytes]

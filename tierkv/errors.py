@@ -1,0 +1,41 @@
+"""Every error tierkv raises on purpose derives from `TierKVError`.
+
+Errors about data (`BlockMissing`, `BlockCorrupt`) tell the caller to
+recompute the block; tierkv never serves bytes it cannot vouch for.
+"""
+from __future__ import annotations
+
+
+class TierKVError(Exception):
+    """Base class of tierkv's own errors."""
+
+
+class ConfigError(TierKVError, ValueError):
+    """A configuration value is invalid; the message names field, value and what is allowed."""
+
+
+class BudgetExceeded(TierKVError):
+    """A tier has no room left and nothing in it may be evicted."""
+
+
+class BlockMissing(TierKVError, KeyError):
+    """The block is not stored anywhere (never written, dropped, or lost in a crash)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "block missing"
+
+
+class BlockCorrupt(BlockMissing):
+    """The block's bytes failed their checksum; it was dropped and must be recomputed."""
+
+
+class DiskFullError(TierKVError, OSError):
+    """The NVMe tier's file system has no space left for a block."""
+
+
+class StoreLocked(TierKVError):
+    """Another process holds the NVMe store open."""
+
+
+class ManagerClosed(TierKVError, RuntimeError):
+    """The tier manager was closed (or never started)."""

@@ -1,0 +1,67 @@
+"""Content addresses of KV blocks.
+
+A block's key is a hash chain: the same model, layout, dtype and token prefix
+always give the same keys, so a later run (or another document that shares
+the prefix) finds the blocks it can reuse::
+
+    root   = H("tierkv-v1" | model_id | layout | dtype)
+    p[0]   = H(root  | tokens[0:n])          one prefix key per token block
+    p[i]   = H(p[i-1] | tokens[i*n:(i+1)*n])
+    key    = H(p[i] | layer)                 one block per (prefix, layer)
+
+H is xxh3-128; keys are 16 raw bytes, shown as hex.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class BlockKey:
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != KEY_BYTES:
+            raise ValueError(f"digest: {len(self.digest)} bytes, expected {KEY_BYTES}")
+
+    @classmethod
+    def of(cls, *parts: bytes | str | int) -> BlockKey:
+        """A key hashed from arbitrary parts (tests, ad-hoc blocks)."""
+        h = xxhash.xxh3_128()
+        for part in parts:
+            raw = part.encode() if isinstance(part, str) else part
+            raw = raw.to_bytes(8, "little", signed=True) if isinstance(raw, int) else raw
+            h.update(len(raw).to_bytes(8, "little"))
+            h.update(raw)
+        return cls(h.digest())
+
+    def hex(self) -> str:
+        return self.digest.hex()
+
+    def __repr__(self) -> str:
+        return f"BlockKey({self.digest.hex()[:12]})"
+
+
+def root_key(model_id: str, layout: str, dtype: str) -> BlockKey:
+    return BlockKey.of("tierkv-v1", model_id, layout, dtype)
+
+
+def prefix_keys(root: BlockKey, token_ids: Sequence[int], block_tokens: int) -> list[BlockKey]:
+    """One key per *full* block of ``block_tokens`` tokens (a partial tail gets none)."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    keys: list[BlockKey] = []
+    parent = root
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        parent = BlockKey.of(parent.digest, tokens[start:start + block_tokens].tobytes())
+        keys.append(parent)
+    return keys
+
+
+def layer_keys(prefix: BlockKey, layers: Iterable[int]) -> list[BlockKey]:
+    return [BlockKey.of(prefix.digest, "layer", layer) for layer in layers]

@@ -1,0 +1,13 @@
+"""The compute device's arena: CUDA memory when present, else host memory under the same budget."""
+from __future__ import annotations
+
+import torch
+
+from tierkv.device import compute_device
+from tierkv.tiers.base import Medium
+from tierkv.tiers.memory import MemoryTier
+
+
+class GpuTier(MemoryTier):
+    def __init__(self, block_bytes: int, budget: int, device: torch.device | None = None) -> None:
+        super().__init__("gpu", Medium.GPU, device or compute_device(), block_bytes, budget)

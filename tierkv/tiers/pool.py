@@ -1,0 +1,123 @@
+"""One block pool for every tier: slots, a free list, pin counts and states.
+
+A slot moves through explicit states; a pinned slot can neither be freed nor
+reused::
+
+    FREE --reserve()--> RESERVED --commit()--> READY --release()--> FREE
+                           |                      ^ pin()/unpin() count readers
+                           +------release()-------+-> FREE  (a transfer failed)
+
+The pool holds no bytes, does no I/O and knows no policy. Records exist only
+for slots in use, so a pool of millions of slots costs nothing up front.
+Lowest free slot first: files and arenas stay compact.
+"""
+from __future__ import annotations
+
+import enum
+import heapq
+from dataclasses import dataclass
+
+from tierkv.errors import BudgetExceeded
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    RESERVED = "reserved"  # destination of a transfer in flight
+    READY = "ready"        # holds a complete block
+
+
+@dataclass(slots=True)
+class _Slot:
+    state: SlotState
+    pins: int = 0
+
+
+class BlockPool:
+    """Slot bookkeeping for ``capacity`` fixed-size slots."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity={capacity}: must be >= 0")
+        self.capacity = capacity
+        self._slots: dict[int, _Slot] = {}
+        self._freed: list[int] = []   # heap of released slots below _next
+        self._next = 0                # slots >= _next were never used
+
+    # -- queries ---------------------------------------------------------
+    def state(self, slot: int) -> SlotState:
+        record = self._slots.get(slot)
+        return SlotState.FREE if record is None else record.state
+
+    def pins(self, slot: int) -> int:
+        record = self._slots.get(slot)
+        return 0 if record is None else record.pins
+
+    @property
+    def used(self) -> int:
+        return len(self._slots)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self._slots)
+
+    def busy_slots(self) -> int:
+        """Slots that are pinned or reserved: room that a reader or a transfer will give back."""
+        return sum(1 for r in self._slots.values() if r.pins or r.state is SlotState.RESERVED)
+
+    def can_reserve(self, n: int = 1) -> bool:
+        return self.free >= n
+
+    # -- transitions -----------------------------------------------------
+    def reserve(self) -> int:
+        if not self.can_reserve():
+            raise BudgetExceeded(f"block pool full ({self.capacity} slots)")
+        slot = heapq.heappop(self._freed) if self._freed else self._take_new()
+        self._slots[slot] = _Slot(SlotState.RESERVED)
+        return slot
+
+    def reserve_at(self, slot: int) -> None:
+        """Mark a specific slot READY (reopening a store that already holds it)."""
+        if not 0 <= slot < self.capacity:
+            raise ValueError(f"slot={slot}: outside 0..{self.capacity - 1}")
+        if slot in self._slots:
+            raise ValueError(f"slot={slot}: already {self._slots[slot].state.value}")
+        while self._next <= slot:
+            heapq.heappush(self._freed, self._take_new())
+        self._freed.remove(slot)
+        heapq.heapify(self._freed)
+        self._slots[slot] = _Slot(SlotState.READY)
+
+    def commit(self, slot: int) -> None:
+        record = self._record(slot, SlotState.RESERVED)
+        record.state = SlotState.READY
+
+    def pin(self, slot: int) -> None:
+        self._record(slot, SlotState.READY).pins += 1
+
+    def unpin(self, slot: int) -> None:
+        record = self._record(slot, SlotState.READY)
+        if record.pins == 0:
+            raise ValueError(f"slot={slot}: unpin without pin")
+        record.pins -= 1
+
+    def release(self, slot: int) -> None:
+        record = self._slots.get(slot)
+        if record is None:
+            raise ValueError(f"slot={slot}: already free")
+        if record.pins:
+            raise ValueError(f"slot={slot}: still pinned {record.pins} time(s)")
+        del self._slots[slot]
+        heapq.heappush(self._freed, slot)
+
+    # -- internals -------------------------------------------------------
+    def _take_new(self) -> int:
+        slot = self._next
+        self._next += 1
+        return slot
+
+    def _record(self, slot: int, expected: SlotState) -> _Slot:
+        record = self._slots.get(slot)
+        state = SlotState.FREE if record is None else record.state
+        if state is not expected:
+            raise ValueError(f"slot={slot}: is {state.value}, expected {expected.value}")
+        return record  # type: ignore[return-value]
