@@ -1,0 +1,215 @@
+import asyncio
+import random
+
+import pytest
+import torch
+
+from tierkv.errors import BlockMissing, BudgetExceeded, ManagerClosed
+from tierkv.manager import Priority, TierManager
+from tierkv.tiers.base import Medium
+from tierkv.tiers.cpu import CpuTier
+from tierkv.tiers.gpu import GpuTier
+
+from conftest import BLOCK, SlowTier, assert_quiescent, block, key
+
+
+def two_tiers(gpu_slots=4, cpu_slots=16):
+    return [GpuTier(BLOCK, gpu_slots * BLOCK), CpuTier(BLOCK, cpu_slots * BLOCK)]
+
+
+async def test_put_spills_down_and_reads_back_exactly(knobs):
+    async with TierManager(two_tiers(), knobs=knobs) as m:
+        for i in range(12):
+            await m.put(key(i), block(i))
+        assert m.tiers["gpu"].pool.used <= 4
+        assert sum(bool(m.where(key(i))) for i in range(12)) == 12
+        for i in random.Random(0).sample(range(12), 12):
+            lease = await m.acquire([key(i)], "gpu")
+            assert torch.equal(lease.views[0], block(i))
+            lease.release()
+        assert_quiescent(m)
+        assert m.stats["gpu"].peak_slots <= 4
+
+
+async def test_acquire_any_memory_tier_does_not_copy(knobs):
+    async with TierManager(two_tiers(), knobs=knobs) as m:
+        await m.put(key(1), block(1), tier="cpu")
+        lease = await m.acquire([key(1)])
+        assert lease.places[0][0] == "cpu" and m.where(key(1)) == ["cpu"]
+        lease.release()
+
+
+async def test_put_rejects_wrong_size_and_unknown_tier(knobs):
+    async with TierManager(two_tiers(), knobs=knobs) as m:
+        with pytest.raises(ValueError, match="exactly 4096"):
+            await m.put(key(1), torch.zeros(10, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="tier='ssd'.*gpu, cpu"):
+            await m.put(key(1), block(1), tier="ssd")
+
+
+async def test_full_of_protected_blocks_raises_budget_exceeded(knobs):
+    async with TierManager([CpuTier(BLOCK, 3 * BLOCK)], knobs=knobs) as m:
+        for i in range(3):
+            await m.put(key(i), block(i))
+        with pytest.raises(BudgetExceeded, match="cpu"):
+            await m.put(key(9), block(9))
+        m.unprotect([key(0)])
+        await m.put(key(9), block(9))  # the unprotected block makes room
+        assert not m.contains(key(0)) and m.contains(key(9))
+        assert_quiescent(m)
+
+
+async def test_missing_block_and_closed_manager(knobs):
+    m = TierManager(two_tiers(), knobs=knobs)
+    with pytest.raises(ManagerClosed):
+        await m.acquire([key(1)])
+    await m.start()
+    with pytest.raises(BlockMissing, match="not stored"):
+        await m.acquire([key(1)])
+    await m.aclose()
+    await m.aclose()  # idempotent
+    with pytest.raises(ManagerClosed):
+        await m.put(key(1), block(1))
+
+
+async def test_pinned_blocks_are_not_evicted(knobs):
+    async with TierManager(two_tiers(gpu_slots=2), knobs=knobs) as m:
+        await m.put(key(0), block(0), tier="gpu")
+        lease = await m.acquire([key(0)], "gpu")
+        for i in range(1, 6):
+            await m.put(key(i), block(i), tier="gpu")
+        assert "gpu" in m.where(key(0))
+        assert torch.equal(lease.views[0], block(0))
+        lease.release()
+        assert_quiescent(m)
+
+
+async def test_stress_budgets_never_exceeded(knobs):
+    """Thousands of concurrent put/acquire/prefetch ops over three small tiers."""
+    tiers = [GpuTier(BLOCK, 8 * BLOCK), CpuTier(BLOCK, 24 * BLOCK), SlowTier("cxl", Medium.CXL, 200, 0.0)]
+    rng = random.Random(7)
+    async with TierManager(tiers, knobs=knobs) as m:
+        peaks = []
+
+        async def worker(w: int) -> None:
+            for step in range(150):
+                i = rng.randrange(120)
+                op = rng.random()
+                if not m.contains(key(i)) and key(i) not in m.directory:
+                    await m.put(key(i), block(i))
+                elif op < 0.2:
+                    m.prefetch([key(i), key((i + 1) % 120)], "gpu")
+                elif m.contains(key(i)):
+                    try:
+                        lease = await m.acquire([key(i)], rng.choice(["gpu", "cpu", None]))
+                    except BlockMissing:
+                        continue  # not yet committed by another worker
+                    assert torch.equal(lease.views[0], block(i))
+                    lease.release()
+                peaks.append(tuple(t.pool.used for t in m.tiers.values()))
+                if step % 10 == 0:
+                    await asyncio.sleep(0)
+
+        await asyncio.gather(*(worker(w) for w in range(20)))
+        await m.flush()
+        assert len(peaks) == 3000
+        caps = tuple(t.pool.capacity for t in m.tiers.values())
+        assert all(p <= c for used in peaks for p, c in zip(used, caps))
+        assert all(t.allocated_bytes <= t.budget_bytes for t in m.tiers.values())
+        assert_quiescent(m)
+
+
+async def test_cancelled_waiter_leaks_nothing(knobs):
+    tiers = [CpuTier(BLOCK, 4 * BLOCK), SlowTier("cxl", Medium.CXL, 16, 0.05)]
+    async with TierManager(tiers, knobs=knobs) as m:
+        for i in range(8):
+            await m.put(key(i), block(i), tier="cxl")
+        task = asyncio.create_task(m.acquire([key(i) for i in range(4)], "cpu"))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while m._executor.busy:
+            await m._executor.progress()
+        assert_quiescent(m)
+        lease = await m.acquire([key(0)], "cpu")  # the cancelled load still completed
+        assert torch.equal(lease.views[0], block(0))
+        lease.release()
+
+
+async def test_close_with_queued_transfers_leaks_nothing(knobs):
+    tiers = [CpuTier(BLOCK, 32 * BLOCK), SlowTier("cxl", Medium.CXL, 32, 0.02)]
+    m = await TierManager(tiers, knobs=knobs).start()
+    for i in range(30):
+        await m.put(key(i), block(i), tier="cxl")
+    for i in range(30):
+        m.prefetch([key(i)], "cpu")
+    await asyncio.sleep(0.03)
+    assert m._executor.queued > 0
+    await m.aclose()
+    assert_quiescent(m)
+    assert any(e.error == "ManagerClosed" for e in m.events.events) or m._executor.queued == 0
+
+
+async def test_loads_beat_prefetch_beat_writeback(knobs):
+    """One worker thread, a blocking first job: the queue drains in priority order."""
+    from tierkv.config import IOKnobs
+    one = IOKnobs(copy_threads=1, inflight_bytes=BLOCK)
+    tiers = [CpuTier(BLOCK, 32 * BLOCK), SlowTier("cxl", Medium.CXL, 32, 0.01)]
+    async with TierManager(tiers, knobs=one) as m:
+        for i in range(8):
+            await m.put(key(i), block(i), tier="cxl")
+        m.prefetch([key(0)], "cpu")          # occupies the only worker
+        await asyncio.sleep(0)
+        m.prefetch([key(1)], "cpu")
+        m.prefetch([key(2)], "cpu")
+        await asyncio.sleep(0)
+        lease = await m.acquire([key(3)], "cpu")
+        lease.release()
+        await m.flush()
+        order = [e.kind for e in m.events.of_kind("load", "prefetch")]
+        assert order.index("load") < 2, order  # jumped ahead of queued prefetches
+
+
+async def test_waiting_on_a_queued_prefetch_boosts_it(knobs):
+    from tierkv.config import IOKnobs
+    one = IOKnobs(copy_threads=1, inflight_bytes=BLOCK)
+    tiers = [CpuTier(BLOCK, 32 * BLOCK), SlowTier("cxl", Medium.CXL, 32, 0.01)]
+    async with TierManager(tiers, knobs=one) as m:
+        for i in range(12):
+            await m.put(key(i), block(i), tier="cxl")
+        for i in range(10):
+            m.prefetch([key(i)], "cpu")
+        await asyncio.sleep(0)
+        lease = await m.acquire([key(9)], "cpu")
+        lease.release()
+        done_before = [e for e in m.events.of_kind("prefetch")]
+        await m.flush()
+        assert len(done_before) < 9  # key 9's move ran before most earlier prefetches
+        assert_quiescent(m)
+
+
+async def test_events_and_waits_are_recorded(knobs):
+    async with TierManager(two_tiers(), knobs=knobs) as m:
+        for i in range(8):
+            await m.put(key(i), block(i), tier="cpu", layer=3)
+        lease = await m.acquire([key(i) for i in range(4)], "gpu", layer=3)
+        lease.release()
+        loads = m.events.of_kind("load")
+        assert loads and loads[0].src == "cpu" and loads[0].dst == "gpu" and loads[0].layer == 3
+        assert sum(e.nbytes for e in loads) == 4 * BLOCK
+        assert all(e.submit <= e.start <= e.done for e in m.events.events)
+        assert m.events.of_kind("wait")[0].nbytes == 4 * BLOCK
+
+
+def test_blocking_facade(knobs):
+    from tierkv.manager import BlockingTierManager
+    with BlockingTierManager(TierManager(two_tiers(), knobs=knobs)) as m:
+        for i in range(10):
+            m.put(key(i), block(i))
+        with m.blocks([key(0), key(9)], "gpu") as views:
+            assert torch.equal(views[0], block(0)) and torch.equal(views[1], block(9))
+        m.prefetch([key(1)], "gpu")
+        m.flush()
+        assert m.contains(key(1))
+        assert_quiescent(m.manager)

@@ -1,0 +1,117 @@
+"""A blocking facade over the tier manager for synchronous callers.
+
+A model's forward pass is synchronous; it talks to a manager whose event
+loop runs on a thread of its own. Each call hops to that loop and waits::
+
+    caller thread                 loop thread
+    mgr.acquire(keys) ───run──▶   await TierManager.acquire(keys)
+         ◀──── Lease ───────────  (pinned views)
+    lease.release() ───call──▶    unpin
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+
+from tierkv.config import IOKnobs, TierConfig
+from tierkv.keys import BlockKey
+from tierkv.manager.manager import Lease, TierManager
+from tierkv.manager.transfer import Priority
+from tierkv.profile.events import EventRecorder
+
+T = TypeVar("T")
+
+
+class BlockingTierManager:
+    def __init__(self, manager: TierManager) -> None:
+        self.manager = manager
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tierkv-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self._run(manager.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @classmethod
+    def from_config(cls, config: TierConfig, *, namespace: str = "default", knobs: IOKnobs | None = None,
+                    recorder: EventRecorder | None = None) -> BlockingTierManager:
+        return cls(TierManager.from_config(config, namespace=namespace, knobs=knobs, recorder=recorder))
+
+    # -- calls ----------------------------------------------------------
+    def put(self, key: BlockKey, data: torch.Tensor, **kw: Any) -> None:
+        self._run(self.manager.put(key, data, **kw))
+
+    def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Lease:
+        lease = self._run(self.manager.acquire(keys, tier, **kw))
+        lease._manager = self  # release hops back to the loop
+        return lease
+
+    @contextmanager
+    def blocks(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Iterator[tuple[torch.Tensor, ...]]:
+        lease = self.acquire(keys, tier, **kw)
+        try:
+            yield lease.views
+        finally:
+            lease.release()
+
+    def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *, layer: int | None = None) -> None:
+        self._loop.call_soon_threadsafe(lambda: self.manager.prefetch(keys, tier, layer=layer))
+
+    def persist(self, keys: Sequence[BlockKey]) -> None:
+        self._call(self.manager.persist, keys)
+
+    def unprotect(self, keys: Sequence[BlockKey]) -> None:
+        self._call(self.manager.unprotect, keys)
+
+    def flush(self) -> None:
+        self._run(self.manager.flush())
+
+    def drop(self, keys: Sequence[BlockKey]) -> None:
+        self._run(self.manager.drop(keys))
+
+    def contains(self, key: BlockKey) -> bool:
+        return self._call(self.manager.contains, key)
+
+    def where(self, key: BlockKey) -> list[str]:
+        return self._call(self.manager.where, key)
+
+    def _unpin(self, places: Any) -> None:
+        self._call(self.manager._unpin, places)
+
+    # -- lifecycle ------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self.manager.aclose())
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> BlockingTierManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing -------------------------------------------------------
+    def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        async def call() -> Any:
+            return fn(*args)
+        return self._run(call())
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

@@ -1,0 +1,569 @@
+"""The tier manager: placement, promotion, demotion, write-back and prefetch.
+
+Every move follows one two-phase protocol::
+
+    prepare   reserve destination slots (making room may await demotions),
+              then pin the source slots -- no await between the two
+    transfer  the executor runs the handler on a worker thread
+    complete  (on the loop) commit or release destination slots, unpin
+              sources, update the directory and the eviction policies
+
+Completion runs as a callback of the transfer itself, so a caller that is
+cancelled mid-wait leaks nothing: the move still completes or rolls back.
+Budgets are slot counts in each tier's pool; nothing is ever placed without
+a reserved slot, so no tier can exceed its budget.
+
+Tiers are ordered fastest first. ``acquire`` brings blocks into a tier and
+pins them for the caller; ``prefetch`` does the same in the background at a
+lower priority; ``put`` places new blocks; ``flush`` waits for write-backs.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Container, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from policies import make_policy
+from tierkv.config import IOKnobs, TierConfig
+from tierkv.errors import BlockCorrupt, BlockMissing, BudgetExceeded, ManagerClosed
+from tierkv.keys import BlockKey
+from tierkv.manager.directory import Directory
+from tierkv.manager.executor import Executor
+from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for
+from tierkv.policy import EvictionPolicy
+from tierkv.profile.events import EventRecorder
+from tierkv.tiers.base import Medium, Tier
+from tierkv.tiers.cpu import CpuTier
+from tierkv.tiers.gpu import GpuTier
+
+_MAX_ATTEMPTS = 16  # re-loads of a block evicted before its reader could pin it
+
+
+@dataclass(slots=True)
+class TierStats:
+    peak_slots: int = 0
+    bytes_in: int = 0     # written into the tier
+    bytes_out: int = 0    # read out of the tier
+
+
+@dataclass(slots=True)
+class Lease:
+    """Blocks pinned for a caller: ``views[i]`` holds ``keys[i]``. Release exactly once."""
+
+    keys: tuple[BlockKey, ...]
+    places: tuple[tuple[str, int], ...]   # (tier, slot) per key
+    views: tuple[torch.Tensor, ...]
+    _manager: TierManager
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._manager._unpin(self.places)
+
+
+class _Unevictable(Container[Hashable]):
+    """The keys a tier's policy must not choose, checked lazily per candidate."""
+
+    def __init__(self, manager: TierManager, tier: str) -> None:
+        self._manager, self._tier = manager, tier
+
+    def __contains__(self, key: object) -> bool:
+        return not self._manager._evictable(key, self._tier)  # type: ignore[arg-type]
+
+
+def build_tiers(config: TierConfig, *, namespace: str = "default",
+                knobs: IOKnobs | None = None) -> list[Tier]:
+    knobs = knobs or IOKnobs.from_env()
+    tiers: list[Tier] = []
+    if config.gpu:
+        tiers.append(GpuTier(config.block_bytes, config.gpu))
+    if config.cpu:
+        tiers.append(CpuTier(config.block_bytes, config.cpu))
+    if config.nvme_dir is not None:
+        from tierkv.tiers.nvme import NvmeTier
+        tiers.append(NvmeTier(config.nvme_dir, config.block_bytes, config.nvme_budget,
+                              namespace=namespace, backend=knobs.nvme_backend,
+                              io_threads=knobs.io_threads))
+    return tiers
+
+
+class TierManager:
+    def __init__(self, tiers: Sequence[Tier], *, policies: dict[str, EvictionPolicy] | None = None,
+                 knobs: IOKnobs | None = None, recorder: EventRecorder | None = None) -> None:
+        if not tiers:
+            raise ValueError("a tier manager needs at least one tier")
+        sizes = {t.block_bytes for t in tiers}
+        if len(sizes) != 1:
+            raise ValueError(f"all tiers must share one block size, got {sorted(sizes)}")
+        self.block_bytes = sizes.pop()
+        if all(t.medium is Medium.NVME for t in tiers):
+            raise ValueError("a tier manager needs a memory tier (gpu or cpu) to read blocks into")
+        self.tiers = {t.name: t for t in tiers}
+        self.order = [t.name for t in tiers]
+        self.policies = {name: make_policy("lru") for name in self.order} | (policies or {})
+        self.knobs = knobs or IOKnobs.from_env()
+        self.events = recorder or EventRecorder()
+        self.directory = Directory()
+        self.stats = {name: TierStats() for name in self.order}
+        self._executor = Executor(self.knobs.copy_threads, self.knobs.inflight_bytes, self.events)
+        self._background: set[asyncio.Task] = set()
+        self._writeback_errors: list[BaseException] = []
+        self._state = "new"
+        self._wanted: Counter[tuple[BlockKey, str]] = Counter()  # blocks callers wait to pin
+        self._changed = asyncio.Event()   # set on every unpin and completed move
+        self.pin_wait_s = 10.0            # how long a full tier waits for readers to unpin
+
+    @classmethod
+    def from_config(cls, config: TierConfig, *, namespace: str = "default",
+                    knobs: IOKnobs | None = None, recorder: EventRecorder | None = None) -> TierManager:
+        knobs = knobs or IOKnobs.from_env()
+        tiers = build_tiers(config, namespace=namespace, knobs=knobs)
+        policies = {"gpu": config.gpu_policy, "cpu": config.cpu_policy, "nvme": config.nvme_policy}
+        chosen = {t.name: make_policy(policies[t.name]) for t in tiers}
+        return cls(tiers, policies=chosen, knobs=knobs, recorder=recorder)
+
+    # -- lifecycle ------------------------------------------------------
+    async def start(self) -> TierManager:
+        if self._state != "new":
+            raise ManagerClosed(f"tier manager cannot start: it is {self._state}")
+        self._executor.start()
+        for name in self.order:
+            self._index_persisted(name)
+        self._state = "running"
+        return self
+
+    async def aclose(self) -> None:
+        """Finish write-backs, abort queued moves, close every tier. Idempotent."""
+        if self._state == "closed":
+            return
+        if self._state == "running":
+            await asyncio.gather(*self._background, return_exceptions=True)
+        self._state = "closed"
+        await self._executor.aclose()
+        for tier in self.tiers.values():
+            await asyncio.to_thread(tier.close)
+
+    async def __aenter__(self) -> TierManager:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- queries --------------------------------------------------------
+    @property
+    def memory_tiers(self) -> list[str]:
+        return [n for n in self.order if self.tiers[n].medium is not Medium.NVME]
+
+    @property
+    def store(self) -> Tier | None:
+        return next((t for t in self.tiers.values() if t.medium is Medium.NVME), None)
+
+    def contains(self, key: BlockKey) -> bool:
+        entry = self.directory.get(key)
+        return entry is not None and bool(entry.copies)
+
+    def where(self, key: BlockKey) -> list[str]:
+        entry = self.directory.get(key)
+        return [] if entry is None else [n for n in self.order if n in entry.copies]
+
+    def used_bytes(self, tier: str) -> int:
+        return self.tiers[tier].pool.used * self.block_bytes
+
+    # -- placing new blocks ---------------------------------------------
+    async def put(self, key: BlockKey, data: torch.Tensor, *, tier: str | None = None,
+                  layer: int | None = None, protect: bool = True, persist: bool = False) -> None:
+        """Store a new block (exactly ``block_bytes``) in ``tier`` (default: the fastest with room).
+
+        A key names its content: putting a key that is already stored only
+        marks it protected. ``persist`` also writes it back to the NVMe store.
+        """
+        self._check_running()
+        raw = _as_bytes(data, self.block_bytes)
+        entry = self.directory.add(key, protected=protect, layer=layer)
+        if entry.copies or entry.arriving:
+            return
+        for name in self._placement(tier):
+            try:
+                slot = (await self._reserve(name, 1))[0]
+            except BudgetExceeded:
+                if name == self._placement(tier)[-1]:
+                    self.directory.forget_if_empty(key)
+                    raise
+                continue
+            await self._place(entry.key, name, slot, raw, layer)
+            break
+        if persist:
+            self.persist([key])
+
+    def persist(self, keys: Iterable[BlockKey]) -> None:
+        """Write blocks back to the NVMe store in the background; ``flush`` waits."""
+        store = self.store
+        if store is None:
+            return
+        for key in keys:
+            entry = self.directory.entry(key)
+            if store.name not in entry.copies and store.name not in entry.arriving:
+                self._spawn(self._writeback(key, self._claim([key], store.name)))
+
+    async def flush(self) -> None:
+        """Wait for pending write-backs and make the store durable; raise their first error."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.flush)
+        if self._writeback_errors:
+            errors, self._writeback_errors = self._writeback_errors, []
+            raise errors[0]
+
+    def unprotect(self, keys: Iterable[BlockKey]) -> None:
+        """The caller no longer needs these blocks kept: they become evictable cache."""
+        for key in keys:
+            entry = self.directory.get(key)
+            if entry is not None:
+                entry.protected = False
+
+    async def drop(self, keys: Iterable[BlockKey]) -> None:
+        """Remove blocks from every tier (the NVMe store included)."""
+        for key in keys:
+            entry = self.directory.get(key)
+            if entry is None:
+                continue
+            if entry.arriving:
+                await asyncio.gather(*entry.arriving.values(), return_exceptions=True)
+            for name in list(entry.copies):
+                self._remove_copy(key, name)
+                self.policies[name].remove(key)
+            self.directory.forget_if_empty(key)
+
+    # -- reading --------------------------------------------------------
+    async def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, *,
+                      layer: int | None = None, priority: Priority = Priority.NOW) -> Lease:
+        """Pin ``keys`` in ``tier`` (None: any memory tier, loading into the fastest).
+
+        Raises BlockMissing for a block stored nowhere and BlockCorrupt for
+        one whose stored bytes failed their checksum (it is dropped: recompute it).
+        """
+        self._check_running()
+        if tier is not None and tier not in self.memory_tiers:
+            raise ValueError(f"tier={tier!r}: blocks are read into a memory tier: {', '.join(self.memory_tiers)}")
+        start = time.perf_counter()
+        target = tier or self.memory_tiers[0]
+        wanted = [(k, target) for k in keys]
+        self._wanted.update(wanted)  # arriving blocks stay until pinned
+        try:
+            for attempt in range(_MAX_ATTEMPTS):
+                places = self._pin_resident(keys, tier)
+                if places is not None:
+                    if attempt:
+                        self.events.wait("", target, layer, len(keys) * self.block_bytes, start)
+                    return Lease(tuple(keys), places, tuple(self.tiers[n].view(s) for n, s in places), self)
+                missing = [k for k in keys if not self._resident(k, tier)]
+                await self._bring(missing, target, layer, priority)
+        finally:
+            self._wanted.subtract(wanted)
+            self._wanted = +self._wanted
+        raise BudgetExceeded(f"tier {tier}: blocks were evicted {_MAX_ATTEMPTS} times before they could "
+                             f"be pinned; the tier is too small for {len(keys)} blocks at once")
+
+    def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *,
+                 layer: int | None = None) -> None:
+        """Start loading ``keys`` into ``tier`` in the background; errors are recorded, not raised."""
+        self._check_running()
+        missing = [k for k in keys if not self._resident(k, tier)]
+        if missing:
+            self._spawn(self._bring(missing, tier or self.memory_tiers[0], layer, Priority.PREFETCH),
+                        quiet=True)
+
+    # -- internals: placement -------------------------------------------
+    def _placement(self, tier: str | None) -> list[str]:
+        if tier is not None:
+            if tier not in self.tiers:
+                raise ValueError(f"tier={tier!r}: not configured; tiers: {', '.join(self.order)}")
+            return [tier]
+        return list(self.order)
+
+    async def _place(self, key: BlockKey, name: str, slot: int, raw: torch.Tensor,
+                     layer: int | None) -> None:
+        tier = self.tiers[name]
+        if tier.medium is Medium.NVME:
+            body = partial(tier.write, [(key, slot, raw.cpu())])
+        else:
+            body = partial(tier.view(slot).copy_, raw)
+        transfer = Transfer(Kind.PUT, "", name, (key,), (), (slot,), self.block_bytes, layer)
+        try:
+            await asyncio.shield(self._executor.submit(transfer, body, Priority.NOW))
+        except BaseException:
+            tier.pool.release(slot)
+            self.directory.forget_if_empty(key)
+            raise
+        self._commit(key, name, slot)
+
+    async def _writeback(self, key: BlockKey, done: asyncio.Future) -> None:
+        entry = self.directory.get(key)
+        sources = [n for n in self.memory_tiers if entry is not None and n in entry.copies]
+        if not sources:  # evicted meanwhile: a protected block was demoted, so it is stored
+            self._settle([key], self.store.name, done, None)
+            return
+        await self._move([key], sources[0], self.store.name, Kind.WRITEBACK, Priority.WRITEBACK, None, done)
+
+    # -- internals: moves -----------------------------------------------
+    async def _bring(self, keys: Sequence[BlockKey], dst: str, layer: int | None,
+                     priority: Priority) -> None:
+        """Make every key resident in ``dst`` (joining moves already in flight)."""
+        joined: list[asyncio.Future] = []
+        by_source: dict[str, list[BlockKey]] = {}
+        for key in dict.fromkeys(keys):
+            entry = self.directory.entry(key)
+            if dst in entry.copies:
+                continue
+            if dst in entry.arriving:
+                joined.append(entry.arriving[dst])
+                if priority is Priority.NOW:
+                    self._boost(key, dst)
+                continue
+            source = next((n for n in self.order if n in entry.copies), None)
+            if source is None:
+                raise BlockMissing(f"block {key.hex()} is not stored in any tier")
+            by_source.setdefault(source, []).append(key)
+        kind = Kind.LOAD if priority is Priority.NOW else Kind.PREFETCH
+        moves = [self._move(group, src, dst, kind, priority, layer, self._claim(group, dst))
+                 for src, group in by_source.items()]
+        results = await asyncio.gather(*moves, *(asyncio.shield(f) for f in joined), return_exceptions=True)
+        corrupt = [k for r in results if isinstance(r, list) for k in r]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if corrupt:
+            raise BlockCorrupt(f"{len(corrupt)} block(s) failed their checksum and were dropped: "
+                               + ", ".join(k.hex()[:16] for k in corrupt[:4]))
+        if errors:
+            raise errors[0]
+
+    def _claim(self, keys: Sequence[BlockKey], dst: str) -> asyncio.Future:
+        """Announce a move of ``keys`` into ``dst`` (synchronously, so later readers join it)."""
+        done = asyncio.get_running_loop().create_future()
+        for key in keys:
+            self.directory.entry(key).arriving[dst] = done
+        return done
+
+    async def _move(self, keys: list[BlockKey], src: str, dst: str, kind: Kind, priority: Priority,
+                    layer: int | None, done: asyncio.Future) -> list[BlockKey]:
+        """Copy ``keys`` (claimed by ``done``) from ``src`` to ``dst``; returns keys whose source was corrupt."""
+        try:
+            dst_slots = await self._reserve(dst, len(keys))
+        except BaseException as error:
+            self._settle(keys, dst, done, error)
+            raise
+        lost = [k for k in keys if src not in self.directory.entry(k).copies]
+        if lost:  # evicted from the source while we made room: the caller retries
+            for slot in dst_slots:
+                self.tiers[dst].pool.release(slot)
+            self._settle(keys, dst, done, None)
+            return []
+        src_slots = [self.directory.entry(k).copies[src] for k in keys]
+        for slot in src_slots:
+            self.tiers[src].pool.pin(slot)
+        if any(self._wanted[(k, dst)] for k in keys):
+            priority = Priority.NOW  # a caller started waiting while this move was prepared
+        transfer = Transfer(kind, src, dst, tuple(keys), tuple(src_slots), tuple(dst_slots),
+                            len(keys) * self.block_bytes, layer)
+        handler = handler_for(self.tiers[src].medium, self.tiers[dst].medium)
+        body = partial(handler, transfer, self.tiers[src], self.tiers[dst])
+        work = self._executor.submit(transfer, body, priority)
+        work.add_done_callback(lambda w: self._complete(transfer, w, done))
+        return await asyncio.shield(done)
+
+    def _complete(self, t: Transfer, work: asyncio.Future, done: asyncio.Future) -> None:
+        for slot in t.src_slots:
+            self.tiers[t.src].pool.unpin(slot)
+        error = work.exception()
+        failed = set() if error is not None else set(work.result())
+        for key, slot in zip(t.keys, t.dst_slots):
+            if error is not None or key in failed:
+                self.tiers[t.dst].pool.release(slot)
+            else:
+                self._commit(key, t.dst, slot)
+        self.stats[t.src].bytes_out += t.nbytes
+        for key in failed:
+            self._remove_copy(key, t.src)
+            self.policies[t.src].remove(key)
+        if error is None and t.kind is Kind.DEMOTE:
+            for key, slot in zip(t.keys, t.src_slots):
+                if self.tiers[t.src].pool.pins(slot):
+                    self.policies[t.src].insert(key)  # a reader pinned it meanwhile: keep this copy
+                elif key not in failed:
+                    self._remove_copy(key, t.src)  # its policy already forgot it
+        self._changed.set()
+        self._settle(t.keys, t.dst, done, error, sorted(failed))
+
+    def _settle(self, keys: Sequence[BlockKey], dst: str, done: asyncio.Future,
+                error: BaseException | None, failed: list[BlockKey] | None = None) -> None:
+        for key in keys:
+            entry = self.directory.get(key)
+            if entry is not None and entry.arriving.get(dst) is done:
+                del entry.arriving[dst]
+            self.directory.forget_if_empty(key)
+        if done.done():
+            return
+        if error is None:
+            done.set_result(failed or [])
+        else:
+            done.set_exception(error)
+            done.exception()  # retrieved here: callers may have gone away
+
+    def _boost(self, key: BlockKey, dst: str) -> None:
+        for future in self._executor_futures_for(key, dst):
+            self._executor.boost(future, Priority.NOW)
+
+    def _executor_futures_for(self, key: BlockKey, dst: str) -> list[asyncio.Future]:
+        return [job.future for _, _, job in self._executor._heap
+                if key in job.transfer.keys and job.transfer.dst == dst]
+
+    # -- internals: room ------------------------------------------------
+    async def _reserve(self, name: str, n: int) -> list[int]:
+        pool = self.tiers[name].pool
+        if n > pool.capacity:
+            raise BudgetExceeded(f"tier {name}: {n} blocks requested, the budget holds {pool.capacity}")
+        while not pool.can_reserve(n):
+            await self._make_room(name, n - pool.free)
+        slots = [pool.reserve() for _ in range(n)]
+        self.stats[name].peak_slots = max(self.stats[name].peak_slots, pool.used)
+        return slots
+
+    async def _make_room(self, name: str, need: int) -> None:
+        guard = _Unevictable(self, name)
+        victims: list[BlockKey] = []
+        while len(victims) < need and (chosen := self.policies[name].evict(1, guard)):
+            victims.extend(chosen)
+        if not victims:
+            if await self._room_may_appear(name):
+                return
+            raise BudgetExceeded(f"tier {name}: all {self.tiers[name].pool.capacity} slots are pinned or "
+                                 "hold the only copy of protected blocks; raise its budget or add a lower tier")
+        demote: list[BlockKey] = []
+        for key in victims:
+            entry = self.directory.entry(key)
+            if len(entry.copies) > 1 or not entry.protected or self._below(name) is None:
+                self._remove_copy(key, name)
+                self.directory.forget_if_empty(key)
+            else:
+                demote.append(key)
+        if demote:
+            await self._demote(demote, name)
+
+    async def _room_may_appear(self, name: str) -> bool:
+        """Wait while moves run or slots of ``name`` are pinned or reserved; False when nothing can change."""
+        pool = self.tiers[name].pool
+        if not (pool.busy_slots() or self._executor.busy):
+            return False
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout=self.pin_wait_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _demote(self, keys: list[BlockKey], name: str) -> None:
+        try:
+            below = self._below(name)
+            await self._move(keys, name, below, Kind.DEMOTE, Priority.NOW, None, self._claim(keys, below))
+        except BaseException:
+            for key in keys:  # still resident here: give them back to the policy
+                if name in self.directory.entry(key).copies:
+                    self.policies[name].insert(key)
+            raise
+
+    def _below(self, name: str) -> str | None:
+        index = self.order.index(name)
+        return self.order[index + 1] if index + 1 < len(self.order) else None
+
+    def _evictable(self, key: BlockKey, name: str) -> bool:
+        entry = self.directory.get(key)
+        if entry is None or name not in entry.copies:
+            return True  # stale in the policy; evicting it is harmless
+        if self.tiers[name].pool.pins(entry.copies[name]) or self._wanted[(key, name)]:
+            return False
+        last_copy = len(entry.copies) == 1
+        return not (entry.protected and last_copy and self._below(name) is None)
+
+    # -- internals: bookkeeping ----------------------------------------
+    def _commit(self, key: BlockKey, name: str, slot: int) -> None:
+        tier = self.tiers[name]
+        entry = self.directory.entry(key)
+        if name in entry.copies:  # already there (blocks are immutable): keep one copy
+            tier.pool.release(slot)
+            return
+        tier.pool.commit(slot)
+        entry.copies[name] = slot
+        self.policies[name].insert(key)
+        self.stats[name].bytes_in += self.block_bytes
+
+    def _remove_copy(self, key: BlockKey, name: str) -> None:
+        entry = self.directory.entry(key)
+        slot = entry.copies.pop(name)
+        tier = self.tiers[name]
+        if tier.medium is Medium.NVME:
+            tier.drop(key)
+        tier.pool.release(slot)
+
+    def _index_persisted(self, name: str) -> None:
+        tier = self.tiers[name]
+        if tier.medium is not Medium.NVME:
+            return
+        for key, slot in tier.items():
+            self.directory.add(key, protected=False).copies[name] = slot
+            self.policies[name].insert(key)
+        self.stats[name].peak_slots = tier.pool.used
+
+    def _resident(self, key: BlockKey, tier: str | None) -> bool:
+        entry = self.directory.get(key)
+        if entry is None:
+            return False
+        names = [tier] if tier is not None else self.memory_tiers
+        return any(n in entry.copies for n in names)
+
+    def _pin_resident(self, keys: Sequence[BlockKey], tier: str | None) -> tuple[tuple[str, int], ...] | None:
+        names = [tier] if tier is not None else self.memory_tiers
+        places = []
+        for key in keys:
+            entry = self.directory.entry(key)
+            name = next((n for n in names if n in entry.copies), None)
+            if name is None:
+                return None
+            places.append((name, entry.copies[name]))
+        for key, (name, slot) in zip(keys, places):
+            self.tiers[name].pool.pin(slot)
+            self.policies[name].touch(key)
+        return tuple(places)
+
+    def _unpin(self, places: Iterable[tuple[str, int]]) -> None:
+        for name, slot in places:
+            self.tiers[name].pool.unpin(slot)
+        self._changed.set()
+
+    def _spawn(self, coro, quiet: bool = False) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(partial(self._background_done, quiet=quiet))
+
+    def _background_done(self, task: asyncio.Task, quiet: bool) -> None:
+        self._background.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        if not quiet and not isinstance(task.exception(), ManagerClosed):
+            self._writeback_errors.append(task.exception())
+
+    def _check_running(self) -> None:
+        if self._state != "running":
+            raise ManagerClosed(f"tier manager is {self._state}; use `async with` or await start()")
+
+
+def _as_bytes(data: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    raw = data.contiguous().view(torch.uint8).reshape(-1)
+    if raw.numel() != block_bytes:
+        raise ValueError(f"block of {raw.numel()} bytes; this manager stores blocks of exactly {block_bytes}")
+    return raw

@@ -1,0 +1,124 @@
+"""A transfer is a value: which blocks move from which tier to which, and why.
+
+Handlers that move the bytes are registered per (source medium, destination
+medium). A handler runs on a worker thread, never on the event loop, and
+returns the keys whose source bytes failed verification (the NVMe store's
+checksums); any exception fails the whole transfer.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tierkv.device import host_buffer, new_event, new_stream, on_stream
+from tierkv.keys import BlockKey
+from tierkv.tiers.base import Medium
+
+
+class Priority(enum.IntEnum):
+    NOW = 0        # a caller is waiting for it
+    PREFETCH = 1   # a caller will probably need it soon
+    WRITEBACK = 2  # durability; nobody waits
+
+
+class Kind(enum.Enum):
+    PUT = "put"
+    LOAD = "load"
+    PREFETCH = "prefetch"
+    DEMOTE = "demote"
+    WRITEBACK = "writeback"
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    kind: Kind
+    src: str
+    dst: str
+    keys: tuple[BlockKey, ...]
+    src_slots: tuple[int, ...]
+    dst_slots: tuple[int, ...]
+    nbytes: int
+    layer: int | None = None
+
+
+Handler = Callable[[Transfer, object, object], list[BlockKey]]
+_HANDLERS: dict[tuple[Medium, Medium], Handler] = {}
+MEMORY = (Medium.GPU, Medium.CPU, Medium.CXL)
+
+
+def register_handler(src: Medium, dst: Medium) -> Callable[[Handler], Handler]:
+    def decorate(fn: Handler) -> Handler:
+        _HANDLERS[(src, dst)] = fn
+        return fn
+    return decorate
+
+
+def handler_for(src: Medium, dst: Medium) -> Handler:
+    try:
+        return _HANDLERS[(src, dst)]
+    except KeyError:
+        pairs = ", ".join(f"{a.value}->{b.value}" for a, b in sorted(_HANDLERS, key=str))
+        raise LookupError(f"no transfer handler for {src.value}->{dst.value}; registered: {pairs}") from None
+
+
+class _Streams:
+    """One stream per direction, created on first use (null streams on CPU)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[tuple[str, str], object] = {}
+
+    def get(self, src: torch.device, dst: torch.device) -> object:
+        device = dst if dst.type == "cuda" else src
+        key = (str(src), str(dst))
+        if key not in self._streams:
+            self._streams[key] = new_stream(device)
+        return self._streams[key]
+
+
+STREAMS = _Streams()
+
+
+def copy_memory(t: Transfer, src, dst) -> list[BlockKey]:
+    stream = STREAMS.get(src.device, dst.device)
+    event = new_event(dst.device if dst.device.type == "cuda" else src.device)
+    with on_stream(stream):
+        for s, d in zip(t.src_slots, t.dst_slots):
+            dst.view(d).copy_(src.view(s), non_blocking=True)
+        event.record()
+    event.synchronize()  # on this worker thread, not the loop
+    return []
+
+
+def write_store(t: Transfer, src, store) -> list[BlockKey]:
+    views = [src.view(s) for s in t.src_slots]
+    if src.device.type == "cuda" and store.backend != "kvikio":
+        views = [_to_host(v) for v in views]
+    store.write(list(zip(t.keys, t.dst_slots, views)))
+    return []
+
+
+def read_store(t: Transfer, store, dst) -> list[BlockKey]:
+    views = [dst.view(d) for d in t.dst_slots]
+    if dst.device.type != "cuda" or store.backend == "kvikio":
+        return store.read(list(zip(t.keys, t.src_slots, views)))
+    bounce = [host_buffer(store.block_bytes, pinned=True) for _ in views]
+    failed = store.read(list(zip(t.keys, t.src_slots, bounce)))
+    for host, view in zip(bounce, views):
+        view.copy_(host)
+    return failed
+
+
+def _to_host(view: torch.Tensor) -> torch.Tensor:
+    host = host_buffer(view.numel(), pinned=True)
+    host.copy_(view)
+    return host
+
+
+for _a in MEMORY:
+    register_handler(_a, Medium.NVME)(write_store)
+    register_handler(Medium.NVME, _a)(read_store)
+    for _b in MEMORY:
+        register_handler(_a, _b)(copy_memory)

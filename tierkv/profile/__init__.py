@@ -1,0 +1,1 @@
+"""Measurement: events, and (later) traces, summaries and replay."""
