@@ -1,0 +1,40 @@
+"""Least recently used: one OrderedDict, oldest use first."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Hashable
+from dataclasses import dataclass, field
+
+from policies.capacity import validate_capacity
+from policies.registry import register
+from policies.victims import first_unprotected
+
+
+@register("lru")
+@dataclass(slots=True, eq=False)
+class LRUPolicy:
+    capacity: int | None = None  # accepted like every built-in; LRU needs no size
+    _order: OrderedDict[Hashable, None] = field(default_factory=OrderedDict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        validate_capacity(self.capacity)
+
+    def insert(self, key: Hashable) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Hashable) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+
+    def evict(self, n: int, protected: Container[Hashable]) -> list[Hashable] | None:
+        victims = first_unprotected(self._order, n, protected)
+        for key in victims or ():
+            del self._order[key]
+        return victims
+
+    def __len__(self) -> int:
+        return len(self._order)
