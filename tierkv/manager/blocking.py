@@ -68,6 +68,9 @@ class BlockingTierManager:
     def persist(self, keys: Sequence[BlockKey]) -> None:
         self._call(self.manager.persist, keys)
 
+    def protect(self, keys: Sequence[BlockKey]) -> bool:
+        return self._call(self.manager.protect, keys)
+
     def unprotect(self, keys: Sequence[BlockKey]) -> None:
         self._call(self.manager.unprotect, keys)
 

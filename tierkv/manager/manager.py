@@ -106,7 +106,7 @@ class TierManager:
             raise ValueError("a tier manager needs a memory tier (gpu or cpu) to read blocks into")
         self.tiers = {t.name: t for t in tiers}
         self.order = [t.name for t in tiers]
-        self.policies = {name: make_policy("lru") for name in self.order} | (policies or {})
+        self.policies = {t.name: make_policy("lru", capacity=t.pool.capacity) for t in tiers} | (policies or {})
         self.knobs = knobs or IOKnobs.from_env()
         self.events = recorder or EventRecorder()
         self.directory = Directory()
@@ -125,7 +125,7 @@ class TierManager:
         knobs = knobs or IOKnobs.from_env()
         tiers = build_tiers(config, namespace=namespace, knobs=knobs)
         policies = {"gpu": config.gpu_policy, "cpu": config.cpu_policy, "nvme": config.nvme_policy}
-        chosen = {t.name: make_policy(policies[t.name]) for t in tiers}
+        chosen = {t.name: make_policy(policies[t.name], capacity=t.pool.capacity) for t in tiers}
         return cls(tiers, policies=chosen, knobs=knobs, recorder=recorder)
 
     # -- lifecycle ------------------------------------------------------
@@ -220,6 +220,15 @@ class TierManager:
         if self._writeback_errors:
             errors, self._writeback_errors = self._writeback_errors, []
             raise errors[0]
+
+    def protect(self, keys: Iterable[BlockKey]) -> bool:
+        """Keep these stored blocks (a reused prefix) for the caller; False if any is gone."""
+        entries = [self.directory.get(k) for k in keys]
+        if any(e is None or not (e.copies or e.arriving) for e in entries):
+            return False
+        for entry in entries:
+            entry.protected = True
+        return True
 
     def unprotect(self, keys: Iterable[BlockKey]) -> None:
         """The caller no longer needs these blocks kept: they become evictable cache."""
@@ -436,9 +445,9 @@ class TierManager:
 
     async def _make_room(self, name: str, need: int) -> None:
         guard = _Unevictable(self, name)
-        victims: list[BlockKey] = []
+        victims = self.policies[name].evict(need, guard) or []
         while len(victims) < need and (chosen := self.policies[name].evict(1, guard)):
-            victims.extend(chosen)
+            victims.extend(chosen)  # fewer than ``need`` can go: take what can
         if not victims:
             if await self._room_may_appear(name):
                 return
