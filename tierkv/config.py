@@ -13,6 +13,7 @@ TIERKV_IO_THREADS          4         worker threads of the NVMe tier (O_DIRECT/b
 TIERKV_NVME_BACKEND        auto      force a backend: auto, kvikio, odirect, buffered
 TIERKV_COPY_THREADS        2         worker threads for host/device copies
 TIERKV_INFLIGHT_BYTES      256MiB    bytes the manager keeps in flight at most
+TIERKV_CACHE_DIR           ~/.cache/tierkv  converted models (GGUF -> safetensors) under models/
 =========================  ========  ===============================================
 """
 from __future__ import annotations

@@ -41,13 +41,19 @@ def test_wrong_transitions_are_refused():
         pool.release(slot)
 
 
-def test_reserve_at_marks_specific_slots_ready():
+def test_restore_marks_specific_slots_ready():
     pool = BlockPool(10)
-    pool.reserve_at(5)
-    pool.reserve_at(2)
+    pool.restore([5, 2])
     assert pool.state(5) is SlotState.READY and pool.used == 2
-    assert [pool.reserve() for _ in range(3)] == [0, 1, 3]
-    with pytest.raises(ValueError):
-        pool.reserve_at(5)
-    with pytest.raises(ValueError):
-        pool.reserve_at(10)
+    assert [pool.reserve() for _ in range(4)] == [0, 1, 3, 4]
+    assert pool.reserve() == 6
+    with pytest.raises(ValueError, match="not been used"):
+        pool.restore([7])
+    with pytest.raises(ValueError, match="outside"):
+        BlockPool(4).restore([4])
+
+
+def test_restore_is_fast_for_large_stores_with_holes():
+    pool = BlockPool(2_000_000)
+    pool.restore(list(range(0, 1_000_000, 2)))
+    assert pool.used == 500_000 and pool.reserve() == 1

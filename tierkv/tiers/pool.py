@@ -75,17 +75,17 @@ class BlockPool:
         self._slots[slot] = _Slot(SlotState.RESERVED)
         return slot
 
-    def reserve_at(self, slot: int) -> None:
-        """Mark a specific slot READY (reopening a store that already holds it)."""
-        if not 0 <= slot < self.capacity:
-            raise ValueError(f"slot={slot}: outside 0..{self.capacity - 1}")
-        if slot in self._slots:
-            raise ValueError(f"slot={slot}: already {self._slots[slot].state.value}")
-        while self._next <= slot:
-            heapq.heappush(self._freed, self._take_new())
-        self._freed.remove(slot)
-        heapq.heapify(self._freed)
-        self._slots[slot] = _Slot(SlotState.READY)
+    def restore(self, slots: list[int]) -> None:
+        """Mark these slots READY in an unused pool (reopening a store that holds them)."""
+        if self._slots or self._next:
+            raise ValueError("restore needs a pool that has not been used yet")
+        ready = set(slots)
+        bad = [s for s in ready if not 0 <= s < self.capacity]
+        if bad:
+            raise ValueError(f"slot={bad[0]}: outside 0..{self.capacity - 1}")
+        self._next = max(ready, default=-1) + 1
+        self._freed = [s for s in range(self._next) if s not in ready]  # ascending: already a heap
+        self._slots = {s: _Slot(SlotState.READY) for s in sorted(ready)}
 
     def commit(self, slot: int) -> None:
         record = self._record(slot, SlotState.RESERVED)

@@ -1,0 +1,391 @@
+"""NvmeTier: roundtrips, reopen from another process, checksums, locking, manifest, backends."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tierkv.device import has_cuda_driver, host_buffer
+from tierkv.errors import ConfigError, DiskFullError, StoreLocked
+from tierkv.keys import BlockKey
+from tierkv.tiers import journal, nvme, nvme_io
+from tierkv.tiers.nvme import NvmeTier
+from tierkv.tiers.nvme_io import o_direct_supported, plan_runs, probe_backends
+from tierkv.tiers.pool import SlotState
+
+BB = 16 * 1024  # block bytes: small, still a multiple of 4096
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey.of("test-block", i)
+
+
+def expected(k: BlockKey, block_bytes: int = BB) -> torch.Tensor:
+    """Deterministic bytes derived from the key alone (any process can check them)."""
+    rng = np.random.default_rng(int.from_bytes(k.digest[:8], "little"))
+    return torch.from_numpy(rng.integers(0, 256, block_bytes, dtype=np.uint8))
+
+
+def put(tier: NvmeTier, ids: list[int], *, aligned: bool = True) -> dict[BlockKey, int]:
+    """Reserve, write and commit blocks ``ids``; returns key -> slot."""
+    items = []
+    for i in ids:
+        data = expected(key(i), tier.block_bytes)
+        if aligned:
+            data = host_buffer(tier.block_bytes, pinned=False).copy_(data)
+        items.append((key(i), tier.pool.reserve(), data))
+    tier.write(items)
+    for _, slot, _ in items:
+        tier.pool.commit(slot)
+    return {k: slot for k, slot, _ in items}
+
+
+def read_back(tier: NvmeTier, placed: dict[BlockKey, int], *, aligned: bool = True) -> tuple[list, dict]:
+    make = (lambda: host_buffer(tier.block_bytes, pinned=False)) if aligned else (
+        lambda: torch.empty(tier.block_bytes + 8, dtype=torch.uint8)[8:])
+    items = [(k, slot, make()) for k, slot in placed.items()]
+    failed = tier.read(items)
+    return failed, {k: dst for k, _, dst in items}
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIERKV_NVME_BACKEND", raising=False)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+# -- roundtrips ---------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["odirect", "buffered"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_roundtrip_random_data(store: Path, backend: str, aligned: bool) -> None:
+    if backend == "odirect" and not o_direct_supported(store.parent):
+        pytest.skip("no O_DIRECT here")
+    with NvmeTier(store, BB, 64 * BB, backend=backend, io_threads=3) as tier:
+        assert tier.backend == backend
+        gap = [tier.pool.reserve() for _ in range(3)]  # leave holes: runs are not one extent
+        placed = put(tier, list(range(10)), aligned=aligned)
+        tier.pool.release(gap[1])
+        placed |= put(tier, [10, 11], aligned=aligned)
+        failed, got = read_back(tier, placed, aligned=not aligned)
+        assert failed == []
+        for k, dst in got.items():
+            assert torch.equal(dst, expected(k)), k
+
+
+def test_concurrent_batches_from_several_threads(store: Path) -> None:
+    with NvmeTier(store, BB, 64 * BB, io_threads=3) as tier:
+        slots = {i: tier.pool.reserve() for i in range(48)}
+
+        def worker(ids: list[int]) -> list[BlockKey]:
+            tier.write([(key(i), slots[i], expected(key(i))) for i in ids])
+            failed, got = read_back(tier, {key(i): slots[i] for i in ids}, aligned=False)
+            return failed + [k for k, v in got.items() if not torch.equal(v, expected(k))]
+
+        with ThreadPoolExecutor(4) as pool:
+            bad = list(pool.map(worker, [list(range(j, 48, 4)) for j in range(4)]))
+        assert bad == [[], [], [], []]
+        assert len(tier.items()) == 48
+
+
+def test_write_makes_blocks_visible_and_leaves_pool_states_alone(store: Path) -> None:
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        slot = tier.pool.reserve()
+        assert tier.lookup(key(0)) is None
+        tier.write([(key(0), slot, expected(key(0)))])
+        assert tier.lookup(key(0)) == slot
+        assert tier.items() == [(key(0), slot)]
+        assert tier.pool.state(slot) is SlotState.RESERVED
+
+
+def test_read_of_unknown_key_or_wrong_slot_fails_without_io(store: Path) -> None:
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        placed = put(tier, [0, 1])
+        wrong = {key(0): placed[key(1)], key(7): 5, key(1): placed[key(1)]}
+        failed, got = read_back(tier, wrong)
+        assert failed == [key(0), key(7)]
+        assert torch.equal(got[key(1)], expected(key(1)))
+
+
+def test_drop_hides_the_block_now_and_after_reopen(store: Path) -> None:
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        placed = put(tier, [0, 1, 2])
+        tier.drop(key(1))
+        tier.drop(key(1))  # idempotent
+        assert tier.lookup(key(1)) is None
+        assert read_back(tier, placed)[0] == [key(1)]
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        assert sorted(k for k, _ in tier.items()) == sorted([key(0), key(2)])
+        assert tier.pool.used == 2
+        assert [tier.pool.state(placed[key(i)]) for i in range(3)] == [
+            SlotState.READY, SlotState.FREE, SlotState.READY]
+        assert tier.pool.reserve() == placed[key(1)]  # the hole is reused first
+
+
+def test_reopen_in_a_new_process_reads_blocks_bit_exact(store: Path) -> None:
+    with NvmeTier(store, BB, 32 * BB) as tier:
+        put(tier, list(range(12)))
+    code = textwrap.dedent(f"""
+        import json, sys, numpy as np, torch
+        from tierkv.tiers.nvme import NvmeTier
+        with NvmeTier({str(store)!r}, {BB}, {32 * BB}) as tier:
+            items = [(k, s, torch.empty({BB}, dtype=torch.uint8)) for k, s in tier.items()]
+            failed = tier.read(items)
+            ok = sum(bool(np.array_equal(dst.numpy(), np.random.default_rng(
+                int.from_bytes(k.digest[:8], "little")).integers(0, 256, {BB}, dtype=np.uint8))) for k, _, dst in items)
+            print(json.dumps({{"blocks": len(items), "failed": len(failed), "exact": ok,
+                              "ready": tier.pool.used, "backend": tier.backend}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report == {"blocks": 12, "failed": 0, "exact": 12, "ready": 12, "backend": report["backend"]}
+
+
+# -- damage -----------------------------------------------------------------
+def test_flipped_byte_in_slots_dat_fails_that_block_only(store: Path) -> None:
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        placed = put(tier, [0, 1, 2])
+        tier.flush()
+        with open(store / "slots.dat", "r+b") as f:
+            f.seek(placed[key(1)] * BB + 1234)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x40]))
+        failed, got = read_back(tier, placed)
+        assert failed == [key(1)]
+        assert torch.equal(got[key(2)], expected(key(2)))
+
+
+@pytest.mark.parametrize("backend", ["odirect", "buffered"])
+def test_truncated_slots_dat_fails_the_lost_blocks_without_raising(store: Path, backend: str) -> None:
+    with NvmeTier(store, BB, 8 * BB, backend=backend) as tier:
+        placed = put(tier, list(range(6)))
+        os.truncate(store / "slots.dat", 3 * BB + BB // 2)  # slot 3 half there, 4 and 5 gone
+        failed, _ = read_back(tier, placed)
+        assert sorted(failed) == sorted(k for k, s in placed.items() if s >= 3)
+    with NvmeTier(store, BB, 8 * BB) as tier:  # reopen hides what the file cannot back
+        assert sorted(s for _, s in tier.items()) == [0, 1, 2]
+        assert read_back(tier, {k: s for k, s in placed.items() if s < 3})[0] == []
+
+
+def test_failed_write_makes_nothing_visible_and_keeps_the_journal(store: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    with NvmeTier(store, BB, 16 * BB, io_threads=2) as tier:
+        put(tier, [0])
+        size = (store / "index.log").stat().st_size
+        calls = 0
+        real = tier._file.pwritev
+
+        def flaky(bufs, offset):
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise OSError(errno.EIO, "injected")
+            real(bufs, offset)
+
+        monkeypatch.setattr(tier._file, "pwritev", flaky)
+        slots = [tier.pool.reserve() for _ in range(1, 7)]
+        slots.pop(2)  # two runs
+        with pytest.raises(OSError, match="injected"):
+            tier.write([(key(i), s, expected(key(i))) for i, s in zip(range(1, 6), slots)])
+        assert [k for k, _ in tier.items()] == [key(0)]
+        assert (store / "index.log").stat().st_size == size
+
+
+def test_journal_enospc_is_truncated_back_and_reported(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with NvmeTier(store, BB, 16 * BB) as tier:
+        put(tier, [0])
+        size = (store / "index.log").stat().st_size
+        real = os.pwrite
+
+        def half_then_full(fd, data, offset):
+            if len(data) > journal.RECORD_BYTES:
+                return real(fd, data[:len(data) // 2 + 5], offset)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(journal.os, "pwrite", half_then_full)
+        with pytest.raises(DiskFullError) as info:
+            put(tier, [1, 2, 3])
+        monkeypatch.undo()
+        assert str(store) in str(info.value) and info.value.errno == errno.ENOSPC
+        assert (store / "index.log").stat().st_size == size
+        assert [k for k, _ in tier.items()] == [key(0)]
+    with NvmeTier(store, BB, 16 * BB) as tier:
+        assert [k for k, _ in tier.items()] == [key(0)]
+
+
+def test_compaction_on_open_rewrites_a_journal_of_mostly_drops(store: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvme, "COMPACT_MIN_GARBAGE", 8)
+    with NvmeTier(store, BB, 32 * BB) as tier:
+        placed = put(tier, list(range(20)))
+        for i in range(15):
+            tier.drop(key(i))
+    assert (store / "index.log").stat().st_size == 35 * journal.RECORD_BYTES
+    with NvmeTier(store, BB, 32 * BB) as tier:
+        assert (store / "index.log").stat().st_size == 5 * journal.RECORD_BYTES
+        kept = {k: s for k, s in placed.items() if k in {key(i) for i in range(15, 20)}}
+        failed, got = read_back(tier, kept)
+        assert failed == [] and all(torch.equal(v, expected(k)) for k, v in got.items())
+
+
+def test_blocks_past_a_smaller_budget_are_hidden_on_reopen(store: Path) -> None:
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        put(tier, list(range(6)))
+    with NvmeTier(store, BB, 4 * BB) as tier:
+        assert sorted(s for _, s in tier.items()) == [0, 1, 2, 3]
+        assert tier.budget_bytes == 4 * BB
+
+
+# -- growth, files, lock, manifest -------------------------------------------
+def test_slots_dat_grows_in_big_steps_capped_at_the_budget(store: Path) -> None:
+    with NvmeTier(store, BB, 100 * BB) as tier:
+        put(tier, [0])
+        assert (store / "slots.dat").stat().st_size == 100 * BB  # 64 MiB step, capped
+    with NvmeTier(store.parent / "big", 1 << 20, 1 << 30) as tier:
+        put(tier, [0])
+        assert (store.parent / "big" / "slots.dat").stat().st_size == nvme.GROW_MIN
+
+
+def test_store_directory_is_0700_and_files_0600_whatever_the_umask(store: Path) -> None:
+    old = os.umask(0)
+    try:
+        with NvmeTier(store, BB, 8 * BB) as tier:
+            put(tier, [0])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(store.stat().st_mode) == 0o700
+    names = sorted(p.name for p in store.iterdir())
+    assert names == ["index.log", "lock", "slots.dat", "store.json"]
+    for p in store.iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+
+
+def test_second_opener_gets_store_locked(store: Path) -> None:
+    # flock is per open file description: a second open in this process conflicts like another process
+    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
+             "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+             "except BlockingIOError: print('held')")
+    other_process = lambda: subprocess.run([sys.executable, "-c", probe, str(store / "lock")],  # noqa: E731
+                                           capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    with NvmeTier(store, BB, 8 * BB):
+        with pytest.raises(StoreLocked, match=f"{store}.*pid {os.getpid()}"):
+            NvmeTier(store, BB, 8 * BB)
+        assert other_process() == "held"
+    assert other_process() == "free"
+    NvmeTier(store, BB, 8 * BB).close()
+
+
+def test_manifest_mismatch_is_a_config_error(store: Path) -> None:
+    NvmeTier(store, BB, 8 * BB, namespace="llama").close()
+    manifest = json.loads((store / "store.json").read_text())
+    assert (manifest["block_bytes"], manifest["namespace"], manifest["version"]) == (BB, "llama", 1)
+    with pytest.raises(ConfigError, match="block_bytes=16384"):
+        NvmeTier(store, 2 * BB, 8 * BB, namespace="llama")
+    with pytest.raises(ConfigError, match="namespace='llama'"):
+        NvmeTier(store, BB, 8 * BB, namespace="qwen")
+    NvmeTier(store, BB, 8 * BB, namespace="llama").close()  # the lock was released by the failures
+
+
+def test_foreign_directory_without_manifest_is_refused(store: Path) -> None:
+    store.mkdir()
+    (store / "slots.dat").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="no store.json"):
+        NvmeTier(store, BB, 8 * BB)
+
+
+def test_close_is_idempotent_and_later_calls_fail(store: Path) -> None:
+    tier = NvmeTier(store, BB, 8 * BB)
+    tier.close()
+    tier.close()
+    with pytest.raises(ValueError, match="closed"):
+        tier.write([(key(0), 0, expected(key(0)))])
+
+
+def test_bad_block_tensor_is_rejected(store: Path) -> None:
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        slot = tier.pool.reserve()
+        with pytest.raises(ValueError, match="16384 contiguous bytes"):
+            tier.write([(key(0), slot, torch.zeros(BB // 2, dtype=torch.uint8))])
+        with pytest.raises(ValueError, match="outside"):
+            tier.write([(key(0), 99, expected(key(0)))])
+        tier.write([(key(0), slot, expected(key(0)).view(torch.int32))])  # any dtype, same bytes
+        assert read_back(tier, {key(0): slot})[0] == []
+
+
+# -- backends -----------------------------------------------------------------
+def test_probe_backends_reports_each_backend(tmp_path: Path) -> None:
+    report = probe_backends(tmp_path)
+    assert set(report) == {"kvikio", "odirect", "buffered"}
+    assert report["buffered"] == "ok"
+    if not has_cuda_driver():
+        assert "libcuda.so.1" in report["kvikio"]
+    assert not list(tmp_path.iterdir())  # probe files are removed
+
+
+def test_auto_picks_odirect_here_and_the_env_knob_overrides(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if has_cuda_driver() or not o_direct_supported(store.parent):
+        pytest.skip("expects a machine without a CUDA driver and with O_DIRECT")
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        assert tier.backend == "odirect"
+    monkeypatch.setenv("TIERKV_NVME_BACKEND", "buffered")
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        assert tier.backend == "buffered"
+
+
+def test_unaligned_block_size_falls_back_to_buffered(store: Path) -> None:
+    with NvmeTier(store, 5000, 10 * 5000) as tier:
+        assert tier.backend in ("buffered", "kvikio")
+        placed = put(tier, [0, 1], aligned=False)
+        assert read_back(tier, placed, aligned=False)[0] == []
+    with pytest.raises(ConfigError, match="multiple of 4096"):
+        NvmeTier(store, 5000, 10 * 5000, backend="odirect")
+
+
+def test_asking_for_kvikio_without_a_driver_is_a_config_error(store: Path) -> None:
+    if has_cuda_driver():
+        pytest.skip("a CUDA driver is present")
+    with pytest.raises(ConfigError, match="kvikio.*libcuda.so.1"):
+        NvmeTier(store, BB, 8 * BB, backend="kvikio")
+    NvmeTier(store, BB, 8 * BB).close()  # the failed open released the lock
+
+
+def test_unknown_backend_lists_the_valid_ones(store: Path) -> None:
+    with pytest.raises(ConfigError, match="auto, kvikio, odirect, buffered"):
+        NvmeTier(store, BB, 8 * BB, backend="io_uring")
+
+
+def test_plan_runs_coalesces_adjacent_slots() -> None:
+    assert plan_runs([3, 4, 5, 6, 9, 10, 20], 4) == [(0, 4), (4, 6), (6, 7)]
+    assert plan_runs([0, 1, 2, 3, 4], 2) == [(0, 2), (2, 4), (4, 5)]
+    assert plan_runs([], 4) == []
+
+
+@pytest.mark.gds
+def test_kvikio_roundtrip_of_cuda_tensors(store: Path) -> None:
+    if not has_cuda_driver():
+        pytest.skip("no CUDA driver (libcuda.so.1 does not load)")
+    pytest.importorskip("kvikio")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    with NvmeTier(store, BB, 8 * BB, backend="kvikio") as tier:
+        assert tier.backend == "kvikio"
+        slot = tier.pool.reserve()
+        tier.write([(key(0), slot, expected(key(0)).cuda())])
+        dst = torch.empty(BB, dtype=torch.uint8, device="cuda")
+        assert tier.read([(key(0), slot, dst)]) == []
+        assert torch.equal(dst.cpu(), expected(key(0)))
+    assert nvme_io.BACKENDS["kvikio"] is nvme_io.KvikioFile

@@ -1,0 +1,98 @@
+"""The NVMe journal on its own: record layout, replay rules, append failure, rewrite."""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tierkv.keys import BlockKey
+from tierkv.tiers import journal
+from tierkv.tiers.journal import RECORD_BYTES, Journal, Op, Record, replay
+
+
+def k(i: int) -> BlockKey:
+    return BlockKey.of("journal", i)
+
+
+def put(i: int, slot: int, checksum: int = 7) -> bytes:
+    return Record(Op.PUT, k(i), slot, checksum).encode()
+
+
+def drop(i: int) -> bytes:
+    return Record(Op.DROP, k(i)).encode()
+
+
+def test_record_is_48_bytes_with_magic_and_crc() -> None:
+    raw = put(1, 3)
+    assert len(raw) == RECORD_BYTES == 48
+    assert raw[:4] == b"TKVJ" and raw[4] == Op.PUT
+    assert raw[16:32] == k(1).digest
+
+
+def test_replay_applies_puts_and_drops_in_order() -> None:
+    state, end = replay(put(0, 0, 11) + put(1, 1) + drop(0) + put(2, 0, 22))
+    assert end == 4 * RECORD_BYTES
+    assert sorted((key.digest, e.slot, e.checksum) for key, e in state.index.items()) == sorted(
+        [(k(1).digest, 1, 7), (k(2).digest, 0, 22)])
+    assert state.garbage == 2 and state.damaged == 0
+
+
+def test_a_later_put_for_a_slot_evicts_the_key_that_held_it() -> None:
+    state, _ = replay(put(0, 5) + put(1, 5))
+    assert state.index.get(k(0)) is None
+    assert state.index.get(k(1)).slot == 5
+    assert state.index.slots() == [5]
+
+
+def test_damaged_middle_record_is_skipped_and_a_bad_tail_is_cut() -> None:
+    bad = bytearray(put(1, 1))
+    bad[10] ^= 1
+    raw = put(0, 0) + bytes(bad) + put(2, 2) + b"\x01" * RECORD_BYTES + put(3, 3)[:20]
+    state, end = replay(raw)
+    assert end == 3 * RECORD_BYTES
+    assert (state.records, state.damaged, state.cut_bytes) == (2, 1, RECORD_BYTES + 20)
+    assert state.index.get(k(1)) is None and state.index.get(k(2)).slot == 2
+
+
+def test_digest_with_trailing_zero_bytes_survives_replay() -> None:
+    key = BlockKey(b"\x07" * 8 + b"\x00" * 8)
+    state, _ = replay(Record(Op.PUT, key, 4, 9).encode())
+    assert state.index.get(key).slot == 4
+
+
+def test_failed_append_leaves_a_valid_prefix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "index.log"
+    log = Journal(path)
+    log.append([Record(Op.PUT, k(0), 0, 1)])
+    real = os.pwrite
+
+    def torn(fd: int, data: bytes, offset: int) -> int:
+        if len(data) == 3 * RECORD_BYTES:
+            return real(fd, data[:RECORD_BYTES + 7], offset)
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(journal.os, "pwrite", torn)
+    with pytest.raises(OSError, match="injected"):
+        log.append([Record(Op.PUT, k(i), i, 1) for i in range(1, 4)])
+    monkeypatch.undo()
+    assert path.stat().st_size == RECORD_BYTES == log.size
+    log.close()
+    assert [key for key, _ in Journal(path).state.index.items()] == [k(0)]
+
+
+def test_rewrite_keeps_live_entries_only_and_is_private(tmp_path: Path) -> None:
+    path = tmp_path / "index.log"
+    log = Journal(path)
+    log.append(Record(Op.PUT, k(i), i, i) for i in range(10))
+    log.append(Record(Op.DROP, k(i)) for i in range(8))
+    state, _ = replay(path.read_bytes())
+    log.rewrite(state.index)
+    log.append([Record(Op.PUT, k(20), 20, 0)])
+    log.close()
+    assert path.stat().st_size == 3 * RECORD_BYTES
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(e.slot for _, e in replay(path.read_bytes())[0].index.items()) == [8, 9, 20]
+    assert not (tmp_path / "index.log.compact").exists()

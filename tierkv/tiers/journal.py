@@ -1,0 +1,246 @@
+"""The NVMe store's journal: which key lives in which slot, with its checksum.
+
+``index.log`` is an append-only sequence of fixed-size binary records; there
+is no header, so a file of ``n`` whole records is always ``48 * n`` bytes::
+
+    offset  0      4    5      8         16                32         40      44     48
+            +------+----+------+---------+-----------------+----------+-------+------+
+            |magic |op  | pad  | slot    | key (16 bytes)  | checksum | pad   | crc  |
+            |"TKVJ"|u8  | 0x00 | u64 LE  | BlockKey.digest | u64 LE   | 0x00  | u32  |
+            +------+----+------+---------+-----------------+----------+-------+------+
+    op: 1 = PUT (key now lives in slot, its bytes hash to checksum: xxh3_64)
+        2 = DROP (key is gone; slot and checksum are 0)
+    crc: zlib.crc32 of bytes 0..43
+
+Replay applies records in order; the last PUT for a slot owns it, so a key
+whose slot was taken over by a later PUT disappears even if its DROP record
+was lost. A record whose magic, op or CRC is wrong is skipped; everything
+after the last good record (a torn append, garbage) is cut off, so appends
+always continue a valid prefix. Skipping a damaged record is safe because a
+read also checks the block's checksum: a resurrected or stale entry can make
+a block fail, never serve wrong bytes.
+
+Appends are batched (one ``pwrite`` per batch) and never fsync'd here; a
+failed append is truncated away, so the file is always a valid prefix.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tierkv.keys import KEY_BYTES, BlockKey
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TKVJ"
+_BODY = struct.Struct(f"<4sB3xQ{KEY_BYTES}sQ4x")
+_CRC = struct.Struct("<I")
+RECORD_BYTES = _BODY.size + _CRC.size  # 48
+_KEY_AT = 16
+_LAYOUT = np.dtype({"names": ["magic", "op", "slot", "checksum", "crc"],
+                    "formats": ["S4", "u1", "<u8", "<u8", "<u4"],
+                    "offsets": [0, 4, 8, _KEY_AT + KEY_BYTES, _BODY.size], "itemsize": RECORD_BYTES})
+
+
+class Op(enum.IntEnum):
+    PUT = 1
+    DROP = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    op: Op
+    key: BlockKey
+    slot: int = 0
+    checksum: int = 0
+
+    def encode(self) -> bytes:
+        body = _BODY.pack(MAGIC, self.op, self.slot, self.key.digest, self.checksum)
+        return body + _CRC.pack(zlib.crc32(body))
+
+
+@dataclass(slots=True)
+class Entry:
+    slot: int
+    checksum: int
+
+
+class Index:
+    """Key -> (slot, checksum), one key per slot: a later PUT for a slot evicts its old key.
+
+    Kept by raw digest (bytes cache their hash), so replaying a million records
+    builds no BlockKey objects.
+    """
+
+    __slots__ = ("_entries", "_owner")
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, Entry] = {}
+        self._owner: dict[int, bytes] = {}
+
+    def get(self, key: BlockKey) -> Entry | None:
+        return self._entries.get(key.digest)
+
+    def items(self) -> list[tuple[BlockKey, Entry]]:
+        return [(BlockKey(digest), entry) for digest, entry in self._entries.items()]
+
+    def slots(self) -> list[int]:
+        return list(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def apply(self, record: Record) -> None:
+        if record.op is Op.PUT:
+            self.put(record.key.digest, record.slot, record.checksum)
+        else:
+            self.drop(record.key.digest)
+
+    def put(self, digest: bytes, slot: int, checksum: int) -> None:
+        self.drop(digest)
+        evicted = self._owner.pop(slot, None)
+        if evicted is not None:
+            del self._entries[evicted]
+        self._entries[digest] = Entry(slot, checksum)
+        self._owner[slot] = digest
+
+    def drop(self, digest: bytes) -> bool:
+        old = self._entries.pop(digest, None)
+        if old is not None:
+            del self._owner[old.slot]
+        return old is not None
+
+
+@dataclass(slots=True)
+class Replay:
+    """What a journal says after replay: the live entries and how it got there."""
+
+    index: Index = field(default_factory=Index)
+    records: int = 0       # good records read
+    damaged: int = 0       # records skipped in the middle
+    cut_bytes: int = 0     # bytes cut off the tail
+
+    @property
+    def garbage(self) -> int:
+        """Records a compaction would remove."""
+        return self.records + self.damaged - len(self.index)
+
+
+def replay(raw: bytes) -> tuple[Replay, int]:
+    """Apply the records in ``raw``; returns the state and the length of the valid prefix.
+
+    Records are checked all at once (numpy over the fixed layout); only the good
+    ones reach the Python loop that rebuilds the index.
+    """
+    n = len(raw) // RECORD_BYTES
+    table = np.frombuffer(raw, _LAYOUT, count=n) if n else np.empty(0, _LAYOUT)
+    view = memoryview(raw)
+    crcs = np.fromiter((zlib.crc32(view[i:i + _BODY.size]) for i in range(0, n * RECORD_BYTES, RECORD_BYTES)),
+                       np.uint32, count=n)
+    ok = (table["crc"] == crcs) & (table["magic"] == MAGIC) & np.isin(table["op"], (Op.PUT, Op.DROP))
+    good = np.flatnonzero(ok)
+    valid = int(good[-1]) + 1 if len(good) else 0
+    state = Replay(records=len(good), damaged=valid - len(good), cut_bytes=len(raw) - valid * RECORD_BYTES)
+    rows = table[good]
+    for i, op, slot, checksum in zip(good.tolist(), rows["op"].tolist(), rows["slot"].tolist(),
+                                     rows["checksum"].tolist()):
+        digest = raw[i * RECORD_BYTES + _KEY_AT:i * RECORD_BYTES + _KEY_AT + KEY_BYTES]
+        if op == Op.PUT:
+            state.index.put(digest, slot, checksum)
+        else:
+            state.index.drop(digest)
+    return state, valid * RECORD_BYTES
+
+
+class Journal:
+    """``index.log``: replay on open, batched appends, compaction by rewrite."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = _open_private(path)
+        raw = _read_all(self._fd)
+        self.state, self._end = replay(raw)
+        if self.state.cut_bytes:
+            log.warning("%s: cut %d bytes of torn or damaged tail", path, self.state.cut_bytes)
+            os.ftruncate(self._fd, self._end)
+            os.fsync(self._fd)
+        if self.state.damaged:
+            log.warning("%s: skipped %d damaged record(s)", path, self.state.damaged)
+
+    @property
+    def size(self) -> int:
+        return self._end
+
+    def append(self, records: Iterable[Record]) -> None:
+        """Append in one write; on failure the file is truncated back and the error raised."""
+        data = b"".join(r.encode() for r in records)
+        written = 0
+        try:
+            while written < len(data):
+                written += os.pwrite(self._fd, data[written:], self._end + written)
+        except BaseException:
+            os.ftruncate(self._fd, self._end)
+            raise
+        self._end += len(data)
+
+    def rewrite(self, index: Index) -> None:
+        """Replace the file with one PUT per live entry (write new, fsync, rename)."""
+        tmp = self.path.with_name(self.path.name + ".compact")
+        fd = _open_private(tmp, truncate=True)
+        try:
+            data = b"".join(Record(Op.PUT, key, e.slot, e.checksum).encode() for key, e in index.items())
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+        os.close(self._fd)
+        self._fd, self._end = fd, len(data)
+
+    def fsync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _open_private(path: Path, truncate: bool = False) -> int:
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    chunks, offset = [], 0
+    while offset < size:
+        chunk = os.pread(fd, size - offset, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
