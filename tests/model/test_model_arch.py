@@ -1,0 +1,77 @@
+"""The native forward (arch + attend/merge) against transformers' own forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tinymodels import KINDS, native_logits, tiny_model
+
+from tierkv.model import arch
+
+PROMPT = ("The tiered cache keeps hot keys and values in fast memory and moves cold blocks to "
+          "pinned host memory or to disk. ") * 12
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_forward_matches_transformers(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = model(ids).logits
+        got = native_logits(model, ids, chunk=48, block=32)
+    assert want.abs().max() > 1.0            # random logits far from zero: the check has teeth
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unrope_inverts_apply_rope(kind):
+    model = tiny_model(kind)
+    cos, sin = arch.rope_cos_sin(model, torch.arange(1000, 1300))        # [1, T, D]
+    k = torch.randn(1, 2, 300, cos.shape[-1])
+    rotated = arch.apply_rope(k, cos, sin)
+    assert not torch.allclose(rotated, k, atol=1e-2)
+    torch.testing.assert_close(arch.unrope(rotated, cos, sin), k, atol=2e-5, rtol=1e-5)
+
+
+def test_apply_rope_matches_transformers():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = tiny_model("llama-yarn")
+    cos, sin = arch.rope_cos_sin(model, torch.arange(20).expand(2, 20))
+    q, k = torch.randn(2, 4, 20, 16), torch.randn(2, 2, 20, 16)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(arch.apply_rope(q, cos, sin), want_q)
+    assert torch.equal(arch.apply_rope(k, cos, sin), want_k)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_k_pre_is_k_before_rope(kind):
+    model = tiny_model(kind)
+    layer = arch.decoder_layers(model)[1]
+    h = torch.randn(1, 12, model.config.hidden_size)
+    cos, sin = arch.rope_cos_sin(model, torch.arange(12))
+    q, k_pre, k, v = arch.project_qkv(layer, h, cos, sin)
+    attn = layer.self_attn
+    raw = attn.k_proj(layer.input_layernorm(h)).view(1, 12, 2, attn.head_dim)
+    if kind == "qwen3":
+        raw = attn.k_norm(raw)               # transformers normalises per head before RoPE
+    assert q.shape == (1, 4, 12, attn.head_dim) and v.shape == k.shape == (1, 2, 12, attn.head_dim)
+    torch.testing.assert_close(k_pre, raw.transpose(1, 2))
+    torch.testing.assert_close(arch.unrope(k, cos, sin), k_pre, atol=1e-5, rtol=1e-5)
+
+
+def test_spec_of_tiny_qwen3():
+    spec = arch.model_spec(tiny_model("qwen3"))
+    assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden) == (2, 4, 2, 32, 64)
+    assert spec.group == 2 and spec.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4
+
+
+@pytest.mark.model
+def test_smollm2_native_forward_matches_transformers(smollm2):
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    assert 250 <= ids.shape[1] <= 400
+    with torch.inference_mode():
+        want = model(ids).logits
+        got = native_logits(model, ids, chunk=128, block=64)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())

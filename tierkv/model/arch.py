@@ -1,0 +1,166 @@
+"""The one model-specific place: pure tensor functions over a transformers Llama-family decoder.
+
+Supported: Llama (and SmolLM), Mistral, Qwen2, Qwen3. They share one decoder layer::
+
+    h = embed(ids)
+    per layer:  x = input_layernorm(h)
+                q, k, v = q_proj(x), k_proj(x), v_proj(x)       (+ q_norm/k_norm per head: Qwen3)
+                q, k = rope(q), rope(k)
+                h = h + o_proj(attention(q, k, v))
+                h = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))
+
+These functions run one decoder step without transformers' cache or attention code, so the
+native loop can hold K/V itself. Shapes: ``B`` batch, ``T`` tokens, ``H``/``Hkv`` query/KV heads,
+``D`` head dim. Differences between the architectures stay in this file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tierkv.errors import ConfigError
+
+# transformers `model_type` -> what it is; every one runs through the functions below.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "Llama, SmolLM",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3 (per-head q/k RMSNorm before RoPE)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shape of a loaded model: what the KV layout and the native loop need to know."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    rope_theta: float
+    max_position: int
+    dtype: torch.dtype
+    sliding_window: int | None = None  # the native loop attends to all keys; None = no window
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads={self.num_heads}: must be a multiple of "
+                              f"num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, at ``dtype``."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def check_architecture(model_type: str | None, *, source: str = "model") -> None:
+    """Raise ConfigError unless ``model_type`` (a config's or a GGUF's) is supported."""
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        listed = ", ".join(f"{name} ({what})" for name, what in SUPPORTED_ARCHITECTURES.items())
+        raise ConfigError(f"{source}: architecture {model_type!r} is not supported; supported: {listed}")
+
+
+def model_spec(model: nn.Module) -> ModelSpec:
+    config = model.config
+    check_architecture(config.model_type)
+    rope = getattr(config, "rope_parameters", None) or {}
+    return ModelSpec(
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        hidden=config.hidden_size,
+        vocab=config.vocab_size,
+        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+        max_position=config.max_position_embeddings,
+        dtype=model.dtype,
+        sliding_window=getattr(config, "sliding_window", None),
+    )
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.model.layers
+
+
+def embed(model: nn.Module, ids: Tensor) -> Tensor:
+    """ids [B, T] -> h [B, T, hidden]."""
+    return model.model.embed_tokens(ids)
+
+
+def rope_cos_sin(model: nn.Module, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """positions [T] or [B, T] -> (cos, sin) [B, T, D] in the model's dtype.
+
+    Uses the model's own rotary embedding, so scaled variants (linear, yarn, llama3, ...) match.
+    """
+    if positions.dim() == 1:
+        positions = positions.unsqueeze(0)
+    probe = torch.empty(0, dtype=model.dtype, device=positions.device)  # only dtype/device matter
+    return model.model.rotary_emb(probe, positions)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, D], cos/sin [B, T, D] -> x rotated (transformers' rotate-half convention)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                 # [B, 1, T, D]
+    return x * cos + _rotate_half(x) * sin
+
+
+def unrope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Inverse of ``apply_rope``: the pre-RoPE keys, exact up to fp error.
+
+    Each pair (x1, x2) was turned by the matrix [[c, -s], [s, c]]; its inverse is the transpose
+    divided by c^2 + s^2 (1 for plain RoPE, attention_scaling^2 for yarn-style variants).
+    """
+    xf = x.float()                                                # fp32: bf16 would add error
+    cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # [B, 1, T, D]
+    return ((xf * cos - _rotate_half(xf) * sin) / (cos * cos + sin * sin)).to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def project_qkv(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Residual stream h [B, T, hidden] -> (q, k_pre, k, v).
+
+    q [B, H, T, D] and k [B, Hkv, T, D] are post-RoPE; k_pre is k before RoPE (after Qwen3's
+    k_norm, as in transformers); v [B, Hkv, T, D].
+    """
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)                                   # [B, T, hidden]
+    B, T, _ = x.shape
+    q = attn.q_proj(x).view(B, T, -1, attn.head_dim)               # [B, T, H, D]
+    k = attn.k_proj(x).view(B, T, -1, attn.head_dim)               # [B, T, Hkv, D]
+    v = attn.v_proj(x).view(B, T, -1, attn.head_dim)               # [B, T, Hkv, D]
+    if hasattr(attn, "q_norm"):                                    # Qwen3: RMSNorm per head
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k_pre, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return apply_rope(q, cos, sin), k_pre, apply_rope(k_pre, cos, sin), v
+
+
+def finish_attention(layer: nn.Module, attn_out: Tensor, residual: Tensor) -> Tensor:
+    """attn_out [B, H, T, D], residual [B, T, hidden] -> h [B, T, hidden] (o_proj + residual)."""
+    B, H, T, D = attn_out.shape
+    merged = attn_out.transpose(1, 2).reshape(B, T, H * D)         # [B, T, H*D]
+    return residual + layer.self_attn.o_proj(merged)
+
+
+def mlp_block(layer: nn.Module, h: Tensor) -> Tensor:
+    """h [B, T, hidden] -> h + mlp(post_attention_layernorm(h))."""
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def final_logits(model: nn.Module, h: Tensor) -> Tensor:
+    """h [B, T, hidden] -> logits [B, T, vocab] (final norm + lm_head)."""
+    return model.lm_head(model.model.norm(h))
