@@ -175,20 +175,6 @@ def test_lost_drop_with_rewritten_slot_fails_checksum_not_served(tmp_path: Path)
         assert tier.read([(key(0), slot, torch.empty(BB, dtype=torch.uint8))]) == [key(0)]
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path):
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_full_disk_raises_disk_full_and_keeps_earlier_blocks(tiny_tmpfs: Path) -> None:
     store = tiny_tmpfs / "store"
     placed: dict[BlockKey, int] = {}
