@@ -1,0 +1,216 @@
+"""The ``tierkv`` command: one sub-command per user job, registered in COMMANDS.
+
+Errors a user can fix (bad flags, bad sizes, a missing file, a full disk)
+print one line and exit 2; no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import torch
+
+from tierkv.config import format_size
+from tierkv.device import has_cuda, has_cuda_driver
+from tierkv.errors import TierKVError
+
+
+class UsageError(TierKVError):
+    """A command-line mistake: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + traceback
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+# -- tierkv info ------------------------------------------------------------
+def machine_facts(nvme_dir: Path | None) -> dict[str, object]:
+    facts: dict[str, object] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "ram_bytes": psutil.virtual_memory().total,
+        "ram_available_bytes": psutil.virtual_memory().available,
+        "cuda": torch.cuda.get_device_name(0) if has_cuda() else None,
+        "cuda_driver": has_cuda_driver(),
+        "pinned_memory": has_cuda(),
+        "gds": _gds_status(),
+    }
+    if nvme_dir is not None:
+        facts["nvme"] = _nvme_facts(nvme_dir)
+    return facts
+
+
+def _gds_status() -> str:
+    if not has_cuda_driver():
+        return "unavailable: no CUDA driver (libcuda.so.1)"
+    try:
+        import kvikio  # noqa: F401
+    except ImportError:
+        return "unavailable: kvikio not installed (pip install 'tierkv[gds]')"
+    return "available"
+
+
+def _nvme_facts(directory: Path) -> dict[str, object]:
+    from tierkv.tiers.nvme_io import o_direct_supported, probe_backends
+    probe_dir = directory if directory.exists() else _existing_parent(directory)
+    usage = shutil.disk_usage(probe_dir)
+    return {
+        "dir": str(directory),
+        "free_bytes": usage.free,
+        "o_direct": o_direct_supported(probe_dir),
+        "backends": probe_backends(probe_dir),
+    }
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _print_facts(facts: dict[str, object]) -> None:
+    print(f"python {facts['python']}, torch {facts['torch']}, {facts['threads']} threads, {facts['cpu']}")
+    print(f"RAM        {format_size(facts['ram_bytes'])} ({format_size(facts['ram_available_bytes'])} available)")
+    print(f"CUDA       {facts['cuda'] or 'none (gpu tier runs in host memory under its budget)'}")
+    print(f"pinned     {'yes' if facts['pinned_memory'] else 'no (needs CUDA)'}")
+    print(f"GDS        {facts['gds']}")
+    nvme = facts.get("nvme")
+    if nvme:
+        print(f"NVMe dir   {nvme['dir']}: {format_size(nvme['free_bytes'])} free, "
+              f"O_DIRECT {'yes' if nvme['o_direct'] else 'no'}")
+        for name, status in nvme["backends"].items():
+            print(f"  backend {name:9s} {status}")
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    facts = machine_facts(args.nvme_dir)
+    if args.json:
+        print(json.dumps(facts, indent=2))
+    else:
+        _print_facts(facts)
+    return 0
+
+
+def add_info(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="what this machine offers: CUDA, GDS, pinned memory, NVMe backends")
+    p.add_argument("--nvme-dir", type=Path, help="directory to probe for the NVMe tier")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_info)
+
+
+# -- tierkv run --------------------------------------------------------------
+def add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run a model over a long document with its KV spilled across tiers",
+                       description="Prefill a long prompt chunk by chunk with the KV in gpu/cpu/NVMe tiers, "
+                                   "then generate. A second run over the same document reuses the stored KV.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--doc", type=Path, help="a text file; the question is asked after it")
+    source.add_argument("--synthetic-tokens", type=int, metavar="N",
+                        help="a reproducible N-token haystack with a planted passkey, and ask for it")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a HF folder")
+    p.add_argument("--question", help="question asked after --doc (default: summarize)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--gpu-budget", default="256MiB", help="KV bytes in the compute device's tier")
+    p.add_argument("--cpu-budget", default="1GiB", help="KV bytes in host memory")
+    p.add_argument("--nvme-dir", type=Path, help="directory of the persistent NVMe store (enables reuse)")
+    p.add_argument("--nvme-budget", default="64GiB", help="cap of the NVMe store; cold blocks are evicted")
+    p.add_argument("--mode", default="dense", help="dense (sparse comes with the sparse-decode release)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    p.add_argument("--block-tokens", type=int, default=256, help="tokens per KV block")
+    p.add_argument("--chunk-tokens", type=int, default=1024, help="prefill chunk (a multiple of the block)")
+    p.add_argument("--no-reuse", action="store_true", help="ignore KV stored by earlier runs")
+    p.add_argument("--depth", type=float, default=0.5, help="passkey depth in [0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="passkey seed")
+    p.add_argument("--filler", default="repeat", help="haystack filler: repeat (default) or text")
+    p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON of every transfer and wait")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from tierkv.model.generate import RunConfig, run
+    config = RunConfig(model=args.model, doc=args.doc, synthetic_tokens=args.synthetic_tokens,
+                       question=args.question, max_new_tokens=args.max_new_tokens,
+                       gpu_budget=args.gpu_budget, cpu_budget=args.cpu_budget, nvme_dir=args.nvme_dir,
+                       nvme_budget=args.nvme_budget, mode=args.mode, dtype=args.dtype,
+                       block_tokens=args.block_tokens, chunk_tokens=args.chunk_tokens,
+                       reuse=not args.no_reuse, depth=args.depth, seed=args.seed, filler=args.filler,
+                       trace=args.trace)
+    bars: list[tqdm] = []
+
+    def on_prefill(done: int, total: int) -> None:
+        if not bars:
+            bars.append(tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, dynamic_ncols=True))
+        bars[0].update(done - bars[0].n)
+
+    def on_text(piece: str) -> None:
+        if not args.json:
+            print(piece, end="", flush=True)
+
+    try:
+        result = run(config, on_text=on_text, on_prefill=on_prefill)
+    finally:
+        for bar in bars:
+            bar.close()
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print()
+        _print_run_summary(result, config)
+    return 0
+
+
+def _print_run_summary(r, config) -> None:
+    print(f"\nprompt {r.prompt_tokens} tokens (KV {format_size(r.kv_bytes)}), reused {r.reused_prompt_tokens}; "
+          f"prefill {r.prefill_s:.1f} s, first token after {r.ttft_s:.1f} s")
+    print(f"decode {r.generated_tokens} tokens at {r.decode_tokens_per_s:.2f} tok/s, "
+          f"stall {100 * r.stall_fraction:.1f} % of decode time")
+    if r.answer is not None:
+        print(f"passkey {r.answer}: {'found' if r.found else 'NOT found'} in the output")
+    print(f"{'tier':6s} {'budget':>10s} {'peak':>10s} {'final':>10s} {'read':>10s} {'written':>10s}  backend")
+    for name, t in r.tiers.items():
+        print(f"{name:6s} {format_size(t['budget_bytes']):>10s} {format_size(t['peak_bytes']):>10s} "
+              f"{format_size(t['final_bytes']):>10s} {format_size(t['bytes_read']):>10s} "
+              f"{format_size(t['bytes_written']):>10s}  {t['backend']}")
+    if config.trace:
+        print(f"trace written to {config.trace} (open it in ui.perfetto.dev)")
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tierkv", description="Tiered KV-cache offloading runtime for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except (TierKVError, OSError) as error:
+        print(f"tierkv: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tierkv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The native long-context loop: chunked prefill and dense decode over tiered KV.
+
+Context length is bounded by disk, not by memory: each prompt chunk attends
+to the KV already stored, read back from the tiers a block at a time and
+merged by log-sum-exp (online softmax), then causally to itself::
+
+    for each chunk of tokens [s, e):                  (chunk_tokens, a multiple of block_tokens)
+      for each layer l:                               (layer l+1's first blocks are prefetched)
+        q, k, v = project(h)
+        out = merge(attend(q, K_b, V_b) for each stored block b of layer l,
+                    attend(q, k, v, causal))
+        seq.append(l, k, v)        full blocks sealed into the tiers; written back behind the compute
+        h = mlp(h + o_proj(out))
+
+Decode runs the same step on one token. Keys are stored after RoPE; the
+pre-RoPE keys that sparse selection needs are recovered exactly with
+``arch.unrope`` from the block's positions.
+
+Prefill once, decode many: blocks are content addresses of the token prefix,
+so a later run over the same document finds them in the NVMe store and
+starts at the last whole chunk they cover (a resumed run then computes
+exactly the chunks a clean run computes). A block that is lost or fails its
+checksum is never served: the loop rewinds to the chunk that produced it and
+recomputes from there.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tierkv.device import has_cuda
+from tierkv.errors import BlockMissing, ConfigError
+from tierkv.manager import BlockingTierManager
+from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attention, mlp_block, \
+    project_qkv, rope_cos_sin
+from tierkv.model.attention import attend, merge_lse
+from tierkv.model.loading import LoadedModel
+from tierkv.model.sequence import KVLayout, TieredSequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    block_tokens: int = 256
+    chunk_tokens: int = 1024
+    reuse: bool = True
+    max_rewinds: int = 8   # recomputations after lost blocks before giving up
+
+    def __post_init__(self) -> None:
+        for name in ("block_tokens", "chunk_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+        if self.chunk_tokens % self.block_tokens:
+            raise ConfigError(f"chunk_tokens={self.chunk_tokens}: must be a multiple of "
+                              f"block_tokens={self.block_tokens}")
+
+
+class Engine:
+    """Runs a loaded model over a ``TieredSequence``; one engine serves many sequences."""
+
+    def __init__(self, loaded: LoadedModel, manager: BlockingTierManager,
+                 config: EngineConfig = EngineConfig()) -> None:
+        spec = loaded.spec
+        self.loaded = loaded
+        self.model = loaded.model
+        self.manager = manager
+        self.config = config
+        self.layers = decoder_layers(self.model)
+        self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype,
+                               config.block_tokens)
+
+    def new_sequence(self) -> TieredSequence:
+        persist = self.manager.manager.store is not None
+        seq = TieredSequence(self.manager, self.layout, model_id=self.loaded.model_id, persist=persist)
+        seq.read_tier = "gpu" if has_cuda() else None
+        return seq
+
+    # -- prefill -------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seq: TieredSequence, ids: Sequence[int],
+                progress: Callable[[int], None] | None = None) -> tuple[Tensor, int]:
+        """Run the prompt; returns (logits of its last token [vocab], reused prompt tokens)."""
+        if not ids:
+            raise ValueError("the prompt is empty")
+        seq.add_tokens(ids)
+        reused = self._reuse(seq, len(ids)) if self.config.reuse else 0
+        if progress and reused:
+            progress(reused)
+        return self._extend(seq, reused, progress), reused
+
+    def _reuse(self, seq: TieredSequence, n_prompt: int) -> int:
+        """Adopt stored blocks of the longest stored prefix, cut to a whole chunk; returns its tokens."""
+        T, C = self.config.block_tokens, self.config.chunk_tokens
+        usable = (n_prompt - 1) // C * C // T     # at least one token is left to compute
+        found = 0
+        while found < usable and self.manager.protect(self._layer_keys(seq, found)):
+            found += 1
+        whole = found * T // C * C // T
+        for index in range(whole, found):          # found, but past the last whole chunk
+            self.manager.unprotect(self._layer_keys(seq, index))
+        for index in range(whole):
+            for layer, key in enumerate(self._layer_keys(seq, index)):
+                seq.adopt(layer, key)
+        return whole * T
+
+    def _layer_keys(self, seq: TieredSequence, index: int) -> list:
+        return [seq.block_key(layer, index) for layer in range(self.layout.num_layers)]
+
+    def _extend(self, seq: TieredSequence, start: int, progress: Callable[[int], None] | None) -> Tensor:
+        """Compute tokens ``seq.token_ids[start:]`` chunk by chunk; returns the last logits."""
+        pos, rewinds = start, 0
+        logits = None
+        while pos < len(seq.token_ids):
+            end = min(pos - pos % self.config.chunk_tokens + self.config.chunk_tokens, len(seq.token_ids))
+            try:
+                logits = self._forward(seq, seq.token_ids[pos:end], pos)
+            except BlockMissing as lost:
+                rewinds += 1
+                if rewinds > self.config.max_rewinds:
+                    raise
+                pos = self._rewind(seq, lost)
+                continue
+            if progress:
+                progress(end - pos)
+            pos = end
+        return logits
+
+    def _rewind(self, seq: TieredSequence, lost: BlockMissing) -> int:
+        """Truncate to the chunk that produced the first missing block; returns where to resume."""
+        T, C = self.config.block_tokens, self.config.chunk_tokens
+        first = min((i for layer in seq.blocks for i, k in enumerate(layer) if not self.manager.contains(k)),
+                    default=len(seq.blocks[0]))
+        boundary = first * T // C * C
+        ids = list(seq.token_ids)
+        log.warning("%s; recomputing from token %d", lost, boundary)
+        seq.truncate(boundary // T)
+        seq.add_tokens(ids[boundary:])
+        return boundary
+
+    # -- decode ----------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, seq: TieredSequence, token: int) -> Tensor:
+        """Append one token and return the logits [vocab] that follow it."""
+        seq.add_tokens([token])
+        return self._extend(seq, len(seq.token_ids) - 1, None)
+
+    # -- one forward pass over new tokens --------------------------------------
+    def _forward(self, seq: TieredSequence, chunk: Sequence[int], pos: int) -> Tensor:
+        ids = torch.tensor([list(chunk)], device=self.model.device)
+        positions = torch.arange(pos, pos + len(chunk), device=self.model.device)
+        cos, sin = rope_cos_sin(self.model, positions)
+        h = embed(self.model, ids)
+        for index, layer in enumerate(self.layers):
+            if index + 1 < len(self.layers):
+                seq.prefetch_layer(index + 1, self._group())
+            q, _, k, v = project_qkv(layer, h, cos, sin)
+            out = self._attention(seq, index, q, k, v)
+            seq.append(index, k, v)
+            h = mlp_block(layer, finish_attention(layer, out, h))
+        return final_logits(self.model, h[:, -1:])[0, -1]
+
+    def _attention(self, seq: TieredSequence, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q over every stored block, the tail, then the new tokens (causal), merged exactly."""
+        acc = attend(q, k, v, causal=True)
+        for _, blocks in seq.block_groups(layer, self._group()):
+            for bk, bv in blocks:
+                acc = merge_lse([acc, attend(q, bk.to(q.device), bv.to(q.device), causal=False)])
+        tail_k, tail_v = seq.tail(layer)
+        if tail_k.shape[2]:
+            acc = merge_lse([acc, attend(q, tail_k.to(q.device), tail_v.to(q.device), causal=False)])
+        return acc[0]
+
+    def _group(self) -> int:
+        """Blocks pinned at once: half the fastest memory tier, so a prefetch fits beside them."""
+        mgr = self.manager.manager
+        return max(1, mgr.tiers[mgr.memory_tiers[0]].pool.capacity // 2)
