@@ -1,0 +1,176 @@
+"""What every benchmark hands back: machine facts, rows, ratios and bounds.
+
+The JSON format is fixed by ``/work/shared/BENCH.md``::
+
+    {"bench": ..., "quick": ..., "machine": machine(),
+     "rows":   [{"config", "metric", "value", "unit", **extra}],
+     "ratios": [{"name", "value", "target", "meaning"}],
+     "bounds": ["what limits each row ..."]}
+
+A benchmark measures into a `Report` (data), then prints it and writes it;
+nothing here measures or decides. Scripts in ``bench/`` import it as
+``from report import Report`` (their own directory is on ``sys.path``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+Format = Callable[[Any], str]
+
+
+# -- machine facts ----------------------------------------------------------
+def machine(disk_path: str | Path = ".") -> dict[str, Any]:
+    """CPU model, usable threads, CUDA device, RAM, and the file system under ``disk_path``."""
+    fstype, device, mount = filesystem(disk_path)
+    return {
+        "cpu": _cpu_model(),
+        "threads": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cuda": _cuda_name(),
+        "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "disk": f"{fstype} on {device} (mounted at {mount})",
+        "load_avg_1m": round(os.getloadavg()[0], 2),  # others' work on a shared machine skews every row
+        "python": platform.python_version(),
+        "torch": _torch_version(),
+    }
+
+
+def filesystem(path: str | Path) -> tuple[str, str, str]:
+    """``(fstype, device, mountpoint)`` of the mount holding ``path`` (the longest matching mount)."""
+    target = os.path.realpath(path)
+    best = ("unknown", "unknown", "/")
+    best_len = -1
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        device, mount, fstype, *_ = line.split()
+        mount = mount.replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > best_len:
+            best, best_len = (fstype, device, mount), len(mount)
+    return best
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cuda_name() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def _torch_version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.__version__
+
+
+# -- the report -------------------------------------------------------------
+@dataclass(slots=True)
+class Ratio:
+    name: str
+    value: float
+    target: float | None
+    meaning: str
+
+    @property
+    def verdict(self) -> str:
+        if self.target is None:
+            return "info"
+        return "ok" if self.value >= self.target else "BELOW"
+
+
+@dataclass(slots=True)
+class Report:
+    bench: str
+    quick: bool
+    machine: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    ratios: list[Ratio] = field(default_factory=list)
+    bounds: list[str] = field(default_factory=list)
+    seconds: float | None = None  # wall time of the whole run
+
+    def add_row(self, config: str, metric: str, value: float, unit: str, **extra: Any) -> dict[str, Any]:
+        row = {"config": config, "metric": metric, "value": value, "unit": unit, **extra}
+        self.rows.append(row)
+        return row
+
+    def add_ratio(self, name: str, value: float, target: float | None, meaning: str) -> Ratio:
+        ratio = Ratio(name, value, target, meaning)
+        self.ratios.append(ratio)
+        return ratio
+
+    def add_bound(self, text: str) -> None:
+        self.bounds.append(text)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bench": self.bench, "quick": self.quick, "machine": self.machine, "seconds": self.seconds,
+                "rows": self.rows, "ratios": [asdict(r) for r in self.ratios], "bounds": self.bounds}
+
+    def write_json(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    # -- printing -------------------------------------------------------------
+    def print_table(self, columns: Sequence[str | tuple[str, str]] | None = None,
+                    formats: dict[str, Format] | None = None, file: TextIO = sys.stdout) -> None:
+        """Rows as an aligned table, then ratios against their targets, then bounds.
+
+        ``columns``: row keys, or ``(key, header)`` pairs; default every key in first-seen order.
+        """
+        m = self.machine
+        print(f"{self.bench}{' (quick)' if self.quick else ''}: {m.get('cpu')}, {m.get('threads')} threads, "
+              f"cuda={m.get('cuda')}, disk {m.get('disk')}, load {m.get('load_avg_1m')}, "
+              f"run {self.seconds} s", file=file)
+        pairs = [(c, c) if isinstance(c, str) else c for c in (columns or _columns(self.rows))]
+        cells = [[_cell(row.get(key), (formats or {}).get(key)) for key, _ in pairs] for row in self.rows]
+        print_grid([header for _, header in pairs], cells, file)
+        if self.ratios:
+            print(file=file)
+            grid = [[r.name, _cell(r.value), _cell(r.target), r.verdict, r.meaning] for r in self.ratios]
+            print_grid(["ratio", "value", "target", "", "meaning"], grid, file)
+        if self.bounds:
+            print("\nbounds:", file=file)
+            for text in self.bounds:
+                print(f"- {text}", file=file)
+
+
+def print_grid(header: Sequence[str], cells: Sequence[Sequence[str]], file: TextIO = sys.stdout) -> None:
+    widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h) for i, h in enumerate(header)]
+    for line in (list(header), ["-" * w for w in widths], *cells):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip(), file=file)
+
+
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(key for row in rows for key in row))
+
+
+def _cell(value: Any, fmt: Format | None = None) -> str:
+    if value is None:
+        return "-"
+    if fmt is not None:
+        return fmt(value)
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)

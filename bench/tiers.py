@@ -1,0 +1,427 @@
+"""How close does each tier come to this machine's own limits?
+
+For each block size, every tierkv path runs next to the limit it should
+reach, measured in the same process on the same bytes::
+
+    limit (measured here)                     tierkv path                           ratio
+    memcpy     one copy_ of all the bytes     cpu-gather      CpuTier slots, in a   cpu_gather_vs_memcpy
+                                                              scattered order, into
+                                                              one contiguous tensor
+                                              manager-gather  acquire cpu -> gpu    manager_gather_vs_memcpy
+                                                              tier, 64 keys a call  (informational)
+    raw-write  O_DIRECT pwrite of 4 MiB       nvme-write      NvmeTier.write,       nvme_write_vs_raw
+               chunks, best of 1/4 threads                    64 blocks a call
+    raw-read   O_DIRECT preadv, likewise      nvme-read       NvmeTier.read         nvme_read_vs_raw
+
+Every probe runs once per round, rounds repeat, and the best round counts:
+the machine is shared and noisy, and interleaving lets noise hit a path and
+its limit alike. A ratio is the worst over blocks >= 256 KiB. Round 0 of a
+disk write lands on fresh space (raw: a new file, nvme: a new store); later
+rounds overwrite, as a store does once it recycles slots.
+
+    python bench/tiers.py --quick --out bench/out/tiers.json
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from report import Report, filesystem, machine
+from tierkv.config import IOKnobs, format_size, parse_size
+from tierkv.device import host_buffer
+from tierkv.keys import BlockKey
+from tierkv.manager import BlockingTierManager, TierManager
+from tierkv.tiers.cpu import CpuTier
+from tierkv.tiers.gpu import GpuTier
+from tierkv.tiers.nvme import NvmeTier
+
+KiB, MiB = 1024, 1024**2
+FULL_SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
+QUICK_SIZES = (256 * KiB, 1 * MiB)
+RATIO_MIN_BLOCK = 256 * KiB          # ratios are the worst over blocks at least this big
+RAW_CHUNK = 4 * MiB                  # bytes per raw pwrite/preadv
+RAW_THREADS = (1, 4)
+IO_THREADS = 4                       # NvmeTier io_threads, as TIERKV_IO_THREADS defaults
+RAMDISKS = ("tmpfs", "ramfs", "devtmpfs")
+TARGETS = {"nvme_write_vs_raw": 0.9, "nvme_read_vs_raw": 0.9, "cpu_gather_vs_memcpy": 0.8}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    sizes: tuple[int, ...]
+    total: int          # bytes moved per probe run, per block size
+    rounds: int
+    batch: int          # blocks per NvmeTier / manager call
+
+    def blocks(self, block: int) -> int:
+        return self.total // block
+
+
+@dataclass(slots=True)
+class Probe:
+    """One timed path: ``run`` moves ``nbytes``; ``prepare`` (untimed) runs before it.
+
+    Per round it records wall seconds and the process's CPU seconds (every
+    thread: workers, kernel time of O_DIRECT calls, checksums).
+    """
+
+    config: str
+    nbytes: int
+    nblocks: int
+    run: Callable[[], None]
+    prepare: Callable[[], None] | None = None
+    seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)
+
+    def once(self) -> None:
+        if self.prepare is not None:
+            self.prepare()
+        cpu, start = time.process_time(), time.perf_counter()
+        self.run()
+        self.seconds.append(time.perf_counter() - start)
+        self.cpu_seconds.append(time.process_time() - cpu)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / min(self.seconds) / 1e9
+
+    @property
+    def us_per_block(self) -> float:
+        return min(self.seconds) / self.nblocks * 1e6
+
+    @property
+    def cpu_s_per_gb(self) -> float:
+        return min(self.cpu_seconds) / (self.nbytes / 1e9)
+
+    def paired_median(self, limits: list[Probe]) -> float:
+        """Median over rounds of this GB/s / the best limit's GB/s in the same round."""
+        ratios = [min(ls) / s for s, *ls in zip(self.seconds, *(p.seconds for p in limits))]
+        return statistics.median(ratios)
+
+
+# -- host memory ---------------------------------------------------------------
+def fill_pattern(buf: torch.Tensor, seed: int = 0) -> None:
+    """Distinct, non-constant bytes in every 4 KiB page (cheaper than randint over GiBs)."""
+    pattern = torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    for lo in range(0, buf.numel(), pattern.numel()):
+        chunk = buf[lo:lo + pattern.numel()]
+        chunk.copy_(pattern[:chunk.numel()])
+        chunk[::4096] = (lo // 4096) % 251  # first byte of each page differs per page
+
+
+def filled_cpu_tier(src: torch.Tensor, block: int) -> CpuTier:
+    tier = CpuTier(block, src.numel())
+    for piece in src.view(-1, block):
+        slot = tier.pool.reserve()
+        tier.view(slot).copy_(piece)
+        tier.pool.commit(slot)
+    return tier
+
+
+def memory_probes(src: torch.Tensor, dst: torch.Tensor, cpu: CpuTier, block: int) -> list[Probe]:
+    n = src.numel() // block
+    order = list(range(n))
+    random.Random(block).shuffle(order)
+    outs = list(dst.view(n, block).unbind(0))
+
+    def gather() -> None:
+        for out, slot in zip(outs, order):
+            out.copy_(cpu.view(slot))
+
+    return [Probe("memcpy", src.numel(), n, lambda: dst.copy_(src)),
+            Probe("cpu-gather", src.numel(), n, gather)]
+
+
+def manager_probe(cpu: CpuTier, block: int, batch: int, stack: contextlib.ExitStack) -> Probe:
+    """Acquire every block from the cpu tier into a gpu tier half its size, ``batch`` keys a call.
+
+    Looping over twice what the gpu tier holds makes LRU evict each block
+    before it comes round again, so every round moves every byte.
+    """
+    n = cpu.pool.used
+    tiers = [GpuTier(block, n // 2 * block), CpuTier(block, n * block)]
+    manager = stack.enter_context(BlockingTierManager(TierManager(tiers, knobs=IOKnobs())))
+    keys = [BlockKey.of("bench-manager", block, i) for i in range(n)]
+    with ThreadPoolExecutor(4) as callers:  # untimed set-up: overlap the per-put hops to the loop
+        list(callers.map(lambda i: manager.put(keys[i], cpu.view(i), tier="cpu"), range(n)))
+    step = min(batch, n // 2)
+
+    def acquire_all() -> None:
+        for lo in range(0, n, step):
+            manager.acquire(keys[lo:lo + step], tier="gpu").release()
+
+    return Probe("manager-gather", n * block, n, acquire_all)
+
+
+# -- disk ---------------------------------------------------------------------
+class RawFile:
+    """Sequential O_DIRECT I/O in ``RAW_CHUNK`` pieces, chunks dealt round-robin to threads."""
+
+    def __init__(self, path: Path, buf: torch.Tensor) -> None:
+        self.path = path
+        self.view = memoryview(buf.numpy())
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        self.pools = {t: ThreadPoolExecutor(t, thread_name_prefix="raw-io") for t in RAW_THREADS if t > 1}
+
+    def write(self, threads: int) -> None:
+        self._spread(threads, lambda i, part: os.pwrite(self.fd, part, i * RAW_CHUNK))
+
+    def read(self, threads: int) -> None:
+        self._spread(threads, lambda i, part: os.preadv(self.fd, [part], i * RAW_CHUNK))
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown()
+        os.close(self.fd)
+        self.path.unlink(missing_ok=True)
+
+    def _spread(self, threads: int, io: Callable[[int, memoryview], int]) -> None:
+        chunks = len(self.view) // RAW_CHUNK
+
+        def worker(first: int) -> None:
+            for i in range(first, chunks, threads):
+                part = self.view[i * RAW_CHUNK:(i + 1) * RAW_CHUNK]
+                if io(i, part) != len(part):
+                    raise OSError(f"{self.path}: short O_DIRECT I/O at chunk {i}")
+
+        if threads == 1:
+            worker(0)
+            return
+        for future in [self.pools[threads].submit(worker, t) for t in range(threads)]:
+            future.result()
+
+
+def raw_probes(raw: RawFile, n: int) -> list[Probe]:
+    nbytes = len(raw.view)
+    writes = [Probe(f"raw-write-{t}t", nbytes, n, lambda t=t: raw.write(t)) for t in RAW_THREADS]
+    reads = [Probe(f"raw-read-{t}t", nbytes, n, lambda t=t: raw.read(t)) for t in RAW_THREADS]
+    return writes + reads
+
+
+def nvme_probes(store: NvmeTier, src: CpuTier, landing: CpuTier, n: int, batch: int) -> list[Probe]:
+    """Write every ``src`` slot into the store, then read it back into ``landing``, ``batch`` blocks a call."""
+    keys = [BlockKey.of("bench-nvme", store.block_bytes, i) for i in range(n)]
+    slots: list[int] = []
+
+    def recycle() -> None:  # untimed: forget the last round's blocks, as eviction would
+        for key, slot in zip(keys, slots):
+            store.drop(key)
+            store.pool.release(slot)
+        slots.clear()
+
+    def write() -> None:
+        for lo in range(0, n, batch):
+            got = [store.pool.reserve() for _ in range(lo, min(lo + batch, n))]
+            store.write([(keys[lo + j], slot, src.view(lo + j)) for j, slot in enumerate(got)])
+            for slot in got:
+                store.pool.commit(slot)
+            slots.extend(got)
+
+    def read() -> None:
+        for lo in range(0, n, batch):
+            items = [(keys[i], slots[i], landing.view(i)) for i in range(lo, min(lo + batch, n))]
+            failed = store.read(items)
+            if failed:
+                raise RuntimeError(f"nvme read: {len(failed)} block(s) failed their checksum")
+
+    nbytes = n * store.block_bytes
+    return [Probe("nvme-write", nbytes, n, write, prepare=recycle), Probe("nvme-read", nbytes, n, read)]
+
+
+# -- one block size -------------------------------------------------------------
+def measure_size(block: int, plan: Plan, workdir: Path) -> tuple[list[Probe], str]:
+    """Every probe for one block size, interleaved round by round; returns them and the store backend."""
+    n = plan.blocks(block)
+    with contextlib.ExitStack() as stack:
+        src, dst = host_buffer(n * block, pinned=False), host_buffer(n * block, pinned=False)
+        fill_pattern(src, seed=block)
+        dst.zero_()  # fault the pages in before anything is timed
+        cpu, landing = filled_cpu_tier(src, block), CpuTier(block, n * block)
+        for slot in range(n):
+            landing.view(slot).zero_()
+        stack.callback(shutil.rmtree, workdir / f"nvme-{block}", ignore_errors=True)
+        store = stack.enter_context(NvmeTier(workdir / f"nvme-{block}", block, n * block,
+                                             namespace="bench", io_threads=IO_THREADS))
+        raw = RawFile(workdir / f"raw-{block}.dat", dst)
+        stack.callback(raw.close)
+        memory = [*memory_probes(src, dst, cpu, block), manager_probe(cpu, block, plan.batch, stack)]
+        for probe in memory:
+            probe.run()  # warm-up: page faults and first calls stay out of the timings
+        raw_write_1, raw_write_4, raw_read_1, raw_read_4 = raw_probes(raw, n)
+        nvme_write, nvme_read = nvme_probes(store, cpu, landing, n, plan.batch)
+        probes = [*memory, raw_write_1, raw_write_4, nvme_write, raw_read_1, raw_read_4, nvme_read]
+        for _ in range(plan.rounds):
+            for probe in probes:
+                probe.once()
+        _verify(cpu, landing, n)
+        return probes, store.backend
+
+
+def _verify(cpu: CpuTier, landing: CpuTier, n: int) -> None:
+    bad = [slot for slot in range(n) if not torch.equal(cpu.view(slot), landing.view(slot))]
+    if bad:
+        raise RuntimeError(f"nvme read back different bytes in {len(bad)} of {n} blocks (first: slot {bad[0]})")
+
+
+# -- the report -----------------------------------------------------------------
+LIMITS = {  # path -> the probes whose best is its limit
+    "cpu-gather": ("memcpy",), "manager-gather": ("memcpy",),
+    "nvme-write": tuple(f"raw-write-{t}t" for t in RAW_THREADS),
+    "nvme-read": tuple(f"raw-read-{t}t" for t in RAW_THREADS),
+}
+
+
+def add_rows(report: Report, block: int, probes: list[Probe], backend: str) -> None:
+    by_name = {p.config: p for p in probes}
+    for probe in probes:
+        limits = [by_name[name] for name in LIMITS.get(probe.config, ())]
+        limit = max(limits, key=lambda p: p.gbps, default=None)
+        against = {} if limit is None else {
+            "limit_gbps": round(limit.gbps, 3), "limit_config": limit.config,
+            "vs_limit": round(probe.gbps / limit.gbps, 3),
+            "vs_limit_paired_median": round(probe.paired_median(limits), 3),
+            "extra_us_per_block": round(probe.us_per_block - limit.us_per_block, 2),
+            "extra_cpu_s_per_gb": round(probe.cpu_s_per_gb - limit.cpu_s_per_gb, 3),
+        }
+        report.add_row(
+            probe.config, "throughput", round(probe.gbps, 3), "GB/s", block_bytes=block, **against,
+            us_per_block=round(probe.us_per_block, 2), cpu_s_per_gb=round(probe.cpu_s_per_gb, 3),
+            nbytes=probe.nbytes, rounds_gbps=[round(probe.nbytes / s / 1e9, 3) for s in probe.seconds],
+            **({"backend": backend} if probe.config.startswith("nvme") else {}))
+
+
+RATIOS = {  # name -> (path, what it divides)
+    "nvme_write_vs_raw": ("nvme-write", "NvmeTier.write GB/s ({batch} blocks a call, {io} io threads) / best raw "
+                          "O_DIRECT sequential write of the same bytes (4 MiB pwrites, 1 or 4 threads)"),
+    "nvme_read_vs_raw": ("nvme-read", "NvmeTier.read GB/s ({batch} blocks a call, {io} io threads, checksums "
+                         "verified) / best raw O_DIRECT sequential read of the same bytes (4 MiB preadv, 1 or 4 threads)"),
+    "cpu_gather_vs_memcpy": ("cpu-gather", "copying every CpuTier slot (scattered order, one copy_ per block) into "
+                             "one contiguous tensor / one copy_ of the same bytes"),
+    "manager_gather_vs_memcpy": ("manager-gather", "BlockingTierManager.acquire of every block from the cpu tier "
+                                 "into the gpu tier ({batch} keys a call; host memory without CUDA) / one host copy_"),
+}
+
+
+def add_ratios(report: Report, plan: Plan) -> None:
+    for name, (config, meaning) in RATIOS.items():
+        rows = [r for r in report.rows if r["config"] == config and r["block_bytes"] >= RATIO_MIN_BLOCK]
+        worst = min(rows, key=lambda r: r["vs_limit"])
+        meaning = meaning.format(batch=plan.batch, io=IO_THREADS)
+        report.add_ratio(name, worst["vs_limit"], TARGETS.get(name),
+                         f"{meaning}; worst over blocks >= 256 KiB (at {format_size(worst['block_bytes'])})")
+        for row in rows:
+            if name in TARGETS and row["vs_limit"] < TARGETS[name]:
+                report.add_bound(
+                    f"{config} at {format_size(row['block_bytes'])}: {row['value']} GB/s = {row['vs_limit']} of "
+                    f"{row['limit_config']} ({row['limit_gbps']} GB/s), below {TARGETS[name]}: each block costs "
+                    f"{row['us_per_block']} us against {row['us_per_block'] - row['extra_us_per_block']:.1f} us "
+                    f"at the limit, +{row['extra_us_per_block']} us per block")
+
+
+def add_limit_bounds(report: Report, plan: Plan, workdir: Path, backend: str) -> None:
+    fstype, device, _ = filesystem(workdir)
+    best = {c: max(r["value"] for r in report.rows if r["config"] == c) for c in ("memcpy", "raw-write-1t",
+            "raw-write-4t", "raw-read-1t", "raw-read-4t")}
+    report.add_bound(f"host: memcpy = one torch copy_ of {format_size(plan.total)} with {torch.get_num_threads()} "
+                     f"torch threads, best {best['memcpy']} GB/s; limits cpu-gather and manager-gather, which "
+                     f"copy every byte once")
+    report.add_bound(f"disk: O_DIRECT on {fstype} ({device}), {format_size(RAW_CHUNK)} per call, best raw write "
+                     f"{best['raw-write-1t']} / {best['raw-write-4t']} GB/s and read {best['raw-read-1t']} / "
+                     f"{best['raw-read-4t']} GB/s with 1 / 4 threads; limits nvme-write and nvme-read "
+                     f"(store backend: {backend})")
+    report.add_bound(f"each path ran {plan.rounds} rounds interleaved with its limits; ratio = best round / best "
+                     f"round; 'paired med' = median over rounds of path / limit in the same round (less sensitive "
+                     f"to load drift); cpu s/GB = process CPU time of all threads per 1e9 bytes (least over rounds)")
+
+
+TABLE_COLUMNS = (("block_bytes", "block"), ("config", "path"), ("value", "GB/s"), ("limit_gbps", "limit GB/s"),
+                 ("vs_limit", "ratio"), ("vs_limit_paired_median", "paired med"), ("us_per_block", "us/block"),
+                 ("extra_us_per_block", "+us/block"), ("cpu_s_per_gb", "cpu s/GB"))
+
+
+def table_formats() -> dict[str, Callable[[object], str]]:
+    return {"block_bytes": lambda v: format_size(v).replace(".0 ", " ")}
+
+
+# -- command line -----------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="256 KiB and 1 MiB blocks, 256 MiB each (~1 min)")
+    parser.add_argument("--out", type=Path, help="write the result as JSON (format: shared/BENCH.md)")
+    parser.add_argument("--dir", type=Path, default=Path.cwd(),
+                        help="where the temporary files go; must be a real disk, not tmpfs (default: .)")
+    parser.add_argument("--total", help="bytes moved per path and block size (default 1GiB, quick 256MiB)")
+    parser.add_argument("--rounds", type=int, help="rounds per path, best counts (default 5, quick 3)")
+    parser.add_argument("--batch", type=int, default=64, help="blocks per NvmeTier / manager call (default 64)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
+    return parser.parse_args(argv)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    total = parse_size(args.total or ("256MiB" if args.quick else "1GiB"), "--total")
+    if total < max(sizes) or total % max(sizes):
+        raise SystemExit(f"--total={total}: must be a multiple of the largest block ({max(sizes)} bytes)")
+    return Plan(sizes, total, args.rounds or (3 if args.quick else 5), args.batch)
+
+
+def make_workdir(base: Path, plan: Plan) -> Path:
+    """A fresh directory under ``base`` on a real disk with room for one raw file and one store."""
+    base.mkdir(parents=True, exist_ok=True)
+    fstype, device, mount = filesystem(base)
+    if fstype in RAMDISKS:
+        raise SystemExit(f"--dir={base} is on {fstype} ({mount}): disk numbers would measure RAM; "
+                         f"pass --dir on a real disk")
+    stat = os.statvfs(base)
+    need = 2 * plan.total + 256 * MiB
+    if stat.f_bavail * stat.f_frsize < need:
+        raise SystemExit(f"--dir={base}: {format_size(stat.f_bavail * stat.f_frsize)} free, "
+                         f"needs {format_size(need)}")
+    return Path(tempfile.mkdtemp(prefix=".tierkv-bench-", dir=base))
+
+
+def main(argv: list[str] | None = None) -> Report:
+    args = parse_args(argv)
+    plan = make_plan(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the temp files still go
+    workdir = make_workdir(args.dir, plan)
+    report = Report("tiers", args.quick, machine(workdir))
+    started = time.perf_counter()
+    try:
+        backend = ""
+        for block in plan.sizes:
+            probes, backend = measure_size(block, plan, workdir)
+            add_rows(report, block, probes, backend)
+        add_ratios(report, plan)
+        add_limit_bounds(report, plan, workdir, backend)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report.seconds = round(time.perf_counter() - started, 1)
+    report.add_bound(f"load: 1-min load average {report.machine['load_avg_1m']} at start, "
+                     f"{os.getloadavg()[0]:.2f} at end, on {report.machine['threads']} CPUs; above the CPU count "
+                     f"other processes take turns with the I/O and copy threads and every ratio here swings")
+    if args.out:
+        report.write_json(args.out)
+    report.print_table(TABLE_COLUMNS, table_formats())
+    return report
+
+
+if __name__ == "__main__":
+    main()
