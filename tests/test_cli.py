@@ -1,0 +1,74 @@
+"""The command line as a user meets it: help, wrong flags, bad values, missing files."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tierkv.cli import main
+
+
+def tierkv(*args):
+    return subprocess.run([sys.executable, "-m", "tierkv.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_info_json_reports_the_machine_and_probes_the_nvme_dir(tmp_path, capsys):
+    assert main(["info", "--json", "--nvme-dir", str(tmp_path / "not-yet")]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["cuda"] is None or isinstance(facts["cuda"], str)
+    assert facts["ram_bytes"] > 0
+    assert set(facts["nvme"]["backends"]) == {"kvikio", "odirect", "buffered"}
+    assert facts["nvme"]["backends"]["buffered"] == "ok"
+    assert not (tmp_path / "not-yet").exists()  # probing creates nothing
+
+
+def test_info_text(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "RAM" in out and "CUDA" in out and "GDS" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["info", "--bogus"], "unrecognized arguments: --bogus"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+    (["run"], "one of the arguments --doc --synthetic-tokens is required"),
+    (["run", "--synthetic-tokens", "x"], "invalid int value: 'x'"),
+    (["run", "--synthetic-tokens", "100", "--cpu-budget", "lots"], "cpu_budget='lots'"),
+    (["run", "--synthetic-tokens", "100", "--mode", "fast"], "mode='fast': allowed: dense"),
+    (["run", "--synthetic-tokens", "100", "--chunk-tokens", "1000"], "must be a multiple of block_tokens=256"),
+    (["run", "--synthetic-tokens", "100", "--dtype", "int8"], "dtype='int8'"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_missing_document_and_missing_model_are_clear(tmp_path):
+    done = tierkv("run", "--doc", str(tmp_path / "nope.txt"))
+    assert done.returncode == 2 and "no such file" in done.stderr and "Traceback" not in done.stderr
+    done = tierkv("run", "--synthetic-tokens", "100", "--model", str(tmp_path / "missing.gguf"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def test_help_lists_the_commands():
+    done = tierkv("--help")
+    assert done.returncode == 0 and "info" in done.stdout and "run" in done.stdout
+
+
+@pytest.mark.model
+def test_run_json_has_the_documented_fields(tmp_path):
+    done = tierkv("run", "--synthetic-tokens", "600", "--max-new-tokens", "4", "--nvme-dir",
+                  str(tmp_path / "s"), "--gpu-budget", "4MiB", "--cpu-budget", "8MiB", "--json",
+                  "--trace", str(tmp_path / "t.json"))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    for field in ("text", "prompt_tokens", "generated_tokens", "prefill_s", "ttft_s", "decode_tokens_per_s",
+                  "stall_fraction", "reused_prompt_tokens", "tiers"):
+        assert field in result
+    assert result["prompt_tokens"] == 600 and result["generated_tokens"] == 4
+    nvme = result["tiers"]["nvme"]
+    assert nvme["backend"] in ("odirect", "buffered") and nvme["bytes_written"] > 0
+    assert set(nvme) >= {"budget_bytes", "peak_bytes", "bytes_read", "bytes_written", "backend"}
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert any(e.get("name") == "writeback" for e in trace["traceEvents"])
