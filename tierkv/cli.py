@@ -155,6 +155,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not bars:
             bars.append(tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, dynamic_ncols=True))
         bars[0].update(done - bars[0].n)
+        if done >= total:
+            bars[0].close()  # before the answer streams out
 
     def on_text(piece: str) -> None:
         if not args.json:

@@ -51,7 +51,7 @@ class BlockingTierManager:
 
     def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Lease:
         lease = self._run(self.manager.acquire(keys, tier, **kw))
-        lease._manager = self  # release hops back to the loop
+        lease.unpin = self._unpin  # release hops back to the loop thread
         return lease
 
     @contextmanager

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Container, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -58,13 +58,13 @@ class Lease:
     keys: tuple[BlockKey, ...]
     places: tuple[tuple[str, int], ...]   # (tier, slot) per key
     views: tuple[torch.Tensor, ...]
-    _manager: TierManager
+    unpin: Callable[[Iterable[tuple[str, int]]], None]
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._manager._unpin(self.places)
+            self.unpin(self.places)
 
 
 class _Unevictable(Container[Hashable]):
@@ -188,11 +188,13 @@ class TierManager:
         entry = self.directory.add(key, protected=protect, layer=layer)
         if entry.copies or entry.arriving:
             return
-        for name in self._placement(tier):
+        order = self._placement(tier)
+        free = [n for n in order if self.tiers[n].pool.can_reserve()][:1]
+        for name in free or order:  # a free slot anywhere beats evicting from the fastest tier
             try:
                 slot = (await self._reserve(name, 1))[0]
             except BudgetExceeded:
-                if name == self._placement(tier)[-1]:
+                if name == order[-1]:
                     self.directory.forget_if_empty(key)
                     raise
                 continue
@@ -271,7 +273,8 @@ class TierManager:
                 if places is not None:
                     if attempt:
                         self.events.wait("", target, layer, len(keys) * self.block_bytes, start)
-                    return Lease(tuple(keys), places, tuple(self.tiers[n].view(s) for n, s in places), self)
+                    return Lease(tuple(keys), places, tuple(self.tiers[n].view(s) for n, s in places),
+                                 self._unpin)
                 missing = [k for k in keys if not self._resident(k, tier)]
                 await self._bring(missing, target, layer, priority)
         finally:
@@ -454,13 +457,15 @@ class TierManager:
             raise BudgetExceeded(f"tier {name}: all {self.tiers[name].pool.capacity} slots are pinned or "
                                  "hold the only copy of protected blocks; raise its budget or add a lower tier")
         demote: list[BlockKey] = []
+        room_below = self._free_memory_below(name)
         for key in victims:
             entry = self.directory.entry(key)
-            if len(entry.copies) > 1 or not entry.protected or self._below(name) is None:
+            only_copy = len(entry.copies) == 1 and entry.protected and self._below(name) is not None
+            if only_copy or (len(demote) < room_below and self._below(name) not in entry.copies):
+                demote.append(key)  # keep it: below has room (a warm copy) or it is the only copy
+            else:
                 self._remove_copy(key, name)
                 self.directory.forget_if_empty(key)
-            else:
-                demote.append(key)
         if demote:
             await self._demote(demote, name)
 
@@ -485,6 +490,12 @@ class TierManager:
                 if name in self.directory.entry(key).copies:
                     self.policies[name].insert(key)
             raise
+
+    def _free_memory_below(self, name: str) -> int:
+        below = self._below(name)
+        if below is None or self.tiers[below].medium is Medium.NVME:
+            return 0
+        return self.tiers[below].pool.free
 
     def _below(self, name: str) -> str | None:
         index = self.order.index(name)
