@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -65,6 +66,14 @@ class Lease:
         if not self.released:
             self.released = True
             self.unpin(self.places)
+
+
+class AccessHook(Protocol):
+    """Told of every block a caller stores or reads (see tierkv.profile.access)."""
+
+    def on_put(self, key: BlockKey, layer: int | None) -> None: ...
+
+    def on_acquire(self, keys: Sequence[BlockKey], layer: int | None) -> None: ...
 
 
 class _Unevictable(Container[Hashable]):
@@ -112,6 +121,7 @@ class TierManager:
         self.directory = Directory()
         self.stats = {name: TierStats() for name in self.order}
         self._executor = Executor(self.knobs.copy_threads, self.knobs.inflight_bytes, self.events)
+        self.access: AccessHook | None = None   # records which blocks each step used (replay traces)
         self._background: set[asyncio.Task] = set()
         self._writeback_errors: list[BaseException] = []
         self._state = "new"
@@ -185,6 +195,8 @@ class TierManager:
         """
         self._check_running()
         raw = _as_bytes(data, self.block_bytes)
+        if self.access is not None:
+            self.access.on_put(key, layer)
         entry = self.directory.add(key, protected=protect, layer=layer)
         if entry.copies or entry.arriving:
             return
@@ -263,6 +275,8 @@ class TierManager:
         self._check_running()
         if tier is not None and tier not in self.memory_tiers:
             raise ValueError(f"tier={tier!r}: blocks are read into a memory tier: {', '.join(self.memory_tiers)}")
+        if self.access is not None:
+            self.access.on_acquire(keys, layer)
         start = time.perf_counter()
         target = tier or self.memory_tiers[0]
         wanted = [(k, target) for k in keys]

@@ -26,6 +26,7 @@ recomputes from there.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attent
 from tierkv.model.attention import attend, merge_lse
 from tierkv.model.loading import LoadedModel
 from tierkv.model.sequence import KVLayout, TieredSequence
+from tierkv.profile.events import Event
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +157,18 @@ class Engine:
         positions = torch.arange(pos, pos + len(chunk), device=self.model.device)
         cos, sin = rope_cos_sin(self.model, positions)
         h = embed(self.model, ids)
+        events, access = self.manager.manager.events, self.manager.manager.access
+        if access is not None:
+            access.begin_step("decode" if len(chunk) == 1 else "prefill", len(chunk))
         for index, layer in enumerate(self.layers):
+            start = time.perf_counter()
             if index + 1 < len(self.layers):
                 seq.prefetch_layer(index + 1, self._group())
             q, _, k, v = project_qkv(layer, h, cos, sin)
             out = self._attention(seq, index, q, k, v)
             seq.append(index, k, v)
             h = mlp_block(layer, finish_attention(layer, out, h))
+            events.record(Event("layer", "", "", index, 0, start, start, time.perf_counter()))
         return final_logits(self.model, h[:, -1:])[0, -1]
 
     def _attention(self, seq: TieredSequence, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
