@@ -173,14 +173,16 @@ class Engine:
 
     def _attention(self, seq: TieredSequence, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q over every stored block, the tail, then the new tokens (causal), merged exactly."""
-        acc = attend(q, k, v, causal=True)
+        parts = [attend(q, k, v, causal=True)]
         for _, blocks in seq.block_groups(layer, self._group()):
-            for bk, bv in blocks:
-                acc = merge_lse([acc, attend(q, bk.to(q.device), bv.to(q.device), causal=False)])
+            # one kernel call per group: concatenating is cheaper than a merge per block
+            group_k = torch.cat([bk for bk, _ in blocks], dim=2).to(q.device)   # [B, Hkv, g*T, D]
+            group_v = torch.cat([bv for _, bv in blocks], dim=2).to(q.device)
+            parts = [merge_lse([*parts, attend(q, group_k, group_v, causal=False)])]
         tail_k, tail_v = seq.tail(layer)
         if tail_k.shape[2]:
-            acc = merge_lse([acc, attend(q, tail_k.to(q.device), tail_v.to(q.device), causal=False)])
-        return acc[0]
+            parts.append(attend(q, tail_k.to(q.device), tail_v.to(q.device), causal=False))
+        return merge_lse(parts)[0]
 
     def _group(self) -> int:
         """Blocks pinned at once: half the fastest memory tier, so a prefetch fits beside them."""
