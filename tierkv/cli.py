@@ -20,6 +20,7 @@ import torch
 from tierkv.config import format_size
 from tierkv.device import has_cuda, has_cuda_driver
 from tierkv.errors import TierKVError
+from tierkv.profile.command import add_profile
 
 
 class UsageError(TierKVError):
@@ -188,10 +189,10 @@ def _print_run_summary(r, config) -> None:
               f"{format_size(t['final_bytes']):>10s} {format_size(t['bytes_read']):>10s} "
               f"{format_size(t['bytes_written']):>10s}  {t['backend']}")
     if config.trace:
-        print(f"trace written to {config.trace} (open it in ui.perfetto.dev)")
+        print(f"trace written to {config.trace}: open it in ui.perfetto.dev, or `tierkv profile {config.trace}`")
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run, add_profile]
 
 
 def build_parser() -> argparse.ArgumentParser:

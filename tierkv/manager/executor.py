@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from tierkv.errors import ManagerClosed
 from tierkv.manager.transfer import Priority, Transfer
 from tierkv.profile.events import Event, EventRecorder
+from tierkv.profile.trace import profiler_range
 
 
 class JobState(enum.Enum):
@@ -112,7 +113,9 @@ class Executor:
     @staticmethod
     def _timed(job: Job) -> object:
         job.start = time.perf_counter()
-        return job.body()
+        t = job.transfer
+        with profiler_range(f"tierkv {t.kind.value} {t.src or 'new'}->{t.dst}"):
+            return job.body()
 
     def _finish(self, job: Job, done: asyncio.Future) -> None:
         job.state = JobState.DONE

@@ -37,7 +37,7 @@ from tierkv.manager.directory import Directory
 from tierkv.manager.executor import Executor
 from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for
 from tierkv.policy import EvictionPolicy
-from tierkv.profile.events import EventRecorder
+from tierkv.profile.events import Event, EventRecorder
 from tierkv.tiers.base import Medium, Tier
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier
@@ -281,12 +281,14 @@ class TierManager:
         target = tier or self.memory_tiers[0]
         wanted = [(k, target) for k in keys]
         self._wanted.update(wanted)  # arriving blocks stay until pinned
+        not_in_place = self._record_hits(keys, tier, layer)
         try:
             for attempt in range(_MAX_ATTEMPTS):
                 places = self._pin_resident(keys, tier)
                 if places is not None:
                     if attempt:
-                        self.events.wait("", target, layer, len(keys) * self.block_bytes, start)
+                        self.events.wait("", target, layer, not_in_place * self.block_bytes, start,
+                                         not_in_place)
                     return Lease(tuple(keys), places, tuple(self.tiers[n].view(s) for n, s in places),
                                  self._unpin)
                 missing = [k for k in keys if not self._resident(k, tier)]
@@ -296,6 +298,19 @@ class TierManager:
             self._wanted = +self._wanted
         raise BudgetExceeded(f"tier {tier}: blocks were evicted {_MAX_ATTEMPTS} times before they could "
                              f"be pinned; the tier is too small for {len(keys)} blocks at once")
+
+    def _record_hits(self, keys: Sequence[BlockKey], tier: str | None, layer: int | None) -> int:
+        """Record a ``hit`` event per tier for blocks already in place; returns how many are not."""
+        if not self.events.enabled:
+            return len(keys)
+        names = [tier] if tier is not None else self.memory_tiers
+        found = Counter(next((n for n in names if n in e.copies), None)
+                        for k in keys if (e := self.directory.get(k)) is not None)
+        found.pop(None, None)
+        now = time.perf_counter()
+        for name, n in found.items():
+            self.events.record(Event("hit", name, name, layer, n * self.block_bytes, now, now, now, n))
+        return len(keys) - sum(found.values())
 
     def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *,
                  layer: int | None = None) -> None:

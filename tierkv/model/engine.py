@@ -42,6 +42,7 @@ from tierkv.model.attention import attend, merge_lse
 from tierkv.model.loading import LoadedModel
 from tierkv.model.sequence import KVLayout, TieredSequence
 from tierkv.profile.events import Event
+from tierkv.profile.trace import profiler_range
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +165,11 @@ class Engine:
             start = time.perf_counter()
             if index + 1 < len(self.layers):
                 seq.prefetch_layer(index + 1, self._group())
-            q, _, k, v = project_qkv(layer, h, cos, sin)
-            out = self._attention(seq, index, q, k, v)
-            seq.append(index, k, v)
-            h = mlp_block(layer, finish_attention(layer, out, h))
+            with profiler_range(f"tierkv layer {index}"):
+                q, _, k, v = project_qkv(layer, h, cos, sin)
+                out = self._attention(seq, index, q, k, v)
+                seq.append(index, k, v)
+                h = mlp_block(layer, finish_attention(layer, out, h))
             events.record(Event("layer", "", "", index, 0, start, start, time.perf_counter()))
         return final_logits(self.model, h[:, -1:])[0, -1]
 

@@ -132,7 +132,8 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
         seq.release(keep=manager.manager.store is not None)
         result.tiers = tier_report(manager)
     if config.trace is not None:
-        write_trace(config.trace, recorder.events, recorder.origin)
+        meta = {"block_bytes": layout.block_bytes, "tiers": result.tiers}
+        write_trace(config.trace, recorder.events, recorder.origin, meta=meta)
     return result
 
 

@@ -1,1 +1,1 @@
-"""Measurement: events, and (later) traces, summaries and replay."""
+"""Measurement: events, Chrome/Perfetto traces, summaries and plots, access traces and replay."""

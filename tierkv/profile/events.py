@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    kind: str            # load | prefetch | writeback | demote | put | wait | ...
+    kind: str            # transfers: put | load | prefetch | demote | writeback
+                         # caller side: wait (stall) | hit (blocks found in place, src = dst = tier)
+                         # compute: step (decode step) | prefill | layer (one decoder layer)
     src: str             # tier name, "" for none
     dst: str
     layer: int | None
@@ -45,9 +47,9 @@ class EventRecorder:
         if self.enabled:
             self.events.append(event)
 
-    def wait(self, src: str, dst: str, layer: int | None, nbytes: int, start: float) -> None:
+    def wait(self, src: str, dst: str, layer: int | None, nbytes: int, start: float, blocks: int = 1) -> None:
         now = time.perf_counter()
-        self.record(Event("wait", src, dst, layer, nbytes, start, start, now))
+        self.record(Event("wait", src, dst, layer, nbytes, start, start, now, blocks))
 
     def clear(self) -> None:
         self.events.clear()

@@ -1,0 +1,422 @@
+"""What a trace says to act on: step latency, where the stall came from, links against their limits.
+
+Everything is computed over one phase of the run: ``decode`` (inside the
+``step`` slices, the default), ``prefill`` or ``all``. Definitions:
+
+stall          time a reader waited for blocks (``wait`` events).
+attribution    a wait names the tier it read into, not what it waited for. Its time is split
+               over the transfers that overlapped it, in proportion to how much of the wait each
+               tier link's transfers covered: loads and prefetches into that tier for the same
+               layer (the blocks it waited for) and demotes out of that tier (room being made).
+               A wait that names its source (``src``) is charged to that link whole; one that
+               nothing overlapped is charged to "unattributed".
+achieved GB/s  bytes a link moved / the time it was busy (the union of its transfers' intervals),
+               next to the link's measured limit from the trace's metadata (``link_limit``).
+reads          where the blocks readers acquired came from: found in place in a memory tier
+               (``hit`` events), or missing at the first attempt (a wait's ``blocks``) and then
+               loaded from a lower tier (``load`` events) or taken from a prefetch still in flight.
+               The hit rate of a tier is its in-place share of all blocks acquired.
+reuse          1 - blocks brought into memory from storage during the phase (loads and prefetches
+               from the nvme tier) / blocks acquired in it: the share of reads carried
+               over from earlier steps. A lower bound: a prefetched block nobody read still counts as
+               brought in. Moves between memory tiers (cpu->gpu) bring nothing new.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from tierkv.config import format_size
+from tierkv.errors import ConfigError
+from tierkv.profile.events import Event
+
+PHASES = ("decode", "prefill", "all")
+WAITED_ON = ("load", "prefetch", "demote")    # transfers a reader can be blocked behind
+INTO_MEMORY = ("load", "prefetch")
+UNATTRIBUTED = "unattributed"
+STORAGE_TIERS = ("nvme",)     # tiers that are not memory: a read from them brings a block into memory
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """One row of a stall table: a tier link or a layer."""
+
+    key: str
+    seconds: float
+    waits: int
+    of_stall: float
+    of_time: float          # of the phase's time (links) or of the layer's own time (layers)
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    link: str
+    layer: int | None
+    seconds: float
+    waits: int
+    of_stall: float
+    kinds: dict[str, float]   # seconds per transfer kind (load, prefetch, demote)
+
+    def describe(self) -> str:
+        kind = max(self.kinds, key=self.kinds.get) if self.kinds else ""
+        what = {"load": "loads", "prefetch": "late prefetches", "demote": "demotes"}.get(kind, "waits")
+        where = "" if self.layer is None else f" at layer {self.layer}"
+        return (f"{self.link} {what}{where}: {100 * self.of_stall:.0f} % of stall "
+                f"({self.waits} waits, mean {1e3 * self.seconds / max(self.waits, 1):.1f} ms)")
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    link: str
+    kinds: str
+    transfers: int
+    nbytes: int
+    busy_s: float
+    gbps: float
+    limit_gbps: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where acquired blocks came from: ``in place in gpu``, ``loaded from nvme``, ..."""
+
+    source: str
+    blocks: int
+    share: float
+
+
+@dataclass(slots=True)
+class Summary:
+    phase: str
+    phase_s: float
+    steps: int
+    step_ms: dict[str, float]
+    prefill_s: float
+    stall_s: float
+    waits: int
+    by_link: list[Share]
+    by_layer: list[Share]
+    causes: list[Cause]       # every (link, layer), largest first
+    links: list[Link]
+    reads: list[Source]
+    reuse: float | None
+    tiers: dict[str, dict] = field(default_factory=dict)   # the run's tier report, from the trace's metadata
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def phase_time(self) -> str:
+        return "the run" if self.phase == "all" else f"{self.phase} time"
+
+    @property
+    def stall_fraction(self) -> float:
+        return self.stall_s / self.phase_s if self.phase_s else 0.0
+
+    def as_dict(self, top: int = 5) -> dict[str, object]:
+        return asdict(self) | {"stall_fraction": self.stall_fraction,
+                               "top_causes": [c.describe() for c in self.causes[:top]]}
+
+
+# -- attribution -----------------------------------------------------------
+class TransferIndex:
+    """Transfers a wait may overlap, indexed by what they bring in (dst, layer) and what they evict."""
+
+    def __init__(self, events: Sequence[Event]) -> None:
+        into: dict[tuple[str, int | None], list[Event]] = defaultdict(list)
+        into_any: dict[str, list[Event]] = defaultdict(list)
+        out_of: dict[str, list[Event]] = defaultdict(list)
+        for e in events:
+            if e.kind in INTO_MEMORY:
+                into[(e.dst, e.layer)].append(e)
+                into_any[e.dst].append(e)
+            elif e.kind == "demote":
+                out_of[e.src].append(e)
+        self.into = {k: _Overlaps(v) for k, v in into.items()}
+        self.into_any = {k: _Overlaps(v) for k, v in into_any.items()}
+        self.out_of = {k: _Overlaps(v) for k, v in out_of.items()}
+
+    def blockers(self, w: Event) -> list[Event]:
+        found = _find(self.into.get((w.dst, w.layer)), w) + _find(self.out_of.get(w.dst), w)
+        return found or _find(self.into_any.get(w.dst), w)
+
+
+def _find(index: _Overlaps | None, w: Event) -> list[Event]:
+    return [] if index is None else index.find(w.start, w.done)
+
+
+class _Overlaps:
+    def __init__(self, events: list[Event]) -> None:
+        self.events = sorted(events, key=lambda e: e.start)
+        self.starts = [e.start for e in self.events]
+        self.longest = max((e.done - e.start for e in self.events), default=0.0)
+
+    def find(self, start: float, done: float) -> list[Event]:
+        hi = bisect.bisect_left(self.starts, done)
+        lo = bisect.bisect_left(self.starts, start - self.longest)
+        return [e for e in self.events[lo:hi] if e.done > start]
+
+
+def attribute(wait: Event, transfers: TransferIndex) -> dict[tuple[str, str], float]:
+    """Seconds of ``wait`` per (link, kind) it was blocked behind (see the module doc)."""
+    seconds = wait.done - wait.start
+    if wait.src:
+        return {(f"{wait.src}->{wait.dst}", "load"): seconds}
+    covered: dict[tuple[str, str], float] = {}
+    by_key: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    for e in transfers.blockers(wait):
+        by_key[(f"{e.src}->{e.dst}", e.kind)].append((max(e.start, wait.start), min(e.done, wait.done)))
+    for key, spans in by_key.items():
+        covered[key] = _union(spans)
+    total = sum(covered.values())
+    if total <= 0:
+        return {(UNATTRIBUTED, ""): seconds}
+    return {key: seconds * c / total for key, c in covered.items() if c > 0}
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+# -- phases ----------------------------------------------------------------
+class _Window:
+    """The phase's time as sorted, disjoint (start, done) spans; ``holds`` asks if a time is in one."""
+
+    def __init__(self, spans: list[tuple[float, float]]) -> None:
+        self.spans = sorted(spans)
+        self.starts = [a for a, _ in self.spans]
+        self.seconds = sum(b - a for a, b in self.spans)
+
+    def holds(self, t: float) -> bool:
+        i = bisect.bisect_right(self.starts, t) - 1
+        return i >= 0 and t <= self.spans[i][1]
+
+
+def _window(events: Sequence[Event], phase: str) -> _Window:
+    if phase == "all":
+        return _Window([(min(e.start for e in events), max(e.done for e in events))])
+    kind = "step" if phase == "decode" else "prefill"
+    return _Window([(e.start, e.done) for e in events if e.kind == kind])
+
+
+# -- the summary -------------------------------------------------------------
+def summarize(events: Sequence[Event], meta: dict | None = None, *, phase: str = "decode") -> Summary:
+    """Summarize recorded (or read-back) events; ``meta`` is the trace's "tierkv" object."""
+    if phase not in PHASES:
+        raise ConfigError(f"phase={phase!r}: allowed: {', '.join(PHASES)}")
+    if not events:
+        raise ConfigError("no events to summarize")
+    meta, notes = meta or {}, []
+    if phase == "decode" and not any(e.kind == "step" for e in events):
+        notes.append("the trace has no decode steps: summarizing the whole run")
+        phase = "all"
+    window = _window(events, phase)
+    inside = [e for e in events if window.holds(e.start)]
+    waits = [e for e in inside if e.kind == "wait"]
+    transfers = TransferIndex(events)
+    charged = [(w, attribute(w, transfers)) for w in waits]
+    stall = sum(w.done - w.start for w in waits)
+    steps = [e.done - e.start for e in events if e.kind == "step"]
+    reads, reuse = _reads(inside, notes)
+    summary = Summary(phase, window.seconds, len(steps), _percentiles(steps),
+                      sum(e.done - e.start for e in events if e.kind == "prefill"), stall, len(waits),
+                      _by_link(charged, stall, window.seconds), _by_layer(waits, inside, stall),
+                      _causes(charged, stall), _links(inside, meta), reads, reuse,
+                      _mapping(meta, "tiers"), notes)
+    _note_gaps(summary, charged, meta)
+    return summary
+
+
+def _percentiles(seconds: list[float]) -> dict[str, float]:
+    if not seconds:
+        return {}
+    ms = np.asarray(seconds) * 1e3
+    return {"p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)),
+            "p99": float(np.percentile(ms, 99)), "mean": float(ms.mean()), "max": float(ms.max())}
+
+
+def _by_link(charged: list[tuple[Event, dict]], stall: float, phase_s: float) -> list[Share]:
+    seconds: dict[str, float] = defaultdict(float)
+    waits: dict[str, set[int]] = defaultdict(set)
+    for i, (_, parts) in enumerate(charged):
+        for (link, _), s in parts.items():
+            seconds[link] += s
+            waits[link].add(i)
+    return sorted((Share(link, s, len(waits[link]), s / stall if stall else 0.0,
+                         s / phase_s if phase_s else 0.0) for link, s in seconds.items()),
+                  key=lambda r: -r.seconds)
+
+
+def _by_layer(waits: list[Event], inside: list[Event], stall: float) -> list[Share]:
+    layer_s: dict[int | None, float] = defaultdict(float)
+    for e in inside:
+        if e.kind == "layer":
+            layer_s[e.layer] += e.done - e.start
+    stalled: dict[int | None, list[float]] = defaultdict(list)
+    for w in waits:
+        stalled[w.layer].append(w.done - w.start)
+    rows = [Share("-" if layer is None else str(layer), sum(s), len(s), sum(s) / stall if stall else 0.0,
+                  sum(s) / layer_s[layer] if layer_s.get(layer) else 0.0) for layer, s in stalled.items()]
+    return sorted(rows, key=lambda r: -r.seconds)
+
+
+def _causes(charged: list[tuple[Event, dict]], stall: float) -> list[Cause]:
+    seconds: dict[tuple[str, int | None], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    waits: dict[tuple[str, int | None], int] = defaultdict(int)
+    for w, parts in charged:
+        for (link, kind), s in parts.items():
+            seconds[(link, w.layer)][kind] += s
+        for link in {link for link, _ in parts}:
+            waits[(link, w.layer)] += 1
+    rows = [Cause(link, layer, sum(kinds.values()), waits[(link, layer)],
+                  sum(kinds.values()) / stall if stall else 0.0, {k: v for k, v in kinds.items() if k})
+            for (link, layer), kinds in seconds.items()]
+    return sorted(rows, key=lambda c: -c.seconds)
+
+
+def _links(inside: list[Event], meta: dict) -> list[Link]:
+    groups: dict[str, list[Event]] = defaultdict(list)
+    for e in inside:
+        if e.kind not in ("wait", "step", "prefill", "layer", "hit") and e.nbytes:
+            groups[f"{e.src or 'new'}->{e.dst}"].append(e)
+    limits = _mapping(meta, "links")
+    rows = []
+    for link, group in groups.items():
+        busy = _union([(e.start, e.done) for e in group])
+        nbytes = sum(e.nbytes for e in group)
+        rows.append(Link(link, ",".join(sorted({e.kind for e in group})), len(group), nbytes, busy,
+                         nbytes / busy / 1e9 if busy else 0.0, link_limit(link, limits)))
+    return sorted(rows, key=lambda r: -r.nbytes)
+
+
+def link_limit(link: str, limits: dict[str, object]) -> float | None:
+    """GB/s limit of ``src->dst`` from the trace's "links": a number or a probe record ({"gbps": ...}).
+
+    A link the probe did not measure directly (nvme->gpu) is staged through host memory: the
+    slower of its two hops (nvme->cpu, cpu->gpu) bounds it.
+    """
+    def gbps(name: str) -> float | None:
+        value = limits.get(name)
+        value = value.get("gbps") if isinstance(value, dict) else value
+        return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+    direct = gbps(link)
+    if direct is not None:
+        return direct
+    src, _, dst = link.partition("->")
+    hops = [gbps(f"{src}->cpu"), gbps(f"cpu->{dst}")]
+    return None if None in hops or "cpu" in (src, dst) else min(hops)
+
+
+def _mapping(meta: dict, name: str) -> dict:
+    """``meta[name]`` when it is an object; metadata is advisory, a malformed entry is ignored."""
+    value = meta.get(name)
+    return dict(value) if isinstance(value, dict) else {}
+
+
+def _reads(inside: list[Event], notes: list[str]) -> tuple[list[Source], float | None]:
+    hits = [e for e in inside if e.kind == "hit"]
+    if not hits:
+        notes.append("hit rates and reuse need `hit` events (blocks an acquire found in place); "
+                     "this trace has none")
+        return [], None
+    counts: dict[str, int] = defaultdict(int)
+    for e in hits:
+        counts[f"in place in {e.dst}"] += e.blocks
+    missed = sum(e.blocks for e in inside if e.kind == "wait")
+    loaded = 0
+    for e in inside:
+        if e.kind == "load":
+            counts[f"loaded from {e.src}"] += e.blocks
+            loaded += e.blocks
+    if missed > loaded:
+        counts["taken from a prefetch in flight"] = missed - loaded
+    acquired = sum(e.blocks for e in hits) + missed
+    reads = [Source(s, n, n / acquired) for s, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    brought = sum(e.blocks for e in inside if e.kind in INTO_MEMORY and e.src in STORAGE_TIERS)
+    return reads, max(0.0, 1.0 - brought / acquired) if acquired else None
+
+
+def _note_gaps(s: Summary, charged: list[tuple[Event, dict]], meta: dict) -> None:
+    lost = sum(p.get((UNATTRIBUTED, ""), 0.0) for _, p in charged)
+    if s.stall_s and lost / s.stall_s > 0.05:
+        s.notes.append(f"{100 * lost / s.stall_s:.0f} % of stall overlapped no transfer into the waiting "
+                       "tier (blocked on a pin or on the executor queue?)")
+    if s.links and not _mapping(meta, "links"):
+        s.notes.append("no measured link limits in the trace: GB/s is shown without its limit")
+
+
+# -- text ------------------------------------------------------------------
+def format_summary(s: Summary, title: str = "", top: int = 5) -> str:
+    lines = [f"{title}{': ' if title else ''}{s.phase} phase {s.phase_s:.2f} s; {s.steps} decode steps"]
+    if s.step_ms:
+        m = s.step_ms
+        lines.append(f"step latency  p50 {m['p50']:.1f} ms  p90 {m['p90']:.1f} ms  p99 {m['p99']:.1f} ms"
+                     f"  (mean {m['mean']:.1f}, max {m['max']:.1f})")
+    if s.prefill_s:
+        lines.append(f"prefill       {s.prefill_s:.2f} s")
+    if s.tiers:
+        lines.append("tiers         " + ", ".join(f"{name} {_tier_size(t)}" for name, t in s.tiers.items()))
+    lines.append(f"stall         {s.stall_s:.3f} s = {100 * s.stall_fraction:.1f} % of {s.phase_time}, "
+                 f"{s.waits} waits")
+    lines += _stall_tables(s, top) + _link_table(s.links) + _read_lines(s)
+    lines += [f"note: {n}" for n in s.notes]
+    return "\n".join(lines)
+
+
+def _tier_size(tier: object) -> str:
+    sizes = {k: v for k, v in tier.items() if isinstance(v, (int, float))} if isinstance(tier, dict) else {}
+    if "budget_bytes" not in sizes:
+        return "?"
+    peak = f" (peak {format_size(sizes['peak_bytes'])})" if "peak_bytes" in sizes else ""
+    return format_size(sizes["budget_bytes"]) + peak
+
+
+def _stall_tables(s: Summary, top: int) -> list[str]:
+    if not s.waits:
+        return []
+    shown_links = [r for r in s.by_link if r.of_stall >= 0.001]
+    lines = ["", f"{'stall by tier link':22s} {'stall s':>8s} {'of stall':>9s} {'of time':>8s} {'waits':>6s}"]
+    lines += [f"  {r.key:20s} {r.seconds:8.3f} {100 * r.of_stall:8.1f}% {100 * r.of_time:7.1f}% {r.waits:6d}"
+              for r in shown_links]
+    if len(shown_links) < len(s.by_link):
+        lines.append(f"  ({len(s.by_link) - len(shown_links)} more under 0.1 % of stall)")
+    shown = s.by_layer[:8]
+    lines += ["", f"{'stall by layer':22s} {'stall s':>8s} {'of stall':>9s} {'of layer':>8s} {'waits':>6s}"
+              + (f"   (top {len(shown)} of {len(s.by_layer)})" if len(shown) < len(s.by_layer) else "")]
+    lines += [f"  {'layer ' + r.key:20s} {r.seconds:8.3f} {100 * r.of_stall:8.1f}% {100 * r.of_time:7.1f}% "
+              f"{r.waits:6d}" for r in shown]
+    lines += ["", "top stall causes"] + [f"  {i}. {c.describe()}" for i, c in enumerate(s.causes[:top], 1)]
+    return lines
+
+
+def _link_table(links: list[Link]) -> list[str]:
+    if not links:
+        return []
+    lines = ["", f"{'link':14s} {'kinds':22s} {'moved':>10s} {'xfers':>6s} {'busy s':>7s} {'GB/s':>7s} "
+                 f"{'limit':>7s} {'of limit':>8s}"]
+    for r in links:
+        limit = f"{r.limit_gbps:7.2f} {100 * r.gbps / r.limit_gbps:7.0f}%" if r.limit_gbps else \
+            f"{'?':>7s} {'':>8s}"
+        lines.append(f"  {r.link:12s} {r.kinds:22s} {format_size(r.nbytes):>10s} {r.transfers:6d} "
+                     f"{r.busy_s:7.3f} {r.gbps:7.2f} {limit}")
+    return lines
+
+
+def _read_lines(s: Summary) -> list[str]:
+    if not s.reads:
+        return []
+    total = sum(r.blocks for r in s.reads)
+    lines = ["", f"reads: {total} blocks acquired"]
+    lines += [f"  {r.source:32s} {r.blocks:8d} {100 * r.share:6.1f}%" for r in s.reads]
+    if s.reuse is not None:
+        lines.append(f"cross-step reuse {100 * s.reuse:.1f} % of reads needed no block from storage "
+                     "(1 - blocks read from nvme / blocks acquired; a lower bound)")
+    return lines
