@@ -27,11 +27,21 @@ fifo       oldest insert; use does not matter                      ``fifo.py``
 lfu        least often used, least recent among equals             ``lfu.py``
 arc        adaptive split between once-used and reused (ARC)       ``arc.py``
 s3fifo     new keys not reused since insert (S3-FIFO)              ``s3fifo.py``
+streaming  not the sinks or the recent window; oldest first        ``streaming.py``
+h2o        least accumulated attention, then least recently used  ``h2o.py``
 =========  ======================================================  ==============
+
+``streaming`` and ``h2o`` use the optional hints of ``tierkv.policy``
+(``describe``, ``observe``); without them they act as FIFO and LRU.
+
+Prefetch strategies (which blocks of the next layer to load ahead) have a
+registry of their own: ``make_prefetch("next-layer")``, ``prefetch_policies()``
+(see ``prefetch.py``).
 """
 from __future__ import annotations
 
-from policies import arc, fifo, lfu, lru, s3fifo  # noqa: F401  importing a strategy registers it
+from policies import arc, fifo, h2o, lfu, lru, s3fifo, streaming  # noqa: F401  importing registers them
+from policies.prefetch import make_prefetch, prefetch_policies, register_prefetch
 from policies.registry import available, make_policy, register
 
-__all__ = ["available", "make_policy", "register"]
+__all__ = ["available", "make_policy", "make_prefetch", "prefetch_policies", "register", "register_prefetch"]

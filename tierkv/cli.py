@@ -21,6 +21,7 @@ from tierkv.config import format_size
 from tierkv.device import has_cuda, has_cuda_driver
 from tierkv.errors import TierKVError
 from tierkv.profile.command import add_profile
+from tierkv.profile.tune import add_tune
 
 
 class UsageError(TierKVError):
@@ -92,10 +93,18 @@ def _print_facts(facts: dict[str, object]) -> None:
               f"O_DIRECT {'yes' if nvme['o_direct'] else 'no'}")
         for name, status in nvme["backends"].items():
             print(f"  backend {name:9s} {status}")
+    if "links" in facts:
+        from tierkv.profile.probe import link_lines
+        print(f"links      measured {facts['links']['measured_at']} ({'quick' if facts['links']['quick'] else 'full'})")
+        for line in link_lines(facts["links"]):
+            print(f"  {line}")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     facts = machine_facts(args.nvme_dir)
+    if args.probe or args.reprobe:
+        from tierkv.profile.probe import probe_links
+        facts["links"] = probe_links(args.nvme_dir, quick=not args.full, refresh=args.reprobe)
     if args.json:
         print(json.dumps(facts, indent=2))
     else:
@@ -107,6 +116,10 @@ def add_info(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="what this machine offers: CUDA, GDS, pinned memory, NVMe backends")
     p.add_argument("--nvme-dir", type=Path, help="directory to probe for the NVMe tier")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--probe", action="store_true",
+                   help="measure memcpy, device-link and disk (--nvme-dir) GB/s and latency; cached")
+    p.add_argument("--reprobe", action="store_true", help="like --probe, measuring again instead of the cache")
+    p.add_argument("--full", action="store_true", help="with --probe: a longer, steadier measurement")
     p.set_defaults(func=cmd_info)
 
 
@@ -122,10 +135,17 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a HF folder")
     p.add_argument("--question", help="question asked after --doc (default: summarize)")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--gpu-budget", default="256MiB", help="KV bytes in the compute device's tier")
-    p.add_argument("--cpu-budget", default="1GiB", help="KV bytes in host memory")
+    p.add_argument("--config", type=Path, help="settings file written by `tierkv tune` (flags given here win)")
+    p.add_argument("--gpu-budget", help=f"KV bytes in the compute device's tier (default {RUN_DEFAULTS['gpu_budget']})")
+    p.add_argument("--cpu-budget", help=f"KV bytes in host memory (default {RUN_DEFAULTS['cpu_budget']})")
     p.add_argument("--nvme-dir", type=Path, help="directory of the persistent NVMe store (enables reuse)")
-    p.add_argument("--nvme-budget", default="64GiB", help="cap of the NVMe store; cold blocks are evicted")
+    p.add_argument("--nvme-budget", help=f"cap of the NVMe store; cold blocks are evicted "
+                                         f"(default {RUN_DEFAULTS['nvme_budget']})")
+    for tier in ("gpu", "cpu", "nvme"):
+        p.add_argument(f"--{tier}-policy", help=f"eviction policy of the {tier} tier: a name in policies "
+                                                f"or module:Class (default lru)")
+    p.add_argument("--prefetch", help="which blocks of the next layer to load ahead: a policies.prefetch "
+                                      "name (default next-layer)")
     p.add_argument("--mode", default="dense", help="dense (sparse comes with the sparse-decode release)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per KV block")
@@ -139,14 +159,24 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
+RUN_DEFAULTS = {"gpu_budget": "256MiB", "cpu_budget": "1GiB", "nvme_budget": "64GiB", "gpu_policy": "lru",
+                "cpu_policy": "lru", "nvme_policy": "lru", "prefetch": "next-layer"}
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, object]:
+    """Budgets, policies and prefetch: a flag given, else ``--config``, else the default."""
+    from tierkv.profile.tune import read_run_config
+    chosen = RUN_DEFAULTS | (read_run_config(args.config) if args.config else {})
+    return {key: value if getattr(args, key) is None else getattr(args, key) for key, value in chosen.items()}
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tierkv.model.generate import RunConfig, run
     config = RunConfig(model=args.model, doc=args.doc, synthetic_tokens=args.synthetic_tokens,
                        question=args.question, max_new_tokens=args.max_new_tokens,
-                       gpu_budget=args.gpu_budget, cpu_budget=args.cpu_budget, nvme_dir=args.nvme_dir,
-                       nvme_budget=args.nvme_budget, mode=args.mode, dtype=args.dtype,
+                       nvme_dir=args.nvme_dir, **run_settings(args), mode=args.mode, dtype=args.dtype,
                        block_tokens=args.block_tokens, chunk_tokens=args.chunk_tokens,
                        reuse=not args.no_reuse, depth=args.depth, seed=args.seed, filler=args.filler,
                        trace=args.trace)
@@ -192,7 +222,7 @@ def _print_run_summary(r, config) -> None:
         print(f"trace written to {config.trace}: open it in ui.perfetto.dev, or `tierkv profile {config.trace}`")
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run, add_profile]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run, add_profile, add_tune]
 
 
 def build_parser() -> argparse.ArgumentParser:

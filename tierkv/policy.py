@@ -1,15 +1,39 @@
 """Protocols that strategies in the top-level ``policies`` package implement.
 
 Policies rank, the manager acts: a policy sees only keys, never bytes or
-tiers. One eviction policy instance serves one tier.
+tiers.
 
-``evict(n, protected)`` returns ``n`` victims, none of them in ``protected``,
-and forgets them; when it cannot find ``n`` it returns ``None`` and changes
+Eviction: one ``EvictionPolicy`` instance serves one tier. ``evict(n,
+protected)`` returns ``n`` victims, none of them in ``protected``, and
+forgets them; when it cannot find ``n`` it returns ``None`` and changes
 nothing.
+
+Hints: a strategy that ranks by what a block holds may also have either of
+two optional methods. The manager calls a hint only on policies that have it
+(``isinstance`` against the protocols below), so a policy without hints, and
+a caller that never sends them, keep working unchanged::
+
+    describe(key, *, layer, index)   right after each insert of ``key``: the block holds
+                                     block ``index`` (0 = first tokens) of ``layer``;
+                                     either may be None (unknown)
+    observe(key, score)              attention mass the block just received (summed
+                                     over heads and query rows); the policy adds it up
+
+A hint for a key the policy does not hold is allowed: ``describe`` ignores
+it, ``observe`` may remember it for when the block comes back.
+
+Prefetch: one ``PrefetchPolicy`` instance serves one reader (a decode
+loop). Before the reader computes layer ``l - 1`` it asks which of layer
+``l``'s blocks to start loading::
+
+    plan(layer, blocks, depth) -> keys       blocks: the layer's sealed keys, first token first
+                                             depth:  how many blocks fit beside those in use
+    selected(layer, indices)                 optional: the block indices a sparse reader
+                                             really attended to in ``layer`` this step
 """
 from __future__ import annotations
 
-from collections.abc import Container, Hashable
+from collections.abc import Container, Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
 
@@ -28,3 +52,27 @@ class EvictionPolicy(Protocol):
         """Choose and forget ``n`` victims outside ``protected``, or return None."""
 
     def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class DescribesBlocks(Protocol):
+    def describe(self, key: Hashable, *, layer: int | None, index: int | None) -> None:
+        """Where the block just inserted sits in its sequence."""
+
+
+@runtime_checkable
+class ObservesScores(Protocol):
+    def observe(self, key: Hashable, score: float) -> None:
+        """Attention mass the block received in one step."""
+
+
+@runtime_checkable
+class PrefetchPolicy(Protocol):
+    def plan(self, layer: int, blocks: Sequence[Hashable], depth: int) -> list[Hashable]:
+        """Keys among ``blocks`` of ``layer`` to start loading now, most urgent first."""
+
+
+@runtime_checkable
+class ObservesSelection(Protocol):
+    def selected(self, layer: int, indices: Sequence[int]) -> None:
+        """The block indices of ``layer`` a sparse reader attended to this step."""

@@ -65,6 +65,14 @@ class BlockingTierManager:
     def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *, layer: int | None = None) -> None:
         self._loop.call_soon_threadsafe(lambda: self.manager.prefetch(keys, tier, layer=layer))
 
+    def observe(self, scores: Sequence[tuple[BlockKey, float]]) -> None:
+        """Attention mass per block (fire and forget: policies change on the loop thread)."""
+        self._loop.call_soon_threadsafe(self.manager.observe, scores)
+
+    @property
+    def wants_scores(self) -> bool:
+        return self.manager.wants_scores
+
     def persist(self, keys: Sequence[BlockKey]) -> None:
         self._call(self.manager.persist, keys)
 

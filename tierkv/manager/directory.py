@@ -21,6 +21,7 @@ class BlockEntry:
     key: BlockKey
     protected: bool
     layer: int | None = None
+    index: int | None = None    # block position within its layer (0 = first tokens), when the caller says
     copies: dict[str, int] = field(default_factory=dict)              # tier -> READY slot
     arriving: dict[str, asyncio.Future] = field(default_factory=dict)  # tier -> move in flight
 
@@ -47,13 +48,16 @@ class Directory:
             raise BlockMissing(f"block {key.hex()} is not stored in any tier")
         return entry
 
-    def add(self, key: BlockKey, *, protected: bool, layer: int | None = None) -> BlockEntry:
+    def add(self, key: BlockKey, *, protected: bool, layer: int | None = None,
+            index: int | None = None) -> BlockEntry:
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = BlockEntry(key, protected, layer)
+            entry = self._entries[key] = BlockEntry(key, protected, layer, index)
         entry.protected |= protected
         if layer is not None:
             entry.layer = layer
+        if index is not None:
+            entry.index = index
         return entry
 
     def forget_if_empty(self, key: BlockKey) -> None:

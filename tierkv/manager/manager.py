@@ -36,7 +36,7 @@ from tierkv.keys import BlockKey
 from tierkv.manager.directory import Directory
 from tierkv.manager.executor import Executor
 from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for
-from tierkv.policy import EvictionPolicy
+from tierkv.policy import DescribesBlocks, EvictionPolicy, ObservesScores
 from tierkv.profile.events import Event, EventRecorder
 from tierkv.tiers.base import Medium, Tier
 from tierkv.tiers.cpu import CpuTier
@@ -185,19 +185,34 @@ class TierManager:
     def used_bytes(self, tier: str) -> int:
         return self.tiers[tier].pool.used * self.block_bytes
 
+    @property
+    def wants_scores(self) -> bool:
+        """Some tier's policy ranks blocks by the attention they receive (``observe``)."""
+        return any(isinstance(p, ObservesScores) for p in self.policies.values())
+
+    def observe(self, scores: Iterable[tuple[BlockKey, float]]) -> None:
+        """Attention mass per block in one step, for the policies that rank by it."""
+        observers = [p for p in self.policies.values() if isinstance(p, ObservesScores)]
+        for key, score in scores:
+            for policy in observers:
+                policy.observe(key, score)
+
     # -- placing new blocks ---------------------------------------------
     async def put(self, key: BlockKey, data: torch.Tensor, *, tier: str | None = None,
-                  layer: int | None = None, protect: bool = True, persist: bool = False) -> None:
+                  layer: int | None = None, index: int | None = None, protect: bool = True,
+                  persist: bool = False) -> None:
         """Store a new block (exactly ``block_bytes``) in ``tier`` (default: the fastest with room).
 
         A key names its content: putting a key that is already stored only
         marks it protected. ``persist`` also writes it back to the NVMe store.
+        ``layer`` and ``index`` (the block's position in its layer) are hints
+        for policies that rank by position (see tierkv.policy).
         """
         self._check_running()
         raw = _as_bytes(data, self.block_bytes)
         if self.access is not None:
             self.access.on_put(key, layer)
-        entry = self.directory.add(key, protected=protect, layer=layer)
+        entry = self.directory.add(key, protected=protect, layer=layer, index=index)
         if entry.copies or entry.arriving:
             return
         order = self._placement(tier)
@@ -435,7 +450,7 @@ class TierManager:
         if error is None and t.kind is Kind.DEMOTE:
             for key, slot in zip(t.keys, t.src_slots):
                 if self.tiers[t.src].pool.pins(slot):
-                    self.policies[t.src].insert(key)  # a reader pinned it meanwhile: keep this copy
+                    self._admit(t.src, key)  # a reader pinned it meanwhile: keep this copy
                 elif key not in failed:
                     self._remove_copy(key, t.src)  # its policy already forgot it
         self._changed.set()
@@ -517,7 +532,7 @@ class TierManager:
         except BaseException:
             for key in keys:  # still resident here: give them back to the policy
                 if name in self.directory.entry(key).copies:
-                    self.policies[name].insert(key)
+                    self._admit(name, key)
             raise
 
     def _free_memory_below(self, name: str) -> int:
@@ -548,8 +563,17 @@ class TierManager:
             return
         tier.pool.commit(slot)
         entry.copies[name] = slot
-        self.policies[name].insert(key)
+        self._admit(name, key)
         self.stats[name].bytes_in += self.block_bytes
+
+    def _admit(self, name: str, key: BlockKey) -> None:
+        """Tell ``name``'s policy the block is resident, and where it sits if the policy asks."""
+        policy = self.policies[name]
+        policy.insert(key)
+        if isinstance(policy, DescribesBlocks):
+            entry = self.directory.get(key)
+            if entry is not None:
+                policy.describe(key, layer=entry.layer, index=entry.index)
 
     def _remove_copy(self, key: BlockKey, name: str) -> None:
         entry = self.directory.entry(key)
@@ -565,7 +589,7 @@ class TierManager:
             return
         for key, slot in tier.items():
             self.directory.add(key, protected=False).copies[name] = slot
-            self.policies[name].insert(key)
+            self._admit(name, key)
         self.stats[name].peak_slots = tier.pool.used
 
     def _resident(self, key: BlockKey, tier: str | None) -> bool:

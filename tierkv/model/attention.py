@@ -78,6 +78,24 @@ def merge_lse(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return out.to(parts[0][0].dtype), lse
 
 
+def block_lse(q: Tensor, k: Tensor, block_tokens: int) -> Tensor:
+    """Log-sum-exp of each query row over each key block: q [B, H, Tq, D], k [B, Hkv, n*T, D] -> [B, H, Tq, n]."""
+    B, H, Tq, D = q.shape
+    Hkv, n = k.shape[1], k.shape[2] // block_tokens
+    qf = q.reshape(B, Hkv, (H // Hkv) * Tq, D).float()                 # [B, Hkv, G*Tq, D]
+    scores = qf @ k.float().transpose(-1, -2) / math.sqrt(D)           # [B, Hkv, G*Tq, n*T]
+    lse = scores.unflatten(-1, (n, block_tokens)).logsumexp(dim=-1)    # [B, Hkv, G*Tq, n]
+    return lse.reshape(B, H, Tq, n)                                    # row g*Tq + t -> head kv*G + g
+
+
+def block_mass(lse_blocks: Tensor, lse: Tensor) -> Tensor:
+    """Attention mass each block received, summed over batch, heads and query rows: [n].
+
+    ``lse_blocks`` [B, H, Tq, n] from `block_lse`; ``lse`` [B, H, Tq] over all keys (from `merge_lse`).
+    """
+    return torch.exp(lse_blocks - lse.unsqueeze(-1)).sum(dim=(0, 1, 2))
+
+
 def _row_runs(Tq: int, Tk: int, q_offset: int) -> tuple[int, int]:
     """``(first, full)``: rows before ``first`` see no key, rows from ``full`` on see every key."""
     first = min(max(-q_offset, 0), Tq)

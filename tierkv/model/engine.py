@@ -33,12 +33,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from policies.prefetch import make_prefetch
 from tierkv.device import has_cuda
 from tierkv.errors import BlockMissing, ConfigError
 from tierkv.manager import BlockingTierManager
 from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attention, mlp_block, \
     project_qkv, rope_cos_sin
-from tierkv.model.attention import attend, merge_lse
+from tierkv.model.attention import attend, block_lse, block_mass, merge_lse
 from tierkv.model.loading import LoadedModel
 from tierkv.model.sequence import KVLayout, TieredSequence
 from tierkv.profile.events import Event
@@ -53,6 +54,7 @@ class EngineConfig:
     chunk_tokens: int = 1024
     reuse: bool = True
     max_rewinds: int = 8   # recomputations after lost blocks before giving up
+    prefetch: str = "next-layer"   # a policies.prefetch name: which blocks of layer l+1 load during layer l
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "chunk_tokens"):
@@ -61,6 +63,7 @@ class EngineConfig:
         if self.chunk_tokens % self.block_tokens:
             raise ConfigError(f"chunk_tokens={self.chunk_tokens}: must be a multiple of "
                               f"block_tokens={self.block_tokens}")
+        make_prefetch(self.prefetch)  # unknown names list the valid ones
 
 
 class Engine:
@@ -76,6 +79,8 @@ class Engine:
         self.layers = decoder_layers(self.model)
         self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype,
                                config.block_tokens)
+        self.prefetch = make_prefetch(config.prefetch)
+        self.scores = manager.wants_scores   # a policy ranks blocks by attention (h2o): report it
 
     def new_sequence(self) -> TieredSequence:
         persist = self.manager.manager.store is not None
@@ -164,27 +169,39 @@ class Engine:
         for index, layer in enumerate(self.layers):
             start = time.perf_counter()
             if index + 1 < len(self.layers):
-                seq.prefetch_layer(index + 1, self._group())
+                seq.prefetch_layer(index + 1, self._group(), self.prefetch)
             with profiler_range(f"tierkv layer {index}"):
                 q, _, k, v = project_qkv(layer, h, cos, sin)
-                out = self._attention(seq, index, q, k, v)
+                out = self._attention(seq, index, q, k, v, scored=self.scores and len(chunk) == 1)
                 seq.append(index, k, v)
                 h = mlp_block(layer, finish_attention(layer, out, h))
             events.record(Event("layer", "", "", index, 0, start, start, time.perf_counter()))
         return final_logits(self.model, h[:, -1:])[0, -1]
 
-    def _attention(self, seq: TieredSequence, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q over every stored block, the tail, then the new tokens (causal), merged exactly."""
+    def _attention(self, seq: TieredSequence, layer: int, q: Tensor, k: Tensor, v: Tensor, *,
+                   scored: bool = False) -> Tensor:
+        """q over every stored block, the tail, then the new tokens (causal), merged exactly.
+
+        ``scored``: also report the attention mass of each stored block to the manager (decode only:
+        it costs one more q·k product per group).
+        """
         parts = [attend(q, k, v, causal=True)]
+        block_lses: list[Tensor] = []                                          # [B, H, Tq, g] per group
         for _, blocks in seq.block_groups(layer, self._group()):
             # one kernel call per group: concatenating is cheaper than a merge per block
             group_k = torch.cat([bk for bk, _ in blocks], dim=2).to(q.device)   # [B, Hkv, g*T, D]
             group_v = torch.cat([bv for _, bv in blocks], dim=2).to(q.device)
             parts = [merge_lse([*parts, attend(q, group_k, group_v, causal=False)])]
+            if scored:
+                block_lses.append(block_lse(q, group_k, self.layout.block_tokens))
         tail_k, tail_v = seq.tail(layer)
         if tail_k.shape[2]:
             parts.append(attend(q, tail_k.to(q.device), tail_v.to(q.device), causal=False))
-        return merge_lse(parts)[0]
+        out, lse = merge_lse(parts)
+        if block_lses:
+            masses = block_mass(torch.cat(block_lses, dim=-1), lse).tolist()
+            self.manager.observe(list(zip(seq.blocks[layer], masses)))
+        return out
 
     def _group(self) -> int:
         """Blocks pinned at once: half the fastest memory tier, so a prefetch fits beside them."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from policies import make_policy
 from tierkv.config import TierConfig, parse_size
 from tierkv.device import has_cuda
 from tierkv.errors import ConfigError
@@ -39,6 +40,10 @@ class RunConfig:
     cpu_budget: str | int = "1GiB"
     nvme_dir: Path | None = None
     nvme_budget: str | int = "64GiB"
+    gpu_policy: str = "lru"          # eviction policy per tier: a policies name or module:Class
+    cpu_policy: str = "lru"
+    nvme_policy: str = "lru"
+    prefetch: str = "next-layer"     # a policies.prefetch name
     mode: str = "dense"
     dtype: str = "float32"
     block_tokens: int = 256
@@ -63,7 +68,9 @@ class RunConfig:
             raise ConfigError(f"dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
         for name in ("gpu_budget", "cpu_budget", "nvme_budget"):
             parse_size(getattr(self, name), name)
-        EngineConfig(self.block_tokens, self.chunk_tokens)  # validates the pair
+        for name in ("gpu_policy", "cpu_policy", "nvme_policy"):
+            make_policy(getattr(self, name))  # unknown names list the valid ones
+        EngineConfig(self.block_tokens, self.chunk_tokens, prefetch=self.prefetch)  # validates the pair
 
 
 @dataclass(slots=True)
@@ -96,7 +103,8 @@ def build_prompt(config: RunConfig, loaded: LoadedModel) -> Prompt:
 def tier_config(config: RunConfig, layout: KVLayout) -> TierConfig:
     nvme_dir = None if config.nvme_dir is None else Path(config.nvme_dir) / layout.name
     return TierConfig(block_bytes=layout.block_bytes, gpu=config.gpu_budget, cpu=config.cpu_budget,
-                      nvme_dir=nvme_dir, nvme_budget=config.nvme_budget)
+                      nvme_dir=nvme_dir, nvme_budget=config.nvme_budget, gpu_policy=config.gpu_policy,
+                      cpu_policy=config.cpu_policy, nvme_policy=config.nvme_policy)
 
 
 def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
@@ -111,7 +119,8 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
                        kv_bytes=(len(prompt.ids) + config.max_new_tokens) * spec.kv_bytes_per_token)
     with BlockingTierManager.from_config(tier_config(config, layout), namespace=layout.name,
                                          recorder=recorder) as manager:
-        engine = Engine(loaded, manager, EngineConfig(config.block_tokens, config.chunk_tokens, config.reuse))
+        engine = Engine(loaded, manager, EngineConfig(config.block_tokens, config.chunk_tokens, config.reuse,
+                                                      prefetch=config.prefetch))
         seq = engine.new_sequence()
         done = [0]
 

@@ -23,6 +23,7 @@ import torch
 
 from tierkv.keys import BlockKey, layer_keys, prefix_keys, root_key
 from tierkv.manager import BlockingTierManager
+from tierkv.policy import PrefetchPolicy
 
 ALIGN = 4096
 
@@ -140,7 +141,7 @@ class TieredSequence:
         index = len(self.blocks[layer])
         key = self.block_key(layer, index)
         tk, tv = self._tail[layer]
-        self.manager.put(key, self.layout.pack(tk, tv), layer=layer, persist=self.persist)
+        self.manager.put(key, self.layout.pack(tk, tv), layer=layer, index=index, persist=self.persist)
         self.blocks[layer].append(key)
         self.tail_len[layer] = 0
 
@@ -184,10 +185,13 @@ class TieredSequence:
             with self.manager.blocks(keys[start:start + group], self.read_tier, layer=layer) as views:
                 yield start, [self.layout.unpack(raw) for raw in views]
 
-    def prefetch_layer(self, layer: int, limit: int) -> None:
-        """Start bringing the first ``limit`` blocks of ``layer`` into memory."""
-        if self.blocks[layer]:
-            self.manager.prefetch(self.blocks[layer][:limit], self.read_tier, layer=layer)
+    def prefetch_layer(self, layer: int, limit: int, plan: PrefetchPolicy | None = None) -> None:
+        """Start bringing blocks of ``layer`` into memory: those ``plan`` picks with room for ``limit``
+        (default: the first ``limit``, which the reader reads first)."""
+        blocks = self.blocks[layer]
+        keys = blocks[:limit] if plan is None else plan.plan(layer, blocks, limit)
+        if keys:
+            self.manager.prefetch(keys, self.read_tier, layer=layer)
 
     def release(self, *, keep: bool) -> None:
         """The sequence is done: keep its blocks as reusable cache, or drop them everywhere."""

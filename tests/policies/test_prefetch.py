@@ -1,0 +1,107 @@
+"""Prefetch strategies: what each plans, and the registry's loud errors."""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from policies.prefetch import make_prefetch, prefetch_policies, register_prefetch
+from tierkv.errors import ConfigError
+from tierkv.policy import ObservesSelection, PrefetchPolicy
+
+BLOCKS = [f"b{i}" for i in range(8)]
+
+
+def test_the_built_ins_are_listed_sorted() -> None:
+    assert prefetch_policies() == ["next-layer", "next-layer-all", "none", "previous-layer",
+                                   "previous-step", "streaming"]
+    for name in prefetch_policies():
+        assert isinstance(make_prefetch(name), PrefetchPolicy)
+
+
+@pytest.mark.parametrize("name,planned", [
+    ("none", []),
+    ("next-layer", ["b0", "b1", "b2"]),
+    ("next-layer-all", BLOCKS),
+    ("streaming", ["b0", "b7"]),
+    ("previous-step", ["b0", "b1", "b2"]),   # nothing selected yet: like next-layer
+    ("previous-layer", ["b0", "b1", "b2"]),
+])
+def test_plans_on_a_layer_of_eight_blocks_with_depth_three(name: str, planned: list[str]) -> None:
+    assert make_prefetch(name).plan(4, BLOCKS, 3) == planned
+
+
+def test_streaming_plans_sinks_then_window_without_duplicates_within_depth() -> None:
+    plan = make_prefetch("streaming", sinks=2, window=3).plan
+    assert plan(1, BLOCKS, 10) == ["b0", "b1", "b5", "b6", "b7"]
+    assert plan(1, BLOCKS, 3) == ["b0", "b1", "b5"]
+    assert plan(1, BLOCKS[:4], 10) == ["b0", "b1", "b2", "b3"]
+    assert plan(1, [], 10) == []
+
+
+def test_previous_step_reuses_what_the_same_layer_selected() -> None:
+    prefetch = make_prefetch("previous-step")
+    assert isinstance(prefetch, ObservesSelection)
+    prefetch.selected(4, [6, 2, 99])              # indices past the layer's end are dropped
+    prefetch.selected(3, [1])
+    assert prefetch.plan(4, BLOCKS, 8) == ["b6", "b2"]
+    assert prefetch.plan(4, BLOCKS, 1) == ["b6"]
+    assert prefetch.plan(5, BLOCKS, 2) == ["b0", "b1"]
+
+
+def test_previous_layer_guesses_from_the_layer_before() -> None:
+    prefetch = make_prefetch("previous-layer")
+    prefetch.selected(3, [5, 0])
+    assert prefetch.plan(4, BLOCKS, 8) == ["b5", "b0"]
+    assert prefetch.plan(0, BLOCKS, 2) == ["b0", "b1"]
+
+
+@pytest.mark.parametrize("name", ["none", "next-layer", "streaming", "previous-step"])
+def test_negative_depth_is_an_error(name: str) -> None:
+    with pytest.raises(ValueError, match="depth=-1"):
+        make_prefetch(name).plan(0, BLOCKS, -1)
+
+
+def test_unknown_name_lists_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match=r"prefetch='nextlayer': unknown; valid names: next-layer, "):
+        make_prefetch("nextlayer")
+
+
+def test_bad_parameters_and_counts_name_the_field() -> None:
+    with pytest.raises(ConfigError, match="do not fit"):
+        make_prefetch("next-layer", depth=3)
+    with pytest.raises(ConfigError, match="window=-2"):
+        make_prefetch("streaming", window=-2)
+
+
+def test_names_are_unique_and_cannot_hold_a_colon() -> None:
+    with pytest.raises(ConfigError, match="already registered"):
+        register_prefetch("none")(object)
+    with pytest.raises(ConfigError, match="reserved for module:Class"):
+        register_prefetch("a:b")
+
+
+@pytest.fixture
+def module_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [n for n, m in sys.modules.items() if str(getattr(m, "__file__", "") or "").startswith(str(tmp_path))]:
+        del sys.modules[name]
+
+
+def test_a_custom_strategy_loads_by_module_and_class(module_dir: Path) -> None:
+    (module_dir / "my_prefetch.py").write_text(
+        "class LastTwo:\n"
+        "    def __init__(self, n=2):\n"
+        "        self.n = n\n"
+        "    def plan(self, layer, blocks, depth):\n"
+        "        return list(blocks[-self.n:])[:depth]\n"
+        "class Nothing:\n"
+        "    pass\n")
+    assert make_prefetch("my_prefetch:LastTwo", n=3).plan(0, BLOCKS, 8) == ["b5", "b6", "b7"]
+    with pytest.raises(ConfigError, match=r"Nothing has no plan\(layer, blocks, depth\)"):
+        make_prefetch("my_prefetch:Nothing")
+    with pytest.raises(ConfigError, match="cannot import module"):
+        make_prefetch("no_such_module_here:X")
