@@ -72,3 +72,16 @@ def test_run_json_has_the_documented_fields(tmp_path):
     assert set(nvme) >= {"budget_bytes", "peak_bytes", "bytes_read", "bytes_written", "backend"}
     trace = json.loads((tmp_path / "t.json").read_text())
     assert any(e.get("name") == "writeback" for e in trace["traceEvents"])
+
+
+@pytest.mark.model
+def test_recorded_access_trace_feeds_tune(tmp_path):
+    trace = tmp_path / "access.tkv"
+    done = tierkv("run", "--synthetic-tokens", "700", "--max-new-tokens", "3", "--nvme-dir", str(tmp_path / "s"),
+                  "--gpu-budget", "2MiB", "--cpu-budget", "4MiB", "--record-access", str(trace), "--json")
+    assert done.returncode == 0, done.stderr
+    tuned = subprocess.run([sys.executable, "-m", "tierkv.cli", "tune", str(trace), "--policies", "lru,arc",
+                            "--json", "--out", str(tmp_path / "best.json")],
+                           capture_output=True, text=True, timeout=300)
+    assert tuned.returncode == 0, tuned.stderr
+    assert json.loads((tmp_path / "best.json").read_text())["format"] == "tierkv-run-config"

@@ -155,6 +155,8 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="passkey seed")
     p.add_argument("--filler", default="repeat", help="haystack filler: repeat (default) or text")
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON of every transfer and wait")
+    p.add_argument("--record-access", type=Path, metavar="FILE",
+                   help="write an access trace (which blocks each step and layer read) for tierkv tune")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.set_defaults(func=cmd_run)
 
@@ -179,7 +181,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                        nvme_dir=args.nvme_dir, **run_settings(args), mode=args.mode, dtype=args.dtype,
                        block_tokens=args.block_tokens, chunk_tokens=args.chunk_tokens,
                        reuse=not args.no_reuse, depth=args.depth, seed=args.seed, filler=args.filler,
-                       trace=args.trace)
+                       trace=args.trace, record_access=args.record_access)
     bars: list[tqdm] = []
 
     def on_prefill(done: int, total: int) -> None:

@@ -104,7 +104,9 @@ def build_tiers(config: TierConfig, *, namespace: str = "default",
 
 class TierManager:
     def __init__(self, tiers: Sequence[Tier], *, policies: dict[str, EvictionPolicy] | None = None,
-                 knobs: IOKnobs | None = None, recorder: EventRecorder | None = None) -> None:
+                 knobs: IOKnobs | None = None, recorder: EventRecorder | None = None,
+                 executor: Executor | None = None) -> None:
+        """``executor`` replaces the thread-pool executor (the replay simulator passes a simulated one)."""
         if not tiers:
             raise ValueError("a tier manager needs at least one tier")
         sizes = {t.block_bytes for t in tiers}
@@ -120,7 +122,7 @@ class TierManager:
         self.events = recorder or EventRecorder()
         self.directory = Directory()
         self.stats = {name: TierStats() for name in self.order}
-        self._executor = Executor(self.knobs.copy_threads, self.knobs.inflight_bytes, self.events)
+        self._executor = executor or Executor(self.knobs.copy_threads, self.knobs.inflight_bytes, self.events)
         self.access: AccessHook | None = None   # records which blocks each step used (replay traces)
         self._background: set[asyncio.Task] = set()
         self._writeback_errors: list[BaseException] = []
@@ -297,9 +299,10 @@ class TierManager:
         wanted = [(k, target) for k in keys]
         self._wanted.update(wanted)  # arriving blocks stay until pinned
         not_in_place = self._record_hits(keys, tier, layer)
+        loaded: set[BlockKey] = set()
         try:
             for attempt in range(_MAX_ATTEMPTS):
-                places = self._pin_resident(keys, tier)
+                places = self._pin_resident(keys, tier, loaded)
                 if places is not None:
                     if attempt:
                         self.events.wait("", target, layer, not_in_place * self.block_bytes, start,
@@ -307,6 +310,7 @@ class TierManager:
                     return Lease(tuple(keys), places, tuple(self.tiers[n].view(s) for n, s in places),
                                  self._unpin)
                 missing = [k for k in keys if not self._resident(k, tier)]
+                loaded.update(missing)
                 await self._bring(missing, target, layer, priority)
         finally:
             self._wanted.subtract(wanted)
@@ -599,7 +603,8 @@ class TierManager:
         names = [tier] if tier is not None else self.memory_tiers
         return any(n in entry.copies for n in names)
 
-    def _pin_resident(self, keys: Sequence[BlockKey], tier: str | None) -> tuple[tuple[str, int], ...] | None:
+    def _pin_resident(self, keys: Sequence[BlockKey], tier: str | None,
+                      fresh: Container[BlockKey] = ()) -> tuple[tuple[str, int], ...] | None:
         names = [tier] if tier is not None else self.memory_tiers
         places = []
         for key in keys:
@@ -610,7 +615,8 @@ class TierManager:
             places.append((name, entry.copies[name]))
         for key, (name, slot) in zip(keys, places):
             self.tiers[name].pool.pin(slot)
-            self.policies[name].touch(key)
+            if key not in fresh:  # a block loaded for this call was just inserted: not a reuse
+                self.policies[name].touch(key)
         return tuple(places)
 
     def _unpin(self, places: Iterable[tuple[str, int]]) -> None:

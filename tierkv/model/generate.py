@@ -22,6 +22,7 @@ from tierkv.model.engine import Engine, EngineConfig
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import Prompt, document_prompt, passkey_prompt
 from tierkv.model.sequence import KVLayout
+from tierkv.profile.access import AccessRecorder
 from tierkv.profile.events import Event, EventRecorder
 from tierkv.profile.trace import write_trace
 
@@ -53,6 +54,7 @@ class RunConfig:
     seed: int = 0
     filler: str = "repeat"
     trace: Path | None = None
+    record_access: Path | None = None
 
     def __post_init__(self) -> None:
         if (self.doc is None) == (self.synthetic_tokens is None):
@@ -122,6 +124,10 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
         engine = Engine(loaded, manager, EngineConfig(config.block_tokens, config.chunk_tokens, config.reuse,
                                                       prefetch=config.prefetch))
         seq = engine.new_sequence()
+        access = None
+        if config.record_access is not None:
+            access = AccessRecorder(read_tier=seq.read_tier, info={
+                "model": loaded.model_id, "prompt_tokens": len(prompt.ids)}).attach(manager.manager)
         done = [0]
 
         def progress(n: int) -> None:
@@ -138,6 +144,8 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
         if prompt.answer is not None:
             result.found = prompt.answer in result.text
         manager.flush()
+        if access is not None:
+            access.save(config.record_access, manager.manager)
         seq.release(keep=manager.manager.store is not None)
         result.tiers = tier_report(manager)
     if config.trace is not None:

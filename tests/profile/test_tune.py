@@ -1,0 +1,258 @@
+"""``tierkv tune``: the grid, the ranking, the run config it writes, and the command end to end.
+
+Traces are synthetic and small (a few dozen calls) so every replay takes a fraction of a second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+import policies.h2o  # noqa: F401  registered by policies/__init__ once wired; imported here to be sure
+import policies.streaming  # noqa: F401
+from policies import available
+from tierkv.errors import ConfigError
+from tierkv.keys import BlockKey
+from tierkv.profile import tune as tune_module
+from tierkv.profile.access import AccessRecorder, AccessTrace, TierSpec, TraceMeta
+from tierkv.profile.replay import TierModel
+from tierkv.profile.tune import (ENGINE_PREFETCH, Ranked, add_tune, format_table, grid_keys, parse_grid,
+                                 read_run_config, replay_config, run_config, tier_model_from_probe, tune,
+                                 write_run_config)
+
+MiB = 2**20
+LINKS = {"links": {"*->*": {"gbps": 10.0, "latency_us": 5.0},
+                   "nvme->*": {"gbps": 1.0, "latency_us": 100.0, "queue_depth": 4, "channel": "nvme"},
+                   "*->nvme": {"gbps": 1.0, "latency_us": 100.0, "queue_depth": 4, "channel": "nvme"}}}
+
+
+def decode_trace(layers: int = 2, blocks: int = 8, steps: int = 3, group: int = 2,
+                 gpu: int = 4, cpu: int = 6) -> AccessTrace:
+    """Prefill stores every block, then each decode step reads every layer a group at a time."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1e-3  # 1 ms of compute before each call
+        return now[0]
+
+    recorder = AccessRecorder(clock=clock)
+    keys = [[BlockKey.of("block", layer, i) for i in range(blocks)] for layer in range(layers)]
+    recorder.begin_step("prefill", blocks * 16)
+    for i in range(blocks):
+        for layer in range(layers):
+            recorder.on_put(keys[layer][i], layer)
+    for _ in range(steps):
+        recorder.begin_step("decode", 1)
+        for layer in range(layers):
+            for start in range(0, blocks, group):
+                recorder.on_acquire(keys[layer][start:start + group], layer)
+    tiers = (TierSpec("gpu", "gpu", gpu, "policies.lru:LRUPolicy"), TierSpec("cpu", "cpu", cpu),
+             TierSpec("nvme", "nvme", 256))
+    return recorder.trace(meta=TraceMeta(block_bytes=MiB, tiers=tiers, layers=layers), events=[])
+
+
+@pytest.fixture(scope="module")
+def trace() -> AccessTrace:
+    return decode_trace()
+
+
+@pytest.fixture(scope="module")
+def model() -> TierModel:
+    return TierModel.from_dict(LINKS)
+
+
+# -- the grid ---------------------------------------------------------------------
+def test_the_grid_is_every_combination_with_all_policies_by_default(trace: AccessTrace) -> None:
+    points = parse_grid(["gpu_budget=2MiB,4MiB", "prefetch=none,engine"], trace.meta)
+    assert len(points) == 4 * len(available())
+    assert {"gpu_budget": "4MiB", "prefetch": "none", "policy": "arc"} in points
+    named = parse_grid([], trace.meta, ["lru", "h2o"])
+    assert named == [{"policy": "lru"}, {"policy": "h2o"}]
+    per_tier = parse_grid(["gpu_policy=fifo,lru"], trace.meta)
+    assert per_tier == [{"gpu_policy": "fifo"}, {"gpu_policy": "lru"}]  # no policy axis added
+
+
+@pytest.mark.parametrize("item,message", [
+    ("gpu_budgets=1MiB", r"--grid gpu_budgets: unknown key; for this trace: policy, gpu_policy, cpu_policy"),
+    ("block_tokens=128,256", "cannot vary in a replay: the trace's blocks have a fixed size"),
+    ("gpu_budget", "expected key=v1,v2"),
+    ("gpu_budget=512KiB", r"gpu_budget=512KiB: holds no block of this trace \(1.0 MiB\)"),
+    ("gpu_budget=lots", "gpu_budget='lots': expected a size"),
+    ("gpu_policy=mru", "policy='mru': unknown; valid names: arc, "),
+    ("prefetch=eager", "prefetch='eager': allowed: none, next, engine"),
+    ("policy=lru", "--grid policy: given twice"),
+])
+def test_bad_grid_items_are_one_clear_error(trace: AccessTrace, item: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_grid([item], trace.meta, ["arc"] if item.startswith("policy=") else None)
+
+
+def test_grid_keys_follow_the_trace_tiers(trace: AccessTrace) -> None:
+    assert grid_keys(trace.meta) == ["policy", "gpu_policy", "cpu_policy", "nvme_policy",
+                                     "gpu_budget", "cpu_budget", "nvme_budget", "prefetch"]
+
+
+def test_a_point_becomes_a_replay_config(trace: AccessTrace) -> None:
+    config = replay_config({"policy": "arc", "cpu_policy": "fifo", "gpu_budget": "3MiB", "prefetch": "none"},
+                           trace.meta)
+    assert dict(config.policies) == {"gpu": "arc", "cpu": "fifo"}  # "policy" leaves the store alone
+    assert dict(config.slots) == {"gpu": 3} and config.prefetch == "none"
+    assert replay_config({}, trace.meta).prefetch == "engine"
+
+
+# -- ranking ----------------------------------------------------------------------
+def test_more_memory_ranks_first(trace: AccessTrace, model: TierModel) -> None:
+    points = parse_grid(["cpu_budget=2MiB,16MiB"], trace.meta, ["lru"])
+    ranked = tune(trace, model, points)
+    assert [r.point["cpu_budget"] for r in ranked] == ["16MiB", "2MiB"]
+    small, large = ranked[1].result, ranked[0].result
+    assert large.stall_s == 0.0 < small.stall_s       # everything fits in memory: nothing to wait for
+    assert large.moved_bytes < small.moved_bytes and small.bytes_by_link["nvme->gpu"] > 0
+
+
+def test_rows_rank_by_stall_then_bytes_and_failures_go_last(trace: AccessTrace, model: TierModel) -> None:
+    done: list[int] = []
+    points = parse_grid(["gpu_budget=1MiB,4MiB", "cpu_budget=2MiB,3MiB"], trace.meta, ["lru", "arc"])
+    ranked = tune(trace, model, points, progress=done.append)
+    assert done == list(range(1, 9))
+    keys = [(r.result.stall_s, r.result.moved_bytes) for r in ranked if r.result is not None]
+    assert len(keys) == 4 and keys == sorted(keys)
+    failed = ranked[4:]   # a group of 2 blocks cannot be read into a 1-block gpu tier
+    assert all(r.result is None and r.point["gpu_budget"] == "1MiB" for r in failed)
+    assert "BudgetExceeded: tier gpu: 2 blocks requested" in failed[0].error
+    table = format_table(ranked).splitlines()
+    assert table[0].split()[:5] == ["rank", "gpu_budget", "cpu_budget", "policy", "stall"]
+    assert table[-1].split()[4:6] == ["failed:", "BudgetExceeded:"]
+    assert len(format_table(ranked, top=1).splitlines()) == 2
+
+
+def test_attention_policies_replay_like_any_other(trace: AccessTrace, model: TierModel) -> None:
+    ranked = tune(trace, model, parse_grid([], trace.meta, ["streaming", "h2o", "lru"]))
+    assert all(r.result is not None for r in ranked)
+    assert sorted("h2o" in r.result.policies["gpu"] for r in ranked) == [False, False, True]
+
+
+# -- the run config -------------------------------------------------------------------
+def test_the_best_setting_is_a_run_config_tierkv_run_can_read(trace: AccessTrace, model: TierModel,
+                                                              tmp_path: Path) -> None:
+    ranked = tune(trace, model, parse_grid(["gpu_budget=8MiB", "prefetch=engine"], trace.meta, ["arc"]))
+    config = run_config(ranked[0], trace.meta, source="t.tkv")
+    assert {k: config[k] for k in tune_module.RUN_KEYS} == {
+        "gpu_budget": "8MiB", "cpu_budget": "6MiB", "nvme_budget": "256MiB",
+        "gpu_policy": "arc", "cpu_policy": "arc", "nvme_policy": "lru", "prefetch": ENGINE_PREFETCH["engine"]}
+    assert config["tuned"]["trace"] == "t.tkv" and config["tuned"]["stall_s"] == ranked[0].result.stall_s
+    write_run_config(tmp_path / "best.json", config)
+    assert read_run_config(tmp_path / "best.json") == {k: config[k] for k in tune_module.RUN_KEYS}
+
+
+def test_a_replay_prefetcher_the_engine_lacks_is_left_out_of_the_config(trace: AccessTrace,
+                                                                        model: TierModel) -> None:
+    ranked = tune(trace, model, parse_grid(["prefetch=none"], trace.meta, ["lru"]))
+    config = run_config(ranked[0], trace.meta)
+    assert "prefetch" not in config and config["tuned"]["replay_prefetch"] == "none"
+
+
+def test_no_successful_setting_means_no_config(trace: AccessTrace) -> None:
+    with pytest.raises(ConfigError, match="no setting replayed without error"):
+        run_config(Ranked({"policy": "lru"}, error="BudgetExceeded: x"), trace.meta)
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{", "not JSON"),
+    ('{"format": "other", "version": 1}', "not a tierkv-run-config file of version 1"),
+    ('{"format": "tierkv-run-config", "version": 1, "gpu_budgett": "1GiB"}', r"unknown keys \['gpu_budgett'\]"),
+    ('{"format": "tierkv-run-config", "version": 1, "cpu_budget": "many"}', "cpu_budget='many'"),
+    ('{"format": "tierkv-run-config", "version": 1, "gpu_policy": 3}', "gpu_policy=3: expected a name"),
+])
+def test_bad_run_configs_are_one_clear_error(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        read_run_config(path)
+    with pytest.raises(ConfigError, match="cannot read the run config"):
+        read_run_config(tmp_path / "missing.json")
+
+
+# -- the tier model -------------------------------------------------------------------
+def test_a_probe_becomes_a_tier_model_with_one_disk_channel() -> None:
+    link = {"latency_us": 10.0, "queue_depth": 1, "request_bytes": 1, "how": "x"}
+    probe = {"links": {"cpu->cpu": link | {"gbps": 12.0}, "cpu->gpu": link | {"gbps": 20.0},
+                       "gpu->cpu": link | {"gbps": 18.0}, "nvme->cpu": link | {"gbps": 2.0, "queue_depth": 8},
+                       "cpu->nvme": link | {"gbps": 1.5, "queue_depth": 8}}}
+    model = tier_model_from_probe(probe)
+    assert model.link("nvme", "gpu").gbps == 2.0 and model.link("nvme", "cpu").queue_depth == 8
+    assert model.link("gpu", "nvme").gbps == 18.0 and model.link("cpu", "nvme").gbps == 1.5
+    assert model.link("nvme", "cpu").channel == model.link("cpu", "nvme").channel == "nvme"
+    assert model.link("new", "gpu").gbps == 20.0 and model.link("new", "cpu").gbps == 12.0
+
+
+def test_without_links_the_model_comes_from_this_machine_probe(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierkv.profile import probe
+    monkeypatch.setattr(probe, "QUICK", probe.ProbeSize(2**20, 2**20, 2**16, 2, 4, 0.0))
+    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path))
+    model = tune_module.load_tier_model(None, None)
+    measured = json.loads((tmp_path / "probe.json").read_text())["results"][str(tmp_path.resolve())]
+    assert model.link("nvme", "cpu").gbps == measured["links"]["nvme->cpu"]["gbps"] > 0
+    assert model.link("cpu", "gpu").gbps == measured["links"]["cpu->gpu"]["gbps"]
+
+
+# -- the command ------------------------------------------------------------------------
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tierkv")
+    add_tune(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_tune_prints_a_table_writes_the_best_config_and_a_plot(trace: AccessTrace, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    trace.write(tmp_path / "run.tkv")
+    (tmp_path / "links.json").write_text(json.dumps(LINKS))
+    argv = ["tune", str(tmp_path / "run.tkv"), "--policies", "lru,arc", "--grid", "gpu_budget=1MiB,8MiB",
+            "--links", str(tmp_path / "links.json"), "--plot", str(tmp_path / "rank.png")]
+    assert _run(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["rank", "gpu_budget", "policy"] and len(lines[1:5]) == 4
+    assert "8MiB" in lines[1]
+    assert f"tierkv run --config {tmp_path / 'run.best.json'}" in out
+    assert read_run_config(tmp_path / "run.best.json")["gpu_budget"] == "8MiB"
+    assert (tmp_path / "rank.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tune_json_is_one_object_with_the_ranking(trace: AccessTrace, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    trace.write(tmp_path / "run.tkv")
+    (tmp_path / "links.json").write_text(json.dumps(LINKS))
+    assert _run(["tune", str(tmp_path / "run.tkv"), "--policies", "lru", "--links", str(tmp_path / "links.json"),
+                 "--json", "--out", str(tmp_path / "best.json")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["best_config"] == str(tmp_path / "best.json")
+    assert [r["setting"] for r in report["ranking"]] == [{"policy": "lru"}]
+    assert report["ranking"][0]["result"]["stall_s"] >= 0
+    assert report["model"]["links"]["nvme->*"]["channel"] == "nvme"
+
+
+def test_tune_errors_name_the_problem(trace: AccessTrace, tmp_path: Path) -> None:
+    trace.write(tmp_path / "run.tkv")
+    with pytest.raises(ConfigError, match="--links .*missing.json: cannot read"):
+        _run(["tune", str(tmp_path / "run.tkv"), "--policies", "lru", "--links", str(tmp_path / "missing.json")])
+    with pytest.raises(ConfigError, match="--top=0"):
+        _run(["tune", str(tmp_path / "run.tkv"), "--top", "0"])
+    with pytest.raises(ConfigError, match="cannot read the access trace"):
+        _run(["tune", str(tmp_path / "nothing.tkv")])
+
+
+def test_the_example_tunes_a_policy_from_its_own_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    examples = Path(__file__).parents[2] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    example = __import__("tune_my_policy")
+    trace = example.decode_trace(steps=2)  # 64 blocks: the loop overflows gpu + cpu (24)
+    ranked = tune(trace, TierModel.from_dict(example.HAND_MODEL),
+                  parse_grid(["prefetch=none"], trace.meta, ["lru", example.MY_POLICY]))
+    assert [r.point["policy"] for r in ranked] == [example.MY_POLICY, "lru"]  # a loop: MRU keeps part of it
+    assert ranked[0].result.hit_rates["gpu"] > ranked[1].result.hit_rates["gpu"]
