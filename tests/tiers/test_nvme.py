@@ -18,9 +18,10 @@ import torch
 from tierkv.device import has_cuda_driver, host_buffer
 from tierkv.errors import ConfigError, DiskFullError, StoreLocked
 from tierkv.keys import BlockKey
-from tierkv.tiers import journal, nvme, nvme_io
+from tierkv.tiers import journal, nvme, nvme_io, nvme_striped
 from tierkv.tiers.nvme import NvmeTier
-from tierkv.tiers.nvme_io import o_direct_supported, plan_runs, probe_backends
+from tierkv.tiers.nvme_io import o_direct_supported, probe_backends
+from tierkv.tiers.nvme_striped import plan_runs
 from tierkv.tiers.pool import SlotState
 
 BB = 16 * 1024  # block bytes: small, still a multiple of 4096
@@ -201,6 +202,27 @@ def test_failed_write_makes_nothing_visible_and_keeps_the_journal(store: Path,
         slots.pop(2)  # two runs
         with pytest.raises(OSError, match="injected"):
             tier.write([(key(i), s, expected(key(i))) for i, s in zip(range(1, 6), slots)])
+        assert [k for k, _ in tier.items()] == [key(0)]
+        assert (store / "index.log").stat().st_size == size
+
+
+def test_failed_checksum_makes_nothing_visible(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with NvmeTier(store, BB, 16 * BB, io_threads=2) as tier:
+        put(tier, [0])
+        size = (store / "index.log").stat().st_size
+        calls = 0
+        real = nvme_striped.checksum
+
+        def flaky(block):
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise RuntimeError("injected")
+            return real(block)
+
+        monkeypatch.setattr(nvme_striped, "checksum", flaky)
+        with pytest.raises(RuntimeError, match="injected"):
+            put(tier, list(range(1, 6)))
         assert [k for k, _ in tier.items()] == [key(0)]
         assert (store / "index.log").stat().st_size == size
 

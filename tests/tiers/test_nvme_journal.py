@@ -96,3 +96,20 @@ def test_rewrite_keeps_live_entries_only_and_is_private(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert sorted(e.slot for _, e in replay(path.read_bytes())[0].index.items()) == [8, 9, 20]
     assert not (tmp_path / "index.log.compact").exists()
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 130])
+def test_encode_puts_is_the_bytes_of_each_record(n: int) -> None:
+    keys, slots, sums = [k(i) for i in range(n)], [3 * i for i in range(n)], [2**64 - 1 - i for i in range(n)]
+    packed = journal.encode_puts([key.digest for key in keys], slots, sums)
+    assert packed == b"".join(Record(Op.PUT, key, s, c).encode() for key, s, c in zip(keys, slots, sums))
+
+
+def test_append_encoded_takes_whole_records_only(tmp_path: Path) -> None:
+    log = Journal(tmp_path / "index.log")
+    log.append_encoded(journal.encode_puts([k(1).digest, k(2).digest], [1, 2], [11, 22]))
+    with pytest.raises(ValueError, match="not whole 48-byte records"):
+        log.append_encoded(put(3, 3)[:-1])
+    log.close()
+    state = Journal(tmp_path / "index.log").state
+    assert sorted((e.slot, e.checksum) for _, e in state.index.items()) == [(1, 11), (2, 22)]

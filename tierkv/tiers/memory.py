@@ -5,14 +5,30 @@ budget, so a large budget costs nothing until blocks arrive::
 
     slot:    0 1 2 3 | 4 5 6 7 | 8 9 .      (extent_slots = 4)
     extent:  [  0    ] [  1    ] [ 2 ...
-    view(s) = extents[s // extent_slots][s % extent_slots]
+    view(s) = extents[s // extent_slots][s % extent_slots]     (an extent is [slots, block_bytes])
 
 Host extents start on a 4096-byte boundary so the NVMe tier can read and
 write them with O_DIRECT without a bounce buffer.
+
+`gather` and `scatter` move many slots to or from one contiguous tensor,
+adjacent slots of one extent as one copy (a run; runs stop at extent edges)::
+
+    slots  [5, 6, 7, 2, 3]   ->  runs  (pos 0, slot 5, 3 blocks) (pos 3, slot 2, 2 blocks)
+    out    | b5 b6 b7 | b2 b3 |      two memmoves
+
+Host to host each run is one ``memmove``, not a torch copy: torch splits even
+a 256 KiB copy over its intra-op threads and waits for the slowest, which on
+a loaded machine costs several times the copy. A batch of at least
+`SPLIT_BYTES` shares its runs out to ``torch.get_num_threads()`` threads
+(the caller and lazily started helpers) as each comes free, so a helper the
+scheduler holds back delays one run, not half the batch.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -21,6 +37,7 @@ from tierkv.tiers.base import Medium
 from tierkv.tiers.pool import BlockPool
 
 EXTENT_BYTES = 64 * 1024**2
+SPLIT_BYTES = 4 * 1024**2  # host gathers/scatters this big also run on torch's other intra-op threads
 
 
 class MemoryTier:
@@ -35,8 +52,9 @@ class MemoryTier:
         self.pinned = pinned
         self.pool = BlockPool(budget // block_bytes)
         self.extent_slots = max(1, min(self.pool.capacity, EXTENT_BYTES // block_bytes))
-        self._extents: list[torch.Tensor] = []
+        self._extents: list[torch.Tensor] = []  # each [slots, block_bytes] uint8
         self._grow_lock = threading.Lock()
+        self._copy_pool: ThreadPoolExecutor | None = None  # started by the first big host gather/scatter
 
     @property
     def budget_bytes(self) -> int:
@@ -47,23 +65,100 @@ class MemoryTier:
         return sum(extent.numel() for extent in self._extents)
 
     def view(self, slot: int) -> torch.Tensor:
+        index, offset = self._locate(slot)
+        return self._extents[index][offset]
+
+    def gather(self, slots: Sequence[int], out: torch.Tensor) -> None:
+        """Copy the blocks in ``slots``, in that order, into ``out``: contiguous, ``len(slots) * block_bytes`` bytes."""
+        self._copy_runs(slots, out, into_slots=False)
+
+    def scatter(self, slots: Sequence[int], src: torch.Tensor) -> None:
+        """Copy ``src`` (contiguous, ``len(slots) * block_bytes`` bytes) into ``slots``, block i into slots[i]."""
+        self._copy_runs(slots, src, into_slots=True)
+
+    def close(self) -> None:
+        if self._copy_pool is not None:
+            self._copy_pool.shutdown(wait=True)
+            self._copy_pool = None
+        self._extents.clear()
+
+    # -- internals -----------------------------------------------------------
+    def _locate(self, slot: int) -> tuple[int, int]:
+        """``(extent, offset in it)`` of a valid slot, allocating its extent on first use."""
         if not 0 <= slot < self.pool.capacity:
             raise IndexError(f"slot={slot}: outside 0..{self.pool.capacity - 1} of tier {self.name}")
         index, offset = divmod(slot, self.extent_slots)
         if index >= len(self._extents):
             self._grow(index)
-        start = offset * self.block_bytes
-        return self._extents[index][start:start + self.block_bytes]
+        return index, offset
 
-    def close(self) -> None:
-        self._extents.clear()
+    def _runs(self, slots: Sequence[int]) -> list[tuple[int, int, int, int]]:
+        """``(position, extent, offset, count)`` per run of adjacent slots within one extent."""
+        runs = []
+        pos, n = 0, len(slots)
+        while pos < n:
+            index, offset = self._locate(slots[pos])
+            room = min(self.extent_slots - offset, self.pool.capacity - slots[pos])
+            end = pos + 1
+            while end < n and end - pos < room and slots[end] == slots[end - 1] + 1:
+                end += 1
+            runs.append((pos, index, offset, end - pos))
+            pos = end
+        return runs
+
+    def _copy_runs(self, slots: Sequence[int], flat: torch.Tensor, *, into_slots: bool) -> None:
+        bb = self.block_bytes
+        if not flat.is_contiguous() or flat.nbytes != len(slots) * bb:
+            raise ValueError(f"{tuple(flat.shape)} {flat.dtype}, contiguous={flat.is_contiguous()}: expected "
+                             f"{len(slots)} x {bb} = {len(slots) * bb} contiguous bytes")
+        runs = self._runs(slots)
+        if flat.device.type == "cpu" and self.device.type == "cpu":
+            base, moves = flat.data_ptr(), []
+            for pos, index, offset, count in runs:
+                ours, theirs = self._extents[index].data_ptr() + offset * bb, base + pos * bb
+                moves.append((ours, theirs, count * bb) if into_slots else (theirs, ours, count * bb))
+            self._memmove_all(moves, len(slots) * bb)
+            return
+        flat = flat.view(-1).view(torch.uint8)
+        for pos, index, offset, count in runs:
+            ours, theirs = self._extents[index][offset:offset + count].view(-1), flat[pos * bb:(pos + count) * bb]
+            dst, src = (ours, theirs) if into_slots else (theirs, ours)
+            dst.copy_(src)
+
+    def _memmove_all(self, moves: list[tuple[int, int, int]], nbytes: int) -> None:
+        """``memmove(dst, src, n)`` each; the runs of a big batch are shared out as threads come free."""
+        helpers = min(torch.get_num_threads(), len(moves)) - 1 if nbytes >= SPLIT_BYTES else 0
+        pending, take = iter(moves), threading.Lock()
+
+        def drain() -> None:
+            while True:
+                with take:
+                    move = next(pending, None)
+                if move is None:
+                    return
+                ctypes.memmove(*move)  # releases the GIL
+
+        pool = self._helpers(helpers) if helpers > 0 else None
+        futures = [pool.submit(drain) for _ in range(helpers)] if pool else []
+        try:
+            drain()
+        finally:
+            for future in futures:  # they still copy the caller's bytes: wait for every one
+                future.result()
+
+    def _helpers(self, wanted: int) -> ThreadPoolExecutor:
+        """The tier's copy helpers, started on first use; shut down by `close`."""
+        with self._grow_lock:
+            if self._copy_pool is None:
+                self._copy_pool = ThreadPoolExecutor(wanted, thread_name_prefix=f"tierkv-{self.name}-copy")
+            return self._copy_pool
 
     def _grow(self, index: int) -> None:
         with self._grow_lock:
             while len(self._extents) <= index:
                 first = len(self._extents) * self.extent_slots
                 slots = min(self.extent_slots, self.pool.capacity - first)
-                self._extents.append(self._allocate(slots * self.block_bytes))
+                self._extents.append(self._allocate(slots * self.block_bytes).view(slots, self.block_bytes))
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self.device.type == "cpu":

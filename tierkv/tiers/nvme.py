@@ -17,7 +17,9 @@ A store is one directory (0700; every file 0600)::
     index.log  | PUT k7 @0 c | PUT k3 @2 c | DROP k7 | PUT k9 @0 c | ...   (c = xxh3_64 of the bytes)
 
 Write order makes a block visible only after its bytes are written: data to
-``slots.dat`` first, then one batched append of PUT records to ``index.log``,
+``slots.dat`` first (the I/O workers write while the calling thread takes the
+checksums and encodes the records, see tierkv.tiers.nvme_striped), then one
+batched append of PUT records to ``index.log`` once every byte is written,
 then the in-memory index. A crash at any point leaves the journal a valid
 prefix (replay cuts a torn tail) and every visible entry either holds the
 right bytes or fails its checksum on read; nothing wrong is ever served.
@@ -47,7 +49,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +60,9 @@ from tierkv.device import ALIGN
 from tierkv.errors import ConfigError, DiskFullError, StoreLocked
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
-from tierkv.tiers.journal import RECORD_BYTES, Journal, Op, Record, fsync_dir
-from tierkv.tiers.nvme_io import BACKENDS, Buffer, StripedIO, choose_backend
+from tierkv.tiers.journal import Journal, Op, Record, encode_puts, fsync_dir
+from tierkv.tiers.nvme_io import BACKENDS, Buffer, choose_backend
+from tierkv.tiers.nvme_striped import StripedIO
 from tierkv.tiers.pool import BlockPool
 
 log = logging.getLogger(__name__)
@@ -130,25 +133,21 @@ class NvmeTier:
         self._check_slots(slots)
         bufs = [self._buffer(tensor) for _, _, tensor in items]
         misaligned = self._misaligned(tensor for _, _, tensor in items)
-        needed = len(items) * self.block_bytes
         with self._lock:
             self._grow_to((max(slots) + 1) * self.block_bytes)
-        try:
-            sums = self._io.write(slots, bufs, misaligned)
-        except OSError as exc:
-            if exc.errno in _DISK_FULL:
-                raise self._disk_full(needed) from exc
-            raise
-        records = [Record(Op.PUT, key, slot, s) for (key, slot, _), s in zip(items, sums)]
+        digests = [key.digest for key, _, _ in items]
+        with self._disk_full_raised(len(items) * self.block_bytes):
+            job = self._io.start_write(slots, bufs, misaligned)
+            try:  # while the workers write: the checksums, and the records that carry them
+                sums = job.checksums()
+                records = encode_puts(digests, slots, sums)
+            finally:
+                job.wait()
         with self._lock:
-            try:
-                self._journal.append(records)
-            except OSError as exc:
-                if exc.errno in _DISK_FULL:
-                    raise self._disk_full(len(records) * RECORD_BYTES) from exc
-                raise
-            for record in records:
-                self._index.apply(record)
+            with self._disk_full_raised(len(records)):
+                self._journal.append_encoded(records)
+            for digest, slot, checksum in zip(digests, slots, sums):
+                self._index.put(digest, slot, checksum)
 
     def read(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]]) -> list[BlockKey]:
         """Read blocks into the given tensors; the keys that failed (their tensors hold garbage)."""
@@ -282,6 +281,16 @@ class NvmeTier:
         bad = [s for s in slots if not 0 <= s < self.pool.capacity]
         if bad:
             raise ValueError(f"write: slot(s) {bad[:5]} outside 0..{self.pool.capacity - 1}")
+
+    @contextlib.contextmanager
+    def _disk_full_raised(self, needed: int) -> Iterator[None]:
+        """Turn ENOSPC/EDQUOT from the block into DiskFullError, naming the ``needed`` bytes."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno in _DISK_FULL and not isinstance(exc, DiskFullError):
+                raise self._disk_full(needed) from exc
+            raise
 
     def _disk_full(self, needed: int) -> DiskFullError:
         fs = os.statvfs(self.directory)

@@ -1,4 +1,4 @@
-"""Block I/O for the NVMe tier: three backends and a striped thread pool.
+"""Block files for the NVMe tier: three backends, and the probes that pick one.
 
 Backends, in the order ``auto`` tries them (each must pass a real 4 KiB
 write + read in the store's directory, see `probe_backends`):
@@ -17,55 +17,26 @@ buffered   the same positional calls through the page cache, for file
            does what aiofiles would (aiofiles is itself a thread pool).
 =========  ==============================================================
 
-`StripedIO` runs one batch: it sorts the blocks by slot, coalesces adjacent
-slots into one vectored call per run, and spreads the runs over its threads
-(the calling thread works through the runs alongside the pool's helpers)::
-
-    slots   3 4 5 6   9 10   20         threads = 2, max run = ceil(7/2) = 4
-    runs    [3 4 5 6] [9 10] [20]  ->  pwritev(fd, [b3,b4,b5,b6], 3*block_bytes) ...
-
-Checksums are xxh3_64 of each block's bytes, computed on the worker thread
-from a zero-copy numpy view of the caller's tensor (without holding the GIL).
+Batches of blocks run on these files through `tierkv.tiers.nvme_striped`.
 """
 from __future__ import annotations
 
 import errno
-import logging
-import math
 import mmap
 import os
 import tempfile
-import threading
-from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-import xxhash
 
 from tierkv.device import ALIGN, has_cuda_driver
 from tierkv.errors import ConfigError
 
-log = logging.getLogger(__name__)
-
 AUTO_ORDER = ("kvikio", "odirect", "buffered")
-MAX_RUN_BYTES = 8 * 1024**2
-IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 Buffer = Any  # np.ndarray of uint8 (host) or a CUDA tensor (kvikio only)
-
-
-def checksum(block: Buffer) -> int:
-    """xxh3_64 of the block. The hasher object, unlike the one-shot ``xxh3_64_intdigest``,
-    releases the GIL for inputs over 64 KiB, so workers hash while others issue I/O."""
-    return xxhash.xxh3_64(block).intdigest()
-
-
-# -- alignment --------------------------------------------------------------
-def is_aligned(array: np.ndarray) -> bool:
-    return array.ctypes.data % ALIGN == 0 and array.nbytes % ALIGN == 0
 
 
 # -- backends -------------------------------------------------------------
@@ -267,142 +238,3 @@ def choose_backend(requested: str, directory: Path, block_bytes: int) -> str:
     if requested == "auto":
         raise ConfigError(f"no NVMe backend works in {directory}: {reasons}")
     raise ConfigError(f"backend={requested!r} does not work in {directory}: {reasons[requested]}")
-
-
-# -- striped batches ------------------------------------------------------
-def plan_runs(slots: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
-    """Split ascending ``slots`` into ``[lo, hi)`` runs of adjacent slots, at most ``max_blocks`` long."""
-    runs: list[tuple[int, int]] = []
-    lo = 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1 or i - lo == max_blocks:
-            runs.append((lo, i))
-            lo = i
-    return runs
-
-
-@dataclass(slots=True)
-class Batch:
-    """One call's blocks, shared by the workers; ``sums[i]`` is filled for block i."""
-
-    slots: Sequence[int]
-    bufs: Sequence[Buffer]
-    misaligned: Collection[int] | None
-    sums: list
-
-
-class StripedIO:
-    """Reads and writes batches of whole blocks on ``threads`` workers."""
-
-    def __init__(self, file: BlockFile, block_bytes: int, threads: int) -> None:
-        self.file = file
-        self.block_bytes = block_bytes
-        self.threads = threads
-        self._pool = ThreadPoolExecutor(threads - 1, "tierkv-nvme") if threads > 1 else None
-        self._local = threading.local()
-        self._max_run = max(1, min(IOV_MAX, MAX_RUN_BYTES // block_bytes))
-
-    def write(self, slots: Sequence[int], bufs: Sequence[Buffer],
-              misaligned: Collection[int] | None = None) -> list[int]:
-        """Write every block; their checksums in input order. Raises the first I/O error.
-
-        ``misaligned``: indices of buffers not on an `ALIGN` boundary, when the caller
-        knows them cheaply (``tensor.data_ptr()``); None makes the workers check.
-        """
-        batch = Batch(slots, bufs, misaligned, [0] * len(slots))
-        self._run_batch(self._write_run, batch)
-        return batch.sums
-
-    def read(self, slots: Sequence[int], bufs: Sequence[Buffer],
-             misaligned: Collection[int] | None = None) -> list[int | None]:
-        """Read every block; checksum per block, None where it could not be read whole."""
-        batch = Batch(slots, bufs, misaligned, [None] * len(slots))
-        self._run_batch(self._read_run, batch)
-        return batch.sums
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-
-    # -- internals ---------------------------------------------------------
-    def _run_batch(self, work: Callable[[list[int], Batch], None], batch: Batch) -> None:
-        """Run ``work`` over the batch's runs on the calling thread and up to threads-1 helpers."""
-        slots = batch.slots
-        order = sorted(range(len(slots)), key=slots.__getitem__)
-        max_blocks = min(self._max_run, math.ceil(len(slots) / self.threads))
-        runs = [order[lo:hi] for lo, hi in plan_runs([slots[i] for i in order], max_blocks)]
-        pending = iter(runs)
-        take = threading.Lock()
-        errors: list[BaseException] = []
-
-        def drain() -> None:
-            while not errors:
-                with take:
-                    run = next(pending, None)
-                if run is None:
-                    return
-                try:
-                    work(run, batch)
-                except BaseException as exc:  # noqa: BLE001 - re-raised below, after all helpers stop
-                    errors.append(exc)
-
-        helpers = min(self.threads, len(runs)) - 1
-        futures = [self._pool.submit(drain) for _ in range(helpers)] if self._pool else []
-        drain()
-        for future in futures:  # they still use the caller's buffers: wait for every one
-            future.result()
-        if errors:
-            raise errors[0]
-
-    def _write_run(self, run: list[int], batch: Batch) -> None:
-        blocks = [batch.bufs[i] for i in run]
-        for i, block in zip(run, blocks):
-            batch.sums[i] = checksum(_host(block))
-        iov, bounced = self._iovecs(run, blocks, batch)
-        for k in bounced:
-            iov[k][:] = blocks[k]
-        self.file.pwritev(iov, batch.slots[run[0]] * self.block_bytes)
-
-    def _read_run(self, run: list[int], batch: Batch) -> None:
-        blocks = [batch.bufs[i] for i in run]
-        iov, bounced = self._iovecs(run, blocks, batch)
-        offset = batch.slots[run[0]] * self.block_bytes
-        try:
-            whole = self.file.preadv(iov, offset) // self.block_bytes
-        except OSError as exc:
-            log.warning("read of %d block(s) at offset %d failed: %s", len(run), offset, exc)
-            return
-        for k in bounced:
-            if k < whole:
-                blocks[k][:] = iov[k]
-        for k in range(whole):
-            batch.sums[run[k]] = checksum(_host(blocks[k]))
-
-    def _iovecs(self, run: list[int], blocks: list[Buffer], batch: Batch) -> tuple[list[Buffer], list[int]]:
-        """The buffers to hand the kernel, and which positions of the run are bounce buffers."""
-        if not self.file.needs_alignment:
-            return blocks, []
-        if batch.misaligned is None:
-            bounced = [k for k, b in enumerate(blocks) if not is_aligned(b)]
-        else:
-            bounced = [k for k, i in enumerate(run) if i in batch.misaligned]
-        if not bounced:
-            return blocks, []
-        bounce = self._bounce(len(bounced))
-        iov = list(blocks)
-        for j, k in enumerate(bounced):
-            iov[k] = bounce[j * self.block_bytes:(j + 1) * self.block_bytes]
-        return iov, bounced
-
-    def _bounce(self, nblocks: int) -> np.ndarray:
-        """This thread's aligned scratch buffer of at least ``nblocks`` blocks."""
-        buf: np.ndarray | None = getattr(self._local, "bounce", None)
-        if buf is None or buf.nbytes < nblocks * self.block_bytes:
-            buf = np.frombuffer(mmap.mmap(-1, nblocks * self.block_bytes), np.uint8)  # page-aligned
-            self._local.bounce = buf
-        return buf
-
-
-def _host(block: Buffer) -> np.ndarray:
-    """Host bytes to checksum: the block itself, or a copy of a CUDA block (kvikio)."""
-    return block if isinstance(block, np.ndarray) else block.cpu().numpy()

@@ -1,0 +1,82 @@
+"""MemoryTier: slot views, gather/scatter in runs, extents, helpers and their shutdown."""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import pytest
+import torch
+
+from tierkv.tiers import memory
+from tierkv.tiers.base import Medium
+from tierkv.tiers.memory import MemoryTier
+
+BB = 1024
+
+
+def make(slots: int, extent_slots: int, monkeypatch: pytest.MonkeyPatch) -> MemoryTier:
+    monkeypatch.setattr(memory, "EXTENT_BYTES", extent_slots * BB)
+    return MemoryTier("cpu", Medium.CPU, torch.device("cpu"), BB, slots * BB)
+
+
+def fill(tier: MemoryTier) -> None:
+    for slot in range(tier.pool.capacity):
+        tier.view(slot).fill_(slot % 251)
+
+
+def test_view_is_a_flat_block_of_the_arena(monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make(10, 4, monkeypatch)
+    view = tier.view(9)  # the last extent holds only 2 slots
+    assert view.shape == (BB,) and view.dtype == torch.uint8 and view.is_contiguous()
+    view.fill_(7)
+    assert torch.equal(tier.view(9), torch.full((BB,), 7, dtype=torch.uint8))
+    assert tier.allocated_bytes == 10 * BB
+    with pytest.raises(IndexError, match="slot=10"):
+        tier.view(10)
+
+
+def test_gather_and_scatter_keep_order_across_extents(monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make(10, 4, monkeypatch)
+    fill(tier)
+    slots = [2, 3, 4, 5, 9, 0, 8, 1]  # 2-3 | 4-5 cross an extent edge; 8-9 is the short last extent
+    out = torch.empty(len(slots) * BB, dtype=torch.uint8)
+    tier.gather(slots, out)
+    assert [int(block[0]) for block in out.view(-1, BB)] == slots
+    tier.scatter(list(reversed(slots)), out)  # the same bytes, block i into slot reversed(slots)[i]
+    assert [int(tier.view(s)[0]) for s in reversed(slots)] == slots
+
+
+def test_adjacent_slots_move_as_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make(16, 8, monkeypatch)
+    fill(tier)
+    sizes: list[int] = []
+    real = ctypes.memmove
+    monkeypatch.setattr(ctypes, "memmove", lambda dst, src, n: (sizes.append(n), real(dst, src, n))[1])
+    tier.gather([0, 1, 2, 6, 7, 8, 9, 3], torch.empty(8 * BB, dtype=torch.uint8))
+    assert sizes == [3 * BB, 2 * BB, 2 * BB, BB]  # 6-7 | 8-9 split at the extent edge
+
+
+def test_big_batches_share_runs_with_helpers_that_close_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "SPLIT_BYTES", 4 * BB)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    tier = make(64, 64, monkeypatch)
+    fill(tier)
+    slots = list(range(63, -1, -2)) + list(range(0, 64, 2))
+    out = torch.empty(len(slots) * BB, dtype=torch.uint8)
+    tier.gather(slots, out)
+    assert [int(block[0]) for block in out.view(-1, BB)] == [s % 251 for s in slots]
+    helpers = [t for t in threading.enumerate() if t.name.startswith("tierkv-cpu-copy")]
+    assert 1 <= len(helpers) <= 2
+    tier.close()
+    assert not any(t.is_alive() for t in helpers)
+
+
+def test_gather_refuses_wrong_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make(8, 4, monkeypatch)
+    with pytest.raises(ValueError, match="expected 2 x 1024 = 2048 contiguous bytes"):
+        tier.gather([0, 1], torch.empty(BB, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="contiguous=False"):
+        tier.gather([0, 1], torch.empty(2 * BB, 2, dtype=torch.uint8)[:, 0])
+    with pytest.raises(IndexError, match="slot=8"):
+        tier.gather([7, 8], torch.empty(2 * BB, dtype=torch.uint8))
+    tier.gather([1], torch.empty(BB // 4, dtype=torch.int32))  # any dtype: only the bytes count

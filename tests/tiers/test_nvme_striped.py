@@ -1,0 +1,188 @@
+"""StripedIO on its own: checksums beside the I/O, verification beside later reads, failure, shutdown."""
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tierkv.tiers import nvme_striped
+from tierkv.tiers.nvme_striped import StripedIO, checksum, plan_runs
+
+BB = 4096
+
+
+class MemoryFile:
+    """A BlockFile in memory; ``before(kind, offset)`` runs first in every call."""
+
+    name = "memory"
+    fd = -1
+    needs_alignment = False
+
+    def __init__(self, slots: int, before=lambda kind, offset: None) -> None:
+        self.data = bytearray(slots * BB)
+        self.before = before
+
+    def pwritev(self, bufs, offset: int) -> None:
+        self.before("write", offset)
+        for buf in bufs:
+            self.data[offset:offset + buf.nbytes] = buf.tobytes()
+            offset += buf.nbytes
+
+    def preadv(self, bufs, offset: int) -> int:
+        self.before("read", offset)
+        total = 0
+        for buf in bufs:
+            buf[:] = np.frombuffer(self.data, np.uint8, buf.nbytes, offset + total)
+            total += buf.nbytes
+        return total
+
+    def close(self) -> None:
+        pass
+
+
+def blocks(n: int) -> list[np.ndarray]:
+    """Block i holds the byte i everywhere, so its first byte names it."""
+    return [np.full(BB, i, np.uint8) for i in range(n)]
+
+
+class Hashes(list):
+    """Names of the blocks hashed so far, in order, and the threads that hashed them."""
+
+    threads: dict[int, int]
+
+
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> Hashes:
+    seen = Hashes()
+    seen.threads = {}
+
+    def recording(block):
+        seen.threads[int(block[0])] = threading.get_ident()
+        seen.append(int(block[0]))
+        return checksum(block)
+
+    monkeypatch.setattr(nvme_striped, "checksum", recording)
+    return seen
+
+
+def wait_for(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_roundtrip_returns_each_blocks_checksum_in_input_order() -> None:
+    file = MemoryFile(64)
+    io = StripedIO(file, BB, threads=3)
+    try:
+        slots = [9, 3, 4, 5, 40, 41, 0, 63, 10, 11, 12, 13, 14]
+        src = blocks(len(slots))
+        assert io.write(slots, src) == [checksum(b) for b in src]
+        dst = [np.zeros(BB, np.uint8) for _ in slots]
+        assert io.read(slots, dst) == [checksum(b) for b in src]
+        assert all(np.array_equal(a, b) for a, b in zip(src, dst))
+        assert io.write([], []) == [] and io.read([], []) == []
+    finally:
+        io.close()
+
+
+def test_write_hashes_on_the_caller_while_the_worker_writes(monkeypatch: pytest.MonkeyPatch,
+                                                             hashed: Hashes) -> None:
+    monkeypatch.setattr(nvme_striped, "WRITE_RUNS_PER_THREAD", 1)
+    writers: list[int] = []
+
+    def before(kind: str, offset: int) -> None:  # the write is in flight until every block is hashed
+        writers.append(threading.get_ident())
+        assert wait_for(lambda: len(hashed) == 8)
+
+    io = StripedIO(MemoryFile(8, before), BB, threads=1)
+    try:
+        src = blocks(8)
+        assert io.write(list(range(8)), src) == [checksum(b) for b in src]
+    finally:
+        io.close()
+    assert len(writers) == 1 and set(hashed.threads.values()) == {threading.get_ident()} != set(writers)
+
+
+def test_read_verifies_each_run_while_the_next_is_read(monkeypatch: pytest.MonkeyPatch, hashed: Hashes) -> None:
+    monkeypatch.setattr(nvme_striped, "READ_RUNS_PER_THREAD", 4)  # 8 blocks, 1 thread: runs of 2
+    file = MemoryFile(8)
+    io = StripedIO(file, BB, threads=1)
+    try:
+        src = blocks(8)
+        io.write(list(range(8)), src)
+        hashed.clear()
+        waited: list[bool] = []
+        readers: set[int] = set()
+
+        def before(kind: str, offset: int) -> None:  # run k is read only once run k-1 is verified
+            first = offset // BB
+            readers.add(threading.get_ident())
+            waited.append(wait_for(lambda: first == 0 or first - 1 in hashed))
+
+        file.before = before
+        dst = [np.zeros(BB, np.uint8) for _ in range(8)]
+        assert io.read(list(range(8)), dst) == [checksum(b) for b in src]
+    finally:
+        io.close()
+    assert waited == [True] * 4
+    assert sorted(hashed) == list(range(8))  # each block once
+    caller = threading.get_ident()
+    assert [hashed.threads[b] == caller for b in range(8)] == [True] * 6 + [False] * 2  # the last run: its worker
+    assert caller not in readers
+
+
+def test_failed_run_skips_the_rest_and_wait_outlasts_every_run() -> None:
+    ended: list[float] = []
+    calls = 0
+
+    def before(kind: str, offset: int) -> None:
+        nonlocal calls
+        calls += 1
+        if offset == 0:
+            raise OSError(errno.EIO, "injected")
+        time.sleep(0.02)
+        ended.append(time.monotonic())
+
+    io = StripedIO(MemoryFile(64, before), BB, threads=2)
+    try:
+        with pytest.raises(OSError, match="injected"):
+            io.write(list(range(64)), blocks(64))
+        raised = time.monotonic()
+    finally:
+        io.close()
+    assert calls < len(plan_runs(list(range(64)), 8))  # runs not started when it failed were skipped
+    assert all(end <= raised for end in ended)          # and none was still running when write raised
+
+
+def test_read_error_fails_only_that_run() -> None:
+    file = MemoryFile(16)
+    io = StripedIO(file, BB, threads=2)
+    try:
+        src = blocks(16)
+        io.write(list(range(16)), src)
+
+        def before(kind: str, offset: int) -> None:
+            if offset == 4 * BB:
+                raise OSError(errno.EIO, "injected")
+
+        file.before = before
+        sums = io.read([0, 4, 12], [np.zeros(BB, np.uint8) for _ in range(3)])
+    finally:
+        io.close()
+    assert sums == [checksum(src[0]), None, checksum(src[12])]
+
+
+def test_close_stops_every_worker() -> None:
+    io = StripedIO(MemoryFile(4), BB, threads=3)
+    workers = list(io._workers)
+    assert all(w.is_alive() for w in workers)
+    io.close()
+    assert not any(w.is_alive() for w in workers)
+    assert not [t for t in threading.enumerate() if t in workers]

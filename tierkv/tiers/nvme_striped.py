@@ -1,0 +1,288 @@
+"""Batches of whole blocks on the NVMe block file: persistent workers, checksums off the I/O path.
+
+A batch is sorted by slot and cut into runs of adjacent slots, one vectored
+call each, about `WRITE_RUNS_PER_THREAD` (`READ_RUNS_PER_THREAD`) runs per
+worker and at most `MAX_RUN_BYTES`::
+
+    slots   3 4 5 6   9 10   20         write, threads = 2: at most ceil(7 / (2 * 2)) = 2 blocks a run
+    runs    [3 4] [5 6] [9 10] [20]  ->  pwritev(fd, [b3, b4], 3 * block_bytes) ...
+
+A call's runs form a `Job`. The ``threads`` workers live as long as the store
+and take jobs from one queue; each claims the next run of its job as soon as it
+is free, so the device gets the runs back to back. The calling thread takes
+the checksums meanwhile, so no worker waits for a hash before its next call::
+
+    write, 4 workers, 8 runs
+      worker 0  | pwritev run 0 | pwritev run 4 |
+      worker 1  | pwritev run 1 | pwritev run 5 |      ... workers 2, 3 likewise
+      caller    submit | wait: 4 runs claimed | hash every block | wait for all runs |
+                then tierkv.tiers.nvme appends the journal records carrying the sums
+    read, 4 workers, 16 runs
+      worker 0  | preadv run 0 | preadv run 4 | preadv run 8 | preadv run 12, verify it |
+      caller    submit | run 0 back: verify it | run 1 back: verify it | ... | wait for all runs
+                (runs 12..15, the last wave, are verified by their own workers: nothing is left to read)
+
+Checksums are xxh3_64 of a block's bytes, taken from a zero-copy numpy view of
+the caller's tensor; the hasher releases the GIL for inputs over 64 KiB.
+Hashing a block while it is being written is safe: the caller's bytes do not
+change during the call, and the sums go only into journal records appended
+after `Job.wait`. A read block counts only once its hash is taken. After an
+error a job skips the runs not yet started, but every run is reported, so once
+`Job.wait` returns (or raises the first error) no worker touches the caller's
+buffers.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from tierkv.device import ALIGN
+from tierkv.tiers.nvme_io import BlockFile, Buffer
+
+log = logging.getLogger(__name__)
+
+MAX_RUN_BYTES = 8 * 1024**2
+WRITE_RUNS_PER_THREAD = 2  # enough that a worker the scheduler holds back delays a small part of a call
+READ_RUNS_PER_THREAD = 4   # smaller runs: less is left to verify once the last one arrives
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+
+
+def checksum(block: Buffer) -> int:
+    """xxh3_64 of the block. The hasher object, unlike the one-shot ``xxh3_64_intdigest``,
+    releases the GIL for inputs over 64 KiB, so it runs beside the workers' I/O."""
+    return xxhash.xxh3_64(block).intdigest()
+
+
+def is_aligned(array: np.ndarray) -> bool:
+    return array.ctypes.data % ALIGN == 0 and array.nbytes % ALIGN == 0
+
+
+def plan_runs(slots: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
+    """Split ascending ``slots`` into ``[lo, hi)`` runs of adjacent slots, at most ``max_blocks`` long."""
+    runs: list[tuple[int, int]] = []
+    lo = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1 or i - lo == max_blocks:
+            runs.append((lo, i))
+            lo = i
+    return runs
+
+
+@dataclass(slots=True)
+class Batch:
+    """One call's blocks, shared by the workers; ``sums[i]`` is filled for block i."""
+
+    slots: Sequence[int]
+    bufs: Sequence[Buffer]
+    misaligned: Collection[int] | None
+    sums: list
+
+    def hash_blocks(self, indices: Iterable[int]) -> None:
+        for i in indices:
+            self.sums[i] = checksum(_host(self.bufs[i]))
+
+
+Work = Callable[[list[int], Batch, bool], int]
+
+
+class Job:
+    """One call's runs, shared by the workers it was handed to.
+
+    Workers claim runs in slot order until none is left and report every run,
+    skipped (after an error) and failed ones too, so once `wait` returns no
+    worker touches the call's buffers. Runs from ``tail`` on are the last wave:
+    their own workers verify them, having nothing left to read.
+    """
+
+    __slots__ = ("work", "batch", "runs", "tail", "error", "_started", "_wave", "_claimed", "_claim", "_pending",
+                 "_done")
+
+    def __init__(self, work: Work, batch: Batch, runs: list[list[int]], *, tail: int, wave: int) -> None:
+        self.work, self.batch, self.runs, self.tail = work, batch, runs, tail
+        self.error: BaseException | None = None
+        self._started = threading.Event()  # set once the first ``wave`` runs are claimed
+        self._wave, self._claimed, self._claim = wave, 0, threading.Lock()
+        if wave == 0:  # an empty batch
+            self._started.set()
+        self._pending = len(runs)
+        self._done: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+
+    def do_runs(self) -> None:
+        """On a worker: do unclaimed runs until there are none."""
+        while True:
+            with self._claim:
+                index, self._claimed = self._claimed, self._claimed + 1
+            if index + 1 == self._wave:
+                self._started.set()
+            if index >= len(self.runs):
+                return
+            result = 0
+            if self.error is None:
+                try:
+                    result = self.work(self.runs[index], self.batch, index >= self.tail)
+                except BaseException as exc:  # noqa: BLE001 - raised on the caller by wait()
+                    self.error = self.error or exc
+            self._done.put((index, result))
+
+    def checksums(self) -> list[int]:
+        """Hash every block on the calling thread, once the workers are under way; stops if the job fails.
+
+        Hashing right away would compete with the workers' start for the CPU and the GIL.
+        """
+        self._started.wait()
+        for i in range(len(self.batch.bufs)):
+            if self.error is not None:
+                break
+            self.batch.hash_blocks((i,))
+        return self.batch.sums
+
+    def completions(self) -> Iterator[tuple[int, int]]:
+        """``(run index, result)`` as runs complete; for the submitting thread only."""
+        while self._pending:
+            self._pending -= 1
+            yield self._done.get()
+
+    def wait(self) -> None:
+        """Wait for every run still out; raise the first error a worker hit."""
+        for _ in self.completions():
+            pass
+        if self.error is not None:
+            raise self.error
+
+
+class StripedIO:
+    """Reads and writes batches of whole blocks on ``threads`` persistent workers."""
+
+    def __init__(self, file: BlockFile, block_bytes: int, threads: int) -> None:
+        self.file = file
+        self.block_bytes = block_bytes
+        self.threads = threads
+        self._max_run = max(1, min(IOV_MAX, MAX_RUN_BYTES // block_bytes))
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._local = threading.local()
+        self._workers = [threading.Thread(target=self._serve, name=f"tierkv-nvme-{i}", daemon=True)
+                         for i in range(threads)]
+        for worker in self._workers:
+            worker.start()
+
+    def start_write(self, slots: Sequence[int], bufs: Sequence[Buffer],
+                    misaligned: Collection[int] | None = None) -> Job:
+        """Queue a batch's writes and return; the caller then takes `Job.checksums` and must `Job.wait`.
+
+        ``misaligned``: indices of buffers not on an `ALIGN` boundary, when the caller
+        knows them cheaply (``tensor.data_ptr()``); None makes the workers check.
+        The buffers must stay alive and unchanged until `Job.wait` returns.
+        """
+        batch = Batch(slots, bufs, misaligned, [0] * len(slots))
+        return self._submit(self._write_run, batch, WRITE_RUNS_PER_THREAD, verify_tail=False)
+
+    def write(self, slots: Sequence[int], bufs: Sequence[Buffer],
+              misaligned: Collection[int] | None = None) -> list[int]:
+        """Write every block; their checksums in input order. Raises the first I/O error."""
+        job = self.start_write(slots, bufs, misaligned)
+        try:
+            return job.checksums()
+        finally:
+            job.wait()
+
+    def read(self, slots: Sequence[int], bufs: Sequence[Buffer],
+             misaligned: Collection[int] | None = None) -> list[int | None]:
+        """Read every block; checksum per block, None where it could not be read whole."""
+        batch = Batch(slots, bufs, misaligned, [None] * len(slots))
+        job = self._submit(self._read_run, batch, READ_RUNS_PER_THREAD, verify_tail=True)
+        try:  # verify run k while the workers read the runs after it
+            for index, whole in job.completions():
+                if index < job.tail:
+                    batch.hash_blocks(job.runs[index][:whole])
+        finally:
+            job.wait()
+        return batch.sums
+
+    def close(self) -> None:
+        """Stop the workers (after the jobs already queued)."""
+        for _ in self._workers:
+            self._queue.put(None)
+        for worker in self._workers:
+            worker.join()
+        self._workers.clear()
+
+    # -- internals ---------------------------------------------------------
+    def _submit(self, work: Work, batch: Batch, runs_per_thread: int, *, verify_tail: bool) -> Job:
+        """Queue the batch as runs in slot order, about ``runs_per_thread`` for each worker."""
+        slots = batch.slots
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        max_blocks = min(self._max_run, math.ceil(len(slots) / (self.threads * runs_per_thread)))
+        runs = [order[lo:hi] for lo, hi in plan_runs([slots[i] for i in order], max_blocks)]
+        wave = min(self.threads, len(runs))
+        job = Job(work, batch, runs, tail=len(runs) - self.threads if verify_tail else len(runs), wave=wave)
+        for _ in range(wave):
+            self._queue.put(job)
+        return job
+
+    def _serve(self) -> None:
+        """A worker: work on queued jobs until the None sentinel."""
+        while (job := self._queue.get()) is not None:
+            job.do_runs()
+
+    def _write_run(self, run: list[int], batch: Batch, _verify: bool) -> int:
+        blocks = [batch.bufs[i] for i in run]
+        iov, bounced = self._iovecs(run, blocks, batch)
+        for k in bounced:
+            iov[k][:] = blocks[k]
+        self.file.pwritev(iov, batch.slots[run[0]] * self.block_bytes)
+        return len(run)
+
+    def _read_run(self, run: list[int], batch: Batch, verify: bool) -> int:
+        """Read the run; how many of its blocks came back whole (verified too if ``verify``)."""
+        blocks = [batch.bufs[i] for i in run]
+        iov, bounced = self._iovecs(run, blocks, batch)
+        offset = batch.slots[run[0]] * self.block_bytes
+        try:
+            whole = self.file.preadv(iov, offset) // self.block_bytes
+        except OSError as exc:
+            log.warning("read of %d block(s) at offset %d failed: %s", len(run), offset, exc)
+            return 0
+        for k in bounced:
+            if k < whole:
+                blocks[k][:] = iov[k]
+        if verify:
+            batch.hash_blocks(run[:whole])
+        return whole
+
+    def _iovecs(self, run: list[int], blocks: list[Buffer], batch: Batch) -> tuple[list[Buffer], list[int]]:
+        """The buffers to hand the kernel, and which positions of the run are bounce buffers."""
+        if not self.file.needs_alignment:
+            return blocks, []
+        if batch.misaligned is None:
+            bounced = [k for k, b in enumerate(blocks) if not is_aligned(b)]
+        else:
+            bounced = [k for k, i in enumerate(run) if i in batch.misaligned]
+        if not bounced:
+            return blocks, []
+        bounce = self._bounce(len(bounced))
+        iov = list(blocks)
+        for j, k in enumerate(bounced):
+            iov[k] = bounce[j * self.block_bytes:(j + 1) * self.block_bytes]
+        return iov, bounced
+
+    def _bounce(self, nblocks: int) -> np.ndarray:
+        """This thread's aligned scratch buffer of at least ``nblocks`` blocks."""
+        buf: np.ndarray | None = getattr(self._local, "bounce", None)
+        if buf is None or buf.nbytes < nblocks * self.block_bytes:
+            buf = np.frombuffer(mmap.mmap(-1, nblocks * self.block_bytes), np.uint8)  # page-aligned
+            self._local.bounce = buf
+        return buf
+
+
+def _host(block: Buffer) -> np.ndarray:
+    """Host bytes to checksum: the block itself, or a copy of a CUDA block (kvikio)."""
+    return block if isinstance(block, np.ndarray) else block.cpu().numpy()
