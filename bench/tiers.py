@@ -136,11 +136,9 @@ def memory_probes(src: torch.Tensor, dst: torch.Tensor, cpu: CpuTier, block: int
     n = src.numel() // block
     order = list(range(n))
     random.Random(block).shuffle(order)
-    outs = list(dst.view(n, block).unbind(0))
 
     def gather() -> None:
-        for out, slot in zip(outs, order):
-            out.copy_(cpu.view(slot))
+        cpu.gather(order, dst)  # the tier's own gather: runs of adjacent slots, memmove on workers
 
     return [Probe("memcpy", src.numel(), n, lambda: dst.copy_(src)),
             Probe("cpu-gather", src.numel(), n, gather)]
@@ -309,7 +307,7 @@ RATIOS = {  # name -> (path, what it divides)
                           "O_DIRECT sequential write of the same bytes (4 MiB pwrites, 1 or 4 threads)"),
     "nvme_read_vs_raw": ("nvme-read", "NvmeTier.read GB/s ({batch} blocks a call, {io} io threads, checksums "
                          "verified) / best raw O_DIRECT sequential read of the same bytes (4 MiB preadv, 1 or 4 threads)"),
-    "cpu_gather_vs_memcpy": ("cpu-gather", "copying every CpuTier slot (scattered order, one copy_ per block) into "
+    "cpu_gather_vs_memcpy": ("cpu-gather", "CpuTier.gather of every slot (scattered order) into "
                              "one contiguous tensor / one copy_ of the same bytes"),
     "manager_gather_vs_memcpy": ("manager-gather", "BlockingTierManager.acquire of every block from the cpu tier "
                                  "into the gpu tier ({batch} keys a call; host memory without CUDA) / one host copy_"),
