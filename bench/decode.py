@@ -55,7 +55,7 @@ from tierkv.model.generate import DTYPES, RunConfig, RunResult, run
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sequence import KVLayout
-from tierkv.profile.events import EventRecorder
+from tierkv.profile.events import EventRecorder, busy_seconds
 
 K, MiB = 1024, 1024**2
 BLOCK_TOKENS = 256
@@ -190,7 +190,7 @@ class NativeDecoder:
         blocks = sum(len(layer) for layer in self.seq.blocks)
         nvme_only = sum(1 for e in mgr.directory if list(e.copies) == ["nvme"])
         return waited | {"nvme_read_bytes": self._nvme_read() - self.read_before,
-                         "nvme_busy_s": _union_seconds([(e.start, e.done) for e in loads]),
+                         "nvme_busy_s": busy_seconds([(e.start, e.done) for e in loads]),
                          "nvme_only_share": round(nvme_only / blocks, 3), "memory_tier_bytes": self.memory_bytes,
                          "memory_blocks_at_start": self.resident}
 
@@ -201,16 +201,6 @@ class NativeDecoder:
     def close(self) -> None:
         self.seq.release(keep=False)
         self.manager.close()
-
-
-def _union_seconds(spans: list[tuple[float, float]]) -> float:
-    """Seconds during which at least one of ``spans`` was running (overlapping loads count once)."""
-    total, end = 0.0, float("-inf")
-    for lo, hi in sorted(spans):
-        if hi > end:
-            total += hi - max(lo, end)
-            end = hi
-    return total
 
 
 # -- one context ---------------------------------------------------------------------

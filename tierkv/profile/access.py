@@ -55,7 +55,7 @@ import xxhash
 
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
-from tierkv.profile.events import Event
+from tierkv.profile.events import Event, busy_seconds
 
 if TYPE_CHECKING:  # profile sits below the manager: no import at run time
     from tierkv.manager.manager import TierManager
@@ -442,21 +442,12 @@ def transfer_stats(transfers: Sequence[Event]) -> dict[str, float]:
     when at least one ran (overlaps once); ``queued_s`` is the median wait from submit to start."""
     return {"transfers": len(transfers), "blocks": sum(e.blocks for e in transfers),
             "bytes": sum(e.nbytes for e in transfers), "busy_s": sum(e.done - e.start for e in transfers),
-            "union_s": _union([(e.start, e.done) for e in transfers]),
+            "union_s": busy_seconds([(e.start, e.done) for e in transfers]),
             "queued_s": float(np.median([e.start - e.submit for e in transfers])) if transfers else 0.0}
 
 
 def _transfers(events: Iterable[Event]) -> list[Event]:
     return [e for e in events if e.kind in TRANSFER_KINDS and not e.error]
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for start, done in sorted(intervals):
-        if done > end:
-            total += done - max(start, end)
-            end = done
-    return total
 
 
 def _blocked(kinds: array, op_time: np.ndarray, events: list[Event], origin: float) -> np.ndarray:

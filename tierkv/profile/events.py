@@ -56,3 +56,13 @@ class EventRecorder:
 
     def of_kind(self, *kinds: str) -> list[Event]:
         return [e for e in self.events if e.kind in kinds]
+
+
+def busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """Seconds during which at least one of ``spans`` (start, done) was running; overlaps count once."""
+    total, reach = 0.0, float("-inf")
+    for start, done in sorted(spans):
+        if done > reach:
+            total += done - max(start, reach)
+            reach = done
+    return total

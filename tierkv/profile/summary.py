@@ -32,7 +32,7 @@ import numpy as np
 
 from tierkv.config import format_size
 from tierkv.errors import ConfigError
-from tierkv.profile.events import Event
+from tierkv.profile.events import Event, busy_seconds
 
 PHASES = ("decode", "prefill", "all")
 WAITED_ON = ("load", "prefetch", "demote")    # transfers a reader can be blocked behind
@@ -169,20 +169,11 @@ def attribute(wait: Event, transfers: TransferIndex) -> dict[tuple[str, str], fl
     for e in transfers.blockers(wait):
         by_key[(f"{e.src}->{e.dst}", e.kind)].append((max(e.start, wait.start), min(e.done, wait.done)))
     for key, spans in by_key.items():
-        covered[key] = _union(spans)
+        covered[key] = busy_seconds(spans)
     total = sum(covered.values())
     if total <= 0:
         return {(UNATTRIBUTED, ""): seconds}
     return {key: seconds * c / total for key, c in covered.items() if c > 0}
-
-
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, reach = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > reach:
-            total += b - max(a, reach)
-            reach = b
-    return total
 
 
 # -- phases ----------------------------------------------------------------
@@ -289,7 +280,7 @@ def _links(inside: list[Event], meta: dict) -> list[Link]:
     limits = _mapping(meta, "links")
     rows = []
     for link, group in groups.items():
-        busy = _union([(e.start, e.done) for e in group])
+        busy = busy_seconds([(e.start, e.done) for e in group])
         nbytes = sum(e.nbytes for e in group)
         rows.append(Link(link, ",".join(sorted({e.kind for e in group})), len(group), nbytes, busy,
                          nbytes / busy / 1e9 if busy else 0.0, link_limit(link, limits)))
