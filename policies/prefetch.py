@@ -20,53 +20,17 @@ parameters raise ``ConfigError`` naming the valid ones.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
-from policies.registry import _check_params, _import
+from policies.registry import Registry
 from policies.streaming import validate_block_count
-from tierkv.errors import ConfigError
 from tierkv.policy import PrefetchPolicy
 
-F = TypeVar("F", bound=Callable[..., object])
-
-_PREFETCH: dict[str, Callable[..., object]] = {}
-
-
-def register_prefetch(name: str) -> Callable[[F], F]:
-    """Class decorator: make the strategy available as ``make_prefetch(name)``."""
-    if not name or ":" in name:
-        raise ConfigError(f"prefetch name {name!r}: must be non-empty and without ':' (reserved for module:Class)")
-
-    def add(factory: F) -> F:
-        if name in _PREFETCH:
-            raise ConfigError(f"prefetch name {name!r}: already registered by {_PREFETCH[name]!r}")
-        _PREFETCH[name] = factory
-        return factory
-
-    return add
-
-
-def prefetch_policies() -> list[str]:
-    """Registered prefetch strategy names, sorted."""
-    return sorted(_PREFETCH)
-
-
-def make_prefetch(name: str, **params: object) -> PrefetchPolicy:
-    """A fresh prefetch strategy from a registered name or a ``module:Class`` path."""
-    if ":" in name:
-        factory = _import(name)
-    elif name in _PREFETCH:
-        factory = _PREFETCH[name]
-    else:
-        raise ConfigError(f"prefetch={name!r}: unknown; valid names: {', '.join(prefetch_policies())}, "
-                          f"or 'module:Class' for a custom one")
-    _check_params(name, factory, params)
-    made = factory(**params)
-    if not isinstance(made, PrefetchPolicy):
-        raise ConfigError(f"prefetch={name!r}: {type(made).__qualname__} has no plan(layer, blocks, depth)")
-    return made
+PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch", PrefetchPolicy, ("plan",))
+register_prefetch = PREFETCH.register
+prefetch_policies = PREFETCH.names
+make_prefetch = PREFETCH.make
 
 
 def _check_depth(depth: int) -> None:

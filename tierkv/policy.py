@@ -30,11 +30,28 @@ loop). Before the reader computes layer ``l - 1`` it asks which of layer
                                              depth:  how many blocks fit beside those in use
     selected(layer, indices)                 optional: the block indices a sparse reader
                                              really attended to in ``layer`` this step
+
+Chunk selection (sparse decode): a ``ChunkSelector`` picks, per KV head,
+the ``k`` chunks of a layer's indexed keys that a query attends to; it sees
+the layer's chunk summaries (``ChunkView``), never the tiers::
+
+    select(query [Hq, D], view, k) -> chunk ids [Hkv, k'] ascending, k' <= k
+    needs                              summaries the index must keep ("landmarks", "bounds")
+
+A ``SparsePrefetch`` decides which chunks of the next layer to load while
+the current one computes, from a speculative selection (the next layer's
+query guessed from this layer's input, InfiniGen-style) and/or the chunks
+that layer chose in the previous step::
+
+    plan(layer, guess, previous) -> chunk ids [Hkv, n] or None
 """
 from __future__ import annotations
 
 from collections.abc import Container, Hashable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @runtime_checkable
@@ -76,3 +93,27 @@ class PrefetchPolicy(Protocol):
 class ObservesSelection(Protocol):
     def selected(self, layer: int, indices: Sequence[int]) -> None:
         """The block indices of ``layer`` a sparse reader attended to this step."""
+
+
+class ChunkView(Protocol):
+    """One layer's chunk summaries, as a selector sees them (``None``: not kept by this index)."""
+
+    layer: int
+    landmarks: Tensor | None     # [C, Hkv, D] mean key per chunk, in the query's RoPE frame
+    lo: Tensor | None            # [C, Hkv, D] per-dimension min key per chunk
+    hi: Tensor | None            # [C, Hkv, D] per-dimension max key per chunk
+    candidates: Tensor           # [C] bool: chunks that may be chosen (outliers are kept exact instead)
+
+
+@runtime_checkable
+class ChunkSelector(Protocol):
+    needs: frozenset[str]
+
+    def select(self, query: Tensor, view: ChunkView, k: int) -> Tensor:
+        """Chunk ids [Hkv, k'] (ascending, k' <= k) that ``query`` [Hq, D] should attend to."""
+
+
+@runtime_checkable
+class SparsePrefetch(Protocol):
+    def plan(self, layer: int, guess: Tensor | None, previous: Tensor | None) -> Tensor | None:
+        """Chunk ids of ``layer`` to start loading now, or None for nothing."""

@@ -71,7 +71,7 @@ def module_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
 
 @pytest.fixture
 def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry_module, "_REGISTRY", dict(registry_module._REGISTRY))
+    monkeypatch.setattr(registry_module.EVICTION, "_factories", dict(registry_module.EVICTION._factories))
 
 
 def test_available_lists_the_built_ins_sorted() -> None:
@@ -140,7 +140,7 @@ def test_a_class_that_is_not_a_policy_names_what_it_lacks(module_dir: Path) -> N
     (module_dir / "custom_partial.py").write_text(CUSTOM)
     with pytest.raises(ConfigError) as caught:
         make_policy("custom_partial:InsertOnly")
-    assert "InsertOnly is not an EvictionPolicy (missing: touch, remove, evict, __len__)" in str(caught.value)
+    assert "InsertOnly does not implement EvictionPolicy (missing: touch, remove, evict, __len__)" in str(caught.value)
 
 
 def test_an_attribute_that_is_not_a_class_is_rejected(module_dir: Path) -> None:

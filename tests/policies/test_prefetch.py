@@ -101,7 +101,7 @@ def test_a_custom_strategy_loads_by_module_and_class(module_dir: Path) -> None:
         "class Nothing:\n"
         "    pass\n")
     assert make_prefetch("my_prefetch:LastTwo", n=3).plan(0, BLOCKS, 8) == ["b5", "b6", "b7"]
-    with pytest.raises(ConfigError, match=r"Nothing has no plan\(layer, blocks, depth\)"):
+    with pytest.raises(ConfigError, match=r"Nothing does not implement PrefetchPolicy \(missing: plan\)"):
         make_prefetch("my_prefetch:Nothing")
     with pytest.raises(ConfigError, match="cannot import module"):
         make_prefetch("no_such_module_here:X")

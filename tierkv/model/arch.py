@@ -137,6 +137,12 @@ def project_qkv(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[
     q [B, H, T, D] and k [B, Hkv, T, D] are post-RoPE; k_pre is k before RoPE (after Qwen3's
     k_norm, as in transformers); v [B, Hkv, T, D].
     """
+    q_pre, k_pre, v = project_qkv_pre(layer, h)
+    return apply_rope(q_pre, cos, sin), k_pre, apply_rope(k_pre, cos, sin), v
+
+
+def project_qkv_pre(layer: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """h [B, T, hidden] -> (q_pre [B, H, T, D], k_pre [B, Hkv, T, D], v [B, Hkv, T, D]), before RoPE."""
     attn = layer.self_attn
     x = layer.input_layernorm(h)                                   # [B, T, hidden]
     B, T, _ = x.shape
@@ -145,8 +151,18 @@ def project_qkv(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[
     v = attn.v_proj(x).view(B, T, -1, attn.head_dim)               # [B, T, Hkv, D]
     if hasattr(attn, "q_norm"):                                    # Qwen3: RMSNorm per head
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k_pre, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return apply_rope(q, cos, sin), k_pre, apply_rope(k_pre, cos, sin), v
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def project_query_pre(layer: nn.Module, h: Tensor) -> Tensor:
+    """h [B, T, hidden] -> q_pre [B, H, T, D]: the query alone (a speculative guess costs only this)."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    B, T, _ = x.shape
+    q = attn.q_proj(x).view(B, T, -1, attn.head_dim)
+    if hasattr(attn, "q_norm"):
+        q = attn.q_norm(q)
+    return q.transpose(1, 2)
 
 
 def finish_attention(layer: nn.Module, attn_out: Tensor, residual: Tensor) -> Tensor:

@@ -1,0 +1,80 @@
+"""Chunk selectors and sparse prefetchers for sparse decode, chosen by name.
+
+A selector picks, per KV head, the chunks of a layer's stored keys that a
+query attends to; a sparse prefetcher picks which chunks of the next layer to
+start loading while the current layer computes (see ``tierkv.policy``)::
+
+    selector     scores each chunk by                                     keeps
+    shadowkv     max over the group of q . landmark (mean key, ShadowKV)  landmarks
+    quest        upper bound of q . k from per-dim min/max keys (Quest)   lo, hi
+
+    prefetch       loads for layer l+1, while layer l computes
+    none           nothing: every chunk is fetched when its layer asks
+    speculative    the chunks layer l+1 would pick for a query guessed from layer l's
+                   input (InfiniGen): the real selection then finds most of them arriving
+    previous-step  the chunks layer l+1 picked in the previous step (ShadowKV's reuse)
+
+``make_selector("shadowkv")`` / ``make_sparse_prefetch("speculative")`` build
+one; ``selectors()`` / ``sparse_prefetchers()`` list the names;
+``module:Class`` loads a custom one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from policies.registry import Registry
+from tierkv.policy import ChunkSelector, ChunkView, SparsePrefetch
+from tierkv.scoring import bound_scores, landmark_scores, top_chunks
+
+SELECTORS: Registry[ChunkSelector] = Registry("selector", ChunkSelector, ("select",))
+SPARSE_PREFETCH: Registry[SparsePrefetch] = Registry("sparse prefetch", SparsePrefetch, ("plan",))
+register_selector, selectors, make_selector = SELECTORS.register, SELECTORS.names, SELECTORS.make
+register_sparse_prefetch = SPARSE_PREFETCH.register
+sparse_prefetchers, make_sparse_prefetch = SPARSE_PREFETCH.names, SPARSE_PREFETCH.make
+
+
+@register_selector("shadowkv")
+@dataclass(slots=True)
+class Landmarks:
+    needs: frozenset[str] = frozenset({"landmarks"})
+
+    def select(self, query: Tensor, view: ChunkView, k: int) -> Tensor:
+        return top_chunks(landmark_scores(query, view.landmarks), k, view.candidates)
+
+
+@register_selector("quest")
+@dataclass(slots=True)
+class PageBounds:
+    needs: frozenset[str] = frozenset({"bounds"})
+
+    def select(self, query: Tensor, view: ChunkView, k: int) -> Tensor:
+        return top_chunks(bound_scores(query, view.lo, view.hi), k, view.candidates)
+
+
+@register_sparse_prefetch("none")
+@dataclass(slots=True)
+class NoSparsePrefetch:
+    speculates: bool = False
+
+    def plan(self, layer: int, guess: Tensor | None, previous: Tensor | None) -> Tensor | None:
+        return None
+
+
+@register_sparse_prefetch("speculative")
+@dataclass(slots=True)
+class Speculative:
+    speculates: bool = True
+
+    def plan(self, layer: int, guess: Tensor | None, previous: Tensor | None) -> Tensor | None:
+        return guess
+
+
+@register_sparse_prefetch("previous-step")
+@dataclass(slots=True)
+class PreviousStepChunks:
+    speculates: bool = False
+
+    def plan(self, layer: int, guess: Tensor | None, previous: Tensor | None) -> Tensor | None:
+        return previous
