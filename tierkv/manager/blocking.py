@@ -49,6 +49,16 @@ class BlockingTierManager:
     def put(self, key: BlockKey, data: torch.Tensor, **kw: Any) -> None:
         self._run(self.manager.put(key, data, **kw))
 
+    def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]], *, layer: int | None = None,
+                 first_index: int | None = None, persist: bool = False) -> None:
+        """``put`` each (key, data) in order, in one hop to the loop thread; block i gets index
+        ``first_index + i``."""
+        async def put_all() -> None:
+            for i, (key, data) in enumerate(items):
+                index = None if first_index is None else first_index + i
+                await self.manager.put(key, data, layer=layer, index=index, persist=persist)
+        self._run(put_all())
+
     def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Lease:
         lease = self._run(self.manager.acquire(keys, tier, **kw))
         lease.unpin = self._unpin  # release hops back to the loop thread

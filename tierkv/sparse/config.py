@@ -1,0 +1,106 @@
+"""Settings of sparse attention: budget, rank, chunking, what stays exact, positions.
+
+One frozen ``SparseConfig`` per run; every field is validated on creation,
+and an error names the field, the value and what is allowed. Fields left
+``None`` are resolved against the model and the prompt by ``resolve``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from tierkv.errors import ConfigError
+
+POSITIONS = ("auto", "original", "remap")
+
+
+def parse_budget(value: str | int | float) -> int | float:
+    """``2048`` -> 2048 tokens per KV head; ``"2%"`` / ``0.02`` -> that share of the context."""
+    if isinstance(value, bool):
+        raise ConfigError(f"sparse_budget={value!r}: expected tokens (2048) or a share of the context (2%)")
+    if isinstance(value, (int, float)) and not isinstance(value, str):
+        number: int | float = value
+    else:
+        text = str(value).strip()
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", text)
+        if match:
+            number = float(match.group(1)) / 100
+        elif text.isdigit():
+            number = int(text)
+        else:
+            raise ConfigError(f"sparse_budget={value!r}: expected tokens (2048) or a share of the context (2%)")
+    if isinstance(number, float) and not 0 < number < 1:
+        raise ConfigError(f"sparse_budget={value!r}: a share must be between 0% and 100% (exclusive)")
+    if isinstance(number, int) and number < 0:
+        raise ConfigError(f"sparse_budget={value!r}: tokens must be >= 0")
+    return number
+
+
+@dataclass(frozen=True, slots=True)
+class SparseConfig:
+    budget: int | float = 2048      # selected tokens per KV head per step, or a share of the context
+    rank: int | None = None         # low-rank keys; None: 160 per 1024 key dims, at least min(96, dims/2)
+    chunk_tokens: int = 8           # tokens summarised by one landmark
+    page_tokens: int = 32           # tokens per stored page (the read unit: values + key factors)
+    sink_tokens: int = 16           # first tokens, always attended, kept exact
+    window_tokens: int = 512        # newest tokens, always attended, kept exact
+    outlier_fraction: float = 0.01  # chunks kept exact because their landmark describes them worst
+    max_outlier_tokens: int = 512   # cap, so remapped positions stay inside the trained window
+    selector: str = "shadowkv"      # a policies.selectors name
+    prefetch: str = "speculative"   # a policies.selectors sparse-prefetch name
+    positions: str = "auto"         # original | remap (RoPE at compact positions) | auto
+    dense_prefill_tokens: int | None = None  # exact prefill up to here; None: auto (see resolve)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", parse_budget(self.budget))
+        for name in ("chunk_tokens", "page_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+        if self.page_tokens % self.chunk_tokens:
+            raise ConfigError(f"page_tokens={self.page_tokens}: must be a multiple of "
+                              f"chunk_tokens={self.chunk_tokens}")
+        for name in ("sink_tokens", "window_tokens", "max_outlier_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.sink_tokens % self.chunk_tokens:
+            raise ConfigError(f"sink_tokens={self.sink_tokens}: must be a multiple of "
+                              f"chunk_tokens={self.chunk_tokens}")
+        if not 0 <= self.outlier_fraction < 1:
+            raise ConfigError(f"outlier_fraction={self.outlier_fraction}: must be in [0, 1)")
+        if self.rank is not None and self.rank <= 0:
+            raise ConfigError(f"rank={self.rank}: must be > 0 (or None for the default)")
+        if self.positions not in POSITIONS:
+            raise ConfigError(f"positions={self.positions!r}: allowed: {', '.join(POSITIONS)}")
+        if self.dense_prefill_tokens is not None and self.dense_prefill_tokens < 0:
+            raise ConfigError(f"dense_prefill_tokens={self.dense_prefill_tokens}: must be >= 0")
+        from policies.selectors import make_selector, make_sparse_prefetch
+        make_selector(self.selector)          # unknown names list the valid ones
+        make_sparse_prefetch(self.prefetch)
+
+    def budget_tokens(self, context: int) -> int:
+        """Selected tokens per KV head for a context of ``context`` tokens (whole chunks)."""
+        tokens = self.budget if isinstance(self.budget, int) else int(self.budget * context)
+        return tokens // self.chunk_tokens * self.chunk_tokens
+
+    def key_rank(self, key_dims: int) -> int:
+        """The rank of the low-rank keys for ``key_dims`` = Hkv * D."""
+        if self.rank is not None:
+            if self.rank > key_dims:
+                raise ConfigError(f"rank={self.rank}: at most the key dimensions Hkv*D={key_dims}")
+            return self.rank
+        return min(key_dims, max(key_dims * 160 // 1024, min(96, key_dims // 2)))
+
+    def resolve(self, *, prompt_tokens: int, trained_tokens: int) -> SparseConfig:
+        """Fill ``positions`` and ``dense_prefill_tokens`` for one prompt.
+
+        Within the trained window the prompt is prefilled exactly and RoPE keeps the real positions
+        (the index is built at the end, as ShadowKV does). Past it, dense attention leaves the
+        positions the model knows: the first tokens (up to half the window) are prefilled exactly,
+        the rest attend sparsely, and every attention uses compact (remapped) positions.
+        """
+        beyond = prompt_tokens > trained_tokens
+        positions = self.positions if self.positions != "auto" else ("remap" if beyond else "original")
+        dense = self.dense_prefill_tokens
+        if dense is None:
+            dense = min(prompt_tokens, trained_tokens // 2) if beyond else prompt_tokens
+        return replace(self, positions=positions, dense_prefill_tokens=dense)

@@ -1,0 +1,186 @@
+"""Sparse prefill and decode: each query attends to sinks + chosen chunks + a local window.
+
+Per layer and forward pass (one decode token, or one prefill chunk)::
+
+    q_pre, k_pre, v = project(h)                               before RoPE
+    chunks = selector.select(query, index_l, k)                [Hkv, k] per KV head; none while dense
+    K, V   = sinks | pages of chunks (keys = A B) + outliers | window     pre-RoPE, token order
+    RoPE   at the real positions, or remapped  0 .. |K|-1 then the queries   (positions="remap")
+    out    = merge(attend(q, K, V), attend(q, k_new, v_new, causal))
+    seq.append(l, k_pre, v)                                   seals pages past the window
+
+While layer l computes, the sparse prefetcher may start loading layer l+1's
+chunks; ``speculative`` guesses them from layer l's input run through layer
+l+1's query projection (InfiniGen), so the fetch overlaps the compute.
+
+Prefill attends exactly (everything is still in the window) until
+``dense_prefill_tokens``; there each layer's key basis is fitted and the
+window starts sealing pages. Past that point prefill is sparse too: an
+approximation, the price of a 1M-token prompt on a CPU (``tierkv run`` says
+so). The prompt's last token is computed by the first decode step, so a
+stored index (see ``tierkv.sparse.store``) resumes with no recomputation.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+import torch
+from torch import Tensor
+
+from policies.selectors import make_selector, make_sparse_prefetch
+from tierkv.manager import BlockingTierManager
+from tierkv.model.arch import apply_rope, decoder_layers, embed, final_logits, finish_attention, mlp_block, \
+    project_qkv_pre, project_query_pre, rope_cos_sin
+from tierkv.model.attention import attend, merge
+from tierkv.model.loading import LoadedModel
+from tierkv.profile.events import Event
+from tierkv.profile.trace import profiler_range
+from tierkv.sparse.config import SparseConfig
+from tierkv.sparse.pages import PageLayout
+from tierkv.sparse.sequence import SparseSequence
+
+
+class SparseEngine:
+    def __init__(self, loaded: LoadedModel, manager: BlockingTierManager, config: SparseConfig, *,
+                 chunk_tokens: int = 1024, page_dtype: torch.dtype | None = None) -> None:
+        spec = loaded.spec
+        self.loaded, self.model, self.manager, self.config = loaded, loaded.model, manager, config
+        self.layers = decoder_layers(self.model)
+        self.chunk_tokens = chunk_tokens
+        self.rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
+        self.layout = PageLayout(config.page_tokens, spec.num_kv_heads, spec.head_dim, self.rank,
+                                 page_dtype or spec.dtype)
+        self.selector = make_selector(config.selector)
+        self.prefetcher = make_sparse_prefetch(config.prefetch)
+        self.needs = frozenset(self.selector.needs)
+
+    @staticmethod
+    def page_layout(loaded: LoadedModel, config: SparseConfig, page_dtype: torch.dtype | None = None) -> PageLayout:
+        spec = loaded.spec
+        rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
+        return PageLayout(config.page_tokens, spec.num_kv_heads, spec.head_dim, rank, page_dtype or spec.dtype)
+
+    def resolved(self, prompt_tokens: int) -> SparseConfig:
+        return self.config.resolve(prompt_tokens=prompt_tokens, trained_tokens=self.loaded.spec.max_position)
+
+    def new_sequence(self, prompt_tokens: int, **kw) -> SparseSequence:
+        config = self.resolved(prompt_tokens)
+        rotate = None if config.positions == "remap" else self._rotate_keys
+        return SparseSequence(self.manager, config, self.layout, num_layers=len(self.layers),
+                              dtype=self.loaded.spec.dtype, needs=self.needs, rotate=rotate, **kw)
+
+    # -- prefill and decode ---------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seq: SparseSequence, ids: Sequence[int], progress: Callable[[int], None] | None = None) -> None:
+        """Run every token of ``ids`` (the prompt but its last token) into ``seq``, chunk by chunk."""
+        pos = seq.length(0)
+        while pos < len(ids):
+            end = min(pos + self.chunk_tokens, len(ids))
+            if pos < seq.config.dense_prefill_tokens < end:
+                end = seq.config.dense_prefill_tokens   # fit the basis exactly where exact prefill ends
+            self._forward(seq, ids[pos:end], pos)
+            if progress:
+                progress(end - pos)
+            pos = end
+        self.finish_prefill(seq)
+
+    def finish_prefill(self, seq: SparseSequence) -> None:
+        """Fit the key basis of layers still without one (a prompt shorter than the exact part)."""
+        for layer in range(len(self.layers)):
+            seq.fit(layer, self.rank)
+
+    @torch.inference_mode()
+    def decode(self, seq: SparseSequence, token: int) -> Tensor:
+        """Append one token; returns the logits [vocab] that follow it."""
+        h = self._forward(seq, [token], seq.length(0))
+        return final_logits(self.model, h[:, -1:])[0, -1]
+
+    # -- one forward pass -----------------------------------------------------------------------
+    def _forward(self, seq: SparseSequence, chunk: Sequence[int], pos: int) -> Tensor:
+        ids = torch.tensor([list(chunk)])
+        h = embed(self.model, ids)                                   # [1, T, hidden]
+        events = self.manager.manager.events
+        speculate = len(chunk) == 1 and getattr(self.prefetcher, "speculates", False)
+        for index, layer in enumerate(self.layers):
+            start = time.perf_counter()
+            if len(chunk) == 1 and index + 1 < len(self.layers):
+                self._prefetch(seq, index + 1, h if speculate else None, pos)
+            with profiler_range(f"tierkv sparse layer {index}"):
+                q_pre, k_pre, v = project_qkv_pre(layer, h)          # [1, H, T, D], [1, Hkv, T, D] x2
+                out = self._attention(seq, index, q_pre, k_pre, v, pos)
+                seq.append(index, k_pre[0].transpose(0, 1), v[0].transpose(0, 1))
+                if seq.length(index) >= seq.config.dense_prefill_tokens:
+                    seq.fit(index, self.rank)
+                h = mlp_block(layer, finish_attention(layer, out, h))
+            events.record(Event("layer", "", "", index, 0, start, start, time.perf_counter()))
+        return h
+
+    def _attention(self, seq: SparseSequence, layer: int, q_pre: Tensor, k_pre: Tensor, v: Tensor,
+                   pos: int) -> Tensor:
+        T = q_pre.shape[2]
+        chunks = self._select(seq, layer, self._query(seq, q_pre, pos), seq.length(layer))
+        k_ctx, v_ctx, p_ctx = self._context(seq, layer, chunks)          # [Hkv, Tc, D] x2, [Hkv, Tc]
+        remap = seq.config.positions == "remap"
+        q_pos = torch.arange(T) + (k_ctx.shape[1] if remap else pos)
+        cos, sin = rope_cos_sin(self.model, q_pos)
+        q, k_new = apply_rope(q_pre, cos, sin), apply_rope(k_pre, cos, sin)
+        parts = [attend(q, k_new, v, causal=True)]
+        if k_ctx.shape[1]:
+            if remap:
+                p_ctx = torch.arange(k_ctx.shape[1]).expand_as(p_ctx)
+            k_ctx = self._rotate_heads(k_ctx, p_ctx).to(q.dtype)
+            parts.append(attend(q, k_ctx.unsqueeze(0), v_ctx.to(q.dtype).unsqueeze(0), causal=False))
+        return merge(parts)
+
+    def _query(self, seq: SparseSequence, q_pre: Tensor, pos: int) -> Tensor:
+        """The query a selection scores with [H, D]: mean over the chunk's queries, in the index's frame."""
+        if seq.config.positions != "remap":
+            cos, sin = rope_cos_sin(self.model, torch.arange(pos, pos + q_pre.shape[2]))
+            q_pre = apply_rope(q_pre, cos, sin)
+        return q_pre[0].float().mean(dim=1)
+
+    def _select(self, seq: SparseSequence, layer: int, query: Tensor, context: int) -> Tensor:
+        index = seq.index(layer)
+        if not index.chunks:
+            return torch.empty(self.layout.num_kv_heads, 0, dtype=torch.long)
+        k = seq.config.budget_tokens(context) // seq.config.chunk_tokens
+        chunks = self.selector.select(query, index, k)
+        seq.chosen[layer] = chunks
+        return chunks
+
+    def _context(self, seq: SparseSequence, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Pre-RoPE K, V [Hkv, Tc, D] and real positions [Hkv, Tc]: sinks | chunks + outliers | window."""
+        H = self.layout.num_kv_heads
+        k_mid, v_mid, p_mid = seq.gather(layer, chunks)
+        sink_k, sink_v = seq.sinks(layer)
+        win_k, win_v = seq.window(layer)
+        start = seq.length(layer) - win_k.shape[0]
+        k = torch.cat([sink_k.float().transpose(0, 1), k_mid, win_k.float().transpose(0, 1)], dim=1)
+        v = torch.cat([sink_v.float().transpose(0, 1), v_mid, win_v.float().transpose(0, 1)], dim=1)
+        p = torch.cat([torch.arange(sink_k.shape[0]).expand(H, -1), p_mid,
+                       torch.arange(start, start + win_k.shape[0]).expand(H, -1)], dim=1)
+        return k, v, p
+
+    def _prefetch(self, seq: SparseSequence, layer: int, h: Tensor | None, pos: int) -> None:
+        index = seq.index(layer)
+        if not index.chunks:
+            return
+        guess = None
+        if h is not None:
+            q_pre = project_query_pre(self.layers[layer], h)         # [1, H, 1, D]
+            k = seq.config.budget_tokens(seq.length(layer) + 1) // seq.config.chunk_tokens
+            guess = self.selector.select(self._query(seq, q_pre, pos), index, k)
+        chunks = self.prefetcher.plan(layer, guess, seq.chosen.get(layer))
+        if chunks is not None and chunks.numel():
+            seq.prefetch(layer, chunks)
+
+    # -- RoPE ---------------------------------------------------------------------------------------
+    def _rotate_heads(self, k_pre: Tensor, positions: Tensor) -> Tensor:
+        """k_pre [Hkv, T, D] rotated to per-head positions [Hkv, T]."""
+        cos, sin = rope_cos_sin(self.model, positions)               # [Hkv, T, D]
+        return apply_rope(k_pre.unsqueeze(1).float(), cos.float(), sin.float()).squeeze(1)
+
+    def _rotate_keys(self, k_pre: Tensor, positions: Tensor) -> Tensor:
+        """k_pre [t, Hkv, D] at positions [t] -> post-RoPE keys [t, Hkv, D] (the ShadowKV frame)."""
+        cos, sin = rope_cos_sin(self.model, positions)               # [1, t, D]
+        return apply_rope(k_pre.transpose(0, 1).unsqueeze(0).float(), cos.float(), sin.float())[0].transpose(0, 1)

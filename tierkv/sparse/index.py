@@ -1,0 +1,158 @@
+"""What a layer keeps on hand to choose chunks: summaries, and outliers kept exact.
+
+Chunk c of the indexed region holds ``chunk_tokens`` consecutive tokens.
+For each chunk the index keeps, in the frame selection scores in (post-RoPE
+keys at their real positions, or pre-RoPE keys when positions are remapped)::
+
+    landmarks [C, Hkv, D]   mean key                      (ShadowKV selector)
+    lo, hi    [C, Hkv, D]   per-dimension min / max key   (Quest selector)
+    candidates [C] bool     False for outlier chunks
+
+Outliers: a chunk whose keys point away from their own mean (lowest minimum
+cosine similarity to the landmark, over tokens and heads) is the one a
+landmark describes worst; the ``target`` most extreme ones are kept exact
+(pre-RoPE keys and values, in memory) and attended every step instead of
+competing for selection. The target grows with the context, so the set is
+re-ranked as chunks arrive: a newcomer more extreme than the weakest outlier
+takes its place, and the weakest goes back to being a candidate (its page
+holds it like every other chunk).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SUMMARIES = ("landmarks", "bounds")
+
+
+class _Growing:
+    """A tensor that grows along dim 0 by doubling."""
+
+    def __init__(self, tail: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.data = torch.empty(64, *tail, dtype=dtype)
+        self.n = 0
+
+    def extend(self, rows: Tensor) -> None:
+        need = self.n + rows.shape[0]
+        if need > self.data.shape[0]:
+            grown = torch.empty(max(need, 2 * self.data.shape[0]), *self.data.shape[1:], dtype=self.data.dtype)
+            grown[:self.n] = self.data[:self.n]
+            self.data = grown
+        self.data[self.n:need] = rows
+        self.n = need
+
+    @property
+    def rows(self) -> Tensor:
+        return self.data[:self.n]
+
+
+class ChunkIndex:
+    """Chunk summaries and exact outliers of one layer (a ``tierkv.policy.ChunkView``)."""
+
+    def __init__(self, layer: int, heads: int, head_dim: int, *, chunk_tokens: int, needs: frozenset[str],
+                 dtype: torch.dtype) -> None:
+        unknown = set(needs) - set(SUMMARIES)
+        if unknown:
+            raise ValueError(f"needs={sorted(unknown)}: an index keeps only {', '.join(SUMMARIES)}")
+        self.layer, self.chunk_tokens = layer, chunk_tokens
+        shape = (heads, head_dim)
+        self._landmarks = _Growing(shape, dtype) if "landmarks" in needs else None
+        self._lo = _Growing(shape, dtype) if "bounds" in needs else None
+        self._hi = _Growing(shape, dtype) if "bounds" in needs else None
+        self._candidates = _Growing((), torch.bool)
+        self.outliers: dict[int, tuple[float, Tensor, Tensor]] = {}   # chunk -> (score, k_pre, v)
+        self._exact: tuple[Tensor, Tensor, Tensor] | None = None
+
+    # -- the ChunkView a selector reads ------------------------------------------
+    @property
+    def chunks(self) -> int:
+        return self._candidates.n
+
+    @property
+    def landmarks(self) -> Tensor | None:
+        return None if self._landmarks is None else self._landmarks.rows
+
+    @property
+    def lo(self) -> Tensor | None:
+        return None if self._lo is None else self._lo.rows
+
+    @property
+    def hi(self) -> Tensor | None:
+        return None if self._hi is None else self._hi.rows
+
+    @property
+    def candidates(self) -> Tensor:
+        return self._candidates.rows
+
+    # -- growing ------------------------------------------------------------------
+    def add(self, keys: Tensor, k_pre: Tensor, v: Tensor, target_outliers: int) -> None:
+        """Index new whole chunks: keys [t, Hkv, D] in the scoring frame, k_pre / v [t, Hkv, D] exact."""
+        c = self.chunk_tokens
+        chunked = keys.float().view(-1, c, *keys.shape[1:])           # [n, c, Hkv, D]
+        means = chunked.mean(dim=1)                                   # [n, Hkv, D]
+        first = self.chunks
+        if self._landmarks is not None:
+            self._landmarks.extend(means.to(self._landmarks.data.dtype))
+        if self._lo is not None:
+            self._lo.extend(chunked.amin(dim=1).to(self._lo.data.dtype))
+            self._hi.extend(chunked.amax(dim=1).to(self._hi.data.dtype))
+        self._candidates.extend(torch.ones(chunked.shape[0], dtype=torch.bool))
+        cosine = torch.nn.functional.cosine_similarity(chunked, means.unsqueeze(1), dim=-1)  # [n, c, Hkv]
+        scores = cosine.flatten(1).amin(dim=1)                                                # [n]
+        self._rank_outliers(first, scores, k_pre.view(-1, c, *k_pre.shape[1:]), v.view(-1, c, *v.shape[1:]),
+                            target_outliers)
+
+    def _rank_outliers(self, first: int, scores: Tensor, k_pre: Tensor, v: Tensor, target: int) -> None:
+        old = list(self.outliers)
+        pool = torch.cat([torch.tensor([self.outliers[i][0] for i in old]), scores])
+        keep = set(pool.topk(min(target, pool.numel()), largest=False).indices.tolist())
+        for rank, chunk in enumerate(old):
+            if rank not in keep:
+                del self.outliers[chunk]
+                self._candidates.data[chunk] = True
+        for offset in range(scores.numel()):
+            if len(old) + offset in keep:
+                chunk = first + offset
+                self.outliers[chunk] = (float(scores[offset]), k_pre[offset].clone(), v[offset].clone())
+                self._candidates.data[chunk] = False
+        self._exact = None
+
+    def exact(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Outliers in chunk order: (chunk ids [m], k_pre [m*c, Hkv, D], v [m*c, Hkv, D])."""
+        if self._exact is None:
+            ids = sorted(self.outliers)
+            if ids:
+                k = torch.cat([self.outliers[i][1] for i in ids])
+                v = torch.cat([self.outliers[i][2] for i in ids])
+            else:
+                k = v = torch.empty(0)
+            self._exact = (torch.tensor(ids, dtype=torch.long), k, v)
+        return self._exact
+
+    # -- persistence ----------------------------------------------------------------
+    def state(self) -> dict[str, Tensor]:
+        ids, k, v = self.exact()
+        state = {"candidates": self.candidates, "outlier_ids": ids, "outlier_scores":
+                 torch.tensor([self.outliers[i][0] for i in ids.tolist()], dtype=torch.float32)}
+        if ids.numel():
+            state |= {"outlier_k": k, "outlier_v": v}
+        for name in ("landmarks", "lo", "hi"):
+            if getattr(self, name) is not None:
+                state[name] = getattr(self, name)
+        return state
+
+    def load(self, state: dict[str, Tensor]) -> None:
+        for name, grow in (("landmarks", self._landmarks), ("lo", self._lo), ("hi", self._hi)):
+            if grow is not None:
+                if name not in state:
+                    raise KeyError(f"the stored index has no {name}")
+                grow.n = 0
+                grow.extend(state[name])
+        self._candidates.n = 0
+        self._candidates.extend(state["candidates"])
+        c = self.chunk_tokens
+        ids, scores = state["outlier_ids"].tolist(), state["outlier_scores"].tolist()
+        self.outliers = {chunk: (score, state["outlier_k"][j * c:(j + 1) * c].clone(),
+                                 state["outlier_v"][j * c:(j + 1) * c].clone())
+                         for j, (chunk, score) in enumerate(zip(ids, scores))}
+        self._exact = None

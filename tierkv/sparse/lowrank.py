@@ -1,0 +1,58 @@
+"""Low-rank keys: a streaming SVD of a layer's pre-RoPE keys.
+
+Keys of one layer, all KV heads side by side, form a tall matrix
+``K [n, Hkv*D]`` with n up to millions of rows. Its right singular vectors
+are the eigenvectors of the small Gram matrix ``K^T K [Hkv*D, Hkv*D]``, which
+adds up chunk by chunk, so the SVD never holds K::
+
+    G += k^T k                  for every chunk of keys k [t, Hkv*D]    (float64)
+    B  = top-r eigenvectors(G)  [r, Hkv*D], orthonormal rows
+    A  = K B^T                  [n, r]    the per-token factors, stored with the values
+    K ~= A B                    exact when r = Hkv*D
+
+Keys are taken before RoPE: position rotations would spread them over
+every dimension (ShadowKV's observation), and the rebuilt keys can then be
+rotated to any position, including remapped ones.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KeyBasis:
+    """The Gram matrix of one layer's keys so far, and the basis fitted from it."""
+
+    def __init__(self, key_dims: int) -> None:
+        self.gram = torch.zeros(key_dims, key_dims, dtype=torch.float64)
+        self.basis: Tensor | None = None      # [r, Hkv*D] float32
+        self.energy_kept = 1.0                # share of the key energy inside the basis, at fit time
+
+    def add(self, keys: Tensor) -> None:
+        """keys [t, Hkv*D] (pre-RoPE)."""
+        k = keys.reshape(keys.shape[0], -1).double()
+        self.gram.addmm_(k.T, k)
+
+    def fit(self, rank: int) -> Tensor:
+        """Fix the basis to the top ``rank`` directions of the keys added so far."""
+        values, vectors = torch.linalg.eigh(self.gram)               # ascending
+        top = vectors[:, -rank:].flip(1)                             # [Hkv*D, r], strongest first
+        total = float(values.clamp(min=0).sum())
+        self.energy_kept = float(values[-rank:].clamp(min=0).sum()) / total if total > 0 else 1.0
+        self.basis = top.T.contiguous().float()
+        return self.basis
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.basis is None else self.basis.shape[0]
+
+
+def project(keys: Tensor, basis: Tensor) -> Tensor:
+    """keys [t, Hkv*D] -> factors [t, r]."""
+    return keys.reshape(keys.shape[0], -1).float() @ basis.T
+
+
+def reconstruct(factors: Tensor, basis: Tensor, heads: int) -> Tensor:
+    """factors [t, r] -> keys [t, Hkv, D] (float32)."""
+    keys = factors.float() @ basis
+    return keys.view(factors.shape[0], heads, -1)

@@ -1,0 +1,248 @@
+"""The KV of one sequence under sparse attention: sinks, indexed pages, a local window.
+
+Per layer, tokens fall into three regions::
+
+    tokens   0 .. S-1   | S ........................ sealed-1 | sealed .. n-1
+             sinks      | indexed: pages in the tiers          | window
+             exact, RAM | values + key factors per page;       | exact (pre-RoPE K, V), RAM
+                        | summaries + outliers in ChunkIndex   |
+
+New tokens enter the window. Until the layer's key basis is fitted (the
+exact-prefill part), nothing is sealed and attention over sinks + window is
+dense. Afterwards, whenever the window holds a page more than
+``window_tokens``, its oldest page is sealed: keys projected on the basis,
+chunk summaries and outliers indexed, the page put into the tier manager.
+
+Reading: for chunks chosen per KV head, the pages holding them are pinned
+through the manager (pages kept from the previous step are found in place:
+ShadowKV's cross-step reuse), keys rebuilt from the factors, and each head's
+chunks gathered in token order, merged with the outliers.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tierkv.keys import BlockKey
+from tierkv.manager import BlockingTierManager
+from tierkv.sparse.config import SparseConfig
+from tierkv.sparse.index import ChunkIndex
+from tierkv.sparse.lowrank import KeyBasis, project, reconstruct
+from tierkv.sparse.pages import PageLayout
+
+Rotate = Callable[[Tensor, Tensor], Tensor]   # (k_pre [t, Hkv, D], positions [t]) -> keys in the scoring frame
+
+
+class _Fifo:
+    """Rows [t, Hkv, D] appended at the back, taken from the front."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        self.data = torch.empty(1024, *shape, dtype=dtype)
+        self.head = self.tail = 0
+
+    def __len__(self) -> int:
+        return self.tail - self.head
+
+    def push(self, rows: Tensor) -> None:
+        if self.tail + rows.shape[0] > self.data.shape[0]:
+            live = self.data[self.head:self.tail]
+            size = max(self.data.shape[0], 2 * (len(self) + rows.shape[0]))
+            self.data = torch.cat([live, torch.empty(size - len(live), *self.data.shape[1:],
+                                                     dtype=self.data.dtype)])
+            self.head, self.tail = 0, len(live)
+        self.data[self.tail:self.tail + rows.shape[0]] = rows
+        self.tail += rows.shape[0]
+
+    def pop(self, n: int) -> Tensor:
+        rows = self.data[self.head:self.head + n].clone()
+        self.head += n
+        return rows
+
+    def rows(self) -> Tensor:
+        return self.data[self.head:self.tail]
+
+
+@dataclass(slots=True)
+class ReadStats:
+    steps: int = 0            # layer reads
+    pages: int = 0            # pages read
+    reused: int = 0           # of those, pages the same layer read in the previous step
+    tokens: int = 0           # selected + outlier tokens attended
+
+
+class _Layer:
+    def __init__(self, layer: int, config: SparseConfig, layout: PageLayout, needs: frozenset[str],
+                 dtype: torch.dtype) -> None:
+        H, D = layout.num_kv_heads, layout.head_dim
+        self.sink_k, self.sink_v = torch.empty(0, H, D, dtype=dtype), torch.empty(0, H, D, dtype=dtype)
+        self.win_k, self.win_v = _Fifo((H, D), dtype), _Fifo((H, D), dtype)
+        self.basis = KeyBasis(H * D)
+        self.index = ChunkIndex(layer, H, D, chunk_tokens=config.chunk_tokens, needs=needs, dtype=layout.dtype)
+        self.pages: list[BlockKey] = []
+        self.previous: set[int] = set()
+        self.length = 0
+
+
+class SparseSequence:
+    def __init__(self, manager: BlockingTierManager, config: SparseConfig, layout: PageLayout, *,
+                 num_layers: int, dtype: torch.dtype, needs: frozenset[str], rotate: Rotate | None,
+                 root: BlockKey | None = None, persist: bool = False) -> None:
+        self.manager, self.config, self.layout = manager, config, layout
+        self.rotate = rotate                     # None: scoring frame = pre-RoPE keys (remapped positions)
+        self.root = root or BlockKey.of("private-sparse", os.urandom(16))
+        self.persist = persist
+        self.read_tier: str | None = None
+        self.layers = [_Layer(i, config, layout, needs, dtype) for i in range(num_layers)]
+        self.stats = ReadStats()
+        self.chosen: dict[int, Tensor] = {}      # layer -> chunks chosen in the last step
+
+    # -- regions ------------------------------------------------------------------
+    def length(self, layer: int) -> int:
+        return self.layers[layer].length
+
+    def sealed(self, layer: int) -> int:
+        """First token of the window."""
+        return self.config.sink_tokens + len(self.layers[layer].pages) * self.layout.page_tokens
+
+    def index(self, layer: int) -> ChunkIndex:
+        return self.layers[layer].index
+
+    def sinks(self, layer: int) -> tuple[Tensor, Tensor]:
+        state = self.layers[layer]
+        return state.sink_k, state.sink_v
+
+    def window(self, layer: int) -> tuple[Tensor, Tensor]:
+        state = self.layers[layer]
+        return state.win_k.rows(), state.win_v.rows()
+
+    def basis(self, layer: int) -> Tensor | None:
+        return self.layers[layer].basis.basis
+
+    # -- writing ---------------------------------------------------------------------
+    def append(self, layer: int, k_pre: Tensor, v: Tensor) -> None:
+        """New tokens' pre-RoPE keys and values [t, Hkv, D]; whole pages past the window are sealed."""
+        state = self.layers[layer]
+        room = max(0, self.config.sink_tokens - state.sink_k.shape[0])
+        if room:
+            state.sink_k = torch.cat([state.sink_k, k_pre[:room]])
+            state.sink_v = torch.cat([state.sink_v, v[:room]])
+        if state.basis.basis is None:
+            state.basis.add(k_pre)
+        state.win_k.push(k_pre[room:])
+        state.win_v.push(v[room:])
+        state.length += k_pre.shape[0]
+        self._seal(layer)
+
+    def fit(self, layer: int, rank: int) -> None:
+        """Fix the layer's key basis from the keys so far (sinks and window included), then seal."""
+        state = self.layers[layer]
+        if state.basis.basis is None:
+            state.basis.fit(rank)
+            self._seal(layer)
+
+    def _seal(self, layer: int) -> None:
+        state, P = self.layers[layer], self.layout.page_tokens
+        if state.basis.basis is None:
+            return
+        n_pages = (len(state.win_k) - self.config.window_tokens) // P
+        if n_pages <= 0:
+            return
+        start = self.sealed(layer)
+        k_pre, v = state.win_k.pop(n_pages * P), state.win_v.pop(n_pages * P)
+        positions = torch.arange(start, start + n_pages * P)
+        frame = k_pre if self.rotate is None else self.rotate(k_pre, positions)
+        state.index.add(frame, k_pre, v, self._outlier_target(state.index.chunks + n_pages * P // self.config.chunk_tokens))
+        factors = project(k_pre, state.basis.basis)
+        first = len(state.pages)
+        keys = [self.page_key(layer, first + i) for i in range(n_pages)]
+        raws = [self.layout.pack(v[i * P:(i + 1) * P], factors[i * P:(i + 1) * P]) for i in range(n_pages)]
+        self.manager.put_many(list(zip(keys, raws)), layer=layer, first_index=first, persist=self.persist)
+        state.pages.extend(keys)
+
+    def _outlier_target(self, chunks: int) -> int:
+        cap = self.config.max_outlier_tokens // self.config.chunk_tokens
+        return min(cap, int(self.config.outlier_fraction * chunks))
+
+    def page_key(self, layer: int, page: int) -> BlockKey:
+        return BlockKey.of(self.root.digest, "page", layer, page)
+
+    # -- reading -------------------------------------------------------------------------
+    def chunk_pages(self, chunks: Tensor) -> list[int]:
+        return sorted(set((chunks // (self.layout.page_tokens // self.config.chunk_tokens)).flatten().tolist()))
+
+    def gather(self, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Selected chunks [Hkv, k] plus the outliers -> pre-RoPE K, V [Hkv, M, D] (float) and
+        their token positions [Hkv, M], in token order per head."""
+        state, c = self.layers[layer], self.config.chunk_tokens
+        H = self.layout.num_kv_heads
+        parts_k, parts_v, parts_pos = [], [], []
+        if chunks.numel():
+            k_sel, v_sel = self._read(layer, chunks)
+            parts_k.append(k_sel)
+            parts_v.append(v_sel)
+            parts_pos.append(self._positions(chunks))
+        ids, k_out, v_out = state.index.exact()
+        if ids.numel():
+            parts_k.append(k_out.float().transpose(0, 1))
+            parts_v.append(v_out.float().transpose(0, 1))
+            parts_pos.append(self._positions(ids.expand(H, -1)))
+        if not parts_k:
+            D = self.layout.head_dim
+            return torch.empty(H, 0, D), torch.empty(H, 0, D), torch.empty(H, 0, dtype=torch.long)
+        k, v, pos = torch.cat(parts_k, 1), torch.cat(parts_v, 1), torch.cat(parts_pos, 1)
+        order = pos.argsort(dim=1)
+        take = order.unsqueeze(-1).expand(-1, -1, k.shape[-1])
+        self.stats.tokens += pos.shape[1]
+        return k.gather(1, take), v.gather(1, take), pos.gather(1, order)
+
+    def _positions(self, chunks: Tensor) -> Tensor:
+        """chunk ids [Hkv, k] -> token positions [Hkv, k*c]."""
+        c = self.config.chunk_tokens
+        first = self.config.sink_tokens + chunks * c
+        return (first.unsqueeze(-1) + torch.arange(c)).flatten(1)
+
+    def _read(self, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor]:
+        state, c, P = self.layers[layer], self.config.chunk_tokens, self.layout.page_tokens
+        pages = self.chunk_pages(chunks)
+        self._count(state, pages)
+        with self.manager.blocks([state.pages[p] for p in pages], self.read_tier, layer=layer) as views:
+            values, factors = self.layout.unpack(torch.stack(views))   # [n, P, Hkv, D], [n, P, r]
+            values = values.float()
+            keys = reconstruct(factors.reshape(-1, factors.shape[-1]), state.basis.basis,
+                               self.layout.num_kv_heads)              # [n*P, Hkv, D]
+        where = torch.searchsorted(torch.tensor(pages), chunks // (P // c))     # [Hkv, k]: page slot
+        rows = (where * P + chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)
+        rows = rows.flatten(1)                                              # [Hkv, k*c]
+        take = rows.unsqueeze(-1).expand(-1, -1, self.layout.head_dim)
+        k_sel = keys.transpose(0, 1).gather(1, take)                       # [Hkv, k*c, D]
+        v_sel = values.reshape(-1, *values.shape[2:]).transpose(0, 1).gather(1, take)
+        return k_sel, v_sel
+
+    def _count(self, state: _Layer, pages: list[int]) -> None:
+        now = set(pages)
+        self.stats.steps += 1
+        self.stats.pages += len(now)
+        self.stats.reused += len(now & state.previous)
+        state.previous = now
+
+    def prefetch(self, layer: int, chunks: Tensor) -> None:
+        state = self.layers[layer]
+        keys = [state.pages[p] for p in self.chunk_pages(chunks) if p < len(state.pages)]
+        if keys:
+            self.manager.prefetch(keys, self.read_tier, layer=layer)
+
+    # -- end of life ----------------------------------------------------------------------
+    def all_pages(self) -> list[BlockKey]:
+        return [key for state in self.layers for key in state.pages]
+
+    def release(self, *, keep: bool) -> None:
+        """Keep the pages as reusable cache (unprotected), or drop them everywhere."""
+        keys = self.all_pages()
+        if keep:
+            self.manager.unprotect(keys)
+        else:
+            self.manager.drop(keys)
