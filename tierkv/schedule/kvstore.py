@@ -1,0 +1,142 @@
+"""The KV of one block of sequences, kept in a tier manager per (layer, GPU batch).
+
+Each cell ``(layer, batch)`` appends K/V columns every step. Full ``block_tokens`` columns are
+sealed into one tier block; the newest columns stay in a tail on the compute device::
+
+    (layer l, batch b)   [ blk 0 ][ blk 1 ][ blk 2 ][ blk 3 ][ tail ]
+    home (kv g/c/d)        gpu      cpu      cpu      disk               Placement.split(blocks)
+
+    block bytes   K [rows, Hkv, T, D] then V, in the model's dtype, or both 4-bit packed
+                  (tierkv.schedule.quant) when the policy compresses KV; padded to 4096
+
+A block is put into its home tier and, being a home, is never evicted there (`HomePolicy`).
+``load`` pins the memory-home blocks in place and loads the disk-home ones into the cpu tier's
+staging room, then gathers everything with the tail into one K and one V for the compute.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tierkv.keys import BlockKey
+from tierkv.manager import BlockingTierManager
+from tierkv.schedule import quant
+from tierkv.schedule.policy import Placement
+
+ALIGN = 4096
+TIER_OF_HOME = {"gpu": "gpu", "cpu": "cpu", "disk": "nvme"}
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_tokens: int
+    rows: int                 # the largest GPU batch
+    compress: bool = False
+
+    def half_shape(self, rows: int) -> tuple[int, int, int, int]:
+        return (rows, self.num_kv_heads, self.block_tokens, self.head_dim)
+
+    def half_bytes(self, rows: int) -> int:
+        numel = rows * self.num_kv_heads * self.block_tokens * self.head_dim
+        if self.compress:
+            return quant.packed_bytes(numel)
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return -(-2 * self.half_bytes(self.rows) // ALIGN) * ALIGN
+
+    def pack(self, k: Tensor, v: Tensor) -> Tensor:
+        raw = torch.zeros(self.block_bytes, dtype=torch.uint8)
+        half = self.half_bytes(k.shape[0])
+        for i, x in enumerate((k, v)):
+            body = quant.pack(x) if self.compress else x.contiguous().reshape(-1).view(torch.uint8)
+            raw[i * half:(i + 1) * half].copy_(body)
+        return raw
+
+    def unpack(self, raw: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+        half, shape = self.half_bytes(rows), self.half_shape(rows)
+        if self.compress:
+            return tuple(quant.unpack(raw[i * half:(i + 1) * half], shape, self.dtype) for i in (0, 1))
+        return tuple(raw[i * half:(i + 1) * half].view(self.dtype).view(shape) for i in (0, 1))
+
+
+class BlockKV:
+    """Sealed KV blocks in ``manager`` and per-cell tails, for ``rows_per_batch`` GPU batches."""
+
+    def __init__(self, manager: BlockingTierManager, shape: KVShape, num_layers: int,
+                 rows_per_batch: list[int], placement: Placement, blocks_per_cell: int,
+                 homes: set) -> None:
+        self.manager, self.shape, self.homes = manager, shape, homes
+        self.rows = rows_per_batch
+        self.split = placement.split(blocks_per_cell)
+        self.run = os.urandom(8)
+        cells = [(layer, b) for layer in range(num_layers) for b in range(len(rows_per_batch))]
+        self.blocks: dict[tuple[int, int], list[BlockKey]] = {c: [] for c in cells}
+        self.tails: dict[tuple[int, int], tuple[Tensor, Tensor] | None] = {c: None for c in cells}
+        self.bytes_read = {"gpu": 0, "cpu": 0, "disk": 0}
+        self.bytes_written = {"gpu": 0, "cpu": 0, "disk": 0}
+
+    def home(self, index: int) -> str:
+        gpu, cpu, _ = self.split
+        return "gpu" if index < gpu else "cpu" if index < gpu + cpu else "disk"
+
+    # -- storing ------------------------------------------------------------
+    def store(self, layer: int, b: int, k: Tensor, v: Tensor) -> None:
+        """Append K/V [rows, Hkv, t, D] to cell (layer, b); whole blocks go to their home tier."""
+        cell, T = (layer, b), self.shape.block_tokens
+        tail = self.tails[cell]
+        k, v = (k, v) if tail is None else (torch.cat([tail[0], k], 2), torch.cat([tail[1], v], 2))
+        full = k.shape[2] // T
+        for i in range(full):
+            self._seal(cell, k[:, :, i * T:(i + 1) * T], v[:, :, i * T:(i + 1) * T])
+        rest = k.shape[2] - full * T
+        self.tails[cell] = (k[:, :, full * T:].clone(), v[:, :, full * T:].clone()) if rest else None
+
+    def _seal(self, cell: tuple[int, int], k: Tensor, v: Tensor) -> None:
+        index = len(self.blocks[cell])
+        key = BlockKey.of(self.run, cell[0], cell[1], index)
+        home = self.home(index)
+        if home != "disk":
+            self.homes.add(key)
+        self.manager.put(key, self.shape.pack(k, v), tier=TIER_OF_HOME[home], layer=cell[0], index=index)
+        self.blocks[cell].append(key)
+        self.bytes_written[home] += self.shape.block_bytes
+
+    # -- loading ------------------------------------------------------------
+    def load(self, layer: int, b: int) -> tuple[Tensor, Tensor] | None:
+        """K, V [rows, Hkv, S, D] of everything cell (layer, b) holds, or None when it is empty."""
+        cell = (layer, b)
+        keys, tail = self.blocks[cell], self.tails[cell]
+        homes = [self.home(i) for i in range(len(keys))]     # gpu first, then cpu, then disk
+        in_memory = [k for k, h in zip(keys, homes) if h != "disk"]
+        on_disk = [k for k, h in zip(keys, homes) if h == "disk"]
+        with ExitStack() as leases:
+            views = list(leases.enter_context(self.manager.blocks(in_memory))) if in_memory else []
+            if on_disk:  # loaded into the cpu tier's staging room, read once, evictable after
+                views += leases.enter_context(self.manager.blocks(on_disk, "cpu"))
+            parts = [self.shape.unpack(raw, self.rows[b]) for raw in views]
+            if tail is not None:
+                parts.append(tail)
+            if not parts:
+                return None
+            kv = torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)
+        for home in homes:
+            self.bytes_read[home] += self.shape.block_bytes
+        return kv
+
+    def close(self) -> None:
+        """Drop every block of this block of sequences from every tier."""
+        keys = [k for cell in self.blocks.values() for k in cell]
+        self.homes.difference_update(keys)
+        if keys:
+            self.manager.drop(keys)
+        self.blocks = {c: [] for c in self.blocks}
+        self.tails = {c: None for c in self.tails}
