@@ -78,14 +78,22 @@ class TierConfig:
     gpu_policy: str = "lru"
     cpu_policy: str = "lru"
     nvme_policy: str = "lru"
+    # A simulated CXL pool between cpu and nvme (or instead of cpu: cpu=0). 0 disables it.
+    cxl: int = 0
+    cxl_preset: str = "cxl2-x8"             # a name in tierkv.tiers.cxl_link.LINK_PRESETS
+    cxl_read_gbps: float | None = None      # overrides of the preset's figures (None: the preset's)
+    cxl_write_gbps: float | None = None
+    cxl_latency_ns: float | None = None
+    cxl_devices: int | None = None
+    cxl_policy: str = "lru"
 
     def __post_init__(self) -> None:
-        for name in ("block_bytes", "gpu", "cpu", "nvme_budget"):
+        for name in ("block_bytes", "gpu", "cpu", "nvme_budget", "cxl"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
         _positive("block_bytes", self.block_bytes)
         if self.block_bytes % 4096:
             raise ConfigError(f"block_bytes={self.block_bytes}: must be a multiple of 4096 (O_DIRECT alignment)")
-        for name in ("gpu", "cpu"):
+        for name in ("gpu", "cpu", "cxl"):
             budget = getattr(self, name)
             if 0 < budget < self.block_bytes:
                 raise ConfigError(f"{name}={budget}: a non-zero budget must hold at least one block "
@@ -95,8 +103,16 @@ class TierConfig:
             if self.nvme_budget < self.block_bytes:
                 raise ConfigError(f"nvme_budget={self.nvme_budget}: must hold at least one block "
                                   f"(block_bytes={self.block_bytes})")
-        if self.gpu == 0 and self.cpu == 0 and self.nvme_dir is None:
-            raise ConfigError("gpu=0, cpu=0 and nvme_dir=None: at least one tier must be enabled")
+        if self.gpu == 0 and self.cpu == 0 and self.cxl == 0 and self.nvme_dir is None:
+            raise ConfigError("gpu=0, cpu=0, cxl=0 and nvme_dir=None: at least one tier must be enabled")
+        if self.cxl:
+            self.cxl_link()  # validates the preset and the overrides now, not when tiers are built
+
+    def cxl_link(self):  # -> tierkv.tiers.cxl_link.LinkSpec (imported here: config sits below tiers)
+        """The cxl tier's link: ``cxl_preset`` with the ``cxl_*`` figures that are set."""
+        from tierkv.tiers.cxl_link import link_spec
+        return link_spec(self.cxl_preset, read_gbps=self.cxl_read_gbps, write_gbps=self.cxl_write_gbps,
+                         latency_ns=self.cxl_latency_ns, devices=self.cxl_devices)
 
 
 @dataclass(frozen=True, slots=True)

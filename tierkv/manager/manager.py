@@ -35,7 +35,7 @@ from tierkv.errors import BlockCorrupt, BlockMissing, BudgetExceeded, ManagerClo
 from tierkv.keys import BlockKey
 from tierkv.manager.directory import Directory
 from tierkv.manager.executor import Executor
-from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for
+from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for, put_handler_for
 from tierkv.policy import DescribesBlocks, EvictionPolicy, ObservesScores
 from tierkv.profile.events import Event, EventRecorder
 from tierkv.tiers.base import Medium, Tier
@@ -94,6 +94,9 @@ def build_tiers(config: TierConfig, *, namespace: str = "default",
         tiers.append(GpuTier(config.block_bytes, config.gpu))
     if config.cpu:
         tiers.append(CpuTier(config.block_bytes, config.cpu))
+    if config.cxl:
+        from tierkv.tiers.cxl import CxlTier
+        tiers.append(CxlTier(config.block_bytes, config.cxl, config.cxl_link()))
     if config.nvme_dir is not None:
         from tierkv.tiers.nvme import NvmeTier
         tiers.append(NvmeTier(config.nvme_dir, config.block_bytes, config.nvme_budget,
@@ -120,6 +123,9 @@ class TierManager:
         self.policies = {t.name: make_policy("lru", capacity=t.pool.capacity) for t in tiers} | (policies or {})
         self.knobs = knobs or IOKnobs.from_env()
         self.events = recorder or EventRecorder()
+        for tier in tiers:  # a pool's link model records its queue and link slices with ours
+            if getattr(tier, "link", None) is not None and tier.link.recorder is None:
+                tier.link.recorder = self.events
         self.directory = Directory()
         self.stats = {name: TierStats() for name in self.order}
         self._executor = executor or Executor(self.knobs.copy_threads, self.knobs.inflight_bytes, self.events)
@@ -136,7 +142,8 @@ class TierManager:
                     knobs: IOKnobs | None = None, recorder: EventRecorder | None = None) -> TierManager:
         knobs = knobs or IOKnobs.from_env()
         tiers = build_tiers(config, namespace=namespace, knobs=knobs)
-        policies = {"gpu": config.gpu_policy, "cpu": config.cpu_policy, "nvme": config.nvme_policy}
+        policies = {"gpu": config.gpu_policy, "cpu": config.cpu_policy, "cxl": config.cxl_policy,
+                    "nvme": config.nvme_policy}
         chosen = {t.name: make_policy(policies[t.name], capacity=t.pool.capacity) for t in tiers}
         return cls(tiers, policies=chosen, knobs=knobs, recorder=recorder)
 
@@ -171,6 +178,13 @@ class TierManager:
     @property
     def memory_tiers(self) -> list[str]:
         return [n for n in self.order if self.tiers[n].medium is not Medium.NVME]
+
+    @property
+    def in_place_tiers(self) -> list[str]:
+        """Memory tiers a reader may use in place (``tier=None``). A pool behind a modelled link is
+        not one (reading its views would bypass the model) unless no other memory tier exists."""
+        direct = [n for n in self.memory_tiers if getattr(self.tiers[n], "reads_in_place", True)]
+        return direct or self.memory_tiers
 
     @property
     def store(self) -> Tier | None:
@@ -322,7 +336,7 @@ class TierManager:
         """Record a ``hit`` event per tier for blocks already in place; returns how many are not."""
         if not self.events.enabled:
             return len(keys)
-        names = [tier] if tier is not None else self.memory_tiers
+        names = [tier] if tier is not None else self.in_place_tiers
         found = Counter(next((n for n in names if n in e.copies), None)
                         for k in keys if (e := self.directory.get(k)) is not None)
         found.pop(None, None)
@@ -351,11 +365,8 @@ class TierManager:
     async def _place(self, key: BlockKey, name: str, slot: int, raw: torch.Tensor,
                      layer: int | None) -> None:
         tier = self.tiers[name]
-        if tier.medium is Medium.NVME:
-            body = partial(tier.write, [(key, slot, raw.cpu())])
-        else:
-            body = partial(tier.view(slot).copy_, raw)
         transfer = Transfer(Kind.PUT, "", name, (key,), (), (slot,), self.block_bytes, layer)
+        body = partial(put_handler_for(tier.medium), transfer, raw, tier)
         try:
             await asyncio.shield(self._executor.submit(transfer, body, Priority.NOW))
         except BaseException:
@@ -600,12 +611,12 @@ class TierManager:
         entry = self.directory.get(key)
         if entry is None:
             return False
-        names = [tier] if tier is not None else self.memory_tiers
+        names = [tier] if tier is not None else self.in_place_tiers
         return any(n in entry.copies for n in names)
 
     def _pin_resident(self, keys: Sequence[BlockKey], tier: str | None,
                       fresh: Container[BlockKey] = ()) -> tuple[tuple[str, int], ...] | None:
-        names = [tier] if tier is not None else self.memory_tiers
+        names = [tier] if tier is not None else self.in_place_tiers
         places = []
         for key in keys:
             entry = self.directory.entry(key)

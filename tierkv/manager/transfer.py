@@ -3,7 +3,9 @@
 Handlers that move the bytes are registered per (source medium, destination
 medium). A handler runs on a worker thread, never on the event loop, and
 returns the keys whose source bytes failed verification (the NVMe store's
-checksums); any exception fails the whole transfer.
+checksums); any exception fails the whole transfer. A pair with a cxl end
+is wrapped by `through_link`, so its bytes cost what the pool's link model
+charges. Puts (a caller's new block) have one handler per destination medium.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from tierkv.device import host_buffer, new_event, new_stream, on_stream
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
+from tierkv.tiers.cxl_link import Direction
 
 
 class Priority(enum.IntEnum):
@@ -117,8 +120,66 @@ def _to_host(view: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def through_link(handler: Handler) -> Handler:
+    """``handler`` for a pair with a cxl end: book the bytes on the pool's link, move them, wait.
+
+    A read books on the source pool, a write on the destination pool (cxl->cxl: both);
+    the transfer completes when the copy is done and the link model says it would be.
+    """
+    def charged(t: Transfer, src, dst) -> list[BlockKey]:
+        tickets = [_book(src, Direction.READ, t.src_slots, t.dst, t.layer),
+                   _book(dst, Direction.WRITE, t.dst_slots, t.src, t.layer)]
+        failed = handler(t, src, dst)
+        for booked in tickets:
+            if booked is not None:
+                booked[0].wait(booked[1])
+        return failed
+    return charged
+
+
+def _book(tier, direction: Direction, slots: tuple[int, ...], peer: str, layer: int | None) -> tuple | None:
+    """``(link, ticket)`` when ``tier`` is a pool with a link model; None for any other tier
+    (a tier of medium cxl without a link, e.g. the replay's, is priced elsewhere)."""
+    if tier.medium is not Medium.CXL or getattr(tier, "link", None) is None:
+        return None
+    return tier.link, tier.book(direction, slots, peer=peer or "new", layer=layer)
+
+
 for _a in MEMORY:
     register_handler(_a, Medium.NVME)(write_store)
     register_handler(Medium.NVME, _a)(read_store)
     for _b in MEMORY:
         register_handler(_a, _b)(copy_memory)
+for _pair, _handler in list(_HANDLERS.items()):
+    if Medium.CXL in _pair:
+        _HANDLERS[_pair] = through_link(_handler)
+
+
+# -- puts: a caller's new block into a tier ------------------------------------------
+PutHandler = Callable[[Transfer, torch.Tensor, object], list[BlockKey]]
+_PUTS: dict[Medium, PutHandler] = {}
+
+
+def put_handler_for(medium: Medium) -> PutHandler:
+    return _PUTS[medium]
+
+
+def put_memory(t: Transfer, raw: torch.Tensor, tier) -> list[BlockKey]:
+    tier.view(t.dst_slots[0]).copy_(raw)
+    return []
+
+
+def put_store(t: Transfer, raw: torch.Tensor, store) -> list[BlockKey]:
+    store.write([(t.keys[0], t.dst_slots[0], raw.cpu())])
+    return []
+
+
+def put_pool(t: Transfer, raw: torch.Tensor, pool) -> list[BlockKey]:
+    booked = _book(pool, Direction.WRITE, t.dst_slots, "new", t.layer)
+    put_memory(t, raw, pool)
+    if booked is not None:
+        booked[0].wait(booked[1])
+    return []
+
+
+_PUTS.update({Medium.GPU: put_memory, Medium.CPU: put_memory, Medium.CXL: put_pool, Medium.NVME: put_store})
