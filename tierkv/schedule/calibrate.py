@@ -1,0 +1,165 @@
+"""Measure this machine for the cost model, and cache the result.
+
+Links come from `tierkv.profile.probe` (host memcpy, NVMe read and write; cached by it). Compute
+is measured on the model's own first decoder layer, through the same functions the runner calls::
+
+    layer(M)            one layer on M rows of one token (matmuls, norms, MLP, overhead), for
+                        M = 1, 4, 16, ... up to the largest batch asked; linear in between
+    attention           seconds per (row x query x key) at decode (1 query) and prefill (many)
+    head(M)             embedding + final norm + lm_head for M rows
+    dequant             bytes/s of 4-bit KV unpacked
+
+The measurements are cached in ``$TIERKV_CACHE_DIR/batch-calibration.json`` (default
+~/.cache/tierkv), one entry per host, model shape, dtype and thread count; ``refresh=True``
+measures again (``tierkv batch --recalibrate``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tierkv.model import arch
+from tierkv.schedule import quant
+from tierkv.schedule.compute import GpuBatch, keep_mask, layer_forward
+from tierkv.schedule.cost import Machine, ModelShape
+
+CACHE_ENV = "TIERKV_CACHE_DIR"
+CACHE_FILE = "batch-calibration.json"
+VERSION = 1
+
+
+def calibrate(model: nn.Module, *, nvme_dir: Path | None = None, max_rows: int = 1024,
+              refresh: bool = False, cache_dir: Path | None = None) -> Machine:
+    """The machine as the cost model sees it, measured (or read from the cache)."""
+    from tierkv.profile.probe import probe_links
+    links = probe_links(nvme_dir, refresh=refresh)["links"]
+    shape = ModelShape.of(model)
+    key = f"{socket.gethostname()}|{shape}|{torch.get_num_threads()}"
+    path = cache_path(cache_dir)
+    cached = _read(path)
+    entry = cached.get(key)
+    if refresh or entry is None or max(entry["layer"])[0] < max_rows:
+        entry = measure_compute(model, max_rows)
+        cached[key] = entry
+        _write(path, cached)
+    return machine_from(entry, links)
+
+
+def machine_from(entry: dict, links: dict) -> Machine:
+    memcpy = links["cpu->cpu"]["gbps"] * 1e9
+    read = links.get("nvme->cpu", {}).get("gbps", 2.0) * 1e9
+    write = links.get("cpu->nvme", {}).get("gbps", 2.0) * 1e9
+    layer = _interpolate(entry["layer"])
+    head = _interpolate(entry["head"])
+    per_decode, per_prefill = entry["attention_decode"], entry["attention_prefill"]
+
+    def attention(rows: int, queries: int, keys: int) -> float:
+        return rows * queries * keys * (per_decode if queries == 1 else per_prefill / 2)
+    return Machine(memcpy, read, write, layer, attention, head, entry["dequant"],
+                   copies_on_compute=not torch.cuda.is_available())
+
+
+# -- measuring ------------------------------------------------------------------
+@torch.no_grad()
+def measure_compute(model: nn.Module, max_rows: int) -> dict:
+    layer = arch.decoder_layers(model)[0]
+    group = arch.model_spec(model).group
+    rows = [m for m in (1, 4, 16, 64, 256, 1024, 4096, 16384) if m <= max(4, max_rows)]
+    table = [(m, _time(_layer_call(model, layer, group, m, 1, 0))) for m in rows]
+    decode_keys, prefill_tokens = 1024, 256
+    decode = _time(_layer_call(model, layer, group, 8, 1, decode_keys)) - _at(table, 8)
+    prefill = _time(_layer_call(model, layer, group, 1, prefill_tokens, 0)) - _at(table, prefill_tokens)
+    head = [(m, _time(lambda m=m: _head_once(model, m))) for m in (1, 64, 512) if m <= max(64, max_rows)]
+    x = torch.randn(4 * 1024 * 1024 // 2, dtype=torch.float32).view(-1, quant.GROUP)
+    packed = quant.pack(x)
+    dequant = packed.numel() / _time(lambda: quant.unpack(packed, tuple(x.shape), torch.bfloat16))
+    return {"version": VERSION, "layer": table, "head": head,
+            "attention_decode": max(decode, 0.0) / (8 * decode_keys),
+            "attention_prefill": max(prefill, 0.0) / (prefill_tokens * prefill_tokens),
+            "dequant": dequant}
+
+
+def _layer_call(model: nn.Module, layer: nn.Module, group: int, rows: int, tokens: int,
+                past: int) -> Callable[[], object]:
+    """One layer on ``rows`` x ``tokens`` new tokens over ``past`` cached keys, inputs prepared."""
+    spec = arch.model_spec(model)
+    pad = torch.zeros(rows, dtype=torch.long)
+    batch = GpuBatch(torch.zeros(rows, past + tokens, dtype=torch.long), pad)
+    batch.cos, batch.sin = arch.rope_cos_sin(model, torch.arange(past, past + tokens).expand(rows, -1))
+    batch.mask = keep_mask(pad, past, tokens).repeat(1, 1, group, 1)
+    h = torch.randn(rows, tokens, spec.hidden).to(spec.dtype)
+    shape = (rows, spec.num_kv_heads, past, spec.head_dim)
+    kv = (torch.randn(shape).to(spec.dtype), torch.randn(shape).to(spec.dtype)) if past else None
+
+    def call() -> object:
+        batch.h = h
+        return layer_forward(layer, batch, kv)
+    return call
+
+
+def _head_once(model: nn.Module, rows: int) -> None:
+    h = arch.embed(model, torch.zeros(rows, 1, dtype=torch.long))
+    arch.final_logits(model, h).argmax(-1)
+
+
+def _time(fn: Callable[[], object], min_s: float = 0.05, repeats: int = 3) -> float:
+    """Best seconds of one call, over ``repeats`` batches lasting at least ``min_s``."""
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        n, start = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_s:
+                break
+        best = min(best, elapsed / n)
+    return best
+
+
+def _at(table: list[tuple[int, float]], m: int) -> float:
+    return _interpolate(table)(m)
+
+
+def _interpolate(table: list) -> Callable[[int], float]:
+    """Piecewise-linear in M through the measured points; linear beyond the last two."""
+    points = sorted((int(m), float(t)) for m, t in table)
+    xs = [m for m, _ in points]
+
+    def at(m: int) -> float:
+        if len(points) == 1:
+            return points[0][1] * max(m, 1) / max(xs[0], 1)
+        i = min(max(bisect_left(xs, m), 1), len(points) - 1)
+        (x0, y0), (x1, y1) = points[i - 1], points[i]
+        return max(y0 + (y1 - y0) * (m - x0) / (x1 - x0), 0.0)
+    return at
+
+
+# -- the cache ------------------------------------------------------------------
+def cache_path(cache_dir: Path | None = None) -> Path:
+    root = cache_dir or Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tierkv")
+    return Path(root).expanduser() / CACHE_FILE
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)

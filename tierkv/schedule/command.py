@@ -1,0 +1,103 @@
+"""``tierkv batch``: summarize a JSONL file or a folder of documents with a planned offload schedule.
+
+    tierkv batch --inputs docs/ --out summaries.jsonl --gpu-budget 2GiB --cpu-budget 8GiB \\
+        --nvme-dir /mnt/nvme/tierkv --max-new-tokens 64
+
+Prints the chosen policy and its predicted throughput, draws a progress bar (documents, tokens/s),
+writes one JSON line per document (see tierkv.schedule.documents) and ends with the measured
+throughput. Run it again after an interruption: finished documents are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tierkv.config import format_size, parse_size
+from tierkv.model.prompt import DEFAULT_QUESTION
+from tierkv.schedule.job import JobConfig, JobResult, run_job
+from tierkv.schedule.policy import Policy
+
+DEFAULTS = {"gpu_budget": "4GiB", "cpu_budget": "8GiB", "nvme_budget": "64GiB"}
+
+
+def add_batch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("batch", help="summarize many documents with a FlexGen-style offload schedule",
+                       description="Summarize every document of a JSONL file or a folder. Weights and KV are "
+                                   "placed on gpu/cpu/disk by a policy (searched for this machine, or a file) "
+                                   "and streamed by a zig-zag block schedule. Output: one JSON line per "
+                                   "document; rerunning resumes.")
+    p.add_argument("--inputs", type=Path, required=True,
+                   help="a .jsonl file (objects with 'text' and optional 'id') or a directory of text files")
+    p.add_argument("--out", type=Path, required=True, help="output JSONL (appended; finished ids are skipped)")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a HF folder")
+    p.add_argument("--policy", default="auto", help="'auto' (search) or a policy JSON file")
+    p.add_argument("--gpu-budget", default=DEFAULTS["gpu_budget"],
+                   help=f"bytes on the compute device: resident weights, KV, activations (default {DEFAULTS['gpu_budget']})")
+    p.add_argument("--cpu-budget", default=DEFAULTS["cpu_budget"],
+                   help=f"bytes of host memory for weights and KV (default {DEFAULTS['cpu_budget']})")
+    p.add_argument("--nvme-dir", type=Path, help="scratch directory on NVMe for weights/KV that fit nowhere else")
+    p.add_argument("--nvme-budget", default=DEFAULTS["nvme_budget"], help="cap of the NVMe scratch (default 64GiB)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="summary length in tokens (default 64)")
+    p.add_argument("--max-prompt-tokens", type=int, default=2048,
+                   help="longer documents are reported as errors (default 2048)")
+    p.add_argument("--instruction", default=DEFAULT_QUESTION, help=f"asked after each document (default: {DEFAULT_QUESTION!r})")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    p.add_argument("--compress-kv", action="store_true", help="let the search store KV as 4-bit groups (lossy)")
+    p.add_argument("--recalibrate", action="store_true", help="measure this machine again instead of the cache")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of the summary")
+    p.set_defaults(func=cmd_batch)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    config = JobConfig(inputs=args.inputs, out=args.out, model=args.model, policy=args.policy,
+                       gpu_budget=parse_size(args.gpu_budget, "--gpu-budget"),
+                       cpu_budget=parse_size(args.cpu_budget, "--cpu-budget"), nvme_dir=args.nvme_dir,
+                       nvme_budget=parse_size(args.nvme_budget, "--nvme-budget"),
+                       max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                       instruction=args.instruction, dtype=args.dtype, recalibrate=args.recalibrate,
+                       allow_compress=args.compress_kv)
+    bar: list[tqdm] = []
+    totals = {"tokens": 0, "seconds": 0.0}
+
+    def on_policy(policy: Policy, predicted: float) -> None:
+        if not args.json:
+            print(f"policy: {policy.describe()}", file=sys.stderr)
+            print(f"predicted {predicted:.2f} tok/s", file=sys.stderr)
+
+    def progress(docs: int, tokens: int, seconds: float) -> None:
+        if not bar:
+            bar.append(tqdm(unit="doc", desc="batch", file=sys.stderr, dynamic_ncols=True))
+        totals["tokens"] += tokens
+        totals["seconds"] += seconds
+        bar[0].update(docs)
+        bar[0].set_postfix_str(f"{totals['tokens'] / totals['seconds']:.1f} tok/s")
+
+    try:
+        result = run_job(config, progress=progress, on_policy=on_policy)
+    finally:
+        for b in bar:
+            b.close()
+    _report(result, args)
+    return 0
+
+
+def _report(r: JobResult, args: argparse.Namespace) -> None:
+    summary = {"out": str(args.out), "documents": r.documents, "failed": r.failed, "skipped": r.skipped,
+               "generated_tokens": r.generated_tokens, "seconds": round(r.seconds, 3),
+               "tokens_per_s": round(r.tokens_per_s, 3),
+               "predicted_tokens_per_s": None if r.predicted_tokens_per_s is None else round(r.predicted_tokens_per_s, 3),
+               "policy": None if r.policy is None else r.policy.to_dict(),
+               "memory_bytes": {k: int(v) for k, v in r.memory.items()}}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    print(f"{r.documents} documents written to {args.out} ({r.failed} failed, {r.skipped} already done)")
+    if r.policy is not None:
+        print(f"policy: {r.policy.describe()}")
+        print(f"throughput: measured {r.tokens_per_s:.2f} tok/s ({r.generated_tokens} tokens in {r.seconds:.1f} s, "
+              f"prefill included), predicted {r.predicted_tokens_per_s:.2f} tok/s")
+        print("memory (predicted): " + ", ".join(f"{k} {format_size(v)}" for k, v in r.memory.items()))

@@ -1,0 +1,226 @@
+"""The cost model: a policy's time per block and memory per tier, linear in its placement fractions.
+
+For a fixed batch shape (gpu batch size, number of GPU batches, compression, overlap) every time
+and memory term is ``const + sum(coef[f] * f)`` over the six fractions ``f`` in
+``wg wc wd cg cc cd`` (weights and KV on gpu / cpu / disk). `predict` evaluates the terms at a
+policy; `tierkv.schedule.search` hands the same terms to a linear program, so the LP's optimum
+is exactly what `predict` says of the policy it returns.
+
+Per layer and token step (prefill: ``T = P`` tokens per row, decode: one, at context ``c``)::
+
+    compute    nb * (layer(bs, T) + attention(bs, T, c)) [+ dequantize the KV read]
+    copies     W_l * (wc + wd) / memcpy                  staging a layer's streamed weights
+               nb * kv(c) / memcpy                        gathering each cell's KV (decode)
+               nb * kv_new(T) / memcpy                    packing new KV into blocks
+    disk read  W_l * wd / read  +  nb * kv(c) * cd / read
+    disk write nb * kv_new(T) * cd / write
+
+    overlap:   layer time >= every one of: compute + copies (on a CPU-only machine the copies run
+               on the cores that compute; on CUDA they run on copy engines: a term of their own),
+               disk read, disk write
+    serial:    layer time  = the sum
+
+    block time = L * (t_prefill + (n - 1) * t_decode) + n * nb * head(bs)
+    throughput = bs * nb * n / block time                 (n = new tokens, prefill included)
+
+Memory per tier (bytes) for the policy, with the KV of the longest sequence ``P + n``::
+
+    gpu   other weights + wg*W + (1-wg)*2*W_l (staging) + cg*KV + working KV + activations
+    cpu   wc*W + wd*2*W_l (disk staging) + cc*KV + cd*2*kv_cell
+    disk  wd*W + cd*KV
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from tierkv.errors import ConfigError
+from tierkv.model.arch import decoder_layers, model_spec
+from tierkv.schedule import quant
+from tierkv.schedule.policy import Placement, Policy
+
+FRACTIONS = ("wg", "wc", "wd", "cg", "cc", "cd")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    itemsize: int
+    layer_weight_bytes: int
+    other_weight_bytes: int        # embeddings, final norm, lm_head: always resident
+    intermediate: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelShape:
+        spec = model_spec(model)
+        layers = decoder_layers(model)
+        layer_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        itemsize = next(model.parameters()).element_size()
+        return cls(spec.num_layers, spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim, itemsize,
+                   layer_bytes, total - layer_bytes * spec.num_layers,
+                   getattr(model.config, "intermediate_size", 4 * spec.hidden))
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.layer_weight_bytes * self.num_layers
+
+    def kv_bytes(self, rows: int, tokens: int, compress: bool) -> float:
+        """K and V of ``rows`` x ``tokens`` in one layer, as stored."""
+        numel = rows * tokens * self.num_kv_heads * self.head_dim
+        return 2 * (quant.packed_bytes(numel) if compress else numel * self.itemsize)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prompt_len: int       # padded prompt length of a block (time)
+    gen_len: int          # new tokens per sequence
+    num_sequences: int = 1 << 30
+    max_prompt_len: int = 0   # the longest prompt (memory); 0: prompt_len
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "gen_len", "num_sequences"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"workload {name}={getattr(self, name)}: must be > 0")
+        object.__setattr__(self, "max_prompt_len", max(self.max_prompt_len, self.prompt_len))
+
+
+@dataclass(frozen=True, slots=True)
+class Budgets:
+    gpu: int
+    cpu: int
+    disk: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("gpu", "cpu", "disk"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"budget {name}={getattr(self, name)}: must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """Measured rates (see tierkv.schedule.calibrate). Times in seconds, rates in bytes/s."""
+
+    memcpy: float
+    disk_read: float
+    disk_write: float
+    layer_s: Callable[[int], float]          # dense part of one layer for M tokens (matmuls, norms, overhead)
+    attention_s: Callable[[int, int, int], float]   # (rows, query tokens, keys) -> seconds, one layer
+    head_s: Callable[[int], float]           # embedding + final norm + lm_head for M rows
+    dequant: float = 2e9                      # bytes/s of 4-bit KV unpacked
+    copies_on_compute: bool = True           # CPU-only: copies share the cores with compute
+
+
+@dataclass(slots=True)
+class Linear:
+    """``const + sum(coef[f] * f)`` over the six fractions."""
+
+    const: float = 0.0
+    coef: dict[str, float] = field(default_factory=dict)
+
+    def __add__(self, other: Linear) -> Linear:
+        coef = dict(self.coef)
+        for name, value in other.coef.items():
+            coef[name] = coef.get(name, 0.0) + value
+        return Linear(self.const + other.const, coef)
+
+    def scale(self, k: float) -> Linear:
+        return Linear(self.const * k, {n: v * k for n, v in self.coef.items()})
+
+    def at(self, x: dict[str, float]) -> float:
+        return self.const + sum(v * x[n] for n, v in self.coef.items())
+
+
+def fractions(policy: Policy) -> dict[str, float]:
+    w, c = policy.weights, policy.kv
+    return {"wg": w.gpu, "wc": w.cpu, "wd": w.disk, "cg": c.gpu, "cc": c.cpu, "cd": c.disk}
+
+
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """The linear terms of one batch shape: ``phases`` maps prefill/decode to its lower bounds."""
+
+    phases: dict[str, list[Linear]]
+    serial: dict[str, Linear]
+    fixed_s: float                    # per block, outside the layers (head)
+    memory: dict[str, Linear]         # gpu, cpu, disk
+    layers: int
+    gen_len: int
+    sequences: int
+    overlap: bool
+
+
+def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, compress: bool,
+          overlap: bool) -> Terms:
+    P, n, L = work.prompt_len, work.gen_len, shape.num_layers
+    W_l = shape.layer_weight_bytes
+    phases, serial = {}, {}
+    for phase, T, ctx in (("prefill", P, 0), ("decode", 1, P + n // 2)):
+        compute = Linear(nb * (m.layer_s(bs * T) + m.attention_s(bs, T, ctx + T)))
+        kv_read = shape.kv_bytes(bs, ctx, compress) * nb
+        kv_new = shape.kv_bytes(bs, T, compress) * nb
+        if compress:
+            compute = compute + Linear(kv_read / m.dequant + kv_new / m.dequant)
+        copies = Linear(0.0, {"wc": W_l / m.memcpy, "wd": W_l / m.memcpy}) + Linear(kv_read / m.memcpy) \
+            + Linear(kv_new / m.memcpy)
+        disk_read = Linear(0.0, {"wd": W_l / m.disk_read, "cd": kv_read / m.disk_read})
+        disk_write = Linear(0.0, {"cd": kv_new / m.disk_write})
+        bounds = [compute + copies] if m.copies_on_compute else [compute, copies]
+        phases[phase] = bounds + [disk_read, disk_write]
+        serial[phase] = compute + copies + disk_read + disk_write
+    return Terms(phases, serial, n * nb * m.head_s(bs), memory_terms(shape, work, bs, nb, compress),
+                 L, n, bs * nb, overlap)
+
+
+def memory_terms(shape: ModelShape, work: Workload, bs: int, nb: int, compress: bool) -> dict[str, Linear]:
+    P, n, L, W_l = work.max_prompt_len, work.gen_len, shape.num_layers, shape.layer_weight_bytes
+    kv_cell = shape.kv_bytes(bs, P + n, compress)
+    kv_all = kv_cell * L * nb
+    working = 3 * shape.kv_bytes(bs, P + n, False) + L * nb * shape.kv_bytes(bs, 16, False)
+    act = shape.itemsize * bs * P * (nb * shape.hidden + 3 * shape.intermediate + 4 * shape.hidden)
+    gpu = Linear(shape.other_weight_bytes + working + act + 2 * W_l,
+                 {"wg": shape.weight_bytes - 2 * W_l, "cg": kv_all})
+    cpu = Linear(0.0, {"wc": shape.weight_bytes, "wd": 2 * W_l, "cc": kv_all, "cd": 2 * kv_cell})
+    disk = Linear(0.0, {"wd": shape.weight_bytes, "cd": kv_all})
+    return {"gpu": gpu, "cpu": cpu, "disk": disk}
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    prefill_layer_s: float
+    decode_layer_s: float
+    block_s: float
+    tokens_per_s: float
+    memory: dict[str, float]
+
+    def fits(self, budgets: Budgets) -> bool:
+        return all(self.memory[t] <= getattr(budgets, t) + 1 for t in ("gpu", "cpu", "disk"))
+
+
+def evaluate(t: Terms, x: dict[str, float]) -> Estimate:
+    if t.overlap:
+        pre, dec = (max(b.at(x) for b in t.phases[p]) for p in ("prefill", "decode"))
+    else:
+        pre, dec = (t.serial[p].at(x) for p in ("prefill", "decode"))
+    block = t.layers * (pre + (t.gen_len - 1) * dec) + t.fixed_s
+    return Estimate(pre, dec, block, t.sequences * t.gen_len / block,
+                    {name: lin.at(x) for name, lin in t.memory.items()})
+
+
+def predict(policy: Policy, shape: ModelShape, work: Workload, machine: Machine) -> Estimate:
+    """Time per block and memory per tier of ``policy`` on ``machine``."""
+    t = terms(shape, work, machine, policy.gpu_batch_size, policy.num_gpu_batches,
+              compress=policy.compress_kv, overlap=policy.overlap)
+    return evaluate(t, fractions(policy))
+
+
+def placement_of(x: dict[str, float], prefix: str) -> Placement:
+    g, c, d = (max(0.0, x[prefix + s]) for s in "gcd")
+    total = g + c + d
+    return Placement(g / total, c / total, d / total)

@@ -1,0 +1,138 @@
+"""Documents in, one JSON line per document out, resumable.
+
+Inputs are a JSONL file (one object per line with ``text`` and optionally ``id``; the id
+defaults to the line number) or a directory (every regular file under it, sorted, read as UTF-8;
+the id is the path inside the directory). A line or file that cannot be read becomes a document
+with an ``error`` instead of stopping the batch.
+
+The output is append-only JSONL; each record is written with one ``write`` and flushed to disk::
+
+    {"id": "a.txt", "summary": "...", "prompt_tokens": 812, "tokens": 64, "timings": {...}}
+    {"id": "b.txt", "error": "empty document"}
+
+Resuming reads the file first: every complete line names a finished document, which is skipped.
+A last line cut short by a kill (no newline, or not JSON) is cut off before appending, so each
+document appears exactly once however often the run is interrupted.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierkv.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    id: str
+    text: str | None
+    error: str | None = None
+
+
+def read_inputs(path: Path) -> list[Document]:
+    path = Path(path)
+    if path.is_dir():
+        return [_read_file(f, path) for f in sorted(p for p in path.rglob("*") if p.is_file())]
+    if path.is_file():
+        return _read_jsonl(path)
+    raise ConfigError(f"--inputs {path}: no such file or directory (give a .jsonl file or a directory of texts)")
+
+
+def _read_file(file: Path, root: Path) -> Document:
+    name = file.relative_to(root).as_posix()
+    try:
+        return Document(name, file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        return Document(name, None, "unreadable: not UTF-8 text")
+    except OSError as e:
+        return Document(name, None, f"unreadable: {e.strerror or e}")
+
+
+def _read_jsonl(path: Path) -> list[Document]:
+    docs, seen = [], set()
+    try:
+        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    except OSError as e:
+        raise ConfigError(f"--inputs {path}: cannot read it ({e.strerror or e})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        doc = _parse_line(line, number)
+        if doc.id in seen:
+            doc = Document(f"{doc.id}#line{number}", None, f"duplicate id {doc.id!r}")
+        seen.add(doc.id)
+        docs.append(doc)
+    return docs
+
+
+def _parse_line(line: str, number: int) -> Document:
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return Document(str(number), None, f"unreadable: line {number} is not JSON")
+    if not isinstance(data, dict):
+        return Document(str(number), None, f"unreadable: line {number} is not a JSON object")
+    doc_id = str(data.get("id", number))
+    text = data.get("text")
+    if not isinstance(text, str):
+        return Document(doc_id, None, "unreadable: no \"text\" string")
+    return Document(doc_id, text)
+
+
+class OutputLog:
+    """The output JSONL: which ids are done, and appending a record durably."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.done: set[str] = set()
+        if self.path.is_dir():
+            raise ConfigError(f"--out {self.path}: is a directory; give a .jsonl file")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._recover()
+        self._file = open(self.path, "ab")
+
+    def _recover(self) -> None:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        good = 0
+        for line in raw.splitlines(keepends=True):
+            record = _complete_record(line)
+            if record is None:
+                break
+            self.done.add(str(record["id"]))
+            good += len(line)
+        if good < len(raw):
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                os.fsync(f.fileno())
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        self._file.write(line)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.done.add(str(record["id"]))
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> OutputLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _complete_record(line: bytes) -> dict[str, Any] | None:
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "id" in record else None

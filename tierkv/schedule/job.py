@@ -1,0 +1,203 @@
+"""A summarization job: documents -> prompts -> blocks through the batch engine -> output lines.
+
+    read inputs, skip ids already in --out          (documents.py: resume)
+    prompt = chat template(document + instruction)  too long / empty / unreadable -> an error line
+    policy = search(calibrated machine)  or  a policy file
+    sort prompts by length (less padding), cut into blocks of policy.block_size
+    per block: engine.generate -> one line per document, flushed
+
+Measured throughput counts the tokens actually generated (each summary up to its end token)
+over the wall time of the blocks, prefill included; the prediction is the cost model's for the
+policy as placed (tensor- and block-granular fractions), at the job's mean prompt length.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from tierkv.errors import ConfigError
+from tierkv.model.arch import decoder_layers
+from tierkv.model.loading import LoadedModel, load_model
+from tierkv.model.prompt import DEFAULT_QUESTION
+from tierkv.schedule.cost import Budgets, ModelShape, Workload, predict
+from tierkv.schedule.documents import Document, OutputLog, read_inputs
+from tierkv.schedule.engine import BLOCK_TOKENS, BatchEngine, EngineLimits
+from tierkv.schedule.policy import Placement, Policy, read_policy
+from tierkv.schedule.weights import tensor_homes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Progress = Callable[[int, int, float], None]   # (documents done, tokens generated, seconds) after each block
+
+
+@dataclass(frozen=True, slots=True)
+class JobConfig:
+    inputs: Path
+    out: Path
+    model: str = "smollm2"
+    policy: str = "auto"               # "auto" or a policy JSON file
+    gpu_budget: int = 4 * 1024**3
+    cpu_budget: int = 8 * 1024**3
+    nvme_dir: Path | None = None
+    nvme_budget: int = 64 * 1024**3
+    max_new_tokens: int = 64
+    max_prompt_tokens: int = 2048
+    instruction: str = DEFAULT_QUESTION
+    dtype: str = "float32"
+    recalibrate: bool = False
+    allow_compress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
+        for name in ("max_new_tokens", "max_prompt_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)}: must be > 0")
+        if not self.instruction.strip():
+            raise ConfigError("--instruction: must not be empty")
+
+
+@dataclass(slots=True)
+class JobResult:
+    documents: int = 0            # written by this run (summaries and errors)
+    failed: int = 0
+    skipped: int = 0              # already in --out
+    generated_tokens: int = 0
+    seconds: float = 0.0          # blocks' wall time
+    policy: Policy | None = None
+    predicted_tokens_per_s: float | None = None
+    memory: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    doc: Document
+    ids: list[int]
+
+
+def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: Progress | None = None,
+            on_policy: Callable[[Policy, float], None] | None = None) -> JobResult:
+    result = JobResult()
+    docs = read_inputs(config.inputs)
+    with OutputLog(config.out) as out:
+        todo = [d for d in docs if d.id not in out.done]
+        result.skipped = len(docs) - len(todo)
+        if not todo:
+            return result
+        loaded = loaded or load_model(config.model, dtype=DTYPES[config.dtype])
+        prompts = []
+        for doc in todo:
+            prompt = _prompt(loaded.tokenizer, doc, config)
+            if isinstance(prompt, str):
+                out.write({"id": doc.id, "error": prompt})
+                result.documents += 1
+                result.failed += 1
+            else:
+                prompts.append(prompt)
+        if prompts:
+            _generate(config, loaded, prompts, out, result, progress, on_policy)
+    return result
+
+
+def _prompt(tokenizer, doc: Document, config: JobConfig) -> _Prompt | str:
+    """The chat-formatted prompt of a document, or the error that keeps it from running."""
+    if doc.error is not None:
+        return doc.error
+    if not doc.text.strip():
+        return "empty document"
+    messages = [{"role": "user", "content": f"{doc.text}\n\n{config.instruction}"}]
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(messages[0]["content"])["input_ids"]
+    if len(ids) > config.max_prompt_tokens:
+        return (f"too long: {len(ids)} prompt tokens, the limit is {config.max_prompt_tokens} "
+                f"(--max-prompt-tokens)")
+    return _Prompt(doc, list(ids))
+
+
+def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], out: OutputLog,
+              result: JobResult, progress: Progress | None,
+              on_policy: Callable[[Policy, float], None] | None) -> None:
+    prompts = sorted(prompts, key=lambda p: len(p.ids), reverse=True)
+    longest = len(prompts[0].ids)
+    mean = math.ceil(sum(len(p.ids) for p in prompts) / len(prompts))
+    work = Workload(mean, config.max_new_tokens, len(prompts), max_prompt_len=longest)
+    policy, machine = choose_policy(config, loaded, work)
+    limits = EngineLimits(longest, config.max_new_tokens)
+    placed = placed_policy(policy, loaded, limits)
+    estimate = predict(placed, ModelShape.of(loaded.model), work, machine)
+    result.policy, result.predicted_tokens_per_s, result.memory = placed, estimate.tokens_per_s, estimate.memory
+    if on_policy:
+        on_policy(placed, estimate.tokens_per_s)
+    eos = eos_ids(loaded)
+    engine = BatchEngine(loaded, policy, limits, nvme_dir=config.nvme_dir)
+    try:
+        for start in range(0, len(prompts), policy.block_size):
+            block = prompts[start:start + policy.block_size]
+            began = time.perf_counter()
+            outputs = engine.generate([p.ids for p in block], max_new_tokens=config.max_new_tokens, eos_ids=eos)
+            seconds = time.perf_counter() - began
+            made = sum(len(o) for o in outputs)
+            for prompt, tokens in zip(block, outputs):
+                out.write(_record(loaded.tokenizer, prompt, tokens, eos, seconds, len(block), made))
+            result.documents += len(block)
+            result.generated_tokens += made
+            result.seconds += seconds
+            if progress:
+                progress(len(block), made, seconds)
+    finally:
+        engine.close(restore=True)
+
+
+def _record(tokenizer, prompt: _Prompt, tokens: list[int], eos: list[int], seconds: float,
+            block_docs: int, block_tokens: int) -> dict:
+    text_ids = [t for t in tokens if t not in eos]
+    return {"id": prompt.doc.id, "summary": tokenizer.decode(text_ids, skip_special_tokens=True).strip(),
+            "prompt_tokens": len(prompt.ids), "tokens": len(tokens),
+            "timings": {"block_s": round(seconds, 3), "block_documents": block_docs,
+                        "block_tokens_per_s": round(block_tokens / seconds, 2) if seconds else None}}
+
+
+def eos_ids(loaded: LoadedModel) -> list[int]:
+    ids = loaded.model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    tok = loaded.tokenizer.eos_token_id
+    return ids + ([tok] if tok is not None and tok not in ids else [])
+
+
+def choose_policy(config: JobConfig, loaded: LoadedModel, work: Workload):
+    """The policy (searched, or read from the file) and the calibrated machine."""
+    from tierkv.schedule.calibrate import calibrate
+    from tierkv.schedule.search import search
+    machine = calibrate(loaded.model, nvme_dir=config.nvme_dir, max_rows=min(work.num_sequences, 256),
+                        refresh=config.recalibrate)
+    if config.policy != "auto":
+        return read_policy(Path(config.policy)), machine
+    budgets = Budgets(config.gpu_budget, config.cpu_budget, config.nvme_budget if config.nvme_dir else 0)
+    return search(ModelShape.of(loaded.model), work, machine, budgets,
+                  allow_compress=config.allow_compress).policy, machine
+
+
+def placed_policy(policy: Policy, loaded: LoadedModel, limits: EngineLimits) -> Policy:
+    """The policy with the fractions the runner really places (whole tensors, whole KV blocks)."""
+    layer = decoder_layers(loaded.model)[0]
+    sizes = {n: p.numel() * p.element_size() for n, p in layer.named_parameters()}
+    homes = tensor_homes(layer, policy.weights)
+    total = sum(sizes.values())
+    weights = Placement(*(sum(s for n, s in sizes.items() if homes[n] == t) / total for t in ("gpu", "cpu", "disk")))
+    blocks = limits.blocks_per_cell
+    kv = Placement(*(n / blocks for n in policy.kv.split(blocks)))
+    return replace(policy, weights=weights, kv=kv)
+
+
+__all__ = ["BLOCK_TOKENS", "JobConfig", "JobResult", "run_job"]
