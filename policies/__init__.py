@@ -40,7 +40,8 @@ registry of their own: ``make_prefetch("next-layer")``, ``prefetch_policies()``
 """
 from __future__ import annotations
 
-from policies import arc, fifo, h2o, lfu, lru, s3fifo, streaming  # noqa: F401  importing registers them
+from policies import arc, fifo, h2o, lfu, lru, s3fifo, selectors, streaming  # noqa: F401  importing registers them
+from policies import near_memory  # noqa: F401  the CXL pool's near-memory chunk selector
 from policies.prefetch import make_prefetch, prefetch_policies, register_prefetch
 from policies.registry import available, make_policy, register
 
