@@ -195,7 +195,7 @@ class CxlLink:
 
     def wait(self, ticket: Ticket) -> float:
         """Sleep until ``ticket`` completes; records its slices; returns when it really completed."""
-        _sleep_until(ticket.done)
+        sleep_until(ticket.done)
         finished = time.perf_counter()
         if self.recorder is not None:
             self._record(ticket, finished)
@@ -226,7 +226,7 @@ class CxlLink:
                                    max(t.done, finished)))
 
 
-def _sleep_until(deadline: float) -> None:
+def sleep_until(deadline: float) -> None:
     """Sleep to ``deadline`` (perf_counter); ``time.sleep`` may wake early, so loop."""
     while (left := deadline - time.perf_counter()) > 0:
         time.sleep(left)
