@@ -68,13 +68,15 @@ def cmd_batch(args: argparse.Namespace) -> int:
             print(f"policy: {policy.describe()}", file=sys.stderr)
             print(f"predicted {predicted:.2f} tok/s", file=sys.stderr)
 
-    def progress(docs: int, tokens: int, seconds: float) -> None:
+    def progress(docs: int, tokens: int, seconds: float, total: int) -> None:
         if not bar:
-            bar.append(tqdm(unit="doc", desc="batch", file=sys.stderr, dynamic_ncols=True))
+            bar.append(tqdm(total=total, unit="doc", desc="batch", file=sys.stderr, dynamic_ncols=True,
+                            disable=args.json))
         totals["tokens"] += tokens
         totals["seconds"] += seconds
+        if totals["seconds"]:
+            bar[0].set_postfix_str(f"{totals['tokens'] / totals['seconds']:.1f} tok/s", refresh=False)
         bar[0].update(docs)
-        bar[0].set_postfix_str(f"{totals['tokens'] / totals['seconds']:.1f} tok/s")
 
     try:
         result = run_job(config, progress=progress, on_policy=on_policy)

@@ -31,7 +31,7 @@ from tierkv.schedule.policy import Placement, Policy, read_policy
 from tierkv.schedule.weights import tensor_homes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-Progress = Callable[[int, int, float], None]   # (documents done, tokens generated, seconds) after each block
+Progress = Callable[[int, int, float, int], None]   # (documents, tokens, seconds, total) per block; (0, 0, 0, total) first
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +141,8 @@ def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], ou
         on_policy(placed, estimate.tokens_per_s)
     eos = eos_ids(loaded)
     engine = BatchEngine(loaded, policy, limits, nvme_dir=config.nvme_dir)
+    if progress:
+        progress(0, 0, 0.0, len(prompts))
     try:
         for start in range(0, len(prompts), policy.block_size):
             block = prompts[start:start + policy.block_size]
@@ -154,7 +156,7 @@ def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], ou
             result.generated_tokens += made
             result.seconds += seconds
             if progress:
-                progress(len(block), made, seconds)
+                progress(len(block), made, seconds, len(prompts))
     finally:
         engine.close(restore=True)
 

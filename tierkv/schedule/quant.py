@@ -1,9 +1,10 @@
 """4-bit group quantization of offloaded KV (FlexGen's compression), and its measured error.
 
-The last dimension is cut into groups of ``GROUP`` values; each group keeps its minimum and its
+Consecutive values (the last dimension first: one head's vector when the head dim is 64) are cut
+into groups of ``GROUP``; each group keeps its minimum and its
 scale in float16 and each value a 4-bit code, two codes per byte::
 
-    x [..., D]  ->  groups [..., D/G, G]
+    x [..., D]  ->  groups [numel/G, G]
     lo = min(group), scale = (max - lo) / 15
     code = round((x - lo) / scale)  in 0..15           x' = lo + code * scale
     bytes per group: G/2 codes + 2 (lo) + 2 (scale)     (G=64: 36 bytes vs 128 in bf16, 256 in fp32)
@@ -23,16 +24,16 @@ LEVELS = 15
 
 
 def packed_bytes(numel: int, group: int = GROUP) -> int:
-    """Bytes of ``pack`` for a tensor of ``numel`` values (last dim a multiple of ``group``)."""
+    """Bytes of ``pack`` for a tensor of ``numel`` values (a multiple of ``group``)."""
     groups = numel // group
     return numel // 2 + 4 * groups
 
 
 def pack(x: Tensor, group: int = GROUP) -> Tensor:
-    """x [..., D] (D a multiple of ``group``) -> flat uint8 of ``packed_bytes(x.numel())``."""
-    if x.shape[-1] % group:
-        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the group {group}")
-    g = x.reshape(-1, group).float()                                   # [N, G]
+    """x (numel a multiple of ``group``) -> flat uint8 of ``packed_bytes(x.numel())``."""
+    if x.numel() % group:
+        raise ValueError(f"{x.numel()} values are not a multiple of the group {group}")
+    g = x.contiguous().reshape(-1, group).float()                                   # [N, G]
     lo = g.amin(dim=1, keepdim=True)
     scale = ((g.amax(dim=1, keepdim=True) - lo) / LEVELS).clamp_min(1e-8)
     lo16, scale16 = lo.half(), scale.half()
