@@ -29,6 +29,14 @@ Time, per call (op) i of the trace::
         caller        [compute L2]..stall..[compute L3][compute L4]
                                          ^ acquire of L3 returns
 
+A simulated CXL pool (a tier of medium ``cxl``) is priced by its link model
+(`TierModel.with_pool`, from ``ReplayConfig.cxl_preset`` unless the model
+names the pool's links itself): reads out of the pool on one channel, writes
+into it on another, a transfer's latency once (the link pipelines requests),
+devices striped. Transfers through the pool also record its ``queue`` and
+``link`` slices, as a real run does; near-memory selections are not in
+access traces, so the replay has no ``compute`` slices.
+
 A tier model comes from a dict (by hand), from ``tierkv.profile.probe``
 (`TierModel.from_probe`: the device, measured idle), or from the recorded
 run itself (`TierModel.from_trace`: each link's bytes over its busy time, so
@@ -68,6 +76,7 @@ from tierkv.manager.transfer import Priority, Transfer
 from tierkv.profile.access import STEP_KINDS, AccessRecorder, AccessTrace, OpKind, TierSpec, link_bytes
 from tierkv.profile.events import Event, EventRecorder
 from tierkv.tiers.base import Medium
+from tierkv.tiers.cxl_link import LinkSpec, link_spec
 from tierkv.tiers.pool import BlockPool
 
 _THREAD_WAIT_S = 60.0  # nothing scheduled: only a worker thread (asyncio.to_thread) can still wake the loop
@@ -183,6 +192,15 @@ class TierModel:
     def as_dict(self) -> dict[str, Any]:
         return {"links": {k: asdict(v) for k, v in self.links.items()}, "overhead_us": self.overhead_us}
 
+    def with_pool(self, name: str, spec: LinkSpec) -> TierModel:
+        """This model plus the links of CXL pool ``name``, unless it already names that tier's links."""
+        if any(name in key.split("->") for key in self.links):
+            return self
+        devices, latency_us, depth = spec.devices, spec.latency_ns / 1e3, 1 << 20  # latency once per transfer
+        pool = {f"{name}->*": Link(spec.read_gbps * devices, latency_us, depth, f"{name}:read"),
+                f"*->{name}": Link(spec.write_gbps * devices, latency_us, depth, f"{name}:write")}
+        return TierModel({**pool, **self.links}, self.overhead_us)
+
 
 def _run_link(stats: Mapping[str, float], channel: str) -> Link:
     return Link(stats["bytes"] / stats["union_s"] / 1e9, 0.0, 1, channel)
@@ -256,10 +274,12 @@ class ReplayConfig:
     slots: Mapping[str, int] = field(default_factory=dict)     # tier -> budget in blocks (default: the trace's)
     compute_scale: float | Mapping[str, float] = 1.0           # the trace's compute times x this, or per step
                                                                # kind: {"prefill": x, "decode": y} (what-if)
+    cxl_preset: str = "cxl2-x8"                                # prices a cxl tier the model does not name
 
     def __post_init__(self) -> None:
         if self.prefetch not in PREFETCHERS:
             raise ConfigError(f"prefetch={self.prefetch!r}: allowed: {', '.join(PREFETCHERS)}")
+        link_spec(self.cxl_preset)  # an unknown preset fails here, naming the valid ones
         scales = self.scales()
         if set(scales) != set(STEP_KINDS) or not all(isinstance(v, int | float) and v > 0 for v in scales.values()):
             raise ConfigError(f"compute_scale={self.compute_scale!r}: a factor > 0, or one per step kind "
@@ -291,6 +311,7 @@ class ReplayResult:
     total_s: float                         # first step to the end of the last call
     trace: AccessTrace | None = None       # what the replayed manager saw: ``where`` per block, modelled
                                            # ``op_time`` (virtual) and ``op_blocked`` per call
+    pool_s: dict[str, float] = field(default_factory=dict)   # a CXL pool's "link cxl->cpu", "queue ..." seconds
 
     @property
     def moved_bytes(self) -> int:
@@ -341,7 +362,15 @@ async def _replay(trace: AccessTrace, model: TierModel, config: ReplayConfig) ->
         {t.name: config.policies.get(t.name, t.policy) for t in trace.meta.tiers}, config.prefetch,
         link_bytes(manager.events.events), sim.served(), sim.hit_rates(),
         float(blocked[gets].sum()), float(blocked[gets & decode].sum()), float(blocked[~gets].sum()),
-        float((compute_gaps(trace) * config.scale_per_op(trace)).sum()), end, sim)
+        float((compute_gaps(trace) * config.scale_per_op(trace)).sum()), end, sim, _pool_seconds(manager.events.events))
+
+
+def _pool_seconds(events: list[Event]) -> dict[str, float]:
+    seconds: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.kind in ("link", "queue"):
+            seconds[f"{e.kind} {e.src or 'new'}->{e.dst}"] += e.done - e.start
+    return dict(sorted(seconds.items()))
 
 
 def _sim_manager(trace: AccessTrace, model: TierModel, config: ReplayConfig) -> TierManager:
@@ -359,8 +388,11 @@ def _sim_manager(trace: AccessTrace, model: TierModel, config: ReplayConfig) -> 
     policies = {s.name: make_policy(s.policy, capacity=s.slots) for s in specs}
     knobs = IOKnobs(copy_threads=meta.copy_threads, inflight_bytes=meta.inflight_bytes)
     events = EventRecorder()
+    pools = frozenset(s.name for s in specs if s.medium == Medium.CXL.value)
+    for name in pools:
+        model = model.with_pool(name, link_spec(config.cxl_preset))
     # The one seam replaced: transfers complete in modelled, virtual time.
-    executor = _SimExecutor(knobs.copy_threads, knobs.inflight_bytes, events, model)
+    executor = _SimExecutor(knobs.copy_threads, knobs.inflight_bytes, events, model, pools)
     return TierManager(tiers, policies=policies, knobs=knobs, recorder=events, executor=executor)
 
 
@@ -459,6 +491,7 @@ class _SimArena:
 
     def __init__(self, spec: TierSpec, block_bytes: int, scratch: torch.Tensor) -> None:
         self.name, self.medium, self.device = spec.name, Medium(spec.medium), scratch.device
+        self.reads_in_place = self.medium is not Medium.CXL   # as the real pool: reads load out of it
         self.block_bytes = block_bytes
         self.pool = BlockPool(spec.slots)
         self._scratch = scratch
@@ -565,9 +598,11 @@ class _SimExecutor(Executor):
     says the bytes would have arrived.
     """
 
-    def __init__(self, threads: int, inflight_limit: int, recorder: EventRecorder, model: TierModel) -> None:
+    def __init__(self, threads: int, inflight_limit: int, recorder: EventRecorder, model: TierModel,
+                 pools: frozenset[str] = frozenset()) -> None:
         super().__init__(threads, inflight_limit, recorder)
         self.model = model
+        self.pools = pools   # CXL pool tiers: their transfers also record queue and link slices
         self._busy_until: dict[str, float] = {}
 
     def start(self) -> None:
@@ -601,7 +636,14 @@ class _SimExecutor(Executor):
         channel = link.channel or f"{src}->{t.dst}"
         begin = max(now, self._busy_until.get(channel, 0.0))
         self._busy_until[channel] = begin + link.seconds(t.nbytes, len(t.keys))
+        if self.pools & {src, t.dst}:
+            self._record_pool(t, src, now, begin, self._busy_until[channel])
         return self._busy_until[channel] + self.model.overhead_us * 1e-6
+
+    def _record_pool(self, t: Transfer, src: str, now: float, begin: float, done: float) -> None:
+        if begin > now:
+            self.recorder.record(Event("queue", src, t.dst, t.layer, t.nbytes, now, now, begin, len(t.keys)))
+        self.recorder.record(Event("link", src, t.dst, t.layer, t.nbytes, now, begin, done, len(t.keys)))
 
     def _complete(self, job: Job, result: object, error: BaseException | None) -> None:
         now = asyncio.get_running_loop().time()

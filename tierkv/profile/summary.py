@@ -20,6 +20,12 @@ reuse          1 - blocks brought into memory from storage during the phase (loa
                from the nvme tier) / blocks acquired in it: the share of reads carried
                over from earlier steps. A lower bound: a prefetched block nobody read still counts as
                brought in. Moves between memory tiers (cpu->gpu) bring nothing new.
+modelled       what a simulated CXL pool charged (tierkv.tiers.cxl_link, cxl_pnm), one row per
+               kind and place: ``link`` (bytes streaming plus load-to-use latency), ``queue`` (a
+               request or a near-memory command waiting for its channel or processor) and
+               ``compute`` (the near-memory processor). These slices sit inside the transfers and
+               selections that caused them, so they are reported apart and never added to the
+               link table above.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ WAITED_ON = ("load", "prefetch", "demote")    # transfers a reader can be blocke
 INTO_MEMORY = ("load", "prefetch")
 UNATTRIBUTED = "unattributed"
 STORAGE_TIERS = ("nvme",)     # tiers that are not memory: a read from them brings a block into memory
+MODELLED_KINDS = ("link", "queue", "compute")   # slices a simulated CXL pool records (see the module doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +96,19 @@ class Source:
     share: float
 
 
+@dataclass(frozen=True, slots=True)
+class Modelled:
+    """One row of what a simulated pool charged: ``link cxl->gpu``, ``queue host->cxl``, ``compute cxl``."""
+
+    kind: str
+    where: str
+    count: int
+    nbytes: int
+    seconds: float      # summed over the slices
+    busy_s: float       # the union of their intervals
+    of_phase: float     # busy_s / the phase's time
+
+
 @dataclass(slots=True)
 class Summary:
     phase: str
@@ -106,6 +126,7 @@ class Summary:
     reuse: float | None
     tiers: dict[str, dict] = field(default_factory=dict)   # the run's tier report, from the trace's metadata
     notes: list[str] = field(default_factory=list)
+    modelled: list[Modelled] = field(default_factory=list)  # a simulated CXL pool's link, queue, compute
 
     @property
     def phase_time(self) -> str:
@@ -220,7 +241,7 @@ def summarize(events: Sequence[Event], meta: dict | None = None, *, phase: str =
                       sum(e.done - e.start for e in events if e.kind == "prefill"), stall, len(waits),
                       _by_link(charged, stall, window.seconds), _by_layer(waits, inside, stall),
                       _causes(charged, stall), _links(inside, meta), reads, reuse,
-                      _mapping(meta, "tiers"), notes)
+                      _mapping(meta, "tiers"), notes, _modelled(inside, window.seconds))
     _note_gaps(summary, charged, meta)
     return summary
 
@@ -275,7 +296,7 @@ def _causes(charged: list[tuple[Event, dict]], stall: float) -> list[Cause]:
 def _links(inside: list[Event], meta: dict) -> list[Link]:
     groups: dict[str, list[Event]] = defaultdict(list)
     for e in inside:
-        if e.kind not in ("wait", "step", "prefill", "layer", "hit") and e.nbytes:
+        if e.kind not in ("wait", "step", "prefill", "layer", "hit", *MODELLED_KINDS) and e.nbytes:
             groups[f"{e.src or 'new'}->{e.dst}"].append(e)
     limits = _mapping(meta, "links")
     rows = []
@@ -285,6 +306,20 @@ def _links(inside: list[Event], meta: dict) -> list[Link]:
         rows.append(Link(link, ",".join(sorted({e.kind for e in group})), len(group), nbytes, busy,
                          nbytes / busy / 1e9 if busy else 0.0, link_limit(link, limits)))
     return sorted(rows, key=lambda r: -r.nbytes)
+
+
+def _modelled(inside: list[Event], phase_s: float) -> list[Modelled]:
+    groups: dict[tuple[str, str], list[Event]] = defaultdict(list)
+    for e in inside:
+        if e.kind in MODELLED_KINDS:
+            where = e.src if e.src == e.dst else f"{e.src or 'new'}->{e.dst}"
+            groups[(e.kind, where)].append(e)
+    rows = []
+    for (kind, where), group in groups.items():
+        busy = busy_seconds([(e.start, e.done) for e in group])
+        rows.append(Modelled(kind, where, len(group), sum(e.nbytes for e in group),
+                             sum(e.done - e.start for e in group), busy, busy / phase_s if phase_s else 0.0))
+    return sorted(rows, key=lambda r: (MODELLED_KINDS.index(r.kind), -r.busy_s))
 
 
 def link_limit(link: str, limits: dict[str, object]) -> float | None:
@@ -357,7 +392,7 @@ def format_summary(s: Summary, title: str = "", top: int = 5) -> str:
         lines.append("tiers         " + ", ".join(f"{name} {_tier_size(t)}" for name, t in s.tiers.items()))
     lines.append(f"stall         {s.stall_s:.3f} s = {100 * s.stall_fraction:.1f} % of {s.phase_time}, "
                  f"{s.waits} waits")
-    lines += _stall_tables(s, top) + _link_table(s.links) + _read_lines(s)
+    lines += _stall_tables(s, top) + _link_table(s.links) + _modelled_table(s.modelled) + _read_lines(s)
     lines += [f"note: {n}" for n in s.notes]
     return "\n".join(lines)
 
@@ -398,6 +433,18 @@ def _link_table(links: list[Link]) -> list[str]:
             f"{'?':>7s} {'':>8s}"
         lines.append(f"  {r.link:12s} {r.kinds:22s} {format_size(r.nbytes):>10s} {r.transfers:6d} "
                      f"{r.busy_s:7.3f} {r.gbps:7.2f} {limit}")
+    return lines
+
+
+def _modelled_table(rows: list[Modelled]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", f"{'CXL pool (modelled)':28s} {'count':>6s} {'bytes':>10s} {'sum s':>8s} {'busy s':>8s} "
+                 f"{'of time':>8s}"]
+    for r in rows:
+        what = f"{r.kind} {r.where}" if r.kind != "compute" else f"near-memory compute {r.where}"
+        lines.append(f"  {what:26s} {r.count:6d} {format_size(r.nbytes):>10s} {r.seconds:8.3f} {r.busy_s:8.3f} "
+                     f"{100 * r.of_phase:7.1f}%")
     return lines
 
 

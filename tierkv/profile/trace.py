@@ -16,6 +16,9 @@ Tracks (threads of process "tierkv"), top to bottom::
     stall          one slice per wait (cat "stall"): a reader blocked on a transfer
     nvme->gpu      one track per tier link ("new->gpu" for puts); transfers that overlap
     nvme->gpu #2   on a link spill into numbered lanes, so slices on one track never overlap
+    link cxl->gpu  a simulated CXL pool's own slices (cat "cxl"): bytes on its link, requests
+    queue cxl->gpu queued for a channel, and "compute cxl", its near-memory processor (with
+    compute cxl    "queue cxl" for commands waiting for it); they sit inside the transfer above
     hits           zero-length marks: blocks a reader found in place (``hit`` events)
 
 Every slice's args carry its event's fields (kind, src, dst, layer, bytes,
@@ -42,6 +45,7 @@ from tierkv.profile.summary import TransferIndex, attribute
 VERSION = 1
 PID = 1
 STEP_KINDS = ("prefill", "step", "layer")   # the caller's own work: the steps track
+MODELLED_KINDS = ("link", "queue", "compute")  # a simulated CXL pool's slices (summary.MODELLED_KINDS)
 
 
 # -- writing ---------------------------------------------------------------
@@ -71,7 +75,7 @@ def _slice(e: Event, origin: float, tid: int, blockers: TransferIndex) -> dict[s
     args: dict[str, object] = {"kind": e.kind, "src": e.src, "dst": e.dst, "layer": e.layer,
                                "bytes": e.nbytes, "blocks": e.blocks,
                                "queued_us": round((e.start - e.submit) * 1e6, 3)}
-    if e.nbytes and e.kind not in STEP_KINDS and end > begin:
+    if e.nbytes and e.kind not in (*STEP_KINDS, "queue") and end > begin:
         args["GB/s"] = float(f"{e.nbytes / (end - begin):.4g}")   # bytes per ns = GB/s
     if e.error:
         args["error"] = e.error
@@ -101,6 +105,8 @@ def _label(e: Event) -> str:
 def _category(e: Event) -> str:
     if e.kind == "wait":
         return "stall"
+    if e.kind in MODELLED_KINDS:
+        return "cxl"
     return "compute" if e.kind in STEP_KINDS else "transfer"
 
 
@@ -109,6 +115,8 @@ def _track(e: Event) -> str:
         return "steps"
     if e.kind in ("wait", "hit"):
         return "stall" if e.kind == "wait" else "hits"
+    if e.kind in MODELLED_KINDS:
+        return f"{e.kind} {e.src}" if e.src == e.dst else f"{e.kind} {e.src or 'new'}->{e.dst}"
     return f"{e.src or 'new'}->{e.dst}"
 
 
@@ -135,7 +143,9 @@ class _Lanes:
 
 
 def _track_rank(track: str) -> int:
-    return {"steps": 0, "stall": 1, "hits": 3}.get(track, 2)
+    if track.split(" ")[0] in MODELLED_KINDS:
+        return 3   # a pool's slices under the transfers they belong to
+    return {"steps": 0, "stall": 1, "hits": 4}.get(track, 2)
 
 
 # -- reading ---------------------------------------------------------------
