@@ -86,6 +86,7 @@ class _Prompt:
 def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: Progress | None = None,
             on_policy: Callable[[Policy, float], None] | None = None) -> JobResult:
     result = JobResult()
+    fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before the model loads
     docs = read_inputs(config.inputs)
     with OutputLog(config.out) as out:
         todo = [d for d in docs if d.id not in out.done]
@@ -103,7 +104,7 @@ def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: P
             else:
                 prompts.append(prompt)
         if prompts:
-            _generate(config, loaded, prompts, out, result, progress, on_policy)
+            _generate(config, loaded, prompts, out, result, progress, on_policy, fixed)
     return result
 
 
@@ -127,12 +128,12 @@ def _prompt(tokenizer, doc: Document, config: JobConfig) -> _Prompt | str:
 
 def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], out: OutputLog,
               result: JobResult, progress: Progress | None,
-              on_policy: Callable[[Policy, float], None] | None) -> None:
+              on_policy: Callable[[Policy, float], None] | None, fixed: Policy | None) -> None:
     prompts = sorted(prompts, key=lambda p: len(p.ids), reverse=True)
     longest = len(prompts[0].ids)
     mean = math.ceil(sum(len(p.ids) for p in prompts) / len(prompts))
     work = Workload(mean, config.max_new_tokens, len(prompts), max_prompt_len=longest)
-    policy, machine = choose_policy(config, loaded, work)
+    policy, machine = choose_policy(config, loaded, work, fixed)
     limits = EngineLimits(longest, config.max_new_tokens)
     placed = placed_policy(policy, loaded, limits)
     estimate = predict(placed, ModelShape.of(loaded.model), work, machine)
@@ -177,14 +178,14 @@ def eos_ids(loaded: LoadedModel) -> list[int]:
     return ids + ([tok] if tok is not None and tok not in ids else [])
 
 
-def choose_policy(config: JobConfig, loaded: LoadedModel, work: Workload):
-    """The policy (searched, or read from the file) and the calibrated machine."""
+def choose_policy(config: JobConfig, loaded: LoadedModel, work: Workload, fixed: Policy | None = None):
+    """The policy (``fixed``, or searched) and the calibrated machine."""
     from tierkv.schedule.calibrate import calibrate
     from tierkv.schedule.search import search
     machine = calibrate(loaded.model, nvme_dir=config.nvme_dir, max_rows=min(work.num_sequences, 256),
                         refresh=config.recalibrate)
-    if config.policy != "auto":
-        return read_policy(Path(config.policy)), machine
+    if fixed is not None:
+        return fixed, machine
     budgets = Budgets(config.gpu_budget, config.cpu_budget, config.nvme_budget if config.nvme_dir else 0)
     return search(ModelShape.of(loaded.model), work, machine, budgets,
                   allow_compress=config.allow_compress).policy, machine

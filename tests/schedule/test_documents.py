@@ -1,0 +1,44 @@
+import json
+
+import pytest
+
+from tierkv.errors import ConfigError
+from tierkv.schedule.documents import OutputLog, read_inputs
+
+
+def test_jsonl_inputs_report_bad_lines_as_documents(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "text": "alpha"}\n\nnot json\n{"text": "no id"}\n[1]\n{"id": "a", "text": "x"}\n'
+                    '{"id": "n", "text": 3}\n')
+    docs = read_inputs(path)
+    assert [(d.id, d.text, d.error) for d in docs] == [
+        ("a", "alpha", None), ("3", None, "unreadable: line 3 is not JSON"), ("4", "no id", None),
+        ("5", None, "unreadable: line 5 is not a JSON object"), ("a#line6", None, "duplicate id 'a'"),
+        ("n", None, 'unreadable: no "text" string')]
+
+
+def test_directory_inputs_read_every_file_sorted(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("bee")
+    (tmp_path / "sub" / "a.md").write_text("ay")
+    (tmp_path / "bin.dat").write_bytes(b"\xff\xfe\x00bad")
+    docs = read_inputs(tmp_path)
+    assert [(d.id, d.text, d.error) for d in docs] == [
+        ("b.txt", "bee", None), ("bin.dat", None, "unreadable: not UTF-8 text"), ("sub/a.md", "ay", None)]
+    with pytest.raises(ConfigError, match="no such file or directory"):
+        read_inputs(tmp_path / "missing")
+
+
+def test_output_log_resumes_and_cuts_a_torn_last_line(tmp_path):
+    path = tmp_path / "out.jsonl"
+    with OutputLog(path) as log:
+        log.write({"id": "a", "summary": "x"})
+        log.write({"id": "b", "error": "empty document"})
+    with open(path, "ab") as f:
+        f.write(b'{"id": "c", "summ')                          # a write cut short by a kill
+    with OutputLog(path) as log:
+        assert log.done == {"a", "b"}
+        log.write({"id": "c", "summary": "z"})
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b", "c"]
+    with pytest.raises(ConfigError, match="is a directory"):
+        OutputLog(tmp_path)

@@ -1,0 +1,83 @@
+"""Cost model and policy search: the LP's optimum is what the cost model says, more memory never hurts."""
+import pytest
+
+from tierkv.errors import ConfigError
+from tierkv.schedule.calibrate import calibrate, cache_path
+from tierkv.schedule.cost import Budgets, Machine, ModelShape, Workload, predict
+from tierkv.schedule.policy import Placement, Policy
+from tierkv.schedule.search import candidates, search
+
+GiB, MiB = 1024**3, 1024**2
+# A 7B-like shape and a machine with CPU-like rates: fixed numbers, so the test measures nothing.
+SHAPE = ModelShape(num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128, itemsize=2,
+                   layer_weight_bytes=405 * MiB, other_weight_bytes=500 * MiB, intermediate=11008)
+MACHINE = Machine(memcpy=12e9, disk_read=2e9, disk_write=2e9,
+                  layer_s=lambda m: 2e-3 + m * 4e-4, attention_s=lambda r, q, k: r * q * k * 2e-8,
+                  head_s=lambda m: 5e-3 + m * 1e-4)
+WORK = Workload(prompt_len=256, gen_len=32, num_sequences=512)
+
+
+def test_predicted_throughput_never_drops_with_more_memory():
+    gpus, cpus = (2, 4, 16), (4, 8, 64)
+    grid = {(g, c): search(SHAPE, WORK, MACHINE, Budgets(g * GiB, c * GiB, 200 * GiB)).estimate.tokens_per_s
+            for g in gpus for c in cpus}
+    for (g, c), value in grid.items():
+        for smaller in ((gpus[gpus.index(g) - 1], c) if g != gpus[0] else None,
+                        (g, cpus[cpus.index(c) - 1]) if c != cpus[0] else None):
+            if smaller is not None:
+                assert value >= grid[smaller] * (1 - 1e-9), f"{(g, c)} GiB predicts less than {smaller}"
+    assert grid[(16, 64)] > grid[(2, 4)]
+
+
+def test_search_result_is_what_the_cost_model_predicts_and_fits():
+    budgets = Budgets(4 * GiB, 16 * GiB, 200 * GiB)
+    choice = search(SHAPE, WORK, MACHINE, budgets)
+    again = predict(choice.policy, SHAPE, WORK, MACHINE)
+    assert again.tokens_per_s == pytest.approx(choice.estimate.tokens_per_s, rel=1e-6)
+    assert again.fits(budgets)
+    assert choice.policy.weights.gpu < 0.5       # 13 GB of weights cannot sit in 4 GiB
+
+
+def test_search_beats_every_hand_picked_policy_that_fits():
+    budgets = Budgets(8 * GiB, 32 * GiB, 200 * GiB)
+    best = search(SHAPE, WORK, MACHINE, budgets).estimate.tokens_per_s
+    for bs, nb in ((1, 1), (8, 4), (32, 8), (64, 4)):
+        for w in (Placement(0, 1, 0), Placement(0.2, 0.8, 0), Placement(0, 0.5, 0.5)):
+            for kv in (Placement(0, 1, 0), Placement(0, 0.5, 0.5), Placement(0, 0, 1)):
+                e = predict(Policy(bs, nb, weights=w, kv=kv), SHAPE, WORK, MACHINE)
+                if e.fits(budgets):
+                    assert e.tokens_per_s <= best * (1 + 1e-9)
+
+
+def test_no_disk_keeps_everything_in_memory_or_fails_clearly():
+    choice = search(SHAPE, WORK, MACHINE, Budgets(4 * GiB, 64 * GiB, 0))
+    assert choice.policy.weights.disk == 0 and choice.policy.kv.disk == 0
+    with pytest.raises(ConfigError, match="no policy fits the budgets"):
+        search(SHAPE, WORK, MACHINE, Budgets(256 * MiB, 1 * GiB, 0))
+
+
+def test_overlap_and_compression_change_the_prediction_the_right_way():
+    base = Policy(16, 4, weights=Placement(0, 1, 0), kv=Placement(0, 0, 1))
+    serial = Policy(16, 4, weights=base.weights, kv=base.kv, overlap=False)
+    packed = Policy(16, 4, weights=base.weights, kv=base.kv, compress_kv=True)
+    t = {p: predict(p, SHAPE, WORK, MACHINE) for p in (base, serial, packed)}
+    assert t[base].tokens_per_s > t[serial].tokens_per_s
+    assert t[packed].memory["disk"] < t[base].memory["disk"] / 3
+
+
+def test_candidates_cover_small_sets_exactly():
+    assert (3, 1) in candidates(3) and all(bs * nb <= 3 for bs, nb in candidates(3))
+
+
+def test_calibration_is_cached_and_recalibrated_on_request(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path))
+    machine = calibrate(tiny.model, max_rows=16)
+    assert cache_path().is_file() and machine.memcpy > 1e8 and machine.layer_s(16) > 0
+    stamp = cache_path().stat().st_mtime_ns
+    calibrate(tiny.model, max_rows=16)
+    assert cache_path().stat().st_mtime_ns == stamp              # read from the cache
+    calibrate(tiny.model, max_rows=16, refresh=True)
+    assert cache_path().stat().st_mtime_ns != stamp
+    shape = ModelShape.of(tiny.model)
+    estimate = predict(Policy(4, 2), shape, Workload(32, 8), machine)
+    assert estimate.tokens_per_s > 0 and estimate.memory["gpu"] > shape.weight_bytes
