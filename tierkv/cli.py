@@ -28,6 +28,7 @@ from tierkv.device import has_cuda, has_cuda_driver
 from tierkv.errors import TierKVError
 from tierkv.profile.command import add_profile
 from tierkv.profile.tune import add_tune
+from tierkv.schedule.command import add_batch
 
 
 class UsageError(TierKVError):
@@ -230,7 +231,7 @@ def _print_run_summary(r, config) -> None:
         print(f"trace written to {config.trace}: open it in ui.perfetto.dev, or `tierkv profile {config.trace}`")
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run, add_profile, add_tune]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run, add_profile, add_tune, add_batch]
 
 
 def build_parser() -> argparse.ArgumentParser:
