@@ -19,7 +19,7 @@ model, the excess is the simulation's own cost, kept in ``stats.overrun_s``):
     compute = launch + max(scanned bytes / scan bandwidth, FLOPs / throughput)
               + compares / select rate
     scanned = C * Hkv * D * itemsize (landmarks) + C / 8 (candidate bits)
-    FLOPs   = 2 * Hq * D * C         compares = Hkv * C * log2(max(k, 2))   (a heap top-k)
+    FLOPs   = 2 * Hq * D * C         compares = Hkv * (2 C + k log2 k)   (quickselect, sort the ids)
 
 Commands queue on the processor (one at a time; every device of the pool
 works on each command, on its share of the chunks). Mirroring charges the
@@ -112,7 +112,8 @@ class Work:
 
     @classmethod
     def of(cls, chunks: int, kv_heads: int, head_dim: int, q_heads: int, itemsize: int, k: int) -> Work:
-        compares = kv_heads * chunks * math.log2(max(min(k, chunks), 2))
+        k = min(k, chunks)
+        compares = kv_heads * (2 * chunks + k * math.log2(max(k, 2)))   # quickselect, then sort the k ids
         return cls(chunks * kv_heads * head_dim * itemsize + -(-chunks // 8), 2 * q_heads * head_dim * chunks,
                    compares)
 
