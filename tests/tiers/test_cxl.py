@@ -16,8 +16,8 @@ from tierkv.tiers.cxl_link import LINK_PRESETS, CxlLink, Direction, LinkSpec, li
 MiB = 1024**2
 BB = 1 * MiB
 # A slow link, so that a transfer of a few MiB lasts long next to timer and scheduler noise.
-SLOW = LinkSpec(read_gbps=0.2, write_gbps=0.4, latency_ns=2e6)   # 2 ms load-to-use latency
-SLACK_S = 0.06                                                      # a loaded 2-core machine
+SLOW = LinkSpec(read_gbps=0.1, write_gbps=0.2, latency_ns=2e6)   # 2 ms load-to-use latency
+SLACK_S = 0.1                                                       # a loaded 2-core machine (load 3-6)
 
 
 def modelled(nbytes: int, gbps: float, latency_ns: float) -> float:
@@ -41,7 +41,7 @@ def timed_gather(tier: CxlTier, slots: list[int]) -> float:
 def test_an_idle_link_charges_bytes_over_bandwidth_plus_latency() -> None:
     tier = CxlTier(BB, 32 * BB, SLOW)
     filled(tier, 32)
-    for n in (8, 32):          # 42 ms and 168 ms of modelled read time
+    for n in (8, 32):          # 86 ms and 338 ms of modelled read time
         expected = modelled(n * BB, SLOW.read_gbps, SLOW.latency_ns)
         elapsed = timed_gather(tier, list(range(n)))
         assert expected <= elapsed <= expected * 1.1 + SLACK_S, (n, expected, elapsed)
@@ -64,13 +64,25 @@ def test_a_ticket_is_exactly_the_model() -> None:
 def test_concurrent_requests_on_one_device_queue() -> None:
     tier = CxlTier(BB, 32 * BB, SLOW)
     filled(tier, 32)
-    one = modelled(12 * BB, SLOW.read_gbps, SLOW.latency_ns)   # 65 ms each
+    one = modelled(12 * BB, SLOW.read_gbps, SLOW.latency_ns)   # 128 ms each
     times = run_together(lambda: timed_gather(tier, list(range(12))),
                          lambda: timed_gather(tier, list(range(12, 24))))
     latency = SLOW.latency_ns * 1e-9
     assert max(times) >= 2 * one - latency - 1e-3  # the second streamed after the first
     assert max(times) <= 2 * one * 1.1 + SLACK_S
-    assert tier.link.stats.queue_s >= one - latency - 5e-3
+    assert tier.link.stats.queue_s > 0
+
+
+def test_a_request_booked_while_another_streams_waits_for_it() -> None:
+    link = CxlLink(SLOW)
+    first = link.book_bytes(Direction.READ, 4 * BB)
+    second = link.book_bytes(Direction.READ, 2 * BB)
+    stream = 4 * BB / (SLOW.read_gbps * 1e9)
+    assert second.begin == pytest.approx(first.begin + stream, abs=1e-3)   # booked at once: it queues
+    assert second.queue_s == pytest.approx(stream, abs=1e-3)
+    assert second.done - second.begin == pytest.approx(modelled(2 * BB, SLOW.read_gbps, SLOW.latency_ns))
+    other = link.book_bytes(Direction.WRITE, 2 * BB)                      # the other direction is free
+    assert other.queue_s == pytest.approx(0.0, abs=1e-3)
 
 
 def test_requests_on_different_devices_or_directions_do_not_queue() -> None:
@@ -91,7 +103,7 @@ def test_several_devices_share_one_transfer() -> None:
     spec = LinkSpec(SLOW.read_gbps, SLOW.read_gbps, SLOW.latency_ns, devices=4)
     tier = CxlTier(BB, 32 * BB, spec)
     filled(tier, 32)
-    expected = modelled(8 * BB, spec.read_gbps, spec.latency_ns)   # 32 blocks, 8 per device
+    expected = modelled(8 * BB, spec.read_gbps, spec.latency_ns)   # 32 blocks, 8 per device: 86 ms, not 338
     elapsed = timed_gather(tier, list(range(32)))
     assert expected <= elapsed <= expected * 1.1 + SLACK_S
 
@@ -99,12 +111,12 @@ def test_several_devices_share_one_transfer() -> None:
 def test_link_records_queue_and_link_slices() -> None:
     recorder = EventRecorder()
     link = CxlLink(LinkSpec(1.0, 1.0, 1e5), recorder)
-    first = link.book_bytes(Direction.READ, 2_000_000, src="cxl", dst="gpu", layer=3)
+    first = link.book_bytes(Direction.READ, 30_000_000, src="cxl", dst="gpu", layer=3)   # streams 30 ms
     second = link.book_bytes(Direction.READ, 1_000_000, src="cxl", dst="gpu", layer=3)
     link.wait(first)
     link.wait(second)
     kinds = [(e.kind, e.nbytes) for e in recorder.events]
-    assert kinds == [("link", 2_000_000), ("queue", 1_000_000), ("link", 1_000_000)]
+    assert kinds == [("link", 30_000_000), ("queue", 1_000_000), ("link", 1_000_000)]
     queue = recorder.events[1]
     assert queue.done - queue.start == pytest.approx(second.queue_s) and second.queue_s > 1e-3
 

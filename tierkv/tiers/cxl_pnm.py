@@ -235,15 +235,20 @@ class NearMemoryProcessor:
     def _compute(self, work: Work, layer: int, run) -> Tensor:
         devices = self.link.spec.devices   # each device scores its share of the chunks
         seconds = self.spec.seconds(work.scanned / devices, work.flops / devices, work.compares / devices)
-        submit = time.perf_counter()
-        with self._lock:
-            begin = max(submit, self._busy_until)
-            self._busy_until = done = begin + seconds
+        submit, begin, done = self.reserve(seconds)
         result = run()   # on this host, for the ids; its own time is the simulation's cost
         self.stats.overrun_s += max(0.0, time.perf_counter() - done)
         sleep_until(done)
         self._account(work, submit, begin, done, layer)
         return result
+
+    def reserve(self, seconds: float) -> tuple[float, float, float]:
+        """Queue a command of ``seconds`` on the processor: (submitted, begins, done), perf_counter times."""
+        submit = time.perf_counter()
+        with self._lock:
+            begin = max(submit, self._busy_until)
+            self._busy_until = done = begin + seconds
+        return submit, begin, done
 
     def _account(self, work: Work, submit: float, begin: float, done: float, layer: int) -> None:
         """Stats, and the modelled slices: ``queue`` (waiting for the processor) and ``compute``."""
