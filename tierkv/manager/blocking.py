@@ -72,6 +72,25 @@ class BlockingTierManager:
         finally:
             lease.release()
 
+    def gather(self, keys: Sequence[BlockKey], out: torch.Tensor, tier: str | None = None, **kw: Any) -> torch.Tensor:
+        """Copy the blocks ``keys`` into ``out`` (uint8 [len(keys), block_bytes]), one tier gather per tier."""
+        lease = self.acquire(keys, tier, **kw)
+        try:
+            by_tier: dict[str, list[tuple[int, int]]] = {}
+            for row, (name, slot) in enumerate(lease.places):
+                by_tier.setdefault(name, []).append((row, slot))
+            tiers = self.manager.tiers
+            for name, rows in by_tier.items():
+                if len(rows) == len(keys):
+                    tiers[name].gather([slot for _, slot in rows], out)
+                else:
+                    part = torch.empty(len(rows), out.shape[1], dtype=out.dtype)
+                    tiers[name].gather([slot for _, slot in rows], part)
+                    out[torch.tensor([row for row, _ in rows])] = part
+        finally:
+            lease.release()
+        return out
+
     def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *, layer: int | None = None) -> None:
         self._loop.call_soon_threadsafe(lambda: self.manager.prefetch(keys, tier, layer=layer))
 

@@ -1,7 +1,10 @@
-"""Sparse attention over tiered KV (ShadowKV): low-rank keys, chunk landmarks, top-k value fetch."""
+"""Sparse attention over tiered KV (ShadowKV): low-rank keys, chunk landmarks, top-k value fetch.
+
+The mechanism lives here (settings, key basis, chunk index, pages, the
+sequence, the stored index); ``tierkv.model.sparse_engine`` runs a model on it.
+"""
 from tierkv.sparse.config import SparseConfig, parse_budget
-from tierkv.sparse.engine import SparseEngine
 from tierkv.sparse.pages import PageLayout
 from tierkv.sparse.sequence import SparseSequence
 
-__all__ = ["PageLayout", "SparseConfig", "SparseEngine", "SparseSequence", "parse_budget"]
+__all__ = ["PageLayout", "SparseConfig", "SparseSequence", "parse_budget"]

@@ -31,7 +31,7 @@ from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
-from tierkv.sparse.lowrank import KeyBasis, project, reconstruct
+from tierkv.sparse.lowrank import KeyBasis, project
 from tierkv.sparse.pages import PageLayout
 
 Rotate = Callable[[Tensor, Tensor], Tensor]   # (k_pre [t, Hkv, D], positions [t]) -> keys in the scoring frame
@@ -60,6 +60,11 @@ class _Fifo:
     def pop(self, n: int) -> Tensor:
         rows = self.data[self.head:self.head + n].clone()
         self.head += n
+        if self.head > self.data.shape[0] // 2:   # give back what the taken front held
+            live = self.data[self.head:self.tail]
+            self.data = torch.cat([live, torch.empty(max(1024, len(live)), *self.data.shape[1:],
+                                                     dtype=self.data.dtype)])
+            self.head, self.tail = 0, len(live)
         return rows
 
     def rows(self) -> Tensor:
@@ -85,6 +90,15 @@ class _Layer:
         self.pages: list[BlockKey] = []
         self.previous: set[int] = set()
         self.length = 0
+        self._head_basis: Tensor | None = None
+
+    def head_basis(self) -> Tensor:
+        """The basis split per KV head: [Hkv, r, D] (keys of head h = A @ B[:, h*D:(h+1)*D])."""
+        if self._head_basis is None:
+            basis = self.basis.basis                                   # [r, Hkv*D]
+            heads = self.sink_k.shape[1]
+            self._head_basis = basis.view(basis.shape[0], heads, -1).transpose(0, 1).contiguous()
+        return self._head_basis
 
 
 class SparseSequence:
@@ -121,6 +135,12 @@ class SparseSequence:
 
     def basis(self, layer: int) -> Tensor | None:
         return self.layers[layer].basis.basis
+
+    def reserve(self, tokens: int) -> None:
+        """Size each layer's chunk index for ``tokens`` in all (no growth room wasted on a long prompt)."""
+        chunks = max(0, tokens - self.config.sink_tokens) // self.config.chunk_tokens
+        for state in self.layers:
+            state.index.reserve(chunks)
 
     # -- writing ---------------------------------------------------------------------
     def append(self, layer: int, k_pre: Tensor, v: Tensor) -> None:
@@ -206,21 +226,31 @@ class SparseSequence:
         return (first.unsqueeze(-1) + torch.arange(c)).flatten(1)
 
     def _read(self, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor]:
-        state, c, P = self.layers[layer], self.config.chunk_tokens, self.layout.page_tokens
+        """Pin the pages of ``chunks`` [Hkv, k]; rebuild each head's keys of its chunks only::
+
+            rows[h]  = page slot * P + chunk offset in page * c + 0..c-1      [Hkv, k*c]
+            K[h]     = A[rows[h]] @ B[:, h*D:(h+1)*D]                         [Hkv, k*c, D]
+            V[h]     = values[rows[h], h]
+        """
+        state, c, P, H = self.layers[layer], self.config.chunk_tokens, self.layout.page_tokens, \
+            self.layout.num_kv_heads
         pages = self.chunk_pages(chunks)
         self._count(state, pages)
-        with self.manager.blocks([state.pages[p] for p in pages], self.read_tier, layer=layer) as views:
-            values, factors = self.layout.unpack(torch.stack(views))   # [n, P, Hkv, D], [n, P, r]
-            values = values.float()
-            keys = reconstruct(factors.reshape(-1, factors.shape[-1]), state.basis.basis,
-                               self.layout.num_kv_heads)              # [n*P, Hkv, D]
+        raw = torch.empty(len(pages), self.layout.page_bytes, dtype=torch.uint8)
+        keys, step = [state.pages[p] for p in pages], self._pin_limit()
+        for first in range(0, len(keys), step):        # pinned at most half the fastest tier at once
+            self.manager.gather(keys[first:first + step], raw[first:first + step], self.read_tier, layer=layer)
+        values, factors = self.layout.unpack(raw)                          # [n, P, Hkv, D], [n, P, r]
         where = torch.searchsorted(torch.tensor(pages), chunks // (P // c))     # [Hkv, k]: page slot
-        rows = (where * P + chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)
-        rows = rows.flatten(1)                                              # [Hkv, k*c]
-        take = rows.unsqueeze(-1).expand(-1, -1, self.layout.head_dim)
-        k_sel = keys.transpose(0, 1).gather(1, take)                       # [Hkv, k*c, D]
-        v_sel = values.reshape(-1, *values.shape[2:]).transpose(0, 1).gather(1, take)
+        rows = ((where * P + chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)).flatten(1)
+        a = factors.reshape(-1, factors.shape[-1])[rows].float()               # [Hkv, k*c, r]
+        k_sel = torch.bmm(a, state.head_basis())                               # [Hkv, k*c, D]
+        v_sel = values.reshape(-1, H, self.layout.head_dim)[rows, torch.arange(H).unsqueeze(1)].float()
         return k_sel, v_sel
+
+    def _pin_limit(self) -> int:
+        mgr = self.manager.manager
+        return max(1, mgr.tiers[self.read_tier or mgr.memory_tiers[0]].pool.capacity // 2)
 
     def _count(self, state: _Layer, pages: list[int]) -> None:
         now = set(pages)
@@ -234,6 +264,15 @@ class SparseSequence:
         keys = [state.pages[p] for p in self.chunk_pages(chunks) if p < len(state.pages)]
         if keys:
             self.manager.prefetch(keys, self.read_tier, layer=layer)
+
+    def memory_bytes(self) -> int:
+        """Bytes this sequence holds outside the tiers: sinks, windows, bases, chunk indexes."""
+        total = 0
+        for state in self.layers:
+            total += state.sink_k.nbytes + state.sink_v.nbytes + state.index.memory_bytes()
+            total += sum(f.data.numel() * f.data.element_size() for f in (state.win_k, state.win_v))
+            total += state.basis.gram.nbytes + (0 if state.basis.basis is None else state.basis.basis.nbytes)
+        return total
 
     # -- end of life ----------------------------------------------------------------------
     def all_pages(self) -> list[BlockKey]:

@@ -53,6 +53,7 @@ class SparseEngine:
         self.selector = make_selector(config.selector)
         self.prefetcher = make_sparse_prefetch(config.prefetch)
         self.needs = frozenset(self.selector.needs)
+        self._cos = self._sin = torch.empty(0, spec.head_dim)       # RoPE table by position, grown on use
 
     @staticmethod
     def page_layout(loaded: LoadedModel, config: SparseConfig, page_dtype: torch.dtype | None = None) -> PageLayout:
@@ -73,6 +74,7 @@ class SparseEngine:
     @torch.inference_mode()
     def prefill(self, seq: SparseSequence, ids: Sequence[int], progress: Callable[[int], None] | None = None) -> None:
         """Run every token of ``ids`` (the prompt but its last token) into ``seq``, chunk by chunk."""
+        seq.reserve(len(ids) + 1)
         pos = seq.length(0)
         while pos < len(ids):
             end = min(pos + self.chunk_tokens, len(ids))
@@ -122,8 +124,9 @@ class SparseEngine:
         k_ctx, v_ctx, p_ctx = self._context(seq, layer, chunks)          # [Hkv, Tc, D] x2, [Hkv, Tc]
         remap = seq.config.positions == "remap"
         q_pos = torch.arange(T) + (k_ctx.shape[1] if remap else pos)
-        cos, sin = rope_cos_sin(self.model, q_pos)
-        q, k_new = apply_rope(q_pre, cos, sin), apply_rope(k_pre, cos, sin)
+        cos, sin = self._rope(q_pos.unsqueeze(0))
+        q, k_new = apply_rope(q_pre, cos.to(q_pre.dtype), sin.to(q_pre.dtype)), \
+            apply_rope(k_pre, cos.to(k_pre.dtype), sin.to(k_pre.dtype))
         parts = [attend(q, k_new, v, causal=True)]
         if k_ctx.shape[1]:
             if remap:
@@ -135,8 +138,8 @@ class SparseEngine:
     def _query(self, seq: SparseSequence, q_pre: Tensor, pos: int) -> Tensor:
         """The query a selection scores with [H, D]: mean over the chunk's queries, in the index's frame."""
         if seq.config.positions != "remap":
-            cos, sin = rope_cos_sin(self.model, torch.arange(pos, pos + q_pre.shape[2]))
-            q_pre = apply_rope(q_pre, cos, sin)
+            cos, sin = self._rope(torch.arange(pos, pos + q_pre.shape[2]).unsqueeze(0))
+            q_pre = apply_rope(q_pre.float(), cos, sin)
         return q_pre[0].float().mean(dim=1)
 
     def _select(self, seq: SparseSequence, layer: int, query: Tensor, context: int) -> Tensor:
@@ -177,10 +180,19 @@ class SparseEngine:
     # -- RoPE ---------------------------------------------------------------------------------------
     def _rotate_heads(self, k_pre: Tensor, positions: Tensor) -> Tensor:
         """k_pre [Hkv, T, D] rotated to per-head positions [Hkv, T]."""
-        cos, sin = rope_cos_sin(self.model, positions)               # [Hkv, T, D]
-        return apply_rope(k_pre.unsqueeze(1).float(), cos.float(), sin.float()).squeeze(1)
+        cos, sin = self._rope(positions)                             # [Hkv, T, D]
+        return apply_rope(k_pre.unsqueeze(1).float(), cos, sin).squeeze(1)
 
     def _rotate_keys(self, k_pre: Tensor, positions: Tensor) -> Tensor:
         """k_pre [t, Hkv, D] at positions [t] -> post-RoPE keys [t, Hkv, D] (the ShadowKV frame)."""
-        cos, sin = rope_cos_sin(self.model, positions)               # [1, t, D]
-        return apply_rope(k_pre.transpose(0, 1).unsqueeze(0).float(), cos.float(), sin.float())[0].transpose(0, 1)
+        cos, sin = self._rope(positions.unsqueeze(0))                # [1, t, D]
+        return apply_rope(k_pre.transpose(0, 1).unsqueeze(0).float(), cos, sin)[0].transpose(0, 1)
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin (float32) [*positions.shape, D] from the model's own rotary embedding, tabled."""
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if top > self._cos.shape[0]:
+            size = max(top, 2 * self._cos.shape[0], 4096)
+            cos, sin = rope_cos_sin(self.model, torch.arange(size))
+            self._cos, self._sin = cos[0].float(), sin[0].float()
+        return self._cos[positions], self._sin[positions]

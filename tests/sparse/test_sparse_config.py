@@ -1,0 +1,55 @@
+import pytest
+
+from tierkv.errors import ConfigError
+from tierkv.sparse.config import SparseConfig, parse_budget
+
+
+@pytest.mark.parametrize("text, expected", [("2048", 2048), (512, 512), ("2%", 0.02), ("1.5 %", 0.015),
+                                            (0.25, 0.25)])
+def test_budget_is_tokens_or_a_share(text, expected):
+    assert parse_budget(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("bad", ["lots", "-5", "0%", "100%", "150%", 1.5, True, "2048 tokens"])
+def test_bad_budget_names_what_is_allowed(bad):
+    with pytest.raises(ConfigError, match=r"sparse_budget=.*(tokens|share)"):
+        SparseConfig(budget=bad)
+
+
+def test_budget_tokens_are_whole_chunks():
+    assert SparseConfig(budget=2048).budget_tokens(10**6) == 2048
+    assert SparseConfig(budget="2%").budget_tokens(100_000) == 2000
+    assert SparseConfig(budget=100).budget_tokens(10**6) == 96     # 12 chunks of 8
+
+
+@pytest.mark.parametrize("dims, rank", [(1024, 160), (192, 96), (4096, 640), (32, 16), (8, 4)])
+def test_default_rank_scales_with_the_key_width(dims, rank):
+    assert SparseConfig().key_rank(dims) == rank
+
+
+def test_explicit_rank_must_fit_the_keys():
+    assert SparseConfig(rank=192).key_rank(192) == 192
+    with pytest.raises(ConfigError, match="rank=200: at most the key dimensions Hkv\\*D=192"):
+        SparseConfig(rank=200).key_rank(192)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("page_tokens", 12, "multiple of chunk_tokens=8"), ("sink_tokens", 4, "multiple of chunk_tokens"),
+    ("chunk_tokens", 0, "must be > 0"), ("window_tokens", -1, "must be >= 0"),
+    ("outlier_fraction", 1.0, r"in \[0, 1\)"), ("rank", 0, "must be > 0"),
+    ("positions", "rope", "allowed: auto, original, remap"), ("selector", "best", "valid names: .*quest, shadowkv"),
+    ("prefetch", "eager", "valid names: none, previous-step, speculative"),
+])
+def test_each_field_is_checked(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        SparseConfig(**{field: value})
+
+
+def test_resolve_within_and_past_the_trained_window():
+    within = SparseConfig().resolve(prompt_tokens=6000, trained_tokens=8192)
+    assert (within.positions, within.dense_prefill_tokens) == ("original", 6000)
+    past = SparseConfig().resolve(prompt_tokens=100_000, trained_tokens=8192)
+    assert (past.positions, past.dense_prefill_tokens) == ("remap", 4096)
+    forced = SparseConfig(positions="original", dense_prefill_tokens=0).resolve(prompt_tokens=10**6,
+                                                                                trained_tokens=8192)
+    assert (forced.positions, forced.dense_prefill_tokens) == ("original", 0)

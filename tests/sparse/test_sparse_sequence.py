@@ -1,0 +1,149 @@
+import asyncio
+
+import pytest
+import torch
+
+from tierkv.config import TierConfig
+from tierkv.keys import BlockKey
+from tierkv.errors import BlockCorrupt
+from tierkv.manager import BlockingTierManager, TierManager
+from tierkv.model.sparse_engine import SparseEngine
+from tierkv.sparse import PageLayout, SparseConfig, SparseSequence
+
+H, D = 2, 16
+
+
+def config(**kw) -> SparseConfig:
+    return SparseConfig(**{"budget": 4096, "sink_tokens": 8, "window_tokens": 16, "page_tokens": 16} | kw)
+
+
+def sequence(manager, cfg, rank=H * D, **kw) -> SparseSequence:
+    layout = PageLayout(cfg.page_tokens, H, D, rank, torch.float32)
+    return SparseSequence(manager, cfg, layout, num_layers=1, dtype=torch.float32,
+                          needs=frozenset({"landmarks"}), rotate=None, **kw)
+
+
+def pages_manager(cfg, rank=H * D, **budgets) -> BlockingTierManager:
+    layout = PageLayout(cfg.page_tokens, H, D, rank, torch.float32)
+    return BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes,
+                                                      **({"gpu": "1MiB", "cpu": "1MiB"} | budgets)))
+
+
+def test_page_round_trip_is_4k_aligned():
+    layout = PageLayout(32, 3, 64, 96, torch.bfloat16)
+    assert layout.payload_bytes == 32 * (192 + 96) * 2 and layout.page_bytes % 4096 == 0
+    v, a = torch.randn(32, 3, 64), torch.randn(32, 96)
+    values, factors = layout.unpack(torch.stack([layout.pack(v, a)] * 2))
+    assert torch.equal(values[1], v.bfloat16()) and torch.equal(factors[0], a.bfloat16())
+
+
+def test_regions_and_sealing():
+    cfg = config()
+    with pages_manager(cfg) as manager:
+        seq = sequence(manager, cfg)
+        k, v = torch.randn(100, H, D), torch.randn(100, H, D)
+        seq.append(0, k[:60], v[:60])
+        assert seq.sealed(0) == 8 and len(seq.layers[0].pages) == 0    # no basis yet: all exact
+        seq.fit(0, H * D)
+        assert len(seq.layers[0].pages) == 2 and seq.sealed(0) == 40   # 52 in window -> 2 pages sealed
+        seq.append(0, k[60:], v[60:])
+        assert seq.sealed(0) == 72 and seq.window(0)[0].shape[0] == 28
+        assert torch.equal(seq.sinks(0)[0], k[:8]) and torch.equal(seq.window(0)[1], v[72:])
+        assert seq.index(0).chunks == 8
+
+
+def test_full_rank_gather_returns_the_exact_keys_values_and_positions():
+    cfg = config(outlier_fraction=0.2)
+    with pages_manager(cfg) as manager:
+        seq = sequence(manager, cfg)
+        k, v = torch.randn(200, H, D), torch.randn(200, H, D)
+        seq.append(0, k, v)
+        seq.fit(0, H * D)
+        outliers = sorted(seq.index(0).outliers)
+        free = seq.index(0).candidates.nonzero().flatten()
+        chunks = torch.stack([free[[0, 3, 9]], free[[2, 3, 17]]])
+        got_k, got_v, pos = seq.gather(0, chunks)
+        assert outliers and not set(outliers) & set(chunks.flatten().tolist())
+        for h in range(H):
+            expect = sorted(8 + c * 8 + j for c in [*chunks[h].tolist(), *outliers] for j in range(8))
+            assert pos[h].tolist() == expect
+            assert torch.allclose(got_k[h], k[expect, h], atol=1e-5)
+            assert torch.equal(got_v[h], v[expect, h])
+
+
+def test_full_rank_rebuilt_keys_rotated_equal_the_real_post_rope_keys(tiny_loaded):
+    from tierkv.model.arch import apply_rope, rope_cos_sin
+    cfg = SparseConfig(budget=4096, sink_tokens=8, window_tokens=16, page_tokens=16, rank=32,
+                       positions="original")
+    layout = SparseEngine.page_layout(tiny_loaded, cfg)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="4MiB")) as manager:
+        engine = SparseEngine(tiny_loaded, manager, cfg)
+        seq = engine.new_sequence(300)
+        k_pre, v = torch.randn(300, 2, 16), torch.randn(300, 2, 16)
+        seq.append(0, k_pre, v)
+        seq.fit(0, 32)
+        k_mid, _, pos = seq.gather(0, torch.arange(0, 30).expand(2, -1))
+        rebuilt = engine._rotate_heads(k_mid, pos)                            # [Hkv, T, D]
+        cos, sin = rope_cos_sin(tiny_loaded.model, torch.arange(300))
+        real = apply_rope(k_pre.transpose(0, 1).unsqueeze(0), cos, sin)[0]    # [Hkv, 300, D]
+        assert torch.allclose(rebuilt, real[:, pos[0]], atol=1e-4)
+
+
+def test_cross_step_reuse_is_counted():
+    cfg = config()
+    with pages_manager(cfg) as manager:
+        seq = sequence(manager, cfg)
+        seq.append(0, torch.randn(300, H, D), torch.randn(300, H, D))
+        seq.fit(0, H * D)
+        seq.gather(0, torch.tensor([[0, 1], [4, 5]]))      # pages 0, 2
+        seq.gather(0, torch.tensor([[0, 7], [4, 5]]))      # pages 0, 2, 3
+        assert (seq.stats.pages, seq.stats.reused) == (5, 2)
+
+
+def test_a_corrupt_page_is_an_error_and_leaves_nothing_pinned(tmp_path):
+    cfg = config()
+    layout = PageLayout(cfg.page_tokens, H, D, H * D, torch.float32)
+    tiers = TierConfig(block_bytes=layout.page_bytes, gpu=layout.page_bytes * 2, cpu=0, nvme_dir=tmp_path)
+    with BlockingTierManager.from_config(tiers) as manager:
+        seq = sequence(manager, cfg, persist=True)
+        seq.append(0, torch.randn(200, H, D), torch.randn(200, H, D))
+        seq.fit(0, H * D)
+        manager.flush()
+        victim = seq.layers[0].pages[5]
+        assert manager.where(victim) == ["nvme"]
+        slot = manager.manager.store.lookup(victim)
+        with open(tmp_path / "slots.dat", "r+b") as f:     # flip a byte of the page on disk
+            f.seek(slot * layout.page_bytes + 100)
+            byte = f.read(1)
+            f.seek(slot * layout.page_bytes + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(BlockCorrupt):
+            seq.gather(0, torch.tensor([[10, 11], [0, 10]]))  # page 5 holds chunks 10-11
+        for tier in manager.manager.tiers.values():
+            assert all(tier.pool.pins(s) == 0 for s in list(tier.pool._slots))
+
+
+async def test_cancelled_page_fetch_leaks_nothing(tmp_path):
+    cfg = config()
+    layout = PageLayout(cfg.page_tokens, H, D, H * D, torch.float32)
+    tiers = TierConfig(block_bytes=layout.page_bytes, gpu=layout.page_bytes * 64, cpu=0, nvme_dir=tmp_path)
+    async with TierManager.from_config(tiers) as manager:
+        keys = []
+        for p in range(48):
+            key = BlockKey.of("page", p)
+            await manager.put(key, layout.pack(torch.randn(16, H, D), torch.randn(16, H * D)),
+                              tier="nvme")
+            keys.append(key)
+        await manager.flush()
+        task = asyncio.create_task(manager.acquire(keys, "gpu"))
+        await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while manager._executor.busy:
+            await manager._executor.progress()
+        for name, tier in manager.tiers.items():
+            for slot in list(tier.pool._slots):
+                assert tier.pool.pins(slot) == 0, (name, slot)
+        lease = await manager.acquire(keys[:4], "gpu")     # and the pages still read back
+        lease.release()
