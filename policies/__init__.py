@@ -37,11 +37,14 @@ h2o        least accumulated attention, then least recently used  ``h2o.py``
 Prefetch strategies (which blocks of the next layer to load ahead) have a
 registry of their own: ``make_prefetch("next-layer")``, ``prefetch_policies()``
 (see ``prefetch.py``).
+
+Chunk selectors and sparse prefetchers for sparse decode work on tensors, so
+they live in ``policies.selectors`` (and ``policies.near_memory``), imported
+on their own: ``import policies`` stays free of torch.
 """
 from __future__ import annotations
 
-from policies import arc, fifo, h2o, lfu, lru, s3fifo, selectors, streaming  # noqa: F401  importing registers them
-from policies import near_memory  # noqa: F401  the CXL pool's near-memory chunk selector
+from policies import arc, fifo, h2o, lfu, lru, s3fifo, streaming  # noqa: F401  importing registers them
 from policies.prefetch import make_prefetch, prefetch_policies, register_prefetch
 from policies.registry import available, make_policy, register
 

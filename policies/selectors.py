@@ -78,3 +78,6 @@ class PreviousStepChunks:
 
     def plan(self, layer: int, guess: Tensor | None, previous: Tensor | None) -> Tensor | None:
         return previous
+
+
+from policies import near_memory  # noqa: E402,F401  registers near-memory (it needs register_selector above)
