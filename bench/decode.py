@@ -21,6 +21,9 @@ turn, so the shared machine's noise hits them alike; each one's first step is an
 Prefill once, decode many: a second ``tierkv run`` over the same prompt reuses the stored KV;
 ``ttft_second_vs_first@CTX`` compares the two runs' time to first token.
 
+Sparse rows (``bench/sparse_rows.py``): at 128K (quick: 32K), ShadowKV-style decode with every page
+in memory and with >= 80 % of them only on NVMe (with and without prefetch) against DynamicCache.
+
     python bench/decode.py --quick --out bench/out/decode-quick.json
     python bench/decode.py --contexts 4K,16K --out bench/out/decode.json
 """
@@ -56,6 +59,7 @@ from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sequence import KVLayout
 from tierkv.profile.events import EventRecorder, busy_seconds
+from sparse_rows import measure_sparse
 
 K, MiB = 1024, 1024**2
 BLOCK_TOKENS = 256
@@ -427,6 +431,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
                         help="where the NVMe stores go; a real disk, not tmpfs (default: the temp dir)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
+    parser.add_argument("--sparse-contexts", help="contexts of the sparse rows, or 'none' (default 128K, quick 32K)")
+    parser.add_argument("--sparse-store", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-sparse-store",
+                        help="NVMe store of the sparse rows, kept between runs: the prefill runs once")
     return parser.parse_args(argv)
 
 
@@ -436,6 +443,8 @@ def main(argv: list[str] | None = None) -> Report:
     contexts += (64 * K, 128 * K) if args.long else ()
     steps = args.steps or (8 if args.quick else 16)
     reuse_at = parse_contexts(args.reuse_at or ("4K" if args.quick else "16K")) if args.reuse_at != "none" else ()
+    sparse_contexts = () if args.sparse_contexts == "none" else \
+        parse_contexts(args.sparse_contexts or ("32K" if args.quick else "128K"))
     if args.threads:
         torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the stores still go
@@ -450,6 +459,8 @@ def main(argv: list[str] | None = None) -> Report:
             add_context_ratios(report, ctx, measure_context(report, loaded, ctx, steps, workdir))
         for ctx in reuse_at:
             measure_reuse(report, loaded, ctx, args.dtype, workdir)
+        for ctx in sparse_contexts:
+            measure_sparse(report, loaded, ctx, steps, args.sparse_store, decode_all, HfDecoder)
         add_bounds(report, loaded, limits, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -466,7 +477,7 @@ def main(argv: list[str] | None = None) -> Report:
 TABLE_COLUMNS = (("context", "ctx"), ("config", "config"), ("metric", "metric"), ("value", "value"),
                  ("unit", "unit"), ("median_ms", "median ms"), ("p90_ms", "p90 ms"), ("kv_share", "in update"),
                  ("same_tokens", "same tokens"), ("stall_fraction", "stall"),
-                 ("nvme_bytes_per_token", "nvme B/token"), ("reused_prompt_tokens", "reused"))
+                 ("nvme_bytes_per_token", "nvme B/token"), ("reuse_rate", "reuse"), ("reused_prompt_tokens", "reused"))
 
 
 if __name__ == "__main__":

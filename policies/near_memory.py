@@ -41,6 +41,13 @@ class NearMemorySelector:
         self.processor.store(view.layer, view.landmarks, view.candidates)
         return self.processor.select(view.layer, query, k)
 
+    def bind(self, manager) -> None:
+        """Run inside a tier manager: share its CXL pool's link when it has one, record into its events."""
+        pool = manager.tiers.get("cxl")
+        if pool is not None:
+            self.processor = NearMemoryProcessor(pool.link, self.processor.spec)
+        self.attach(manager.events)
+
     def attach(self, recorder: EventRecorder) -> None:
         self.processor.attach(recorder)
 

@@ -148,12 +148,34 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nvme-dir", type=Path, help="directory of the persistent NVMe store (enables reuse)")
     p.add_argument("--nvme-budget", help=f"cap of the NVMe store; cold blocks are evicted "
                                          f"(default {RUN_DEFAULTS['nvme_budget']})")
+    p.add_argument("--cxl-budget", help="bytes of a simulated CXL memory pool between cpu and nvme (default: none)")
+    p.add_argument("--cxl-preset", help="the pool's link: cxl2-x8 (default), cxl2-x16, cxl2-x8x4, cmm-b")
     for tier in ("gpu", "cpu", "nvme"):
         p.add_argument(f"--{tier}-policy", help=f"eviction policy of the {tier} tier: a name in policies "
                                                 f"or module:Class (default lru)")
     p.add_argument("--prefetch", help="which blocks of the next layer to load ahead: a policies.prefetch "
                                       "name (default next-layer)")
-    p.add_argument("--mode", default="dense", help="dense (sparse comes with the sparse-decode release)")
+    p.add_argument("--mode", default="auto", choices=("auto", "dense", "sparse"),
+                   help="dense: attend to every stored key; sparse: ShadowKV-style top-k chunks; auto "
+                        "(default): sparse past the model's trained window, dense within it")
+    sparse = p.add_argument_group("sparse mode")
+    sparse.add_argument("--sparse-budget", default="2048", metavar="N|P%",
+                        help="selected tokens per KV head and step: a count (default 2048) or a share like 2%%")
+    sparse.add_argument("--rank", type=int, help="rank of the low-rank keys (default: 160 per 1024 key "
+                                                 "dimensions, at least min(96, half))")
+    sparse.add_argument("--selector", default="shadowkv",
+                        help="chunk selector: shadowkv (landmarks, default), quest (page bounds), or module:Class")
+    sparse.add_argument("--sparse-prefetch", default="speculative",
+                        help="what to load for layer l+1 during layer l: speculative (default), "
+                             "previous-step, none")
+    sparse.add_argument("--positions", default="auto", choices=("auto", "original", "remap"),
+                        help="RoPE positions of attended keys: remap = compact positions inside the trained "
+                             "window (default past it), original = real positions")
+    sparse.add_argument("--dense-prefill-tokens", type=int, metavar="N",
+                        help="prefill exactly up to N tokens, sparsely after (default: the whole prompt "
+                             "within the trained window, half the window past it)")
+    sparse.add_argument("--page-dtype", choices=("float32", "bfloat16", "float16"),
+                        help="dtype of the stored values and key factors (default: the model's --dtype)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per KV block")
     p.add_argument("--chunk-tokens", type=int, default=1024, help="prefill chunk (a multiple of the block)")
@@ -168,7 +190,8 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
-RUN_DEFAULTS = {"gpu_budget": "256MiB", "cpu_budget": "1GiB", "nvme_budget": "64GiB", "gpu_policy": "lru",
+RUN_DEFAULTS = {"gpu_budget": "256MiB", "cpu_budget": "1GiB", "nvme_budget": "64GiB", "cxl_budget": "0",
+                "cxl_preset": "cxl2-x8", "gpu_policy": "lru",
                 "cpu_policy": "lru", "nvme_policy": "lru", "prefetch": "next-layer"}
 
 
@@ -186,6 +209,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = RunConfig(model=args.model, doc=args.doc, synthetic_tokens=args.synthetic_tokens,
                        question=args.question, max_new_tokens=args.max_new_tokens,
                        nvme_dir=args.nvme_dir, **run_settings(args), mode=args.mode, dtype=args.dtype,
+                       sparse_budget=args.sparse_budget, rank=args.rank, selector=args.selector,
+                       sparse_prefetch=args.sparse_prefetch, positions=args.positions,
+                       dense_prefill_tokens=args.dense_prefill_tokens, page_dtype=args.page_dtype,
                        block_tokens=args.block_tokens, chunk_tokens=args.chunk_tokens,
                        reuse=not args.no_reuse, depth=args.depth, seed=args.seed, filler=args.filler,
                        trace=args.trace, record_access=args.record_access)
@@ -220,6 +246,8 @@ def _print_run_summary(r, config) -> None:
           f"prefill {r.prefill_s:.1f} s, first token after {r.ttft_s:.1f} s")
     print(f"decode {r.generated_tokens} tokens at {r.decode_tokens_per_s:.2f} tok/s, "
           f"stall {100 * r.stall_fraction:.1f} % of decode time")
+    if r.mode == "sparse":
+        _print_sparse_summary(r.sparse)
     if r.answer is not None:
         print(f"passkey {r.answer}: {'found' if r.found else 'NOT found'} in the output")
     print(f"{'tier':6s} {'budget':>10s} {'peak':>10s} {'final':>10s} {'read':>10s} {'written':>10s}  backend")
@@ -229,6 +257,16 @@ def _print_run_summary(r, config) -> None:
               f"{format_size(t['bytes_written']):>10s}  {t['backend']}")
     if config.trace:
         print(f"trace written to {config.trace}: open it in ui.perfetto.dev, or `tierkv profile {config.trace}`")
+
+
+def _print_sparse_summary(s: dict) -> None:
+    print(f"sparse: {s['budget_tokens']} tokens per KV head by {s['selector']}, rank {s['rank']}, "
+          f"positions {s['positions']}, prefetch {s['prefetch']}; {s['tokens_per_layer_step']:.0f} tokens "
+          f"attended per layer beside sinks and window; pages reused from the previous step "
+          f"{100 * s['reuse_rate']:.0f} %; index in memory {format_size(s['index_bytes'])}")
+    if s["approximate_prefill"]:
+        print(f"note: prefill was exact for the first {s['dense_prefill_tokens']} tokens and sparse after "
+              f"(an approximation; --dense-prefill-tokens N prefills more exactly, at quadratic cost)")
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run, add_profile, add_tune, add_batch]

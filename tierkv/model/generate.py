@@ -25,9 +25,12 @@ from tierkv.model.sequence import KVLayout
 from tierkv.profile.access import AccessRecorder
 from tierkv.profile.events import Event, EventRecorder
 from tierkv.profile.trace import write_trace
+from tierkv.model.sparse_engine import SparseEngine
+from tierkv.sparse import SparseConfig, SparseSequence
+from tierkv.sparse.store import index_id, index_path, load_index, save_index
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODES = ("dense",)
+MODES = ("auto", "dense", "sparse")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +44,20 @@ class RunConfig:
     cpu_budget: str | int = "1GiB"
     nvme_dir: Path | None = None
     nvme_budget: str | int = "64GiB"
+    cxl_budget: str | int = 0        # a simulated CXL pool between cpu and nvme (0: none)
+    cxl_preset: str = "cxl2-x8"
     gpu_policy: str = "lru"          # eviction policy per tier: a policies name or module:Class
     cpu_policy: str = "lru"
     nvme_policy: str = "lru"
     prefetch: str = "next-layer"     # a policies.prefetch name
-    mode: str = "dense"
+    mode: str = "auto"               # auto: sparse past the model's trained window (see resolve_mode)
+    sparse_budget: str | int = 2048  # sparse: selected tokens per KV head, or a share like "2%"
+    rank: int | None = None          # sparse: rank of the low-rank keys (None: by the key width)
+    selector: str = "shadowkv"       # sparse: a policies.selectors name
+    sparse_prefetch: str = "speculative"
+    positions: str = "auto"          # sparse: original | remap | auto (remap past the trained window)
+    dense_prefill_tokens: int | None = None   # sparse: exact prefill up to here (None: auto)
+    page_dtype: str | None = None    # sparse: dtype of stored values and key factors (None: the model's)
     dtype: str = "float32"
     block_tokens: int = 256
     chunk_tokens: int = 1024
@@ -64,15 +76,30 @@ class RunConfig:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         if self.mode not in MODES:
-            raise ConfigError(f"mode={self.mode!r}: allowed: {', '.join(MODES)} "
-                              "(sparse decode is not available in this version)")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
-        for name in ("gpu_budget", "cpu_budget", "nvme_budget"):
+            raise ConfigError(f"mode={self.mode!r}: allowed: {', '.join(MODES)}")
+        self.sparse_config()  # validates budget, rank, selector, prefetch, positions
+        for name in ("dtype", "page_dtype"):
+            if getattr(self, name) not in (*DTYPES, None if name == "page_dtype" else "float32"):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: allowed: {', '.join(DTYPES)}")
+        for name in ("gpu_budget", "cpu_budget", "nvme_budget", "cxl_budget"):
             parse_size(getattr(self, name), name)
         for name in ("gpu_policy", "cpu_policy", "nvme_policy"):
             make_policy(getattr(self, name))  # unknown names list the valid ones
         EngineConfig(self.block_tokens, self.chunk_tokens, prefetch=self.prefetch)  # validates the pair
+
+
+    def sparse_config(self) -> SparseConfig:
+        return SparseConfig(budget=self.sparse_budget, rank=self.rank, selector=self.selector,
+                            prefetch=self.sparse_prefetch, positions=self.positions,
+                            dense_prefill_tokens=self.dense_prefill_tokens)
+
+
+def resolve_mode(mode: str, prompt_tokens: int, trained_tokens: int) -> str:
+    """``auto`` is sparse past the model's trained window: there dense attention leaves the positions
+    the model knows (SmolLM2 at 16K: perplexity > 200), and each step would read every key."""
+    if mode != "auto":
+        return mode
+    return "sparse" if prompt_tokens > trained_tokens else "dense"
 
 
 @dataclass(slots=True)
@@ -86,7 +113,9 @@ class RunResult:
     decode_tokens_per_s: float = 0.0
     stall_fraction: float = 0.0
     reused_prompt_tokens: int = 0
+    mode: str = "dense"
     kv_bytes: int = 0
+    sparse: dict[str, object] = field(default_factory=dict)
     answer: str | None = None
     found: bool | None = None
     tiers: dict[str, dict[str, object]] = field(default_factory=dict)
@@ -102,10 +131,11 @@ def build_prompt(config: RunConfig, loaded: LoadedModel) -> Prompt:
                           seed=config.seed, filler=config.filler)
 
 
-def tier_config(config: RunConfig, layout: KVLayout) -> TierConfig:
-    nvme_dir = None if config.nvme_dir is None else Path(config.nvme_dir) / layout.name
-    return TierConfig(block_bytes=layout.block_bytes, gpu=config.gpu_budget, cpu=config.cpu_budget,
-                      nvme_dir=nvme_dir, nvme_budget=config.nvme_budget, gpu_policy=config.gpu_policy,
+def tier_config(config: RunConfig, block_bytes: int, name: str) -> TierConfig:
+    nvme_dir = None if config.nvme_dir is None else Path(config.nvme_dir) / name
+    return TierConfig(block_bytes=block_bytes, gpu=config.gpu_budget, cpu=config.cpu_budget,
+                      nvme_dir=nvme_dir, nvme_budget=config.nvme_budget, cxl=config.cxl_budget,
+                      cxl_preset=config.cxl_preset, gpu_policy=config.gpu_policy,
                       cpu_policy=config.cpu_policy, nvme_policy=config.nvme_policy)
 
 
@@ -115,46 +145,127 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
     loaded = loaded or load_model(config.model, dtype=DTYPES[config.dtype])
     prompt = build_prompt(config, loaded)
     spec = loaded.spec
-    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, config.block_tokens)
     recorder = EventRecorder()
-    result = RunResult(prompt_tokens=len(prompt.ids), answer=prompt.answer,
+    mode = resolve_mode(config.mode, len(prompt.ids), spec.max_position)
+    result = RunResult(prompt_tokens=len(prompt.ids), answer=prompt.answer, mode=mode,
                        kv_bytes=(len(prompt.ids) + config.max_new_tokens) * spec.kv_bytes_per_token)
-    with BlockingTierManager.from_config(tier_config(config, layout), namespace=layout.name,
-                                         recorder=recorder) as manager:
+    done = [0]
+
+    def progress(n: int) -> None:
+        done[0] += n
+        on_prefill(done[0], len(prompt.ids))
+
+    session = _sparse_session if mode == "sparse" else _dense_session
+    block_bytes = session(config, loaded, prompt.ids, recorder, result, progress, on_text)
+    if prompt.answer is not None:
+        result.found = prompt.answer in result.text
+    if config.trace is not None:
+        meta = {"block_bytes": block_bytes, "tiers": result.tiers}
+        write_trace(config.trace, recorder.events, recorder.origin, meta=meta)
+    return result
+
+
+def _dense_session(config: RunConfig, loaded: LoadedModel, ids: list[int], recorder: EventRecorder,
+                   result: RunResult, progress: Callable[[int], None], on_text: Callable[[str], None]) -> int:
+    spec = loaded.spec
+    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, config.block_tokens)
+    with BlockingTierManager.from_config(tier_config(config, layout.block_bytes, layout.name),
+                                         namespace=layout.name, recorder=recorder) as manager:
         engine = Engine(loaded, manager, EngineConfig(config.block_tokens, config.chunk_tokens, config.reuse,
                                                       prefetch=config.prefetch))
         seq = engine.new_sequence()
-        access = None
-        if config.record_access is not None:
-            access = AccessRecorder(read_tier=seq.read_tier, info={
-                "model": loaded.model_id, "prompt_tokens": len(prompt.ids)}).attach(manager.manager)
-        done = [0]
-
-        def progress(n: int) -> None:
-            done[0] += n
-            on_prefill(done[0], len(prompt.ids))
-
+        access = _access_recorder(config, loaded, len(ids), seq.read_tier, manager)
         start = time.perf_counter()
-        logits, result.reused_prompt_tokens = engine.prefill(seq, prompt.ids, progress)
-        token = int(logits.argmax())
-        result.ttft_s = result.prefill_s = time.perf_counter() - start
-        recorder.record(Event("prefill", "", "", None, 0, start, start, start + result.prefill_s))
-        generated = _decode(engine, seq, token, config.max_new_tokens, loaded.tokenizer, on_text, result)
-        result.text = loaded.tokenizer.decode(generated, skip_special_tokens=True)
-        if prompt.answer is not None:
-            result.found = prompt.answer in result.text
+        logits, result.reused_prompt_tokens = engine.prefill(seq, ids, progress)
+        _prefilled(recorder, result, start)
+        _generate(engine, seq, int(logits.argmax()), config, loaded, on_text, result)
         manager.flush()
         if access is not None:
             access.save(config.record_access, manager.manager)
         seq.release(keep=manager.manager.store is not None)
         result.tiers = tier_report(manager)
-    if config.trace is not None:
-        meta = {"block_bytes": layout.block_bytes, "tiers": result.tiers}
-        write_trace(config.trace, recorder.events, recorder.origin, meta=meta)
-    return result
+    return layout.block_bytes
 
 
-def _decode(engine: Engine, seq, token: int, max_new: int, tokenizer, on_text, result: RunResult) -> list[int]:
+def _sparse_session(config: RunConfig, loaded: LoadedModel, ids: list[int], recorder: EventRecorder,
+                    result: RunResult, progress: Callable[[int], None], on_text: Callable[[str], None]) -> int:
+    sparse = config.sparse_config()
+    page_dtype = None if config.page_dtype is None else DTYPES[config.page_dtype]
+    layout = SparseEngine.page_layout(loaded, sparse, page_dtype)
+    with BlockingTierManager.from_config(tier_config(config, layout.page_bytes, layout.name),
+                                         namespace=layout.name, recorder=recorder) as manager:
+        engine = SparseEngine(loaded, manager, sparse, chunk_tokens=config.chunk_tokens, page_dtype=page_dtype)
+        start = time.perf_counter()
+        seq, result.reused_prompt_tokens = open_sparse(engine, ids, config, progress)
+        access = _access_recorder(config, loaded, len(ids), seq.read_tier, manager)
+        logits = engine.decode(seq, ids[-1])
+        _prefilled(recorder, result, start)
+        _generate(engine, seq, int(logits.argmax()), config, loaded, on_text, result)
+        manager.flush()
+        if access is not None:
+            access.save(config.record_access, manager.manager)
+        result.sparse = sparse_report(engine, seq, len(ids))
+        seq.release(keep=manager.manager.store is not None)
+        result.tiers = tier_report(manager)
+    return layout.page_bytes
+
+
+def open_sparse(engine: SparseEngine, ids: list[int], config: RunConfig,
+                progress: Callable[[int], None]) -> tuple[SparseSequence, int]:
+    """A sequence holding ``ids[:-1]``: loaded from a stored index when there is one, else prefilled
+    (and stored, with ``--nvme-dir``). Returns it with the number of prompt tokens reused."""
+    store = engine.manager.manager.store
+    resolved = engine.resolved(len(ids))
+    key = index_id(engine.loaded.model_id, engine.layout, resolved, engine.needs, ids[:-1])
+    path = None if config.nvme_dir is None else index_path(Path(config.nvme_dir) / "sparse-indexes", key)
+    seq = engine.new_sequence(len(ids), root=key, persist=store is not None)
+    if path is not None and config.reuse and load_index(seq, path):
+        progress(len(ids))
+        return seq, len(ids) - 1
+    engine.prefill(seq, ids[:-1], progress)
+    progress(1)
+    if path is not None:
+        engine.manager.flush()
+        save_index(seq, path)
+    seq.persist = False          # pages sealed while decoding are not part of the stored prompt
+    return seq, 0
+
+
+def sparse_report(engine: SparseEngine, seq: SparseSequence, prompt_tokens: int) -> dict[str, object]:
+    c = seq.config
+    stats = seq.stats
+    return {
+        "budget_tokens": c.budget_tokens(seq.length(0)), "rank": engine.rank, "selector": c.selector,
+        "prefetch": c.prefetch, "positions": c.positions, "chunk_tokens": c.chunk_tokens,
+        "page_tokens": c.page_tokens, "page_bytes": engine.layout.page_bytes,
+        "dense_prefill_tokens": c.dense_prefill_tokens,
+        "approximate_prefill": prompt_tokens - 1 > c.dense_prefill_tokens,
+        "pages_read": stats.pages, "reuse_rate": stats.reused / stats.pages if stats.pages else 0.0,
+        "tokens_per_layer_step": stats.tokens / stats.steps if stats.steps else 0.0,
+        "key_energy_kept": min(layer.basis.energy_kept for layer in seq.layers),
+        "index_bytes": seq.memory_bytes(),
+    }
+
+
+def _access_recorder(config: RunConfig, loaded: LoadedModel, prompt_tokens: int, read_tier: str | None,
+                     manager: BlockingTierManager) -> AccessRecorder | None:
+    if config.record_access is None:
+        return None
+    return AccessRecorder(read_tier=read_tier, info={"model": loaded.model_id, "prompt_tokens": prompt_tokens}
+                          ).attach(manager.manager)
+
+
+def _prefilled(recorder: EventRecorder, result: RunResult, start: float) -> None:
+    result.ttft_s = result.prefill_s = time.perf_counter() - start
+    recorder.record(Event("prefill", "", "", None, 0, start, start, start + result.prefill_s))
+
+
+def _generate(engine, seq, token: int, config: RunConfig, loaded: LoadedModel, on_text, result: RunResult) -> None:
+    generated = _decode(engine, seq, token, config.max_new_tokens, loaded.tokenizer, on_text, result)
+    result.text = loaded.tokenizer.decode(generated, skip_special_tokens=True)
+
+
+def _decode(engine: Engine | SparseEngine, seq, token: int, max_new: int, tokenizer, on_text, result: RunResult) -> list[int]:
     recorder = engine.manager.manager.events
     eos = _eos_ids(tokenizer, engine.model)
     generated = [token]

@@ -51,6 +51,9 @@ class SparseEngine:
         self.layout = PageLayout(config.page_tokens, spec.num_kv_heads, spec.head_dim, self.rank,
                                  page_dtype or spec.dtype)
         self.selector = make_selector(config.selector)
+        bind = getattr(self.selector, "bind", None)
+        if bind is not None:          # a selector that runs at a tier (near-memory) finds it here
+            bind(manager.manager)
         self.prefetcher = make_sparse_prefetch(config.prefetch)
         self.needs = frozenset(self.selector.needs)
         self._cos = self._sin = torch.empty(0, spec.head_dim)       # RoPE table by position, grown on use

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ VERSION = "1"
 
 def index_id(model_id: str, layout: PageLayout, config: SparseConfig, needs: frozenset[str],
              prompt_ids: Sequence[int]) -> BlockKey:
-    settings = repr((config, sorted(needs)))
+    settings = repr((replace(config, prefetch="none"), sorted(needs)))   # prefetch does not shape the index
     return BlockKey.of("tierkv-sparse-v1", model_id, layout.name, settings,
                        np.asarray(prompt_ids, dtype=np.int64).tobytes())
 

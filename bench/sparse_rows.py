@@ -1,0 +1,177 @@
+"""The sparse rows of ``bench/decode.py``: ShadowKV-style decode at long contexts against DynamicCache.
+
+One passkey prompt per context; its sparse prefill runs once and is stored
+(``--sparse-store``): later runs load the index and the pages instead of
+prefilling again, which is what keeps a 128K row affordable on a CPU.
+Configurations, one after another (they share the store's lock)::
+
+    dynamic-cache      transformers DynamicCache holding the KV that the sparse prefill stored
+                       (keys rebuilt at full length from the pages): every step reads all of it
+    sparse-ram         SparseEngine, every page in the gpu tier (loaded before timing)
+    sparse-nvme        gpu 10 % + cpu 10 % of the pages, the rest only on NVMe, speculative prefetch
+    sparse-nvme-no-prefetch   the same without prefetch
+
+DynamicCache attends at the real positions (past SmolLM2's 8K window its tokens are noise) and
+sparse at remapped ones, so the tokens differ; the rows compare speed, not text.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from report import Report
+from tierkv.config import TierConfig
+from tierkv.manager import BlockingTierManager
+from tierkv.model.generate import RunConfig, open_sparse
+from tierkv.model.loading import LoadedModel
+from tierkv.model.prompt import passkey_prompt
+from tierkv.model.sparse_engine import SparseEngine
+from tierkv.profile.events import EventRecorder
+from tierkv.sparse import SparseConfig
+
+K = 1024
+SMALL_SHARE = 0.10     # of the pages, per memory tier, in the nvme rows
+PAGE_DTYPE = torch.bfloat16
+DEPTH = 0.3            # the same prompt as bench/scale.py's first 128K depth: one prefill serves both
+
+
+def run_config(ctx: int, store: Path) -> RunConfig:
+    return RunConfig(synthetic_tokens=ctx, depth=DEPTH, nvme_dir=store, page_dtype="bfloat16", mode="sparse")
+
+
+class SparseDecoder:
+    def __init__(self, loaded: LoadedModel, ids: list[int], store: Path, *, gpu: int, cpu: int,
+                 prefetch: str, warm: bool) -> None:
+        cfg = SparseConfig(prefetch=prefetch)
+        layout = SparseEngine.page_layout(loaded, cfg, PAGE_DTYPE)
+        self.recorder = EventRecorder()
+        tiers = TierConfig(block_bytes=layout.page_bytes, gpu=gpu, cpu=cpu, nvme_dir=store / layout.name)
+        self.manager = BlockingTierManager.from_config(tiers, namespace=layout.name, recorder=self.recorder)
+        self.engine = SparseEngine(loaded, self.manager, cfg, page_dtype=PAGE_DTYPE)
+        self.seq, reused = open_sparse(self.engine, ids, run_config(len(ids), store), lambda n: None)
+        if not reused:
+            raise RuntimeError("the sparse index was not found in the store: run the prefill first")
+        if warm:
+            pages = self.seq.all_pages()
+            for first in range(0, len(pages), 4096):
+                self.manager.prefetch(pages[first:first + 4096])
+            self.manager.flush()
+        self.mark = 0
+        self.nvme_before = 0
+
+    def step(self, token: int) -> int:
+        return int(self.engine.decode(self.seq, token).argmax())
+
+    def start_timing(self) -> None:
+        self.mark, self.nvme_before = len(self.recorder.events), self._nvme_read()
+        self.stats_before = (self.seq.stats.pages, self.seq.stats.reused)
+
+    def figures(self) -> dict[str, object]:
+        events = self.recorder.events[self.mark:]
+        pages = self.seq.stats.pages - self.stats_before[0]
+        reused = self.seq.stats.reused - self.stats_before[1]
+        return {"waited_s": sum(e.seconds for e in events if e.kind == "wait"),
+                "nvme_read_bytes": self._nvme_read() - self.nvme_before,
+                "reuse_rate": reused / pages if pages else 0.0, "pages_read": pages,
+                "page_bytes": self.engine.layout.page_bytes}
+
+    def _nvme_read(self) -> int:
+        stats = self.manager.manager.stats
+        return stats["nvme"].bytes_out if "nvme" in stats else 0
+
+    def close(self) -> None:
+        self.seq.release(keep=True)
+        self.manager.close()
+
+
+def dynamic_from_store(loaded: LoadedModel, ids: list[int], store: Path) -> DynamicCache:
+    """A DynamicCache holding the stored sparse prefill's KV, keys rebuilt from the pages at full length."""
+    cfg = SparseConfig()
+    layout = SparseEngine.page_layout(loaded, cfg, PAGE_DTYPE)
+    tiers = TierConfig(block_bytes=layout.page_bytes, gpu="64MiB", cpu=0, nvme_dir=store / layout.name)
+    cache = DynamicCache(config=loaded.model.config)
+    with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager, torch.inference_mode():
+        engine = SparseEngine(loaded, manager, cfg, page_dtype=PAGE_DTYPE)
+        seq, _ = open_sparse(engine, ids, run_config(len(ids), store), lambda n: None)
+        for layer in range(len(engine.layers)):
+            chunks = seq.index(layer).candidates.nonzero().flatten().expand(layout.num_kv_heads, -1)
+            k_mid, v_mid, _ = seq.gather(layer, chunks)           # every chunk: candidates + outliers
+            sink_k, sink_v = seq.sinks(layer)
+            win_k, win_v = seq.window(layer)
+            k = torch.cat([sink_k.float().transpose(0, 1), k_mid, win_k.float().transpose(0, 1)], dim=1)
+            v = torch.cat([sink_v.float().transpose(0, 1), v_mid, win_v.float().transpose(0, 1)], dim=1)
+            k = engine._rotate_heads(k, torch.arange(k.shape[1]).expand(k.shape[0], -1))
+            cache.update(k.unsqueeze(0).to(loaded.spec.dtype), v.unsqueeze(0).to(loaded.spec.dtype), layer)
+        seq.release(keep=True)
+    return cache
+
+
+def ensure_prefilled(loaded: LoadedModel, ids: list[int], store: Path) -> float:
+    """Sparse prefill of ``ids`` into ``store`` unless it is there already; returns its seconds (0: reused)."""
+    cfg = SparseConfig()
+    layout = SparseEngine.page_layout(loaded, cfg, PAGE_DTYPE)
+    tiers = TierConfig(block_bytes=layout.page_bytes, gpu="512MiB", cpu="1GiB", nvme_dir=store / layout.name)
+    start = time.perf_counter()
+    with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager:
+        engine = SparseEngine(loaded, manager, cfg, page_dtype=PAGE_DTYPE)
+        seq, reused = open_sparse(engine, ids, run_config(len(ids), store), lambda n: None)
+        manager.flush()
+        seq.release(keep=True)
+    return 0.0 if reused else time.perf_counter() - start
+
+
+def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, store: Path, interleave,
+                   hf_decoder) -> None:
+    """``interleave`` and ``hf_decoder``: decode.py's ``decode_all`` and ``HfDecoder`` (the dense rows' own)."""
+    ids = passkey_prompt(loaded.tokenizer, ctx, depth=DEPTH).ids
+    store.mkdir(parents=True, exist_ok=True)
+    prefill_s = ensure_prefilled(loaded, ids, store)
+    print(f"{ctx // K}K sparse prefill: {'reused from the store' if not prefill_s else f'{prefill_s:.0f} s'}",
+          file=sys.stderr, flush=True)
+    layout = SparseEngine.page_layout(loaded, SparseConfig(), PAGE_DTYPE)
+    n_pages = len(loaded.model.model.layers) * (ctx // layout.page_tokens + 2)
+    all_pages, small = (n_pages + 64) * layout.page_bytes, int(SMALL_SHARE * n_pages) * layout.page_bytes
+    builders = {
+        "sparse-ram": lambda: SparseDecoder(loaded, ids, store, gpu=all_pages, cpu=0, prefetch="speculative",
+                                            warm=True),
+        "sparse-nvme": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small, prefetch="speculative",
+                                             warm=False),
+        "sparse-nvme-no-prefetch": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small,
+                                                         prefetch="none", warm=False),
+    }
+    runs = interleave(builders, ids[-1], steps, together=False)
+    runs |= interleave({"dynamic-cache": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store),
+                                                           len(ids) - 1)}, ids[-1], steps, together=False)
+    add_sparse_rows(report, ctx, runs, steps, prefill_s)
+
+
+def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s: float) -> None:
+    tag = f"@{ctx // K}K"
+    base = runs["dynamic-cache"].tokens_per_s
+    for name, d in runs.items():
+        f, total = d.figures, sum(d.seconds)
+        extra = {}
+        if "waited_s" in f:
+            extra = {"stall_fraction": round(f["waited_s"] / total, 3), "reuse_rate": round(f["reuse_rate"], 3),
+                     "nvme_bytes_per_token": f["nvme_read_bytes"] // steps,
+                     "pages_per_token": f["pages_read"] // steps}
+        report.add_row(name, "decode_tokens_per_s", round(d.tokens_per_s, 3), "tok/s", context=ctx,
+                       median_ms=round(d.ms(0.5), 1), p90_ms=round(d.ms(0.9), 1), steps=steps, **extra)
+    report.add_row("sparse-prefill", "prefill_s", round(prefill_s, 1), "s", context=ctx,
+                   note="0: reused from the store")
+    ratio = lambda n: round(runs[n].tokens_per_s / base, 3)   # noqa: E731
+    report.add_ratio(f"sparse_ram_vs_dynamic{tag}", ratio("sparse-ram"), 3.0,
+                     "decode tok/s of sparse with every page in memory / DynamicCache all in memory, same run")
+    report.add_ratio(f"sparse_nvme_vs_dynamic{tag}", ratio("sparse-nvme"), 2.0,
+                     "decode tok/s of sparse with >= 80 % of the pages only on NVMe / DynamicCache")
+    stall = lambda n: round(runs[n].figures["waited_s"] / sum(runs[n].seconds), 3)   # noqa: E731
+    report.add_ratio(f"stall_fraction_sparse_nvme{tag}", stall("sparse-nvme"), None,
+                     "share of decode time waiting on page loads, speculative prefetch (target: at most 0.10)")
+    report.add_ratio(f"stall_fraction_no_prefetch{tag}", stall("sparse-nvme-no-prefetch"), None,
+                     "the same run without prefetch")
+    report.add_ratio(f"reuse_rate{tag}", round(runs["sparse-ram"].figures["reuse_rate"], 3), None,
+                     "share of a layer's pages that the same layer read in the previous step (cross-step reuse)")

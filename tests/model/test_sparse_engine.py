@@ -1,0 +1,89 @@
+"""Sparse prefill and decode on tiny random models and on SmolLM2."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierkv.config import TierConfig
+from tierkv.manager import BlockingTierManager
+from tierkv.model.arch import model_spec
+from tierkv.model.loading import LoadedModel
+from tierkv.model.sparse_engine import SparseEngine
+from tierkv.sparse import SparseConfig
+
+from tinymodels import native_logits, tiny_model
+
+
+def loaded(kind: str) -> LoadedModel:
+    model = tiny_model(kind)
+    return LoadedModel(model, None, f"tiny-{kind}", model_spec(model))
+
+
+def run_sparse(lm: LoadedModel, ids: list[int], cfg: SparseConfig, steps: int = 3) -> list[torch.Tensor]:
+    """Prefill ids[:-steps-1], then decode the rest one token at a time: logits after each."""
+    layout = SparseEngine.page_layout(lm, cfg)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB",
+                                                    cpu="8MiB")) as manager:
+        engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
+        seq = engine.new_sequence(len(ids) - steps)
+        engine.prefill(seq, ids[:-steps - 1])
+        return [engine.decode(seq, t) for t in ids[-steps - 1:]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_full_rank_and_full_budget_equal_dense_attention(kind):
+    """Sparse prefill past the exact part, pages sealed and spilled to the cpu tier: still exact."""
+    lm = loaded(kind)
+    dims = lm.spec.num_kv_heads * lm.spec.head_dim
+    cfg = SparseConfig(budget=10_000, rank=dims, sink_tokens=8, window_tokens=32, page_tokens=16,
+                       outlier_fraction=0.05, positions="original", dense_prefill_tokens=100)
+    ids = torch.randint(0, 128, (1, 400), generator=torch.Generator().manual_seed(3))
+    got = run_sparse(lm, ids[0].tolist(), cfg)
+    want = native_logits(lm.model, ids, chunk=64, block=64)[0, -4:]
+    assert torch.allclose(torch.stack(got), want, atol=2e-4)
+
+
+def test_a_small_budget_changes_the_result_and_stays_finite():
+    lm = loaded("llama")
+    ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(4)).tolist()
+    full = SparseConfig(budget=10_000, rank=32, sink_tokens=8, window_tokens=32, page_tokens=16,
+                        positions="original", dense_prefill_tokens=100)
+    small = SparseConfig(budget=16, rank=8, sink_tokens=8, window_tokens=32, page_tokens=16,
+                         positions="original", dense_prefill_tokens=100, selector="quest")
+    a, b = torch.stack(run_sparse(lm, ids, full)), torch.stack(run_sparse(lm, ids, small))
+    assert torch.isfinite(b).all() and not torch.allclose(a, b, atol=1e-3)
+
+
+def test_remapped_positions_run_past_the_trained_window():
+    lm = loaded("llama")                                   # trained window 512
+    ids = torch.randint(0, 128, (1300,), generator=torch.Generator().manual_seed(5)).tolist()
+    cfg = SparseConfig(budget=64, sink_tokens=8, window_tokens=64, page_tokens=16)
+    resolved = cfg.resolve(prompt_tokens=1300, trained_tokens=lm.spec.max_position)
+    assert (resolved.positions, resolved.dense_prefill_tokens) == ("remap", 256)
+    out = run_sparse(lm, ids, cfg, steps=2)
+    assert all(torch.isfinite(x).all() for x in out)
+
+
+def test_remap_with_everything_attended_equals_dense_within_the_window():
+    """Remapped positions are the real ones when nothing is left out: same logits as dense."""
+    lm = loaded("llama")
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(6))
+    cfg = SparseConfig(budget=10_000, rank=32, sink_tokens=8, window_tokens=32, page_tokens=16,
+                       outlier_fraction=0.0, positions="remap", dense_prefill_tokens=300)
+    got = run_sparse(lm, ids[0].tolist(), cfg, steps=0)
+    want = native_logits(lm.model, ids, chunk=64, block=64)[0, -1]
+    assert torch.allclose(got[0], want, atol=2e-4)
+
+
+@pytest.mark.model
+def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tmp_path):
+    from tierkv.model.generate import RunConfig, run
+    config = RunConfig(synthetic_tokens=1200, max_new_tokens=6, mode="sparse", sparse_budget=256,
+                       gpu_budget="4MiB", cpu_budget="8MiB", nvme_dir=tmp_path, page_dtype="bfloat16")
+    first = run(config, loaded=smollm2)
+    second = run(config, loaded=smollm2)
+    assert first.mode == "sparse" and first.found and second.found
+    assert (first.reused_prompt_tokens, second.reused_prompt_tokens) == (0, 1199)
+    assert second.text == first.text
+    assert first.sparse["budget_tokens"] == 256 and first.sparse["pages_read"] > 0
+    assert first.tiers["nvme"]["bytes_written"] > 0
