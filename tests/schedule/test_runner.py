@@ -1,6 +1,5 @@
 """The runner over real tiers (NVMe in a temp dir), real threads and a tiny random Llama."""
 import threading
-import time
 
 import pytest
 

@@ -25,7 +25,7 @@ def test_predicted_throughput_never_drops_with_more_memory():
         for smaller in ((gpus[gpus.index(g) - 1], c) if g != gpus[0] else None,
                         (g, cpus[cpus.index(c) - 1]) if c != cpus[0] else None):
             if smaller is not None:
-                assert value >= grid[smaller] * (1 - 1e-9), f"{(g, c)} GiB predicts less than {smaller}"
+                assert value >= grid[smaller] * (1 - 1e-7), f"{(g, c)} GiB predicts less than {smaller}"
     assert grid[(16, 64)] > grid[(2, 4)]
 
 
@@ -81,3 +81,11 @@ def test_calibration_is_cached_and_recalibrated_on_request(tiny, tmp_path, monke
     shape = ModelShape.of(tiny.model)
     estimate = predict(Policy(4, 2), shape, Workload(32, 8), machine)
     assert estimate.tokens_per_s > 0 and estimate.memory["gpu"] > shape.weight_bytes
+
+
+def test_padding_of_mixed_lengths_is_priced():
+    mixed = Workload(prompt_len=300, gen_len=16, num_sequences=8, lengths=(1600, 100, 100, 100, 100, 100, 100, 100))
+    assert mixed.padded_len(8) == 1600 and mixed.padded_len(1) == 275
+    wide, narrow = Policy(8, 1, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0)), \
+        Policy(1, 8, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0))
+    assert predict(wide, SHAPE, mixed, MACHINE).prefill_layer_s > predict(narrow, SHAPE, mixed, MACHINE).prefill_layer_s

@@ -83,12 +83,23 @@ class Workload:
     gen_len: int          # new tokens per sequence
     num_sequences: int = 1 << 30
     max_prompt_len: int = 0   # the longest prompt (memory); 0: prompt_len
+    lengths: tuple[int, ...] = ()   # every prompt's length, when they differ (padding is priced)
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "gen_len", "num_sequences"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"workload {name}={getattr(self, name)}: must be > 0")
-        object.__setattr__(self, "max_prompt_len", max(self.max_prompt_len, self.prompt_len))
+        object.__setattr__(self, "lengths", tuple(sorted(self.lengths, reverse=True)))
+        longest = self.lengths[0] if self.lengths else 0
+        object.__setattr__(self, "max_prompt_len", max(self.max_prompt_len, self.prompt_len, longest))
+
+    def padded_len(self, bs: int) -> float:
+        """Mean padded prompt of GPU batches of ``bs`` prompts cut from the longest down (the job sorts)."""
+        if not self.lengths:
+            return self.prompt_len
+        maxima = [self.lengths[i] for i in range(0, len(self.lengths), bs)]
+        sizes = [min(bs, len(self.lengths) - i) for i in range(0, len(self.lengths), bs)]
+        return sum(m * n for m, n in zip(maxima, sizes)) / len(self.lengths)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +169,7 @@ class Terms:
 
 def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, compress: bool,
           overlap: bool) -> Terms:
-    P, n, L = work.prompt_len, work.gen_len, shape.num_layers
+    P, n, L = round(work.padded_len(bs)), work.gen_len, shape.num_layers
     W_l = shape.layer_weight_bytes
     phases, serial = {}, {}
     for phase, T, ctx in (("prefill", P, 0), ("decode", 1, P + n // 2)):

@@ -8,7 +8,8 @@
 
 Measured throughput counts the tokens actually generated (each summary up to its end token)
 over the wall time of the blocks, prefill included; the prediction is the cost model's for the
-policy as placed (tensor- and block-granular fractions), at the job's mean prompt length.
+policy as placed (tensor- and block-granular fractions), with each GPU batch padded to its longest
+prompt (the prompts sorted by length, as the job runs them).
 """
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], ou
     prompts = sorted(prompts, key=lambda p: len(p.ids), reverse=True)
     longest = len(prompts[0].ids)
     mean = math.ceil(sum(len(p.ids) for p in prompts) / len(prompts))
-    work = Workload(mean, config.max_new_tokens, len(prompts), max_prompt_len=longest)
+    work = Workload(mean, config.max_new_tokens, len(prompts), max_prompt_len=longest,
+                    lengths=tuple(len(p.ids) for p in prompts))
     policy, machine = choose_policy(config, loaded, work, fixed)
     limits = EngineLimits(longest, config.max_new_tokens)
     placed = placed_policy(policy, loaded, limits)

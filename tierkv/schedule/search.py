@@ -5,7 +5,7 @@ model's terms (`tierkv.schedule.cost`) are linear in the fractions, so the best 
 LP (solved with scipy's HiGHS)::
 
     variables   wg wc wd cg cc cd  t_pre t_dec               (fractions in [0, 1], times >= 0)
-    minimize    L * t_pre + L * (n - 1) * t_dec
+    minimize    L * t_pre + L * (n - 1) * t_dec   (+ 1e-9 * (wd + cd): ties go to memory)
     subject to  t_phase >= bound(x)        for every lower bound of the phase's layer time
                 memory_tier(x) <= budget   for gpu, cpu, disk
                 wg + wc + wd = 1,  cg + cc + cd = 1
@@ -98,6 +98,7 @@ def solve(t: Terms, budgets: Budgets) -> dict[str, float] | None:
     no_disk = budgets.disk <= 0
     bounds = [(0.0, 0.0) if no_disk and name in ("wd", "cd") else (0.0, 1.0) for name in FRACTIONS]
     cost = np.zeros(n)
+    cost[index["wd"]] = cost[index["cd"]] = 1e-9    # ties go to memory rather than disk
     cost[len(FRACTIONS)] = t.layers
     cost[len(FRACTIONS) + 1] = t.layers * max(t.gen_len - 1, 0)
     scale = np.abs(np.array(rows)).max(axis=1, initial=1.0)
