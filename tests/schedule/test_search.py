@@ -85,7 +85,7 @@ def test_calibration_is_cached_and_recalibrated_on_request(tiny, tmp_path, monke
 
 def test_padding_of_mixed_lengths_is_priced():
     mixed = Workload(prompt_len=300, gen_len=16, num_sequences=8, lengths=(1600, 100, 100, 100, 100, 100, 100, 100))
-    assert mixed.padded_len(8) == 1600 and mixed.padded_len(1) == 275
+    assert mixed.padded_len(8) == 1600 and mixed.padded_len(1) == (1600 + 7 * 100) / 8
     wide, narrow = Policy(8, 1, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0)), \
         Policy(1, 8, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0))
     assert predict(wide, SHAPE, mixed, MACHINE).prefill_layer_s > predict(narrow, SHAPE, mixed, MACHINE).prefill_layer_s
