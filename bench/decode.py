@@ -369,7 +369,7 @@ def add_bounds(report: Report, loaded: LoadedModel, limits: dict[str, float], wo
                      f"GB/s (4 threads, 4 MiB calls, {fstype} on {device}); every config reads the {weights / MiB:.0f}"
                      f" MiB of weights and the whole KV ({loaded.spec.kv_bytes_per_token} B/token) each step")
     for row in report.rows:
-        if row["metric"] == "decode_tokens_per_s":
+        if row["metric"] == "decode_tokens_per_s" and "kv_bytes" in row:   # the sparse rows bound themselves
             report.add_bound(_row_bound(row, weights, limits))
     if not all(row.get("interleaved", True) for row in report.rows):
         report.add_bound("where a row says interleaved=false, RAM was short for every config's KV at once: the "
@@ -423,7 +423,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4K only, 8 steps, reuse at 4K (~2 min on 2 cores)")
     parser.add_argument("--out", type=Path, help="write the result as JSON (format: shared/BENCH.md)")
-    parser.add_argument("--contexts", help="comma-separated, like 4K,16K (default 4K,16K,32K; quick 4K)")
+    parser.add_argument("--contexts", help="comma-separated, like 4K,16K, or 'none' (default 4K,16K,32K; quick 4K)")
     parser.add_argument("--long", action="store_true", help="add 64K and 128K to the contexts")
     parser.add_argument("--steps", type=int, help="greedy decode steps per config (default 16, quick 8)")
     parser.add_argument("--reuse-at", help="context of the prefill-once reuse runs, or 'none' (default 16K, quick 4K)")
@@ -439,7 +439,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Report:
     args = parse_args(argv)
-    contexts = parse_contexts(args.contexts or ("4K" if args.quick else "4K,16K,32K"))
+    contexts = () if args.contexts == "none" else parse_contexts(args.contexts or ("4K" if args.quick else "4K,16K,32K"))
     contexts += (64 * K, 128 * K) if args.long else ()
     steps = args.steps or (8 if args.quick else 16)
     reuse_at = parse_contexts(args.reuse_at or ("4K" if args.quick else "16K")) if args.reuse_at != "none" else ()

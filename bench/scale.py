@@ -34,11 +34,15 @@ KV_BUDGET = 4 * GiB
 GPU, CPU = "512MiB", "1GiB"     # page tiers; the index (landmarks, outliers, window) comes on top
 
 
+LOG = Path(tempfile.gettempdir()) / "tierkv-scale-child.log"   # the running child's progress bar: tail it
+
+
 def run_case(args: list[str]) -> tuple[dict, int, float]:
     """(``tierkv run --json`` result, peak RSS bytes, wall seconds) of one child run."""
     cmd = [sys.executable, "-m", "tierkv.cli", "run", "--json", *args]
     start = time.perf_counter()
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = LOG.open("w")
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     peak = [0]
     done = threading.Event()
 
@@ -53,11 +57,13 @@ def run_case(args: list[str]) -> tuple[dict, int, float]:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    out, err = child.communicate()
+    out, _ = child.communicate()
     done.set()
     sampler.join()
+    log.close()
     if child.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[2:])} failed ({child.returncode}): {err.strip()[-2000:]}")
+        err = LOG.read_text(errors="replace").strip()[-2000:]
+        raise RuntimeError(f"{' '.join(cmd[2:])} failed ({child.returncode}): {err}")
     return json.loads(out), peak[0], time.perf_counter() - start
 
 
@@ -119,17 +125,21 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--out", type=Path, help="write the result as JSON (format: shared/BENCH.md)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-scale",
                         help="NVMe store directory (the 1M run writes ~17 GB)")
-    parser.add_argument("--skip-1m", action="store_true", help="leave out the 1M-token run")
+    parser.add_argument("--cases", default="1m,passkey",
+                        help="which parts: 1m (the 1M-token run), passkey (32K/128K retrieval), or both (default)")
     args = parser.parse_args(argv)
     report = Report("scale", args.quick, machine(args.dir.parent if not args.dir.exists() else args.dir))
     start = time.perf_counter()
     store = args.dir
-    if args.quick:
-        plan = {"sparse": {32768: [0.5]}, "dense": {12288: [0.5]}}
-    else:
-        if not args.skip_1m:
-            scale_run(report, 2**20, store, 12)
-        plan = {"sparse": {32768: [0.2, 0.5, 0.8], 131072: [0.3, 0.7]}, "dense": {16384: [0.2, 0.5], 32768: [0.5]}}
+    cases = set(args.cases.split(","))
+    if cases - {"1m", "passkey"}:
+        parser.error(f"--cases {args.cases!r}: allowed: 1m, passkey")
+    if "1m" in cases and not args.quick:
+        scale_run(report, 2**20, store, 12)
+    plan = {"sparse": {32768: [0.5]}, "dense": {12288: [0.5]}} if args.quick else \
+        {"sparse": {32768: [0.2, 0.8], 131072: [0.3]}, "dense": {16384: [0.5]}}
+    if "passkey" not in cases:
+        plan = {}
     for mode, contexts in plan.items():
         for tokens, depths in contexts.items():
             found, total = passkey(report, tokens, depths, mode, store)

@@ -163,6 +163,7 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
                        median_ms=round(d.ms(0.5), 1), p90_ms=round(d.ms(0.9), 1), steps=steps, **extra)
     report.add_row("sparse-prefill", "prefill_s", round(prefill_s, 1), "s", context=ctx,
                    note="0: reused from the store")
+    add_sparse_bounds(report, ctx, runs, steps)
     ratio = lambda n: round(runs[n].tokens_per_s / base, 3)   # noqa: E731
     report.add_ratio(f"sparse_ram_vs_dynamic{tag}", ratio("sparse-ram"), 3.0,
                      "decode tok/s of sparse with every page in memory / DynamicCache all in memory, same run")
@@ -175,3 +176,21 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
                      "the same run without prefetch")
     report.add_ratio(f"reuse_rate{tag}", round(runs["sparse-ram"].figures["reuse_rate"], 3), None,
                      "share of a layer's pages that the same layer read in the previous step (cross-step reuse)")
+
+
+def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int) -> None:
+    for name, d in runs.items():
+        step_ms = 1e3 * sum(d.seconds) / len(d.seconds)
+        if "pages_read" not in d.figures:
+            report.add_bound(f"{name}@{ctx // K}K: {step_ms:.0f} ms/step; reads the whole KV "
+                             f"({ctx * 46 // 1024} MiB in float32) and torch.cat copies it each step")
+            continue
+        f = d.figures
+        gathered = f["pages_read"] * f["page_bytes"] / steps
+        report.add_bound(f"{name}@{ctx // K}K: {step_ms:.0f} ms/step; gathers {f['pages_read'] // steps} pages "
+                         f"({gathered / 2**20:.1f} MiB: values + key factors of the chosen chunks' pages, all layers) "
+                         f"per token, {f['nvme_read_bytes'] / steps / 2**20:.1f} MiB of them from NVMe; "
+                         f"{100 * f['reuse_rate']:.0f} % of a layer's pages were read by it the step before; "
+                         f"stall {100 * f['waited_s'] / sum(d.seconds):.0f} %; the rest is the weights "
+                         f"(513 MiB read per token) and per-layer selection, key rebuild and attention over "
+                         f"~2.6K tokens per KV head")

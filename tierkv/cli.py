@@ -161,10 +161,13 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     sparse = p.add_argument_group("sparse mode")
     sparse.add_argument("--sparse-budget", default="2048", metavar="N|P%",
                         help="selected tokens per KV head and step: a count (default 2048) or a share like 2%%")
+    sparse.add_argument("--prefill-budget", default="1024", metavar="N|P%",
+                        help="the same for each chunk of a sparse prefill (default 1024)")
     sparse.add_argument("--rank", type=int, help="rank of the low-rank keys (default: 160 per 1024 key "
                                                  "dimensions, at least min(96, half))")
     sparse.add_argument("--selector", default="shadowkv",
-                        help="chunk selector: shadowkv (landmarks, default), quest (page bounds), or module:Class")
+                        help="chunk selector: shadowkv (landmarks, default), quest (page bounds), near-memory "
+                             "(scored in a simulated CXL pool), or module:Class")
     sparse.add_argument("--sparse-prefetch", default="speculative",
                         help="what to load for layer l+1 during layer l: speculative (default), "
                              "previous-step, none")
@@ -209,7 +212,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = RunConfig(model=args.model, doc=args.doc, synthetic_tokens=args.synthetic_tokens,
                        question=args.question, max_new_tokens=args.max_new_tokens,
                        nvme_dir=args.nvme_dir, **run_settings(args), mode=args.mode, dtype=args.dtype,
-                       sparse_budget=args.sparse_budget, rank=args.rank, selector=args.selector,
+                       sparse_budget=args.sparse_budget, prefill_budget=args.prefill_budget, rank=args.rank,
+                       selector=args.selector,
                        sparse_prefetch=args.sparse_prefetch, positions=args.positions,
                        dense_prefill_tokens=args.dense_prefill_tokens, page_dtype=args.page_dtype,
                        block_tokens=args.block_tokens, chunk_tokens=args.chunk_tokens,

@@ -44,6 +44,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, q_offset: int = 0) 
     Hkv, Tk = k.shape[1], k.shape[2]
     if H % Hkv:
         raise ValueError(f"q has {H} heads, not a multiple of the {Hkv} KV heads")
+    if causal and q_offset == 0 and Tq == Tk > 1 and _kernel(q, k, v) is _attend_cpu_flash:
+        return _attend_square_causal(q, k, v)
     first, full = _row_runs(Tq, Tk, q_offset) if causal else (0, 0)
     if first == 0 and full in (0, Tq):  # one run covers every row: no copies
         mask = _band_mask(0, Tq, Tk, q_offset, H // Hkv, q.dtype, q.device) if full else None
@@ -120,6 +122,17 @@ def _attend_folded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> tupl
     qf = q.reshape(B, Hkv, (H // Hkv) * T, D)                    # [B, Hkv, G*T, D]
     out, lse = _kernel(qf, k, v)(qf, k, v, mask, 1.0 / math.sqrt(D))
     return out.reshape(B, H, T, D), lse.reshape(B, H, T)   # the flash op's output is strided
+
+
+def _attend_square_causal(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """A chunk attending causally to itself: the kernel's own causal mode skips the blocks above the
+    diagonal (half the work, no mask in memory), which needs the KV heads repeated, not folded."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    k = k.repeat_interleave(G, dim=1) if G > 1 else k          # [B, H, T, D]
+    v = v.repeat_interleave(G, dim=1) if G > 1 else v
+    out, lse = _cpu_flash(q, k, v, 0.0, True, scale=1.0 / math.sqrt(D))
+    return out, lse
 
 
 def _kernel(q: Tensor, k: Tensor, v: Tensor) -> Callable[..., tuple[Tensor, Tensor]]:

@@ -123,7 +123,7 @@ class SparseEngine:
     def _attention(self, seq: SparseSequence, layer: int, q_pre: Tensor, k_pre: Tensor, v: Tensor,
                    pos: int) -> Tensor:
         T = q_pre.shape[2]
-        chunks = self._select(seq, layer, self._query(seq, q_pre, pos), seq.length(layer))
+        chunks = self._select(seq, layer, self._query(seq, q_pre, pos), seq.length(layer), T)
         k_ctx, v_ctx, p_ctx = self._context(seq, layer, chunks)          # [Hkv, Tc, D] x2, [Hkv, Tc]
         remap = seq.config.positions == "remap"
         q_pos = torch.arange(T) + (k_ctx.shape[1] if remap else pos)
@@ -145,11 +145,12 @@ class SparseEngine:
             q_pre = apply_rope(q_pre.float(), cos, sin)
         return q_pre[0].float().mean(dim=1)
 
-    def _select(self, seq: SparseSequence, layer: int, query: Tensor, context: int) -> Tensor:
+    def _select(self, seq: SparseSequence, layer: int, query: Tensor, context: int,
+                query_tokens: int) -> Tensor:
         index = seq.index(layer)
         if not index.chunks:
             return torch.empty(self.layout.num_kv_heads, 0, dtype=torch.long)
-        k = seq.config.budget_tokens(context) // seq.config.chunk_tokens
+        k = seq.config.budget_tokens(context, prefill=query_tokens > 1) // seq.config.chunk_tokens
         chunks = self.selector.select(query, index, k)
         seq.chosen[layer] = chunks
         return chunks

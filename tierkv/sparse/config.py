@@ -14,10 +14,10 @@ from tierkv.errors import ConfigError
 POSITIONS = ("auto", "original", "remap")
 
 
-def parse_budget(value: str | int | float) -> int | float:
+def parse_budget(value: str | int | float, field: str = "sparse_budget") -> int | float:
     """``2048`` -> 2048 tokens per KV head; ``"2%"`` / ``0.02`` -> that share of the context."""
     if isinstance(value, bool):
-        raise ConfigError(f"sparse_budget={value!r}: expected tokens (2048) or a share of the context (2%)")
+        raise ConfigError(f"{field}={value!r}: expected tokens (2048) or a share of the context (2%)")
     if isinstance(value, (int, float)) and not isinstance(value, str):
         number: int | float = value
     else:
@@ -28,17 +28,18 @@ def parse_budget(value: str | int | float) -> int | float:
         elif text.isdigit():
             number = int(text)
         else:
-            raise ConfigError(f"sparse_budget={value!r}: expected tokens (2048) or a share of the context (2%)")
+            raise ConfigError(f"{field}={value!r}: expected tokens (2048) or a share of the context (2%)")
     if isinstance(number, float) and not 0 < number < 1:
-        raise ConfigError(f"sparse_budget={value!r}: a share must be between 0% and 100% (exclusive)")
+        raise ConfigError(f"{field}={value!r}: a share must be between 0% and 100% (exclusive)")
     if isinstance(number, int) and number < 0:
-        raise ConfigError(f"sparse_budget={value!r}: tokens must be >= 0")
+        raise ConfigError(f"{field}={value!r}: tokens must be >= 0")
     return number
 
 
 @dataclass(frozen=True, slots=True)
 class SparseConfig:
     budget: int | float = 2048      # selected tokens per KV head per step, or a share of the context
+    prefill_budget: int | float = 1024   # the same for each sparse prefill chunk (its mean query selects)
     rank: int | None = None         # low-rank keys; None: 160 per 1024 key dims, at least min(96, dims/2)
     chunk_tokens: int = 8           # tokens summarised by one landmark
     page_tokens: int = 32           # tokens per stored page (the read unit: values + key factors)
@@ -53,6 +54,7 @@ class SparseConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_budget(self.budget))
+        object.__setattr__(self, "prefill_budget", parse_budget(self.prefill_budget, "prefill_budget"))
         for name in ("chunk_tokens", "page_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
@@ -77,9 +79,10 @@ class SparseConfig:
         make_selector(self.selector)          # unknown names list the valid ones
         make_sparse_prefetch(self.prefetch)
 
-    def budget_tokens(self, context: int) -> int:
+    def budget_tokens(self, context: int, *, prefill: bool = False) -> int:
         """Selected tokens per KV head for a context of ``context`` tokens (whole chunks)."""
-        tokens = self.budget if isinstance(self.budget, int) else int(self.budget * context)
+        budget = self.prefill_budget if prefill else self.budget
+        tokens = budget if isinstance(budget, int) else int(budget * context)
         return tokens // self.chunk_tokens * self.chunk_tokens
 
     def key_rank(self, key_dims: int) -> int:
