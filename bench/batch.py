@@ -170,7 +170,7 @@ def flexgen(report: Report, args: argparse.Namespace, scratch: Path) -> None:
     shape = ModelShape.of(loaded.model)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, shape.hidden, (reg.prompt,), generator=g).tolist() for _ in range(reg.sequences)]
-    m = calibrate(loaded.model, nvme_dir=scratch, max_rows=reg.sequences, refresh=True)   # this run's conditions
+    m = calibrate(loaded.model, nvme_dir=scratch, max_rows=reg.sequences * reg.prompt, refresh=True)   # this run's conditions
     budgets = Budgets(reg.gpu, reg.cpu, 64 * GiB)
     work = Workload(reg.prompt, reg.new, reg.sequences)
     chosen = search(shape, work, m, budgets).policy

@@ -4,7 +4,9 @@ Links come from `tierkv.profile.probe` (host memcpy, NVMe read and write; cached
 is measured on the model's own first decoder layer, through the same functions the runner calls::
 
     layer(M)            one layer on M rows of one token (matmuls, norms, MLP, overhead), for
-                        M = 1, 4, 16, ... up to the largest batch asked; linear in between
+                        M = 1, 4, 16, ... up to the first point at or past ``max_rows`` (the most
+                        tokens one GPU batch computes at once: rows x prompt in prefill, at most
+                        4096 measured); linear in between and beyond
     attention           seconds per (row x query x key) at decode (1 query) and prefill (many)
     head(M)             embedding + final norm + lm_head for M rows
     dequant             bytes/s of 4-bit KV unpacked
@@ -46,7 +48,7 @@ def calibrate(model: nn.Module, *, nvme_dir: Path | None = None, max_rows: int =
     path = cache_path(cache_dir)
     cached = _read(path)
     entry = cached.get(key)
-    if refresh or entry is None or max(entry["layer"])[0] < max_rows:
+    if refresh or entry is None or max(entry["layer"])[0] < min(max_rows, 4096):
         entry = measure_compute(model, max_rows)
         cached[key] = entry
         _write(path, cached)
@@ -72,7 +74,8 @@ def machine_from(entry: dict, links: dict) -> Machine:
 def measure_compute(model: nn.Module, max_rows: int) -> dict:
     layer = arch.decoder_layers(model)[0]
     group = arch.model_spec(model).group
-    rows = [m for m in (1, 4, 16, 64, 256, 1024, 4096, 16384) if m <= max(4, max_rows)]
+    ladder = (1, 4, 16, 64, 256, 1024, 4096)        # beyond the last point time grows linearly in M
+    rows = [m for m in ladder if m < max_rows] + [next((m for m in ladder if m >= max_rows), ladder[-1])]
     table = [(m, _time(_layer_call(model, layer, group, m, 1, 0))) for m in rows]
     decode_keys, prefill_tokens = 1024, 256
     decode = _time(_layer_call(model, layer, group, 8, 1, decode_keys)) - _at(table, 8)

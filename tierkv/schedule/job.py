@@ -184,7 +184,7 @@ def choose_policy(config: JobConfig, loaded: LoadedModel, work: Workload, fixed:
     """The policy (``fixed``, or searched) and the calibrated machine."""
     from tierkv.schedule.calibrate import calibrate
     from tierkv.schedule.search import search
-    machine = calibrate(loaded.model, nvme_dir=config.nvme_dir, max_rows=min(work.num_sequences, 256),
+    machine = calibrate(loaded.model, nvme_dir=config.nvme_dir, max_rows=work.num_sequences * work.prompt_len,
                         refresh=config.recalibrate)
     if fixed is not None:
         return fixed, machine
