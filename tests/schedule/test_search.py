@@ -89,3 +89,9 @@ def test_padding_of_mixed_lengths_is_priced():
     wide, narrow = Policy(8, 1, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0)), \
         Policy(1, 8, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0))
     assert predict(wide, SHAPE, mixed, MACHINE).prefill_layer_s > predict(narrow, SHAPE, mixed, MACHINE).prefill_layer_s
+
+
+def test_calibration_interpolates_between_and_beyond_its_points():
+    from tierkv.schedule.calibrate import _interpolate
+    at = _interpolate([(1, 1.0), (4, 4.0), (4, 4.0), (16, 10.0)])
+    assert at(2) == 2.0 and at(10) == 7.0 and at(28) == 16.0

@@ -75,7 +75,7 @@ def measure_compute(model: nn.Module, max_rows: int) -> dict:
     layer = arch.decoder_layers(model)[0]
     group = arch.model_spec(model).group
     ladder = (1, 4, 16, 64, 256, 1024, 4096)        # beyond the last point time grows linearly in M
-    rows = [m for m in ladder if m < max_rows] + [next((m for m in ladder if m >= max_rows), ladder[-1])]
+    rows = sorted({m for m in ladder if m < max_rows} | {next((m for m in ladder if m >= max_rows), ladder[-1])})
     table = [(m, _time(_layer_call(model, layer, group, m, 1, 0))) for m in rows]
     decode_keys, prefill_tokens = 1024, 256
     decode = _time(_layer_call(model, layer, group, 8, 1, decode_keys)) - _at(table, 8)
@@ -135,7 +135,7 @@ def _at(table: list[tuple[int, float]], m: int) -> float:
 
 def _interpolate(table: list) -> Callable[[int], float]:
     """Piecewise-linear in M through the measured points; linear beyond the last two."""
-    points = sorted((int(m), float(t)) for m, t in table)
+    points = sorted({int(m): float(t) for m, t in table}.items())     # one point per M
     xs = [m for m, _ in points]
 
     def at(m: int) -> float:
