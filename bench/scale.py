@@ -12,7 +12,7 @@ sampled with psutil every 0.2 s) and reads its ``--json`` result:
 ``rss_vs_budget@1M`` = peak RSS / (4 GiB of KV + the RSS of the loaded model
 and runtime with no KV, measured in its own child). ``--quick`` runs 32K
 sparse and 12K dense at one depth (~10 min on 2 loaded cores: each case is a
-real prefill).
+real prefill, unless ``bench/decode.py`` stored it in the same ``--dir``).
 """
 from __future__ import annotations
 
@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> Report:
         parser.error(f"--cases {args.cases!r}: allowed: 1m, passkey")
     if "1m" in cases and not args.quick:
         scale_run(report, 2**20, store, 12)
-    plan = {"sparse": {32768: [0.5]}, "dense": {12288: [0.5]}} if args.quick else \
-        {"sparse": {32768: [0.2, 0.8], 131072: [0.3]}, "dense": {16384: [0.5]}}
+    # depth 0.3 is bench/decode.py's sparse prompt: with the same --dir its stored prefill is reused here
+    plan = {"sparse": {32768: [0.3]}, "dense": {12288: [0.3]}} if args.quick else \
+        {"sparse": {32768: [0.3, 0.7], 131072: [0.3]}, "dense": {16384: [0.3]}}
     if "passkey" not in cases:
         plan = {}
     for mode, contexts in plan.items():

@@ -88,7 +88,7 @@ class _Layer:
         self.basis = KeyBasis(H * D)
         self.index = ChunkIndex(layer, H, D, chunk_tokens=config.chunk_tokens, needs=needs, dtype=layout.dtype)
         self.pages: list[BlockKey] = []
-        self.previous: set[int] = set()
+        self.previous = torch.empty(0, dtype=torch.long)   # pages read by the last step
         self.length = 0
         self._head_basis: Tensor | None = None
 
@@ -191,8 +191,9 @@ class SparseSequence:
         return BlockKey.of(self.root.digest, "page", layer, page)
 
     # -- reading -------------------------------------------------------------------------
-    def chunk_pages(self, chunks: Tensor) -> list[int]:
-        return sorted(set((chunks // (self.layout.page_tokens // self.config.chunk_tokens)).flatten().tolist()))
+    def chunk_pages(self, chunks: Tensor) -> Tensor:
+        """The pages holding ``chunks``: ascending, each once."""
+        return torch.unique(chunks // (self.layout.page_tokens // self.config.chunk_tokens))
 
     def gather(self, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Selected chunks [Hkv, k] plus the outliers -> pre-RoPE K, V [Hkv, M, D] (float) and
@@ -237,11 +238,11 @@ class SparseSequence:
         pages = self.chunk_pages(chunks)
         self._count(state, pages)
         raw = torch.empty(len(pages), self.layout.page_bytes, dtype=torch.uint8)
-        keys, step = [state.pages[p] for p in pages], self._pin_limit()
+        keys, step = [state.pages[p] for p in pages.tolist()], self._pin_limit()
         for first in range(0, len(keys), step):        # pinned at most half the fastest tier at once
             self.manager.gather(keys[first:first + step], raw[first:first + step], self.read_tier, layer=layer)
         values, factors = self.layout.unpack(raw)                          # [n, P, Hkv, D], [n, P, r]
-        where = torch.searchsorted(torch.tensor(pages), chunks // (P // c))     # [Hkv, k]: page slot
+        where = torch.searchsorted(pages, chunks // (P // c))                   # [Hkv, k]: page slot
         rows = ((where * P + chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)).flatten(1)
         a = factors.reshape(-1, factors.shape[-1])[rows].float()               # [Hkv, k*c, r]
         k_sel = torch.bmm(a, state.head_basis())                               # [Hkv, k*c, D]
@@ -252,16 +253,15 @@ class SparseSequence:
         mgr = self.manager.manager
         return max(1, mgr.tiers[self.read_tier or mgr.memory_tiers[0]].pool.capacity // 2)
 
-    def _count(self, state: _Layer, pages: list[int]) -> None:
-        now = set(pages)
+    def _count(self, state: _Layer, pages: Tensor) -> None:
         self.stats.steps += 1
-        self.stats.pages += len(now)
-        self.stats.reused += len(now & state.previous)
-        state.previous = now
+        self.stats.pages += pages.numel()
+        self.stats.reused += int(torch.isin(pages, state.previous).sum())
+        state.previous = pages
 
     def prefetch(self, layer: int, chunks: Tensor) -> None:
         state = self.layers[layer]
-        keys = [state.pages[p] for p in self.chunk_pages(chunks) if p < len(state.pages)]
+        keys = [state.pages[p] for p in self.chunk_pages(chunks).tolist() if p < len(state.pages)]
         if keys:
             self.manager.prefetch(keys, self.read_tier, layer=layer)
 
