@@ -55,11 +55,12 @@ class SparseDecoder:
         self.seq, reused = open_sparse(self.engine, ids, run_config(len(ids), store), lambda n: None)
         if not reused:
             raise RuntimeError("the sparse index was not found in the store: run the prefill first")
-        if warm:
-            pages = self.seq.all_pages()
-            for first in range(0, len(pages), 4096):
-                self.manager.prefetch(pages[first:first + 4096])
-            self.manager.flush()
+        if warm:    # every page read into the gpu tier before timing starts
+            pages, group = self.seq.all_pages(), 2048
+            scratch = torch.empty(group, layout.page_bytes, dtype=torch.uint8)
+            for first in range(0, len(pages), group):
+                keys = pages[first:first + group]
+                self.manager.gather(keys, scratch[:len(keys)], "gpu")
         self.mark = 0
         self.nvme_before = 0
 

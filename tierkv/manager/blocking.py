@@ -124,7 +124,8 @@ class BlockingTierManager:
         return self._call(self.manager.where, key)
 
     def _unpin(self, places: Any) -> None:
-        self._call(self.manager._unpin, places)
+        """Fire and forget: the loop runs it before anything this thread asks for later."""
+        self._loop.call_soon_threadsafe(self.manager._unpin, places)
 
     # -- lifecycle ------------------------------------------------------
     def close(self) -> None:

@@ -86,7 +86,8 @@ class _Layer:
         self.sink_k, self.sink_v = torch.empty(0, H, D, dtype=dtype), torch.empty(0, H, D, dtype=dtype)
         self.win_k, self.win_v = _Fifo((H, D), dtype), _Fifo((H, D), dtype)
         self.basis = KeyBasis(H * D)
-        self.index = ChunkIndex(layer, H, D, chunk_tokens=config.chunk_tokens, needs=needs, dtype=layout.dtype)
+        # summaries in the compute dtype: scoring them in bf16 is slow where the CPU lacks bf16 units
+        self.index = ChunkIndex(layer, H, D, chunk_tokens=config.chunk_tokens, needs=needs, dtype=dtype)
         self.pages: list[BlockKey] = []
         self.previous = torch.empty(0, dtype=torch.long)   # pages read by the last step
         self.length = 0
@@ -243,10 +244,12 @@ class SparseSequence:
             self.manager.gather(keys[first:first + step], raw[first:first + step], self.read_tier, layer=layer)
         values, factors = self.layout.unpack(raw)                          # [n, P, Hkv, D], [n, P, r]
         where = torch.searchsorted(pages, chunks // (P // c))                   # [Hkv, k]: page slot
-        rows = ((where * P + chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)).flatten(1)
-        a = factors.reshape(-1, factors.shape[-1])[rows].float()               # [Hkv, k*c, r]
+        tok = (chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)           # [Hkv, k, c]: row in page
+        where = where.unsqueeze(-1).expand_as(tok)
+        a = factors[where, tok].flatten(1, 2).float()                          # [Hkv, k*c, r]
         k_sel = torch.bmm(a, state.head_basis())                               # [Hkv, k*c, D]
-        v_sel = values.reshape(-1, H, self.layout.head_dim)[rows, torch.arange(H).unsqueeze(1)].float()
+        heads = torch.arange(H).view(H, 1, 1)
+        v_sel = values[where, tok, heads].flatten(1, 2).float()                # [Hkv, k*c, D]
         return k_sel, v_sel
 
     def _pin_limit(self) -> int:
