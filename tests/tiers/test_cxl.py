@@ -58,7 +58,8 @@ def test_a_ticket_is_exactly_the_model() -> None:
     link = CxlLink(LinkSpec(10.0, 5.0, 300.0))
     ticket = link.book_bytes(Direction.WRITE, 5_000_000)
     assert ticket.queue_s == 0.0
-    assert ticket.done - ticket.begin == pytest.approx(5e6 / 5e9 + 300e-9, rel=1e-9)
+    # timestamps are perf_counter seconds (~1e4): their difference is exact to ~1e-12 s, not 1e-9 relative
+    assert ticket.done - ticket.begin == pytest.approx(5e6 / 5e9 + 300e-9, abs=1e-10)
 
 
 def test_concurrent_requests_on_one_device_queue() -> None:
