@@ -199,7 +199,7 @@ class SparseSequence:
     def gather(self, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Selected chunks [Hkv, k] plus the outliers -> pre-RoPE K, V [Hkv, M, D] (float) and
         their token positions [Hkv, M], in token order per head."""
-        state, c = self.layers[layer], self.config.chunk_tokens
+        state = self.layers[layer]
         H = self.layout.num_kv_heads
         parts_k, parts_v, parts_pos = [], [], []
         if chunks.numel():
