@@ -163,8 +163,8 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                         help="selected tokens per KV head and step: a count (default 2048) or a share like 2%%")
     sparse.add_argument("--prefill-budget", default="1024", metavar="N|P%",
                         help="the same for each chunk of a sparse prefill (default 1024)")
-    sparse.add_argument("--rank", type=int, help="rank of the low-rank keys (default: 160 per 1024 key "
-                                                 "dimensions, at least min(96, half))")
+    sparse.add_argument("--rank", type=int, help="rank of the low-rank keys (default: full up to 256 key "
+                                                 "dimensions, else 160 per 1024, at least 128)")
     sparse.add_argument("--selector", default="shadowkv",
                         help="chunk selector: shadowkv (landmarks, default), quest (page bounds), near-memory "
                              "(scored in a simulated CXL pool), or module:Class")
@@ -183,6 +183,9 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per KV block")
     p.add_argument("--chunk-tokens", type=int, default=1024, help="prefill chunk (a multiple of the block)")
     p.add_argument("--no-reuse", action="store_true", help="ignore KV stored by earlier runs")
+    p.add_argument("--checkpoint-every", type=float, default=300.0, metavar="SECONDS",
+                   help="sparse mode with --nvme-dir: save a long prefill's state this often, so a stopped "
+                        "run resumes there (default 300; 0: never)")
     p.add_argument("--depth", type=float, default=0.5, help="passkey depth in [0, 1]")
     p.add_argument("--seed", type=int, default=0, help="passkey seed")
     p.add_argument("--filler", default="repeat", help="haystack filler: repeat (default) or text")
@@ -217,7 +220,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                        sparse_prefetch=args.sparse_prefetch, positions=args.positions,
                        dense_prefill_tokens=args.dense_prefill_tokens, page_dtype=args.page_dtype,
                        block_tokens=args.block_tokens, chunk_tokens=args.chunk_tokens,
-                       reuse=not args.no_reuse, depth=args.depth, seed=args.seed, filler=args.filler,
+                       reuse=not args.no_reuse, checkpoint_s=args.checkpoint_every,
+                       depth=args.depth, seed=args.seed, filler=args.filler,
                        trace=args.trace, record_access=args.record_access)
     bars: list[tqdm] = []
 
@@ -268,6 +272,9 @@ def _print_sparse_summary(s: dict) -> None:
           f"positions {s['positions']}, prefetch {s['prefetch']}; {s['tokens_per_layer_step']:.0f} tokens "
           f"attended per layer beside sinks and window; pages reused from the previous step "
           f"{100 * s['reuse_rate']:.0f} %; index in memory {format_size(s['index_bytes'])}")
+    if s["resumed_prefill_tokens"]:
+        print(f"resumed a stopped prefill at token {s['resumed_prefill_tokens']}; its prefill took "
+              f"{s['prefill_s_all_runs']:.0f} s over all runs")
     if s["approximate_prefill"]:
         print(f"note: prefill was exact for the first {s['dense_prefill_tokens']} tokens and sparse after "
               f"(an approximation; --dense-prefill-tokens N prefills more exactly, at quadratic cost)")

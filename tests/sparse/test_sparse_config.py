@@ -22,7 +22,7 @@ def test_budget_tokens_are_whole_chunks():
     assert SparseConfig(budget=100).budget_tokens(10**6) == 96     # 12 chunks of 8
 
 
-@pytest.mark.parametrize("dims, rank", [(1024, 160), (192, 96), (4096, 640), (32, 16), (8, 4)])
+@pytest.mark.parametrize("dims, rank", [(1024, 160), (192, 192), (4096, 640), (512, 128), (32, 32)])
 def test_default_rank_scales_with_the_key_width(dims, rank):
     assert SparseConfig().key_rank(dims) == rank
 

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from tierkv.config import TierConfig
@@ -80,3 +81,62 @@ def test_the_id_names_prompt_and_settings_but_not_prefetch(tiny_loaded):
 
 def _fields(cfg):
     return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
+
+
+class Stop(Exception):
+    pass
+
+
+def run_open(lm, root, *, stop_after=None, checkpoint_s=1e-9):
+    """open_sparse on IDS with the store under ``root`` (a checkpoint after every chunk); with
+    ``stop_after``, the run is stopped once that many tokens are prefilled. Returns (reused, logits)."""
+    from tierkv.model.generate import RunConfig, open_sparse
+    done = [0]
+
+    def progress(n):
+        done[0] += n
+        if stop_after is not None and done[0] >= stop_after:
+            raise Stop
+    config = RunConfig(synthetic_tokens=len(IDS), nvme_dir=root, checkpoint_s=checkpoint_s)
+    with manager(lm, root) as mgr:
+        engine = SparseEngine(lm, mgr, CFG, chunk_tokens=64)
+        seq, reused = open_sparse(engine, IDS, config, progress)
+        logits = engine.decode(seq, IDS[-1])
+        seq.release(keep=True)
+    return reused, logits
+
+
+def partial_files(root):
+    return sorted(p.name for p in (root / "sparse-indexes").glob("*.partial.safetensors"))
+
+
+def test_a_stopped_prefill_resumes_at_its_checkpoint_and_ends_as_an_unstopped_one(tiny_loaded, tmp_path):
+    reused, whole = run_open(tiny_loaded, tmp_path / "whole")
+    assert reused == 0 and partial_files(tmp_path / "whole") == []
+    stopped = tmp_path / "stopped"
+    with pytest.raises(Stop):
+        run_open(tiny_loaded, stopped, stop_after=256)       # chunks of 64: the last checkpoint is at 192
+    assert len(partial_files(stopped)) == 1
+    reused, resumed = run_open(tiny_loaded, stopped)
+    assert reused == 192
+    assert torch.equal(resumed, whole)
+    assert partial_files(stopped) == []                      # the finished index replaces the checkpoint
+    assert run_open(tiny_loaded, stopped)[0] == len(IDS) - 1
+
+
+def test_a_damaged_checkpoint_means_prefilling_from_the_start(tiny_loaded, tmp_path):
+    _, whole = run_open(tiny_loaded, tmp_path / "whole")
+    with pytest.raises(Stop):
+        run_open(tiny_loaded, tmp_path, stop_after=256)
+    (partial,) = (tmp_path / "sparse-indexes").glob("*.partial.safetensors")
+    raw = bytearray(partial.read_bytes())
+    raw[-20] ^= 0x01
+    partial.write_bytes(bytes(raw))
+    reused, logits = run_open(tiny_loaded, tmp_path)
+    assert reused == 0 and torch.equal(logits, whole)
+
+
+def test_no_checkpoints_when_turned_off(tiny_loaded, tmp_path):
+    with pytest.raises(Stop):
+        run_open(tiny_loaded, tmp_path, stop_after=256, checkpoint_s=0)
+    assert not (tmp_path / "sparse-indexes").exists() or partial_files(tmp_path) == []

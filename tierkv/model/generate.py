@@ -27,7 +27,7 @@ from tierkv.profile.events import Event, EventRecorder
 from tierkv.profile.trace import write_trace
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.sparse import SparseConfig, SparseSequence
-from tierkv.sparse.store import index_id, index_path, load_index, save_index
+from tierkv.sparse.store import checkpoint_path, index_id, index_path, load_index, save_index
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODES = ("auto", "dense", "sparse")
@@ -63,6 +63,7 @@ class RunConfig:
     block_tokens: int = 256
     chunk_tokens: int = 1024
     reuse: bool = True
+    checkpoint_s: float = 300.0      # sparse + --nvme-dir: save a long prefill's state this often (0: never)
     depth: float = 0.5
     seed: int = 0
     filler: str = "repeat"
@@ -76,6 +77,8 @@ class RunConfig:
             raise ConfigError(f"synthetic_tokens={self.synthetic_tokens}: must be >= 64")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if not self.checkpoint_s >= 0:
+            raise ConfigError(f"checkpoint_s={self.checkpoint_s}: must be >= 0 seconds (0: no checkpoints)")
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}: allowed: {', '.join(MODES)}")
         self.sparse_config()  # validates budget, rank, selector, prefetch, positions
@@ -215,22 +218,53 @@ def _sparse_session(config: RunConfig, loaded: LoadedModel, ids: list[int], reco
 def open_sparse(engine: SparseEngine, ids: list[int], config: RunConfig,
                 progress: Callable[[int], None]) -> tuple[SparseSequence, int]:
     """A sequence holding ``ids[:-1]``: loaded from a stored index when there is one, else prefilled
-    (and stored, with ``--nvme-dir``). Returns it with the number of prompt tokens reused."""
+    (and stored, with ``--nvme-dir``). A prefill that an earlier run started and saved a checkpoint
+    of resumes there. Returns the sequence and the number of prompt tokens not computed here."""
     store = engine.manager.manager.store
     resolved = engine.resolved(len(ids))
     key = index_id(engine.loaded.model_id, engine.layout, resolved, engine.needs, ids[:-1])
-    path = None if config.nvme_dir is None else index_path(Path(config.nvme_dir) / "sparse-indexes", key)
     seq = engine.new_sequence(len(ids), root=key, persist=store is not None)
-    if path is not None and config.reuse and load_index(seq, path):
-        progress(len(ids))
-        return seq, len(ids) - 1
-    engine.prefill(seq, ids[:-1], progress)
+    if config.nvme_dir is None:
+        engine.prefill(seq, ids[:-1], progress)
+        progress(1)
+        return seq, 0
+    directory = Path(config.nvme_dir) / "sparse-indexes"
+    path, partial = index_path(directory, key), checkpoint_path(directory, key)
+    if config.reuse:
+        if (meta := load_index(seq, path)) is not None:
+            seq.prefill_s = float(meta.get("prefill_s", 0.0))
+            progress(len(ids))
+            return seq, len(ids) - 1
+        if (meta := load_index(seq, partial)) is not None:
+            seq.resumed_tokens, seq.prefill_s = seq.length(0), float(meta.get("prefill_s", 0.0))
+            progress(seq.resumed_tokens)
+    checkpoints = _Checkpoints(engine, partial, seq.prefill_s, config.checkpoint_s)
+    engine.prefill(seq, ids[:-1], progress, checkpoints if config.checkpoint_s else None)
     progress(1)
-    if path is not None:
-        engine.manager.flush()
-        save_index(seq, path)
+    engine.manager.flush()
+    seq.prefill_s = checkpoints.total_s()
+    save_index(seq, path, prefill_s=seq.prefill_s)
+    partial.unlink(missing_ok=True)
     seq.persist = False          # pages sealed while decoding are not part of the stored prompt
-    return seq, 0
+    return seq, seq.resumed_tokens
+
+
+class _Checkpoints:
+    """Saves a long prefill's state every ``every_s`` seconds, so a stopped run resumes there."""
+
+    def __init__(self, engine: SparseEngine, path: Path, earlier_s: float, every_s: float) -> None:
+        self.engine, self.path, self.earlier_s, self.every_s = engine, path, earlier_s, every_s
+        self.start = self.last = time.perf_counter()
+
+    def total_s(self) -> float:
+        return self.earlier_s + time.perf_counter() - self.start
+
+    def __call__(self, seq: SparseSequence) -> None:
+        if time.perf_counter() - self.last < self.every_s:
+            return
+        self.engine.manager.flush()              # every page the checkpoint names is stored first
+        save_index(seq, self.path, prefill_s=self.total_s())
+        self.last = time.perf_counter()
 
 
 def sparse_report(engine: SparseEngine, seq: SparseSequence, prompt_tokens: int) -> dict[str, object]:
@@ -246,6 +280,7 @@ def sparse_report(engine: SparseEngine, seq: SparseSequence, prompt_tokens: int)
         "tokens_per_layer_step": stats.tokens / stats.steps if stats.steps else 0.0,
         "key_energy_kept": min(layer.basis.energy_kept for layer in seq.layers),
         "index_bytes": seq.memory_bytes(),
+        "resumed_prefill_tokens": seq.resumed_tokens, "prefill_s_all_runs": round(seq.prefill_s, 1),
     }
 
 

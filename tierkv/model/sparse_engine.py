@@ -75,8 +75,14 @@ class SparseEngine:
 
     # -- prefill and decode ---------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seq: SparseSequence, ids: Sequence[int], progress: Callable[[int], None] | None = None) -> None:
-        """Run every token of ``ids`` (the prompt but its last token) into ``seq``, chunk by chunk."""
+    def prefill(self, seq: SparseSequence, ids: Sequence[int], progress: Callable[[int], None] | None = None,
+                checkpoint: Callable[[SparseSequence], None] | None = None) -> None:
+        """Run every token of ``ids`` (the prompt but its last token) into ``seq``, chunk by chunk,
+        from where ``seq`` stands (a resumed prefill starts past its first tokens).
+
+        ``checkpoint(seq)`` is offered the sequence between chunks once every layer has its key
+        basis (from there on the state is complete: a stored copy can resume).
+        """
         seq.reserve(len(ids) + 1)
         pos = seq.length(0)
         while pos < len(ids):
@@ -87,6 +93,8 @@ class SparseEngine:
             if progress:
                 progress(end - pos)
             pos = end
+            if checkpoint is not None and pos < len(ids) and seq.fitted():
+                checkpoint(seq)
         self.finish_prefill(seq)
 
     def finish_prefill(self, seq: SparseSequence) -> None:
@@ -125,23 +133,25 @@ class SparseEngine:
         T = q_pre.shape[2]
         chunks = self._select(seq, layer, self._query(seq, q_pre, pos), seq.length(layer), T)
         k_ctx, v_ctx, p_ctx = self._context(seq, layer, chunks)          # [Hkv, Tc, D] x2, [Hkv, Tc]
+        Tc = k_ctx.shape[1]
         remap = seq.config.positions == "remap"
-        q_pos = torch.arange(T) + (k_ctx.shape[1] if remap else pos)
-        cos, sin = self._rope(q_pos.unsqueeze(0))
+        cos, sin = self._rope_span(Tc if remap else pos, T)
         q, k_new = apply_rope(q_pre, cos.to(q_pre.dtype), sin.to(q_pre.dtype)), \
             apply_rope(k_pre, cos.to(k_pre.dtype), sin.to(k_pre.dtype))
         parts = [attend(q, k_new, v, causal=True)]
-        if k_ctx.shape[1]:
-            if remap:
-                p_ctx = torch.arange(k_ctx.shape[1]).expand_as(p_ctx)
-            k_ctx = self._rotate_heads(k_ctx, p_ctx).to(q.dtype)
-            parts.append(attend(q, k_ctx.unsqueeze(0), v_ctx.to(q.dtype).unsqueeze(0), causal=False))
+        if Tc:
+            if remap:       # positions 0 .. Tc-1, the same for every head
+                cos, sin = self._rope_span(0, Tc)
+                k_ctx = apply_rope(k_ctx.unsqueeze(0), cos, sin).to(q.dtype)
+            else:
+                k_ctx = self._rotate_heads(k_ctx, p_ctx).to(q.dtype).unsqueeze(0)
+            parts.append(attend(q, k_ctx, v_ctx.to(q.dtype).unsqueeze(0), causal=False))
         return merge(parts)
 
     def _query(self, seq: SparseSequence, q_pre: Tensor, pos: int) -> Tensor:
         """The query a selection scores with [H, D]: mean over the chunk's queries, in the index's frame."""
         if seq.config.positions != "remap":
-            cos, sin = self._rope(torch.arange(pos, pos + q_pre.shape[2]).unsqueeze(0))
+            cos, sin = self._rope_span(pos, q_pre.shape[2])
             q_pre = apply_rope(q_pre.float(), cos, sin)
         return q_pre[0].float().mean(dim=1)
 
@@ -194,9 +204,16 @@ class SparseEngine:
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin (float32) [*positions.shape, D] from the model's own rotary embedding, tabled."""
-        top = int(positions.max()) + 1 if positions.numel() else 0
+        self._grow_rope(int(positions.max()) + 1 if positions.numel() else 0)
+        return self._cos[positions], self._sin[positions]
+
+    def _rope_span(self, start: int, n: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [1, n, D] of positions start .. start+n-1: views of the table, no gather."""
+        self._grow_rope(start + n)
+        return self._cos[start:start + n].unsqueeze(0), self._sin[start:start + n].unsqueeze(0)
+
+    def _grow_rope(self, top: int) -> None:
         if top > self._cos.shape[0]:
             size = max(top, 2 * self._cos.shape[0], 4096)
             cos, sin = rope_cos_sin(self.model, torch.arange(size))
             self._cos, self._sin = cos[0].float(), sin[0].float()
-        return self._cos[positions], self._sin[positions]

@@ -40,9 +40,9 @@ def parse_budget(value: str | int | float, field: str = "sparse_budget") -> int 
 class SparseConfig:
     budget: int | float = 2048      # selected tokens per KV head per step, or a share of the context
     prefill_budget: int | float = 1024   # the same for each sparse prefill chunk (its mean query selects)
-    rank: int | None = None         # low-rank keys; None: 160 per 1024 key dims, at least min(96, dims/2)
+    rank: int | None = None         # low-rank keys; None: full up to 256 key dims, else 160 per 1024 (>= 128)
     chunk_tokens: int = 8           # tokens summarised by one landmark
-    page_tokens: int = 32           # tokens per stored page (the read unit: values + key factors)
+    page_tokens: int = 16           # tokens per stored page (the read unit: values + key factors)
     sink_tokens: int = 16           # first tokens, always attended, kept exact
     window_tokens: int = 512        # newest tokens, always attended, kept exact
     outlier_fraction: float = 0.01  # chunks kept exact because their landmark describes them worst
@@ -86,12 +86,17 @@ class SparseConfig:
         return tokens // self.chunk_tokens * self.chunk_tokens
 
     def key_rank(self, key_dims: int) -> int:
-        """The rank of the low-rank keys for ``key_dims`` = Hkv * D."""
+        """The rank of the low-rank keys for ``key_dims`` = Hkv * D.
+
+        ShadowKV's 160 for Llama-3-8B's 1024 key dims, scaled. Narrow keys are kept at full rank:
+        there the factors would save at most a third of a page while costing accuracy (SmolLM2,
+        192 dims, 16K document: rank 96 agrees with dense on 72 % of the steps, full rank 89 %).
+        """
         if self.rank is not None:
             if self.rank > key_dims:
                 raise ConfigError(f"rank={self.rank}: at most the key dimensions Hkv*D={key_dims}")
             return self.rank
-        return min(key_dims, max(key_dims * 160 // 1024, min(96, key_dims // 2)))
+        return key_dims if key_dims <= 256 else max(key_dims * 160 // 1024, 128)
 
     def resolve(self, *, prompt_tokens: int, trained_tokens: int) -> SparseConfig:
         """Fill ``positions`` and ``dense_prefill_tokens`` for one prompt.

@@ -9,7 +9,7 @@ attend to them::
     page p of layer l  = tokens [sinks + p*P, sinks + (p+1)*P)
     bytes              = V [P, Hkv, D] | A [P, r] | zero padding to a multiple of 4096
 
-SmolLM2, bf16, P = 32, r = 96: 12 KiB of values + 6 KiB of factors -> 20 KiB.
+SmolLM2, bf16, P = 16, r = 192 (full): 6 KiB of values + 6 KiB of factors -> 12 KiB.
 """
 from __future__ import annotations
 

@@ -114,6 +114,8 @@ class SparseSequence:
         self.layers = [_Layer(i, config, layout, needs, dtype) for i in range(num_layers)]
         self.stats = ReadStats()
         self.chosen: dict[int, Tensor] = {}      # layer -> chunks chosen in the last step
+        self.resumed_tokens = 0                  # prompt tokens a stopped prefill had saved
+        self.prefill_s = 0.0                     # seconds of prefill behind the state, all runs
 
     # -- regions ------------------------------------------------------------------
     def length(self, layer: int) -> int:
@@ -136,6 +138,10 @@ class SparseSequence:
 
     def basis(self, layer: int) -> Tensor | None:
         return self.layers[layer].basis.basis
+
+    def fitted(self) -> bool:
+        """Every layer has its key basis (the exact part of the prefill is over)."""
+        return all(state.basis.basis is not None for state in self.layers)
 
     def reserve(self, tokens: int) -> None:
         """Size each layer's chunk index for ``tokens`` in all (no growth room wasted on a long prompt)."""

@@ -6,12 +6,20 @@ safetensors file named by the index id, a hash of everything that shaped it::
 
     id   = H("tierkv-sparse-v1" | model id | page layout | resolved sparse settings | prompt ids)
     file = <dir>/<id>.safetensors          tensors "L<layer>.<name>"; metadata: tokens, pages per
-                                           layer, and the xxh3-64 of every tensor's bytes
+                                           layer, prefill seconds, the xxh3-64 of every tensor's bytes
+    partial = <dir>/<id>.partial.safetensors   the same, part way through the prefill (a checkpoint)
     page = H(id | "page" | layer | p)      (SparseSequence.page_key)
 
 Loading checks every checksum and that every page is still stored; any
 failure means "not reusable" (the caller prefills again), never wrong KV.
 The file is written to a temporary name, fsynced, then renamed.
+
+A checkpoint lets a long prefill that was stopped (killed, out of time)
+resume where it was saved: its state is that of the prompt's first
+``tokens`` tokens, and the pages it names were flushed to the store before
+it was written. Pages sealed after it may be in the store too; a key names
+its content (the same prompt, settings and prefix give the same page), so
+the resumed prefill finds them or writes them again.
 """
 from __future__ import annotations
 
@@ -48,7 +56,12 @@ def index_path(directory: Path, key: BlockKey) -> Path:
     return Path(directory) / f"{key.hex()}.safetensors"
 
 
-def save_index(seq: SparseSequence, path: Path) -> None:
+def checkpoint_path(directory: Path, key: BlockKey) -> Path:
+    return Path(directory) / f"{key.hex()}.partial.safetensors"
+
+
+def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0) -> None:
+    """Write ``seq``'s in-memory part; ``prefill_s``: seconds its prefill took so far (all runs)."""
     tensors: dict[str, torch.Tensor] = {}
     for layer, state in enumerate(seq.layers):
         basis = state.basis.basis
@@ -58,7 +71,7 @@ def save_index(seq: SparseSequence, path: Path) -> None:
             tensors[f"L{layer}.{name}"] = tensor.contiguous().clone()
     meta = {"version": VERSION, "tokens": json.dumps([s.length for s in seq.layers]),
             "pages": json.dumps([len(s.pages) for s in seq.layers]),
-            "energy": json.dumps([s.basis.energy_kept for s in seq.layers]),
+            "energy": json.dumps([s.basis.energy_kept for s in seq.layers]), "prefill_s": repr(prefill_s),
             "checksums": json.dumps({name: _digest(t) for name, t in tensors.items()})}
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_suffix(".tmp")
@@ -68,26 +81,27 @@ def save_index(seq: SparseSequence, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def load_index(seq: SparseSequence, path: Path) -> bool:
-    """Fill a fresh ``seq`` from ``path``; False (``seq`` untouched) if it is absent, damaged or stale."""
+def load_index(seq: SparseSequence, path: Path) -> dict[str, str] | None:
+    """Fill a fresh ``seq`` from ``path`` and return the file's metadata; None (``seq`` untouched)
+    if it is absent, damaged or stale."""
     if not path.exists():
-        return False
+        return None
     try:
         tensors, meta = _read(path)
     except (OSError, SafetensorError, ValueError, KeyError) as error:
         log.warning("sparse index %s is not usable (%s); prefilling again", path.name, error)
-        return False
+        return None
     pages = json.loads(meta["pages"])
     if len(pages) != len(seq.layers):
         log.warning("sparse index %s has %d layers, the model %d; prefilling again",
                     path.name, len(pages), len(seq.layers))
-        return False
+        return None
     keys = [seq.page_key(layer, p) for layer, n in enumerate(pages) for p in range(n)]
     if not seq.manager.protect(keys):
         log.warning("sparse index %s: some of its pages are no longer stored; prefilling again", path.name)
-        return False
+        return None
     _fill(seq, tensors, meta, pages)
-    return True
+    return meta
 
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
