@@ -95,3 +95,68 @@ def test_calibration_interpolates_between_and_beyond_its_points():
     from tierkv.schedule.calibrate import _interpolate
     at = _interpolate([(1, 1.0), (4, 4.0), (4, 4.0), (16, 10.0)])
     assert at(2) == 2.0 and at(10) == 7.0 and at(28) == 16.0
+
+
+def test_ties_in_time_go_to_memory_not_disk():
+    """Compute-bound (slow layers): where weights sit does not change the time, so none go to disk."""
+    slow = Machine(memcpy=12e9, disk_read=2e9, disk_write=2e9, layer_s=lambda m: 0.5 + m * 1e-2,
+                   attention_s=lambda r, q, k: r * q * k * 2e-8, head_s=lambda m: 5e-3 + m * 1e-4)
+    work = Workload(prompt_len=16, gen_len=8, num_sequences=64)
+    budgets = Budgets(2 * GiB, 64 * GiB, 200 * GiB)
+    choice = search(SHAPE, work, slow, budgets)
+    assert choice.policy.weights.disk == pytest.approx(0, abs=1e-6)
+    assert choice.policy.kv.disk == pytest.approx(0, abs=1e-6)
+    assert choice.estimate.memory["disk"] < 1 * MiB
+    # a cpu budget below the weights leaves on disk only what does not fit
+    tight = search(SHAPE, work, slow, Budgets(2 * GiB, 8 * GiB, 200 * GiB))
+    assert tight.estimate.memory["cpu"] == pytest.approx(8 * GiB, rel=1e-3)
+
+
+def test_search_judges_each_candidate_as_placed():
+    """``place`` rounds like the engine (whole tensors): the result is the placed policy, priced and fitting."""
+    def halves(policy: Policy) -> Policy:      # weights in steps of a half: a coarse tensor granularity
+        w = policy.weights
+        gpu = round(w.gpu * 2) / 2
+        cpu = min(1 - gpu, round(w.cpu * 2) / 2)
+        return Policy(policy.gpu_batch_size, policy.num_gpu_batches, weights=Placement(gpu, cpu, 1 - gpu - cpu),
+                      kv=policy.kv, overlap=policy.overlap)
+    budgets = Budgets(8 * GiB, 10 * GiB, 200 * GiB)
+    free = search(SHAPE, WORK, MACHINE, budgets)
+    placed = search(SHAPE, WORK, MACHINE, budgets, place=halves)
+    assert placed.policy == halves(placed.policy)
+    again = predict(placed.policy, SHAPE, WORK, MACHINE)
+    assert again.tokens_per_s == pytest.approx(placed.estimate.tokens_per_s, rel=1e-9)
+    assert again.fits(budgets)
+    assert placed.estimate.tokens_per_s <= free.estimate.tokens_per_s * (1 + 1e-9)
+    # the unrounded optimum, rounded afterwards, either breaks a budget or is no faster
+    rounded = predict(halves(free.policy), SHAPE, WORK, MACHINE)
+    assert not rounded.fits(budgets) or rounded.tokens_per_s <= placed.estimate.tokens_per_s * (1 + 1e-9)
+
+
+def test_calibration_of_an_older_version_is_measured_again(tiny, tmp_path, monkeypatch):
+    import json
+
+    from tierkv.schedule.calibrate import VERSION
+    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path))
+    calibrate(tiny.model, max_rows=16)
+    data = json.loads(cache_path().read_text())
+    for entry in data.values():
+        entry |= {"version": VERSION - 1, "attention_prefill": 123.0}
+    cache_path().write_text(json.dumps(data))
+    machine = calibrate(tiny.model, max_rows=16)
+    assert machine.attention_s(1, 4, 4) < 1.0                       # not the stale 123 s per key
+    assert all(e["version"] == VERSION for e in json.loads(cache_path().read_text()).values())
+    assert machine.attention_s(1, 64, 64) > 0 and machine.attention_s(4, 1, 64) > 0
+
+
+def test_rounding_over_a_budget_is_solved_again_not_dropped():
+    """A placement that rounds the gpu share up past its budget: the search cuts that budget and retries."""
+    def up(policy: Policy) -> Policy:           # whole tensors of a tenth: the gpu share rounds up
+        w = policy.weights
+        gpu = min(1.0, -(-round(w.gpu * 1e6) // 100000) / 10)
+        cpu = max(0.0, min(1 - gpu, w.cpu))
+        return Policy(policy.gpu_batch_size, policy.num_gpu_batches, weights=Placement(gpu, cpu, 1 - gpu - cpu),
+                      kv=policy.kv, overlap=policy.overlap)
+    budgets = Budgets(3 * GiB, 64 * GiB, 200 * GiB)
+    one = search(SHAPE, Workload(256, 32, 1), MACHINE, budgets, place=up)
+    assert one.policy == up(one.policy) and predict(one.policy, SHAPE, Workload(256, 32, 1), MACHINE).fits(budgets)

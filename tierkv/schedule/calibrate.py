@@ -7,7 +7,11 @@ is measured on the model's own first decoder layer, through the same functions t
                         M = 1, 4, 16, ... up to the first point at or past ``max_rows`` (the most
                         tokens one GPU batch computes at once: rows x prompt in prefill, at most
                         4096 measured); linear in between and beyond
-    attention           seconds per (row x query x key) at decode (1 query) and prefill (many)
+    attention           seconds per (row x query x key) at decode (1 query) and prefill (many),
+                        timed on the runner's own ``attend`` (SDPA with a dense boolean mask: a
+                        causal prefill costs the full query x key product, masked or not); not as
+                        a layer's time minus a layer without keys, a difference that load on a
+                        shared machine drives below zero
     head(M)             embedding + final norm + lm_head for M rows
     dequant             bytes/s of 4-bit KV unpacked
 
@@ -30,12 +34,12 @@ from torch import nn
 
 from tierkv.model import arch
 from tierkv.schedule import quant
-from tierkv.schedule.compute import GpuBatch, keep_mask, layer_forward
+from tierkv.schedule.compute import GpuBatch, attend, keep_mask, layer_forward
 from tierkv.schedule.cost import Machine, ModelShape
 
 CACHE_ENV = "TIERKV_CACHE_DIR"
 CACHE_FILE = "batch-calibration.json"
-VERSION = 1
+VERSION = 2   # 2: attention timed directly, prefill priced over the full query x key product
 
 
 def calibrate(model: nn.Module, *, nvme_dir: Path | None = None, max_rows: int = 1024,
@@ -48,7 +52,8 @@ def calibrate(model: nn.Module, *, nvme_dir: Path | None = None, max_rows: int =
     path = cache_path(cache_dir)
     cached = _read(path)
     entry = cached.get(key)
-    if refresh or entry is None or max(entry["layer"])[0] < min(max_rows, 4096):
+    stale = entry is None or entry.get("version") != VERSION or max(entry["layer"])[0] < min(max_rows, 4096)
+    if refresh or stale:
         entry = measure_compute(model, max_rows)
         cached[key] = entry
         _write(path, cached)
@@ -64,7 +69,7 @@ def machine_from(entry: dict, links: dict) -> Machine:
     per_decode, per_prefill = entry["attention_decode"], entry["attention_prefill"]
 
     def attention(rows: int, queries: int, keys: int) -> float:
-        return rows * queries * keys * (per_decode if queries == 1 else per_prefill / 2)
+        return rows * queries * keys * (per_decode if queries == 1 else per_prefill)
     return Machine(memcpy, read, write, layer, attention, head, entry["dequant"],
                    copies_on_compute=not torch.cuda.is_available())
 
@@ -78,8 +83,8 @@ def measure_compute(model: nn.Module, max_rows: int) -> dict:
     rows = sorted({m for m in ladder if m < max_rows} | {next((m for m in ladder if m >= max_rows), ladder[-1])})
     table = [(m, _time(_layer_call(model, layer, group, m, 1, 0))) for m in rows]
     decode_keys, prefill_tokens = 1024, 256
-    decode = _time(_layer_call(model, layer, group, 8, 1, decode_keys)) - _at(table, 8)
-    prefill = _time(_layer_call(model, layer, group, 1, prefill_tokens, 0)) - _at(table, prefill_tokens)
+    decode = _time(_attend_call(model, 8, 1, decode_keys))
+    prefill = _time(_attend_call(model, 1, prefill_tokens, prefill_tokens))
     head = [(m, _time(lambda m=m: _head_once(model, m))) for m in (1, 64, 512) if m <= max(64, max_rows)]
     x = torch.randn(4 * 1024 * 1024 // 2, dtype=torch.float32).view(-1, quant.GROUP)
     packed = quant.pack(x)
@@ -106,6 +111,15 @@ def _layer_call(model: nn.Module, layer: nn.Module, group: int, rows: int, token
         batch.h = h
         return layer_forward(layer, batch, kv)
     return call
+
+
+def _attend_call(model: nn.Module, rows: int, queries: int, keys: int) -> Callable[[], object]:
+    """The runner's attention for ``rows`` x ``queries`` new tokens over ``keys`` keys, inputs prepared."""
+    spec = arch.model_spec(model)
+    q = torch.randn(rows, spec.num_heads, queries, spec.head_dim).to(spec.dtype)
+    k, v = (torch.randn(rows, spec.num_kv_heads, keys, spec.head_dim).to(spec.dtype) for _ in range(2))
+    mask = keep_mask(torch.zeros(rows, dtype=torch.long), keys - queries, queries).repeat(1, 1, spec.group, 1)
+    return lambda: attend(q, k, v, mask)
 
 
 def _head_once(model: nn.Module, rows: int) -> None:

@@ -165,6 +165,9 @@ class Terms:
     gen_len: int
     sequences: int
     overlap: bool
+    bs: int = 1
+    nb: int = 1
+    compress: bool = False
 
 
 def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, compress: bool,
@@ -186,7 +189,7 @@ def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, co
         phases[phase] = bounds + [disk_read, disk_write]
         serial[phase] = compute + copies + disk_read + disk_write
     return Terms(phases, serial, n * nb * m.head_s(bs), memory_terms(shape, work, bs, nb, compress),
-                 L, n, bs * nb, overlap)
+                 L, n, bs * nb, overlap, bs, nb, compress)
 
 
 def memory_terms(shape: ModelShape, work: Workload, bs: int, nb: int, compress: bool) -> dict[str, Linear]:

@@ -135,8 +135,8 @@ def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], ou
     mean = math.ceil(sum(len(p.ids) for p in prompts) / len(prompts))
     work = Workload(mean, config.max_new_tokens, len(prompts), max_prompt_len=longest,
                     lengths=tuple(len(p.ids) for p in prompts))
-    policy, machine = choose_policy(config, loaded, work, fixed)
     limits = EngineLimits(longest, config.max_new_tokens)
+    policy, machine = choose_policy(config, loaded, work, fixed, limits)
     placed = placed_policy(policy, loaded, limits)
     estimate = predict(placed, ModelShape.of(loaded.model), work, machine)
     result.policy, result.predicted_tokens_per_s, result.memory = placed, estimate.tokens_per_s, estimate.memory
@@ -180,8 +180,9 @@ def eos_ids(loaded: LoadedModel) -> list[int]:
     return ids + ([tok] if tok is not None and tok not in ids else [])
 
 
-def choose_policy(config: JobConfig, loaded: LoadedModel, work: Workload, fixed: Policy | None = None):
-    """The policy (``fixed``, or searched) and the calibrated machine."""
+def choose_policy(config: JobConfig, loaded: LoadedModel, work: Workload, fixed: Policy | None = None,
+                  limits: EngineLimits | None = None):
+    """The policy (``fixed``, or searched as the engine places it for ``limits``) and the calibrated machine."""
     from tierkv.schedule.calibrate import calibrate
     from tierkv.schedule.search import search
     machine = calibrate(loaded.model, nvme_dir=config.nvme_dir, max_rows=work.num_sequences * work.prompt_len,
@@ -189,8 +190,9 @@ def choose_policy(config: JobConfig, loaded: LoadedModel, work: Workload, fixed:
     if fixed is not None:
         return fixed, machine
     budgets = Budgets(config.gpu_budget, config.cpu_budget, config.nvme_budget if config.nvme_dir else 0)
+    place = None if limits is None else (lambda policy: placed_policy(policy, loaded, limits))
     return search(ModelShape.of(loaded.model), work, machine, budgets,
-                  allow_compress=config.allow_compress).policy, machine
+                  allow_compress=config.allow_compress, place=place).policy, machine
 
 
 def placed_policy(policy: Policy, loaded: LoadedModel, limits: EngineLimits) -> Policy:

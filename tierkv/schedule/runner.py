@@ -116,8 +116,8 @@ class Runner:
             slot, state.slot = state.slot, state.slot ^ 1
             state.weights[(t, layer)] = (slot, self._submit("weights", step, self.weights.load, layer, slot))
         elif step.op is Op.LOAD_KV:
-            before = state.stores.get((layer, b))
-            state.kv_loads[(t, layer, b)] = self._submit("load", step, _after, before, kv.load, layer, b)
+            state.kv_loads[(t, layer, b)] = self._submit("load", step, kv.load, layer, b,
+                                                         after=state.stores.get((layer, b)))
         elif step.op is Op.COMPUTE:
             self._compute(step, state, batches[b])
         elif step.op is Op.STORE_KV:
@@ -152,8 +152,12 @@ class Runner:
         kv.store(step.layer, step.batch, k, v)
         self.trace("evict_kv", step, "done")   # the cell's working KV is let go only now
 
-    def _submit(self, pool: str, step: Step, fn: Callable[..., Any], *args: Any) -> Future:
+    def _submit(self, pool: str, step: Step, fn: Callable[..., Any], *args: Any,
+                after: Future | None = None) -> Future:
+        """Run ``fn(*args)`` on ``pool``'s thread, once ``after`` (if any) is done."""
         def job() -> Any:
+            if after is not None:
+                after.result()          # the step starts only now: a KV load after that cell's store
             self.trace(step.op.value, step, "start")
             result = fn(*args)
             self.trace(step.op.value, step, "done")
@@ -177,8 +181,3 @@ class Runner:
         if errors:
             raise errors[0]
 
-
-def _after(before: Future | None, fn: Callable[..., Any], *args: Any) -> Any:
-    if before is not None:
-        before.result()
-    return fn(*args)
