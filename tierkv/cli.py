@@ -179,6 +179,9 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                              "within the trained window, half the window past it)")
     sparse.add_argument("--page-dtype", choices=("float32", "bfloat16", "float16"),
                         help="dtype of the stored values and key factors (default: the model's --dtype)")
+    sparse.add_argument("--page-tokens", type=int, default=16, metavar="N",
+                        help="tokens per stored page, a multiple of 8 (default 16; 32 past ~500K tokens halves "
+                             "the ~1 KiB of bookkeeping the tier manager keeps per page)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per KV block")
     p.add_argument("--chunk-tokens", type=int, default=1024, help="prefill chunk (a multiple of the block)")
@@ -219,6 +222,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                        selector=args.selector,
                        sparse_prefetch=args.sparse_prefetch, positions=args.positions,
                        dense_prefill_tokens=args.dense_prefill_tokens, page_dtype=args.page_dtype,
+                       page_tokens=args.page_tokens,
                        block_tokens=args.block_tokens, chunk_tokens=args.chunk_tokens,
                        reuse=not args.no_reuse, checkpoint_s=args.checkpoint_every,
                        depth=args.depth, seed=args.seed, filler=args.filler,

@@ -3,7 +3,7 @@
 The math every chunk selector shares, host-side or near the memory (the CXL
 tier's processor runs these same functions, so both pick the same chunks).
 A *chunk* is ``chunk_tokens`` consecutive tokens of one layer; per chunk and
-KV head the index keeps a summary of its keys::
+KV head the index keeps a summary of its keys (in any dtype; scored in float32)::
 
     landmarks  [C, Hkv, D]   mean key of the chunk (ShadowKV)
     lo, hi     [C, Hkv, D]   per-dimension min / max key of the chunk (Quest)
@@ -25,9 +25,9 @@ from torch import Tensor
 def landmark_scores(query: Tensor, landmarks: Tensor) -> Tensor:
     """query [Hq, D], landmarks [C, Hkv, D] -> [Hkv, C]: max over each group of q . landmark."""
     C, Hkv, D = landmarks.shape
-    q = query.reshape(Hkv, -1, D).to(landmarks.dtype)              # [Hkv, G, D]
-    scores = torch.einsum("hgd,chd->hgc", q, landmarks)            # [Hkv, G, C]
-    return scores.amax(dim=1).float()
+    q = query.reshape(Hkv, -1, D).float()                          # [Hkv, G, D]
+    scores = torch.einsum("hgd,chd->hgc", q, landmarks.float())    # [Hkv, G, C]
+    return scores.amax(dim=1)
 
 
 def bound_scores(query: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
@@ -36,10 +36,10 @@ def bound_scores(query: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
     Never below the best real q . k of a key inside [lo, hi] (each term bounds its own product).
     """
     C, Hkv, D = lo.shape
-    q = query.reshape(Hkv, -1, 1, D).to(lo.dtype)                  # [Hkv, G, 1, D]
-    lo_t, hi_t = lo.permute(1, 0, 2).unsqueeze(1), hi.permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, C, D]
+    q = query.reshape(Hkv, -1, 1, D).float()                       # [Hkv, G, 1, D]
+    lo_t, hi_t = (x.float().permute(1, 0, 2).unsqueeze(1) for x in (lo, hi))   # [Hkv, 1, C, D]
     bound = torch.maximum(q * lo_t, q * hi_t).sum(dim=-1)          # [Hkv, G, C]
-    return bound.amax(dim=1).float()
+    return bound.amax(dim=1)
 
 
 def top_chunks(scores: Tensor, k: int, candidates: Tensor | None = None) -> Tensor:

@@ -59,6 +59,7 @@ class RunConfig:
     positions: str = "auto"          # sparse: original | remap | auto (remap past the trained window)
     dense_prefill_tokens: int | None = None   # sparse: exact prefill up to here (None: auto)
     page_dtype: str | None = None    # sparse: dtype of stored values and key factors (None: the model's)
+    page_tokens: int = 16            # sparse: tokens per stored page (the read unit)
     dtype: str = "float32"
     block_tokens: int = 256
     chunk_tokens: int = 1024
@@ -94,7 +95,7 @@ class RunConfig:
 
     def sparse_config(self) -> SparseConfig:
         return SparseConfig(budget=self.sparse_budget, prefill_budget=self.prefill_budget, rank=self.rank,
-                            selector=self.selector,
+                            selector=self.selector, page_tokens=self.page_tokens,
                             prefetch=self.sparse_prefetch, positions=self.positions,
                             dense_prefill_tokens=self.dense_prefill_tokens)
 
@@ -201,7 +202,9 @@ def _sparse_session(config: RunConfig, loaded: LoadedModel, ids: list[int], reco
                                          namespace=layout.name, recorder=recorder) as manager:
         engine = SparseEngine(loaded, manager, sparse, chunk_tokens=config.chunk_tokens, page_dtype=page_dtype)
         start = time.perf_counter()
+        recorder.enabled = config.trace is not None   # a 1M-token prefill makes millions of transfer events
         seq, result.reused_prompt_tokens = open_sparse(engine, ids, config, progress)
+        recorder.enabled = True
         access = _access_recorder(config, loaded, len(ids), seq.read_tier, manager)
         logits = engine.decode(seq, ids[-1])
         _prefilled(recorder, result, start)

@@ -4,8 +4,8 @@ Chunk c of the indexed region holds ``chunk_tokens`` consecutive tokens.
 For each chunk the index keeps, in the frame selection scores in (post-RoPE
 keys at their real positions, or pre-RoPE keys when positions are remapped)::
 
-    landmarks [C, Hkv, D]   mean key                      (ShadowKV selector)
-    lo, hi    [C, Hkv, D]   per-dimension min / max key   (Quest selector)
+    landmarks [C, Hkv, D]   mean key, in the index's dtype          (ShadowKV selector)
+    lo, hi    [C, Hkv, D]   per-dimension min / max key, float32    (Quest selector)
     candidates [C] bool     False for outlier chunks
 
 Outliers: a chunk whose keys point away from their own mean (lowest minimum
@@ -60,8 +60,9 @@ class ChunkIndex:
         self.layer, self.chunk_tokens = layer, chunk_tokens
         shape = (heads, head_dim)
         self._landmarks = _Growing(shape, dtype) if "landmarks" in needs else None
-        self._lo = _Growing(shape, dtype) if "bounds" in needs else None
-        self._hi = _Growing(shape, dtype) if "bounds" in needs else None
+        # bounds stay float32: rounding them to a narrower dtype could move a bound inside its keys
+        self._lo = _Growing(shape, torch.float32) if "bounds" in needs else None
+        self._hi = _Growing(shape, torch.float32) if "bounds" in needs else None
         self._candidates = _Growing((), torch.bool)
         self.outliers: dict[int, tuple[float, Tensor, Tensor]] = {}   # chunk -> (score, k_pre, v)
         self._exact: tuple[Tensor, Tensor, Tensor] | None = None
