@@ -94,7 +94,7 @@ def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path
     out = tmp_path / "out.jsonl"
     code = main(["batch", "--inputs", str(docs), "--out", str(out), "--model", str(model_dir),
                  "--max-new-tokens", "4", "--max-prompt-tokens", "200", "--gpu-budget", "64MiB",
-                 "--cpu-budget", "256MiB"])
+                 "--cpu-budget", "256MiB", "--weight-dtype", "bfloat16"])
     assert code == 0
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert records["empty.txt"]["error"] == "empty document"
@@ -103,6 +103,7 @@ def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path
     assert records["good.txt"]["tokens"] >= 1 and "summary" in records["good.txt"]
     printed = capsys.readouterr()
     assert "policy: gpu batch" in printed.out and "predicted" in printed.out and "measured" in printed.out
+    assert "bfloat16-weights" in printed.out                 # the flag reaches the searched policy
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -110,6 +111,7 @@ def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path
     (["--max-new-tokens", "0"], "--max-new-tokens=0: must be > 0"),
     (["--policy", "nope.json"], "--policy nope.json: no such file"),
     (["--dtype", "int8"], "dtype='int8': allowed: float32, bfloat16, float16"),
+    (["--weight-dtype", "bf16"], "--weight-dtype='bf16': allowed: bfloat16, float16 or none"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')

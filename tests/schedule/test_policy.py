@@ -34,6 +34,8 @@ def test_policy_validates_its_fields():
         Policy(4, True)
     with pytest.raises(ConfigError, match="overlap"):
         Policy(4, 2, overlap="yes")
+    with pytest.raises(ConfigError, match="weight_dtype='int8': allowed: bfloat16, float16 or none"):
+        Policy(4, 2, weight_dtype="int8")
     assert Policy(4, 3).block_size == 12
 
 
@@ -42,6 +44,14 @@ def test_policy_file_round_trip_and_errors(tmp_path):
     path = tmp_path / "p.json"
     write_policy(policy, path)
     assert read_policy(path) == policy
+    bf16 = Policy(8, 4, weights=Placement(0, 1, 0), weight_dtype="bfloat16")
+    write_policy(bf16, path)
+    assert read_policy(path) == bf16 and "bfloat16-weights" in bf16.describe()
+    path.write_text(json.dumps({"gpu_batch_size": 2, "num_gpu_batches": 1}))
+    assert read_policy(path).weight_dtype is None                       # older files: the compute dtype
+    path.write_text(json.dumps({"gpu_batch_size": 2, "num_gpu_batches": 1, "weight_dtype": "fp8"}))
+    with pytest.raises(ConfigError, match="weight_dtype='fp8': allowed"):
+        read_policy(path)
     path.write_text(json.dumps({"gpu_batch_size": 2, "num_gpu_batches": 1, "weight": {}}))
     with pytest.raises(ConfigError, match="unknown key.*weight"):
         read_policy(path)

@@ -2,6 +2,7 @@
 import threading
 
 import pytest
+import torch
 
 from tierkv.errors import ConfigError
 from tierkv.schedule.engine import BatchEngine, EngineLimits
@@ -120,3 +121,45 @@ def test_engine_rejects_what_it_cannot_run(tmp_path):
             engine.generate([[1], [2], [3]])
         with pytest.raises(ConfigError, match="sized for 8 \\+ 2"):
             engine.generate([[1] * 9])
+
+
+def bf16_checkpoint():
+    """A tiny fp32 model whose weights are bf16 values: storing them in bf16 loses nothing."""
+    loaded = loaded_tiny()
+    for p in loaded.model.parameters():
+        p.data = p.data.to(torch.bfloat16).float()
+    return loaded
+
+
+@pytest.mark.parametrize("policy", [
+    Policy(2, 3, weights=Placement(0.2, 0.4, 0.4), kv=Placement(0.25, 0.25, 0.5), weight_dtype="bfloat16"),
+    Policy(5, 1, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0), overlap=False, weight_dtype="bfloat16"),
+], ids=["mixed-overlap", "cpu-serial"])
+def test_bf16_stored_weights_equal_unbatched_greedy_and_halve_the_stored_bytes(policy, tmp_path):
+    loaded = bf16_checkpoint()
+    prompts = random_prompts(5, 5, 40)
+    expected = [hf_greedy(loaded.model, p, NEW) for p in prompts]
+    before = {n: p.clone() for n, p in loaded.model.named_parameters()}
+    wide = Policy(policy.gpu_batch_size, policy.num_gpu_batches, weights=policy.weights, kv=policy.kv)
+    with BatchEngine(bf16_checkpoint(), wide, EngineLimits(40, NEW), nvme_dir=tmp_path) as engine:
+        fp32_bytes = dict(engine.weights.bytes)
+    engine = BatchEngine(loaded, policy, EngineLimits(40, NEW), nvme_dir=tmp_path)
+    try:
+        assert engine.weights.converts
+        assert engine.generate(prompts, ignore_eos=True) == expected
+        assert engine.weights.bytes["gpu"] == fp32_bytes["gpu"]          # resident weights stay fp32
+        for tier in ("cpu", "disk"):
+            assert engine.weights.bytes[tier] * 2 == fp32_bytes[tier]
+        assert engine.weights.bytes["cpu"] > 0
+    finally:
+        engine.close(restore=True)
+    after = dict(loaded.model.named_parameters())
+    assert all(after[n].dtype == torch.float32 and torch.equal(after[n], p) for n, p in before.items())
+
+
+def test_weights_stored_in_the_compute_dtype_do_not_convert(tmp_path):
+    loaded = loaded_tiny(dtype=torch.bfloat16)
+    policy = Policy(5, 1, weights=Placement(0, 1, 0), weight_dtype="bfloat16")
+    with BatchEngine(loaded, policy, EngineLimits(8, 2)) as engine:
+        assert not engine.weights.converts
+        assert len(engine.generate([[5, 6, 7]], ignore_eos=True)[0]) == 2

@@ -1,4 +1,6 @@
 """Cost model and policy search: the LP's optimum is what the cost model says, more memory never hurts."""
+from dataclasses import replace
+
 import pytest
 
 from tierkv.errors import ConfigError
@@ -160,3 +162,34 @@ def test_rounding_over_a_budget_is_solved_again_not_dropped():
     budgets = Budgets(3 * GiB, 64 * GiB, 200 * GiB)
     one = search(SHAPE, Workload(256, 32, 1), MACHINE, budgets, place=up)
     assert one.policy == up(one.policy) and predict(one.policy, SHAPE, Workload(256, 32, 1), MACHINE).fits(budgets)
+
+
+def test_weights_stored_in_bf16_count_half_the_bytes_and_their_conversion():
+    """fp32 compute, bf16 storage: the tiers hold and move half the bytes; the loads pay a conversion."""
+    fp32 = replace(SHAPE, itemsize=4, layer_weight_bytes=2 * SHAPE.layer_weight_bytes, dtype="float32")
+    machine = replace(MACHINE, convert={"bfloat16": 6e9, "float16": 3e9})
+    wide = Policy(8, 4, weights=Placement(0, 0.5, 0.5), kv=Placement(1, 0, 0))
+    narrow = replace(wide, weight_dtype="bfloat16")
+    a, b = predict(wide, fp32, WORK, machine), predict(narrow, fp32, WORK, machine)
+    W, S = fp32.layer_weight_bytes, fp32.layer_weight_bytes / 2
+    assert b.memory["disk"] == pytest.approx(a.memory["disk"] / 2)
+    assert b.memory["cpu"] == pytest.approx(a.memory["cpu"] / 2)
+    assert b.memory["gpu"] == pytest.approx(a.memory["gpu"] + S)          # the raw buffer beside the slots
+    cpu = replace(wide, weights=Placement(0, 1, 0))     # bound by compute + copies: the conversion shows
+    t = {d: predict(replace(cpu, weight_dtype=d), fp32, WORK, machine).decode_layer_s for d in (None, "bfloat16", "float16")}
+    assert t["bfloat16"] - t[None] == pytest.approx(S / 12e9 + S / 6e9 - W / 12e9)
+    assert t["float16"] - t["bfloat16"] == pytest.approx(S / 3e9 - S / 6e9)
+    # a cpu budget that holds the bf16 weights but not the fp32 ones: less goes to disk
+    budgets = Budgets(4 * GiB, fp32.weight_bytes * 3 // 4, 200 * GiB)
+    work = Workload(prompt_len=16, gen_len=8, num_sequences=16)
+    on_disk = search(fp32, work, machine, budgets).policy.weights.disk
+    chosen = search(fp32, work, machine, budgets, weight_dtype="bfloat16").policy
+    assert chosen.weight_dtype == "bfloat16" and chosen.weights.disk < on_disk
+    with pytest.raises(ConfigError, match="weight_dtype='int4': allowed"):
+        search(fp32, work, machine, budgets, weight_dtype="int4")
+
+
+def test_calibration_measures_the_weight_conversion(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path))
+    machine = calibrate(tiny.model, max_rows=16)
+    assert set(machine.convert) == {"bfloat16", "float16"} and min(machine.convert.values()) > 1e7

@@ -14,6 +14,8 @@ is measured on the model's own first decoder layer, through the same functions t
                         shared machine drives below zero
     head(M)             embedding + final norm + lm_head for M rows
     dequant             bytes/s of 4-bit KV unpacked
+    convert             bytes/s of streamed weights converted from each storage dtype
+                        (``policy.weight_dtype``: bf16, fp16) to the compute dtype, counted as stored
 
 The measurements are cached in ``$TIERKV_CACHE_DIR/batch-calibration.json`` (default
 ~/.cache/tierkv), one entry per host, model shape, dtype and thread count; ``refresh=True``
@@ -36,10 +38,11 @@ from tierkv.model import arch
 from tierkv.schedule import quant
 from tierkv.schedule.compute import GpuBatch, attend, keep_mask, layer_forward
 from tierkv.schedule.cost import Machine, ModelShape
+from tierkv.schedule.policy import WEIGHT_DTYPES
 
 CACHE_ENV = "TIERKV_CACHE_DIR"
 CACHE_FILE = "batch-calibration.json"
-VERSION = 2   # 2: attention timed directly, prefill priced over the full query x key product
+VERSION = 3   # 2: attention timed directly, prefill priced over the full query x key product; 3: convert
 
 
 def calibrate(model: nn.Module, *, nvme_dir: Path | None = None, max_rows: int = 1024,
@@ -70,7 +73,7 @@ def machine_from(entry: dict, links: dict) -> Machine:
 
     def attention(rows: int, queries: int, keys: int) -> float:
         return rows * queries * keys * (per_decode if queries == 1 else per_prefill)
-    return Machine(memcpy, read, write, layer, attention, head, entry["dequant"],
+    return Machine(memcpy, read, write, layer, attention, head, entry["dequant"], convert=entry["convert"],
                    copies_on_compute=not torch.cuda.is_available())
 
 
@@ -89,10 +92,18 @@ def measure_compute(model: nn.Module, max_rows: int) -> dict:
     x = torch.randn(4 * 1024 * 1024 // 2, dtype=torch.float32).view(-1, quant.GROUP)
     packed = quant.pack(x)
     dequant = packed.numel() / _time(lambda: quant.unpack(packed, tuple(x.shape), torch.bfloat16))
+    convert = {name: _convert_rate(getattr(torch, name), arch.model_spec(model).dtype) for name in WEIGHT_DTYPES}
     return {"version": VERSION, "layer": table, "head": head,
             "attention_decode": max(decode, 0.0) / (8 * decode_keys),
             "attention_prefill": max(prefill, 0.0) / (prefill_tokens * prefill_tokens),
-            "dequant": dequant}
+            "dequant": dequant, "convert": convert}
+
+
+def _convert_rate(stored: torch.dtype, compute: torch.dtype, numel: int = 8 * 1024 * 1024) -> float:
+    """Bytes/s (as stored) of a flat tensor converted into a preallocated one, as a weight load does."""
+    src = torch.randn(numel).to(stored)
+    dst = torch.empty(numel, dtype=compute)
+    return src.numel() * src.element_size() / _time(lambda: dst.copy_(src))
 
 
 def _layer_call(model: nn.Module, layer: nn.Module, group: int, rows: int, tokens: int,

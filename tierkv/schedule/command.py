@@ -44,6 +44,10 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
                    help="longer documents are reported as errors (default 2048)")
     p.add_argument("--instruction", default=DEFAULT_QUESTION, help=f"asked after each document (default: {DEFAULT_QUESTION!r})")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    p.add_argument("--weight-dtype", default=None,
+                   help="keep streamed (cpu/disk) weights in bfloat16 or float16 and convert them as each layer "
+                        "loads: half the bytes of fp32 in the tiers and on the links; lossless when the "
+                        "checkpoint is in that dtype (default: the compute dtype, or the policy file's)")
     p.add_argument("--compress-kv", action="store_true", help="let the search store KV as 4-bit groups (lossy)")
     p.add_argument("--recalibrate", action="store_true", help="measure this machine again instead of the cache")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of the summary")
@@ -59,7 +63,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                        nvme_budget=parse_size(args.nvme_budget, "--nvme-budget"),
                        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                        instruction=args.instruction, dtype=args.dtype, recalibrate=args.recalibrate,
-                       allow_compress=args.compress_kv)
+                       allow_compress=args.compress_kv, weight_dtype=args.weight_dtype)
     bar: list[tqdm] = []
     totals = {"tokens": 0, "seconds": 0.0}
 

@@ -9,10 +9,11 @@ is exactly what `predict` says of the policy it returns.
 Per layer and token step (prefill: ``T = P`` tokens per row, decode: one, at context ``c``)::
 
     compute    nb * (layer(bs, T) + attention(bs, T, c)) [+ dequantize the KV read]
-    copies     W_l * (wc + wd) / memcpy                  staging a layer's streamed weights
+    copies     S_l * (wc + wd) / memcpy                  staging a layer's streamed weights
+               [S_l * (wc + wd) / convert]                and converting them to the compute dtype
                nb * kv(c) / memcpy                        gathering each cell's KV (decode)
                nb * kv_new(T) / memcpy                    packing new KV into blocks
-    disk read  W_l * wd / read  +  nb * kv(c) * cd / read
+    disk read  S_l * wd / read  +  nb * kv(c) * cd / read
     disk write nb * kv_new(T) * cd / write
 
     overlap:   layer time >= every one of: compute + copies (on a CPU-only machine the copies run
@@ -23,23 +24,29 @@ Per layer and token step (prefill: ``T = P`` tokens per row, decode: one, at con
     block time = L * (t_prefill + (n - 1) * t_decode) + n * nb * head(bs)
     throughput = bs * nb * n / block time                 (n = new tokens, prefill included)
 
+``W_l`` is a layer's weight bytes in the compute dtype, ``S_l`` as the tiers keep them: in
+``policy.weight_dtype`` when it is set (half of W_l for bf16 under fp32), W_l otherwise; the
+conversion term is there only when the two dtypes differ.
+
 Memory per tier (bytes) for the policy, with the KV of the longest sequence ``P + n``::
 
-    gpu   other weights + wg*W + (1-wg)*2*W_l (staging) + cg*KV + working KV + activations
-    cpu   wc*W + wd*2*W_l (disk staging) + cc*KV + cd*2*kv_cell
-    disk  wd*W + cd*KV
+    gpu   other weights + wg*W + (1-wg)*(2*W_l [+ S_l]) (staging slots [+ raw buffer]) + cg*KV
+          + working KV + activations
+    cpu   wc*S + wd*2*S_l (disk staging) + cc*KV + cd*2*kv_cell
+    disk  wd*S + cd*KV                                    (S = L * S_l)
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from tierkv.errors import ConfigError
 from tierkv.model.arch import decoder_layers, model_spec
 from tierkv.schedule import quant
-from tierkv.schedule.policy import Placement, Policy
+from tierkv.schedule.policy import WEIGHT_DTYPES, Placement, Policy
 
 FRACTIONS = ("wg", "wc", "wd", "cg", "cc", "cd")
 
@@ -55,6 +62,7 @@ class ModelShape:
     layer_weight_bytes: int
     other_weight_bytes: int        # embeddings, final norm, lm_head: always resident
     intermediate: int
+    dtype: str | None = None       # the compute's (torch name); None: unknown, a storage dtype converts
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
@@ -62,14 +70,23 @@ class ModelShape:
         layers = decoder_layers(model)
         layer_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
         total = sum(p.numel() * p.element_size() for p in model.parameters())
-        itemsize = next(model.parameters()).element_size()
-        return cls(spec.num_layers, spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim, itemsize,
-                   layer_bytes, total - layer_bytes * spec.num_layers,
-                   getattr(model.config, "intermediate_size", 4 * spec.hidden))
+        first = next(model.parameters())
+        return cls(spec.num_layers, spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                   first.element_size(), layer_bytes, total - layer_bytes * spec.num_layers,
+                   getattr(model.config, "intermediate_size", 4 * spec.hidden), str(first.dtype).removeprefix("torch."))
 
     @property
     def weight_bytes(self) -> int:
         return self.layer_weight_bytes * self.num_layers
+
+    def stored_layer_bytes(self, weight_dtype: str | None) -> float:
+        """One layer's weights as the tiers keep them: in ``weight_dtype``, or the compute's (None)."""
+        if weight_dtype is None:
+            return self.layer_weight_bytes
+        return self.layer_weight_bytes * getattr(torch, weight_dtype).itemsize / self.itemsize
+
+    def converts(self, weight_dtype: str | None) -> bool:
+        return weight_dtype is not None and weight_dtype != self.dtype
 
     def kv_bytes(self, rows: int, tokens: int, compress: bool) -> float:
         """K and V of ``rows`` x ``tokens`` in one layer, as stored."""
@@ -125,6 +142,8 @@ class Machine:
     attention_s: Callable[[int, int, int], float]   # (rows, query tokens, keys) -> seconds, one layer
     head_s: Callable[[int], float]           # embedding + final norm + lm_head for M rows
     dequant: float = 2e9                      # bytes/s of 4-bit KV unpacked
+    convert: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WEIGHT_DTYPES, 4e9))
+    # ^ bytes/s of stored weights (by storage dtype) converted to the compute dtype
     copies_on_compute: bool = True           # CPU-only: copies share the cores with compute
 
 
@@ -168,12 +187,14 @@ class Terms:
     bs: int = 1
     nb: int = 1
     compress: bool = False
+    weight_dtype: str | None = None
 
 
 def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, compress: bool,
-          overlap: bool) -> Terms:
+          overlap: bool, weight_dtype: str | None = None) -> Terms:
     P, n, L = round(work.padded_len(bs)), work.gen_len, shape.num_layers
-    W_l = shape.layer_weight_bytes
+    S_l = shape.stored_layer_bytes(weight_dtype)
+    stage = S_l / m.memcpy + (S_l / m.convert[weight_dtype] if shape.converts(weight_dtype) else 0.0)
     phases, serial = {}, {}
     for phase, T, ctx in (("prefill", P, 0), ("decode", 1, P + n // 2)):
         compute = Linear(nb * (m.layer_s(bs * T) + m.attention_s(bs, T, ctx + T)))
@@ -181,27 +202,29 @@ def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, co
         kv_new = shape.kv_bytes(bs, T, compress) * nb
         if compress:
             compute = compute + Linear(kv_read / m.dequant + kv_new / m.dequant)
-        copies = Linear(0.0, {"wc": W_l / m.memcpy, "wd": W_l / m.memcpy}) + Linear(kv_read / m.memcpy) \
-            + Linear(kv_new / m.memcpy)
-        disk_read = Linear(0.0, {"wd": W_l / m.disk_read, "cd": kv_read / m.disk_read})
+        copies = Linear(0.0, {"wc": stage, "wd": stage}) + Linear(kv_read / m.memcpy) + Linear(kv_new / m.memcpy)
+        disk_read = Linear(0.0, {"wd": S_l / m.disk_read, "cd": kv_read / m.disk_read})
         disk_write = Linear(0.0, {"cd": kv_new / m.disk_write})
         bounds = [compute + copies] if m.copies_on_compute else [compute, copies]
         phases[phase] = bounds + [disk_read, disk_write]
         serial[phase] = compute + copies + disk_read + disk_write
-    return Terms(phases, serial, n * nb * m.head_s(bs), memory_terms(shape, work, bs, nb, compress),
-                 L, n, bs * nb, overlap, bs, nb, compress)
+    return Terms(phases, serial, n * nb * m.head_s(bs), memory_terms(shape, work, bs, nb, compress, weight_dtype),
+                 L, n, bs * nb, overlap, bs, nb, compress, weight_dtype)
 
 
-def memory_terms(shape: ModelShape, work: Workload, bs: int, nb: int, compress: bool) -> dict[str, Linear]:
+def memory_terms(shape: ModelShape, work: Workload, bs: int, nb: int, compress: bool,
+                 weight_dtype: str | None = None) -> dict[str, Linear]:
     P, n, L, W_l = work.max_prompt_len, work.gen_len, shape.num_layers, shape.layer_weight_bytes
+    S_l = shape.stored_layer_bytes(weight_dtype)
+    staging = 2 * W_l + (S_l if shape.converts(weight_dtype) else 0.0)
     kv_cell = shape.kv_bytes(bs, P + n, compress)
     kv_all = kv_cell * L * nb
     working = 3 * shape.kv_bytes(bs, P + n, False) + L * nb * shape.kv_bytes(bs, 16, False)
     act = shape.itemsize * bs * P * (nb * shape.hidden + 3 * shape.intermediate + 4 * shape.hidden)
-    gpu = Linear(shape.other_weight_bytes + working + act + 2 * W_l,
-                 {"wg": shape.weight_bytes - 2 * W_l, "cg": kv_all})
-    cpu = Linear(0.0, {"wc": shape.weight_bytes, "wd": 2 * W_l, "cc": kv_all, "cd": 2 * kv_cell})
-    disk = Linear(0.0, {"wd": shape.weight_bytes, "cd": kv_all})
+    gpu = Linear(shape.other_weight_bytes + working + act + staging,
+                 {"wg": shape.weight_bytes - staging, "cg": kv_all})
+    cpu = Linear(0.0, {"wc": S_l * L, "wd": 2 * S_l, "cc": kv_all, "cd": 2 * kv_cell})
+    disk = Linear(0.0, {"wd": S_l * L, "cd": kv_all})
     return {"gpu": gpu, "cpu": cpu, "disk": disk}
 
 
@@ -230,7 +253,7 @@ def evaluate(t: Terms, x: dict[str, float]) -> Estimate:
 def predict(policy: Policy, shape: ModelShape, work: Workload, machine: Machine) -> Estimate:
     """Time per block and memory per tier of ``policy`` on ``machine``."""
     t = terms(shape, work, machine, policy.gpu_batch_size, policy.num_gpu_batches,
-              compress=policy.compress_kv, overlap=policy.overlap)
+              compress=policy.compress_kv, overlap=policy.overlap, weight_dtype=policy.weight_dtype)
     return evaluate(t, fractions(policy))
 
 

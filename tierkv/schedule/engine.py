@@ -34,7 +34,7 @@ from tierkv.schedule.home import HomePolicy
 from tierkv.schedule.kvstore import BlockKV, KVShape
 from tierkv.schedule.policy import Policy
 from tierkv.schedule.runner import Runner, Trace
-from tierkv.schedule.weights import WeightStore, tensor_homes
+from tierkv.schedule.weights import WeightStore, storage_dtype, stored_nbytes, tensor_homes
 
 WEIGHT_BLOCK = 1024 * 1024
 BLOCK_TOKENS = 16
@@ -78,7 +78,7 @@ class BatchEngine:
             layers = decoder_layers(loaded.model)
             self.weight_homes: set = set()
             self.weights = WeightStore(layers, policy.weights, self._weight_manager(layers), self.weight_homes,
-                                       WEIGHT_BLOCK, compute_device())
+                                       WEIGHT_BLOCK, compute_device(), storage_dtype(policy.weight_dtype))
             self.kv_homes: set = set()
             self.kv_manager = self._kv_manager()
             self.runner = Runner(loaded.model, self.weights, overlap=policy.overlap, group=spec.group, trace=trace)
@@ -93,9 +93,8 @@ class BatchEngine:
         if w.gpu >= 1.0:
             return None
         homes = tensor_homes(layers[0], w)
-        params = dict(layers[0].named_parameters())
-        per_tier = {t: sum(params[n].numel() * params[n].element_size() for n, h in homes.items() if h == t)
-                    for t in ("cpu", "disk")}
+        params, store = dict(layers[0].named_parameters()), storage_dtype(self.policy.weight_dtype)
+        per_tier = {t: sum(stored_nbytes(params[n], store) for n, h in homes.items() if h == t) for t in ("cpu", "disk")}
         if not per_tier["cpu"] and not per_tier["disk"]:
             return None
         blocks = {t: math.ceil(b / WEIGHT_BLOCK) for t, b in per_tier.items()}

@@ -28,7 +28,7 @@ from tierkv.model.prompt import DEFAULT_QUESTION
 from tierkv.schedule.cost import Budgets, ModelShape, Workload, predict
 from tierkv.schedule.documents import Document, OutputLog, read_inputs
 from tierkv.schedule.engine import BLOCK_TOKENS, BatchEngine, EngineLimits
-from tierkv.schedule.policy import Placement, Policy, read_policy
+from tierkv.schedule.policy import Placement, Policy, check_weight_dtype, read_policy
 from tierkv.schedule.weights import tensor_homes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,10 +51,12 @@ class JobConfig:
     dtype: str = "float32"
     recalibrate: bool = False
     allow_compress: bool = False
+    weight_dtype: str | None = None    # streamed weights' storage dtype; None: the compute dtype (or the policy file's)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
+        check_weight_dtype(self.weight_dtype, "--weight-dtype")
         for name in ("max_new_tokens", "max_prompt_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)}: must be > 0")
@@ -88,6 +90,8 @@ def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: P
             on_policy: Callable[[Policy, float], None] | None = None) -> JobResult:
     result = JobResult()
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before the model loads
+    if fixed is not None and config.weight_dtype is not None:
+        fixed = replace(fixed, weight_dtype=config.weight_dtype)
     docs = read_inputs(config.inputs)
     with OutputLog(config.out) as out:
         todo = [d for d in docs if d.id not in out.done]
@@ -192,7 +196,7 @@ def choose_policy(config: JobConfig, loaded: LoadedModel, work: Workload, fixed:
     budgets = Budgets(config.gpu_budget, config.cpu_budget, config.nvme_budget if config.nvme_dir else 0)
     place = None if limits is None else (lambda policy: placed_policy(policy, loaded, limits))
     return search(ModelShape.of(loaded.model), work, machine, budgets,
-                  allow_compress=config.allow_compress, place=place).policy, machine
+                  allow_compress=config.allow_compress, place=place, weight_dtype=config.weight_dtype).policy, machine
 
 
 def placed_policy(policy: Policy, loaded: LoadedModel, limits: EngineLimits) -> Policy:

@@ -18,6 +18,9 @@ runs every GPU batch of the block through it before moving on::
 
 ``compress_kv`` stores offloaded KV as 4-bit groups (``tierkv.schedule.quant``); ``overlap``
 runs loads of the next step and stores of the previous one on their own threads (streams on CUDA).
+``weight_dtype`` keeps the streamed (cpu/disk) weights in a narrower dtype than the compute's
+(null: the compute dtype); a load converts them as it fills a staging slot. Lossless when the
+checkpoint is in that dtype (a bf16 checkpoint computed in fp32), rounding otherwise.
 
 A policy file is JSON with the keys of `Policy.to_dict`::
 
@@ -26,7 +29,7 @@ A policy file is JSON with the keys of `Policy.to_dict`::
      "weights": {"gpu": 0.0, "cpu": 1.0, "disk": 0.0},
      "kv": {"gpu": 0.25, "cpu": 0.75, "disk": 0.0},
      "act": {"gpu": 1.0, "cpu": 0.0, "disk": 0.0},
-     "overlap": true, "compress_kv": false}
+     "overlap": true, "compress_kv": false, "weight_dtype": "bfloat16"}
 """
 from __future__ import annotations
 
@@ -40,7 +43,14 @@ from tierkv.errors import ConfigError
 
 POLICY_FORMAT, POLICY_VERSION = "tierkv-batch-policy", 1
 TIERS = ("gpu", "cpu", "disk")
+WEIGHT_DTYPES = ("bfloat16", "float16")     # storage dtypes of streamed weights (torch names)
 _TOLERANCE = 1e-6
+
+
+def check_weight_dtype(value: object, field: str = "weight_dtype") -> None:
+    """A storage dtype of streamed weights: None (the compute dtype) or one of ``WEIGHT_DTYPES``."""
+    if value is not None and value not in WEIGHT_DTYPES:
+        raise ConfigError(f"{field}={value!r}: allowed: {', '.join(WEIGHT_DTYPES)} or none (the compute dtype)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +106,7 @@ class Policy:
     act: Placement = Placement()
     overlap: bool = True
     compress_kv: bool = False
+    weight_dtype: str | None = None     # None: streamed weights stay in the compute dtype
 
     def __post_init__(self) -> None:
         for name in ("gpu_batch_size", "num_gpu_batches"):
@@ -108,6 +119,7 @@ class Policy:
         for name in ("overlap", "compress_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"policy {name}={getattr(self, name)!r}: expected true or false")
+        check_weight_dtype(self.weight_dtype, "policy weight_dtype")
 
     @property
     def block_size(self) -> int:
@@ -118,7 +130,8 @@ class Policy:
         """One line: ``bs=8x4 weights g/c/d=0/100/0 % kv=25/75/0 % overlap 4bit``."""
         def pct(p: Placement) -> str:
             return "/".join(f"{100 * getattr(p, t):.0f}" for t in TIERS)
-        flags = ("overlap" if self.overlap else "serial") + (" 4-bit-kv" if self.compress_kv else "")
+        flags = ("overlap" if self.overlap else "serial") + (" 4-bit-kv" if self.compress_kv else "") \
+            + (f" {self.weight_dtype}-weights" if self.weight_dtype else "")
         return (f"gpu batch {self.gpu_batch_size} x {self.num_gpu_batches} batches; weights g/c/d "
                 f"{pct(self.weights)} %, kv {pct(self.kv)} %, act {pct(self.act)} %; {flags}")
 
@@ -126,7 +139,7 @@ class Policy:
         return {"format": POLICY_FORMAT, "version": POLICY_VERSION,
                 "gpu_batch_size": self.gpu_batch_size, "num_gpu_batches": self.num_gpu_batches,
                 "weights": self.weights.to_dict(), "kv": self.kv.to_dict(), "act": self.act.to_dict(),
-                "overlap": self.overlap, "compress_kv": self.compress_kv}
+                "overlap": self.overlap, "compress_kv": self.compress_kv, "weight_dtype": self.weight_dtype}
 
     @classmethod
     def from_dict(cls, data: Any) -> Policy:
@@ -135,7 +148,7 @@ class Policy:
         if data.get("format", POLICY_FORMAT) != POLICY_FORMAT:
             raise ConfigError(f"policy format={data.get('format')!r}: expected {POLICY_FORMAT!r}")
         known = {"format", "version", "gpu_batch_size", "num_gpu_batches", "weights", "kv", "act",
-                 "overlap", "compress_kv"}
+                 "overlap", "compress_kv", "weight_dtype"}
         if unknown := sorted(set(data) - known):
             raise ConfigError(f"policy: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
         for name in ("gpu_batch_size", "num_gpu_batches"):
@@ -143,7 +156,8 @@ class Policy:
                 raise ConfigError(f"policy: {name} is missing (a positive integer)")
         places = {name: Placement.from_dict(data[name], name) for name in ("weights", "kv", "act") if name in data}
         return cls(gpu_batch_size=data["gpu_batch_size"], num_gpu_batches=data["num_gpu_batches"], **places,
-                   overlap=data.get("overlap", True), compress_kv=data.get("compress_kv", False))
+                   overlap=data.get("overlap", True), compress_kv=data.get("compress_kv", False),
+                   weight_dtype=data.get("weight_dtype"))
 
 
 def read_policy(path: Path) -> Policy:

@@ -35,7 +35,7 @@ from scipy.optimize import linprog
 from tierkv.errors import ConfigError
 from tierkv.schedule.cost import FRACTIONS, Budgets, Estimate, Machine, ModelShape, Terms, Workload, \
     evaluate, fractions, placement_of, terms
-from tierkv.schedule.policy import Policy
+from tierkv.schedule.policy import Policy, check_weight_dtype
 
 MAX_GPU_BATCH = 256
 MAX_GPU_BATCHES = 64
@@ -62,12 +62,15 @@ def candidates(num_sequences: int, max_gpu_batch: int = MAX_GPU_BATCH) -> list[t
 
 def search(shape: ModelShape, work: Workload, machine: Machine, budgets: Budgets, *,
            allow_compress: bool = False, overlap: bool = True,
-           max_gpu_batch: int = MAX_GPU_BATCH, place: Callable[[Policy], Policy] | None = None) -> Choice:
-    """The policy with the highest predicted throughput that fits ``budgets`` (placed by ``place``)."""
+           max_gpu_batch: int = MAX_GPU_BATCH, place: Callable[[Policy], Policy] | None = None,
+           weight_dtype: str | None = None) -> Choice:
+    """The policy with the highest predicted throughput that fits ``budgets`` (placed by ``place``),
+    its streamed weights kept in ``weight_dtype`` (None: the compute dtype)."""
+    check_weight_dtype(weight_dtype)
     best: Choice | None = None
     for bs, nb in candidates(work.num_sequences, max_gpu_batch):
         for compress in (False, True) if allow_compress else (False,):
-            t = terms(shape, work, machine, bs, nb, compress=compress, overlap=overlap)
+            t = terms(shape, work, machine, bs, nb, compress=compress, overlap=overlap, weight_dtype=weight_dtype)
             found = _placed_optimum(t, budgets, place)
             if found is None:
                 continue
@@ -91,7 +94,7 @@ def _placed_optimum(t: Terms, budgets: Budgets, place: Callable[[Policy], Policy
         if x is None:
             return None
         policy = Policy(t.bs, t.nb, weights=placement_of(x, "w"), kv=placement_of(x, "c"),
-                        overlap=t.overlap, compress_kv=t.compress)
+                        overlap=t.overlap, compress_kv=t.compress, weight_dtype=t.weight_dtype)
         policy = place(policy) if place is not None else policy
         estimate = evaluate(t, fractions(policy))
         if _fits(estimate, budgets):
