@@ -26,8 +26,8 @@ def landmark_scores(query: Tensor, landmarks: Tensor) -> Tensor:
     """query [Hq, D], landmarks [C, Hkv, D] -> [Hkv, C]: max over each group of q . landmark."""
     C, Hkv, D = landmarks.shape
     q = query.reshape(Hkv, -1, D).float()                          # [Hkv, G, D]
-    scores = torch.einsum("hgd,chd->hgc", q, landmarks.float())    # [Hkv, G, C]
-    return scores.amax(dim=1)
+    per_head = landmarks.permute(1, 0, 2).float()                  # [Hkv, C, D]: no copy when stored head-major
+    return torch.bmm(q, per_head.transpose(1, 2)).amax(dim=1)      # [Hkv, G, C] -> [Hkv, C]
 
 
 def bound_scores(query: Tensor, lo: Tensor, hi: Tensor) -> Tensor:

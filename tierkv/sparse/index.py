@@ -34,8 +34,8 @@ class _Growing:
 
     def extend(self, rows: Tensor) -> None:
         need = self.n + rows.shape[0]
-        if need > self.data.shape[0]:
-            self.resize(max(need, self.data.shape[0] * 5 // 4))
+        if need > self.capacity:
+            self.resize(max(need, self.capacity * 5 // 4))
         self.data[self.n:need] = rows
         self.n = need
 
@@ -45,8 +45,42 @@ class _Growing:
         self.data = grown
 
     @property
+    def capacity(self) -> int:
+        return self.data.shape[0]
+
+    @property
     def rows(self) -> Tensor:
         return self.data[:self.n]
+
+
+class _HeadMajor(_Growing):
+    """Rows [n, H, D] kept as [H, capacity, D], so each head's rows are contiguous: scoring a query
+    against them is one strided batched matmul with no copy (the row-major [C, H, D] costs a
+    transpose of every landmark at every step: 4x the time at 128K)."""
+
+    def __init__(self, tail: tuple[int, int], dtype: torch.dtype) -> None:
+        self.data = torch.empty(tail[0], 64, tail[1], dtype=dtype)
+        self.n = 0
+
+    def extend(self, rows: Tensor) -> None:
+        need = self.n + rows.shape[0]
+        if need > self.capacity:
+            self.resize(max(need, self.capacity * 5 // 4))
+        self.data[:, self.n:need] = rows.transpose(0, 1)
+        self.n = need
+
+    def resize(self, rows: int) -> None:
+        grown = torch.empty(self.data.shape[0], max(rows, self.n), self.data.shape[2], dtype=self.data.dtype)
+        grown[:, :self.n] = self.data[:, :self.n]
+        self.data = grown
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def rows(self) -> Tensor:
+        return self.data[:, :self.n].transpose(0, 1)      # [n, H, D], a view
 
 
 class ChunkIndex:
@@ -59,7 +93,7 @@ class ChunkIndex:
             raise ValueError(f"needs={sorted(unknown)}: an index keeps only {', '.join(SUMMARIES)}")
         self.layer, self.chunk_tokens = layer, chunk_tokens
         shape = (heads, head_dim)
-        self._landmarks = _Growing(shape, dtype) if "landmarks" in needs else None
+        self._landmarks = _HeadMajor(shape, dtype) if "landmarks" in needs else None
         # bounds stay float32: rounding them to a narrower dtype could move a bound inside its keys
         self._lo = _Growing(shape, torch.float32) if "bounds" in needs else None
         self._hi = _Growing(shape, torch.float32) if "bounds" in needs else None
@@ -69,7 +103,7 @@ class ChunkIndex:
 
     def reserve(self, chunks: int) -> None:
         for grow in (self._landmarks, self._lo, self._hi, self._candidates):
-            if grow is not None and grow.data.shape[0] < chunks:
+            if grow is not None and grow.capacity < chunks:
                 grow.resize(chunks)
 
     # -- the ChunkView a selector reads ------------------------------------------
