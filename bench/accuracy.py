@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from decode import HfDecoder
 from report import Report, machine, print_grid
 from tierkv.config import TierConfig
 from tierkv.manager import BlockingTierManager
@@ -119,20 +120,6 @@ def prefilled(model, prompts: Sequence[list[int]]) -> Iterator[tuple[int, Dynami
         cache = copy.deepcopy(base) if held else DynamicCache(config=model.config)
         extend(model, cache, ids[len(held):])
         yield i, cache
-
-
-class DenseDecoder:
-    """Greedy steps of transformers over a prefilled cache."""
-
-    def __init__(self, model, cache: DynamicCache) -> None:
-        self.model, self.cache, self.pos = model, cache, cache.get_seq_length()
-
-    @torch.inference_mode()
-    def step(self, token: int) -> int:
-        out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[self.pos]]),
-                         cache=self.cache, use_cache=True, logits_to_keep=1)
-        self.pos += 1
-        return int(out.logits[0, -1].argmax())
 
 
 # -- the sparse engine, seeded and probed ---------------------------------------------------
@@ -309,8 +296,8 @@ def passkey_cases(loaded: LoadedModel, context: int, depths: Sequence[float],
                 texts[name] = greedy(lambda t: int(engine.decode(seq, t).argmax()), prompt.ids[-1],
                                      prompt.answer, loaded.tokenizer)
                 seq.release(keep=False)
-            texts["dense"] = greedy(DenseDecoder(loaded.model, cache).step, prompt.ids[-1], prompt.answer,
-                                    loaded.tokenizer)
+            dense = HfDecoder(loaded.model, cache, cache.get_seq_length())
+            texts["dense"] = greedy(dense.step, prompt.ids[-1], prompt.answer, loaded.tokenizer)
             cases.append(Case(context, depths[order[j]], prompt.answer, texts))
             progress(f"passkey {context // K}K depth {depths[order[j]]:.2f}: " + ", ".join(
                 f"{n} {'ok' if cases[-1].found(n) else 'MISS'}" for n in texts) +

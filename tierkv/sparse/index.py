@@ -26,61 +26,38 @@ SUMMARIES = ("landmarks", "bounds")
 
 
 class _Growing:
-    """A tensor that grows along dim 0 (by a quarter: the landmarks of 1M tokens are 1.5 GB)."""
+    """Rows [n, *tail] appended to a tensor that grows by a quarter (the landmarks of 1M tokens are
+    1.5 GB). ``axis`` is where the rows lie in storage: landmarks [n, H, D] are kept as
+    [H, capacity, D] (``axis=1``), so each head's rows are contiguous and scoring a query against
+    them is one strided batched matmul with no copy (row-major storage costs a transpose of every
+    landmark at every step: 4x the time at 128K). ``rows`` is always [n, *tail], a view."""
 
-    def __init__(self, tail: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.data = torch.empty(64, *tail, dtype=dtype)
-        self.n = 0
-
-    def extend(self, rows: Tensor) -> None:
-        need = self.n + rows.shape[0]
-        if need > self.capacity:
-            self.resize(max(need, self.capacity * 5 // 4))
-        self.data[self.n:need] = rows
-        self.n = need
-
-    def resize(self, rows: int) -> None:
-        grown = torch.empty(max(rows, self.n), *self.data.shape[1:], dtype=self.data.dtype)
-        grown[:self.n] = self.data[:self.n]
-        self.data = grown
-
-    @property
-    def capacity(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def rows(self) -> Tensor:
-        return self.data[:self.n]
-
-
-class _HeadMajor(_Growing):
-    """Rows [n, H, D] kept as [H, capacity, D], so each head's rows are contiguous: scoring a query
-    against them is one strided batched matmul with no copy (the row-major [C, H, D] costs a
-    transpose of every landmark at every step: 4x the time at 128K)."""
-
-    def __init__(self, tail: tuple[int, int], dtype: torch.dtype) -> None:
-        self.data = torch.empty(tail[0], 64, tail[1], dtype=dtype)
-        self.n = 0
+    def __init__(self, tail: tuple[int, ...], dtype: torch.dtype, axis: int = 0) -> None:
+        shape = list(tail)
+        shape.insert(axis, 64)
+        self.data, self.axis, self.n = torch.empty(shape, dtype=dtype), axis, 0
 
     def extend(self, rows: Tensor) -> None:
         need = self.n + rows.shape[0]
         if need > self.capacity:
             self.resize(max(need, self.capacity * 5 // 4))
-        self.data[:, self.n:need] = rows.transpose(0, 1)
+        self.data.narrow(self.axis, self.n, rows.shape[0]).copy_(rows.movedim(0, self.axis))
         self.n = need
 
     def resize(self, rows: int) -> None:
-        grown = torch.empty(self.data.shape[0], max(rows, self.n), self.data.shape[2], dtype=self.data.dtype)
-        grown[:, :self.n] = self.data[:, :self.n]
+        shape = list(self.data.shape)
+        shape[self.axis] = max(rows, self.n)
+        grown = torch.empty(shape, dtype=self.data.dtype)
+        grown.narrow(self.axis, 0, self.n).copy_(self.data.narrow(self.axis, 0, self.n))
         self.data = grown
 
     @property
     def capacity(self) -> int:
-        return self.data.shape[1]
+        return self.data.shape[self.axis]
 
     @property
     def rows(self) -> Tensor:
-        return self.data[:, :self.n].transpose(0, 1)      # [n, H, D], a view
+        return self.data.narrow(self.axis, 0, self.n).movedim(self.axis, 0)
 
 
 class ChunkIndex:
@@ -93,7 +70,7 @@ class ChunkIndex:
             raise ValueError(f"needs={sorted(unknown)}: an index keeps only {', '.join(SUMMARIES)}")
         self.layer, self.chunk_tokens = layer, chunk_tokens
         shape = (heads, head_dim)
-        self._landmarks = _HeadMajor(shape, dtype) if "landmarks" in needs else None
+        self._landmarks = _Growing(shape, dtype, axis=1) if "landmarks" in needs else None
         # bounds stay float32: rounding them to a narrower dtype could move a bound inside its keys
         self._lo = _Growing(shape, torch.float32) if "bounds" in needs else None
         self._hi = _Growing(shape, torch.float32) if "bounds" in needs else None
