@@ -184,9 +184,8 @@ class ProbedEngine(SparseEngine):
         return k, v, positions
 
     def _attention(self, seq: SparseSequence, layer: int, q_pre: Tensor, k_pre: Tensor, v: Tensor,
-                   pos: int) -> Tensor:
-        self._attended = None
-        out = super()._attention(seq, layer, q_pre, k_pre, v, pos)
+                   pos: int, context: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        out = super()._attention(seq, layer, q_pre, k_pre, v, pos, context)
         if q_pre.shape[2] == 1:
             cos, sin = self._rope(torch.tensor([[pos]]))
             self.exact.keys[layer][:, pos] = apply_rope(k_pre.float(), cos, sin)[0, :, 0]

@@ -23,6 +23,11 @@ class LRUPolicy:
         self._order[key] = None
         self._order.move_to_end(key)
 
+    def insert_cold(self, key: Hashable) -> None:
+        """A prefetched block: first in line for eviction until a reader uses it."""
+        self._order[key] = None
+        self._order.move_to_end(key, last=False)
+
     def touch(self, key: Hashable) -> None:
         if key in self._order:
             self._order.move_to_end(key)

@@ -8,11 +8,13 @@ protected)`` returns ``n`` victims, none of them in ``protected``, and
 forgets them; when it cannot find ``n`` it returns ``None`` and changes
 nothing.
 
-Hints: a strategy that ranks by what a block holds may also have either of
-two optional methods. The manager calls a hint only on policies that have it
-(``isinstance`` against the protocols below), so a policy without hints, and
-a caller that never sends them, keep working unchanged::
+Hints: a strategy may also have any of three optional methods. The manager
+calls a hint only on policies that have it (``isinstance`` against the
+protocols below), so a policy without hints, and a caller that never sends
+them, keep working unchanged::
 
+    insert_cold(key)                 instead of ``insert`` for a block a prefetch loaded:
+                                     evict it first unless a reader uses it (``touch``)
     describe(key, *, layer, index)   right after each insert of ``key``: the block holds
                                      block ``index`` (0 = first tokens) of ``layer``;
                                      either may be None (unknown)
@@ -48,10 +50,22 @@ that layer chose in the previous step::
 from __future__ import annotations
 
 from collections.abc import Container, Hashable, Sequence
+from functools import cache
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+
+def implements(policy: object, protocol: type) -> bool:
+    """``isinstance(policy, protocol)`` for a method-only protocol, decided once per class:
+    the check itself walks every member of the protocol, too slow for a per-block hot path."""
+    return _implements(type(policy), protocol)
+
+
+@cache
+def _implements(cls: type, protocol: type) -> bool:
+    return issubclass(cls, protocol)
 
 
 @runtime_checkable
@@ -69,6 +83,13 @@ class EvictionPolicy(Protocol):
         """Choose and forget ``n`` victims outside ``protected``, or return None."""
 
     def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class AdmitsCold(Protocol):
+    def insert_cold(self, key: Hashable) -> None:
+        """A block loaded on a guess (a prefetch) became resident: rank it for early eviction
+        until it is used (``touch``), so a wrong guess does not push out blocks in use."""
 
 
 @runtime_checkable

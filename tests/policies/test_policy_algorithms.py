@@ -102,3 +102,14 @@ def test_s3fifo_ghost_stays_within_the_main_share() -> None:
             policy.evict(1, frozenset())
         policy.insert(key)
     assert len(policy._ghost) <= 18  # internal: 90% of 20
+
+
+def test_lru_cold_insert_goes_first_until_touched():
+    lru = make_policy("lru")
+    for k in "abc":
+        lru.insert(k)
+    lru.insert_cold("x")
+    assert lru.evict(1, set()) == ["x"]
+    lru.insert_cold("y")
+    lru.touch("y")                  # used: now the most recent
+    assert lru.evict(3, set()) == ["a", "b", "c"]

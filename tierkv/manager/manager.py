@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Container, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Protocol
 
 import torch
@@ -36,7 +36,7 @@ from tierkv.keys import BlockKey
 from tierkv.manager.directory import Directory
 from tierkv.manager.executor import Executor
 from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for, put_handler_for
-from tierkv.policy import DescribesBlocks, EvictionPolicy, ObservesScores
+from tierkv.policy import AdmitsCold, DescribesBlocks, EvictionPolicy, ObservesScores, implements
 from tierkv.profile.events import Event, EventRecorder
 from tierkv.tiers.base import Medium, Tier
 from tierkv.tiers.cpu import CpuTier
@@ -58,9 +58,17 @@ class Lease:
 
     keys: tuple[BlockKey, ...]
     places: tuple[tuple[str, int], ...]   # (tier, slot) per key
-    views: tuple[torch.Tensor, ...]
+    tiers: Mapping[str, Tier]
     unpin: Callable[[Iterable[tuple[str, int]]], None]
     released: bool = False
+    _views: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """One tensor per key, made on first use (a caller that gathers by ``places`` needs none)."""
+        if self._views is None:
+            self._views = tuple(self.tiers[name].view(slot) for name, slot in self.places)
+        return self._views
 
     def release(self) -> None:
         if not self.released:
@@ -134,6 +142,7 @@ class TierManager:
         self._writeback_errors: list[BaseException] = []
         self._state = "new"
         self._wanted: Counter[tuple[BlockKey, str]] = Counter()  # blocks callers wait to pin
+        self._cold: set[BlockKey] = set()   # prefetched, inserted cold, not yet used by a reader
         self._changed = asyncio.Event()   # set on every unpin and completed move
         self.pin_wait_s = 10.0            # how long a full tier waits for readers to unpin
 
@@ -175,11 +184,11 @@ class TierManager:
         await self.aclose()
 
     # -- queries --------------------------------------------------------
-    @property
+    @cached_property
     def memory_tiers(self) -> list[str]:
         return [n for n in self.order if self.tiers[n].medium is not Medium.NVME]
 
-    @property
+    @cached_property
     def in_place_tiers(self) -> list[str]:
         """Memory tiers a reader may use in place (``tier=None``). A pool behind a modelled link is
         not one (reading its views would bypass the model) unless no other memory tier exists."""
@@ -204,11 +213,11 @@ class TierManager:
     @property
     def wants_scores(self) -> bool:
         """Some tier's policy ranks blocks by the attention they receive (``observe``)."""
-        return any(isinstance(p, ObservesScores) for p in self.policies.values())
+        return any(implements(p, ObservesScores) for p in self.policies.values())
 
     def observe(self, scores: Iterable[tuple[BlockKey, float]]) -> None:
         """Attention mass per block in one step, for the policies that rank by it."""
-        observers = [p for p in self.policies.values() if isinstance(p, ObservesScores)]
+        observers = [p for p in self.policies.values() if implements(p, ObservesScores)]
         for key, score in scores:
             for policy in observers:
                 policy.observe(key, score)
@@ -310,25 +319,28 @@ class TierManager:
             self.access.on_acquire(keys, layer)
         start = time.perf_counter()
         target = tier or self.memory_tiers[0]
-        wanted = [(k, target) for k in keys]
-        self._wanted.update(wanted)  # arriving blocks stay until pinned
         not_in_place = self._record_hits(keys, tier, layer)
+        places = self._pin_resident(keys, tier)
+        if places is not None:   # all in place: pinned with no await, nothing can evict them meanwhile
+            return Lease(tuple(keys), places, self.tiers, self._unpin)
+        wanted = [(k, target) for k in keys]
+        self._wanted.update(wanted)  # resident and arriving blocks stay until pinned
         loaded: set[BlockKey] = set()
         try:
-            for attempt in range(_MAX_ATTEMPTS):
-                places = self._pin_resident(keys, tier, loaded)
-                if places is not None:
-                    if attempt:
-                        self.events.wait("", target, layer, not_in_place * self.block_bytes, start,
-                                         not_in_place)
-                    return Lease(tuple(keys), places, tuple(self.tiers[n].view(s) for n, s in places),
-                                 self._unpin)
+            for _ in range(_MAX_ATTEMPTS):
                 missing = [k for k in keys if not self._resident(k, tier)]
                 loaded.update(missing)
                 await self._bring(missing, target, layer, priority)
+                places = self._pin_resident(keys, tier, loaded)
+                if places is not None:
+                    self.events.wait("", target, layer, not_in_place * self.block_bytes, start, not_in_place)
+                    return Lease(tuple(keys), places, self.tiers, self._unpin)
         finally:
-            self._wanted.subtract(wanted)
-            self._wanted = +self._wanted
+            for item in wanted:
+                if (left := self._wanted[item] - 1) > 0:
+                    self._wanted[item] = left
+                else:
+                    del self._wanted[item]
         raise BudgetExceeded(f"tier {tier}: blocks were evicted {_MAX_ATTEMPTS} times before they could "
                              f"be pinned; the tier is too small for {len(keys)} blocks at once")
 
@@ -457,7 +469,7 @@ class TierManager:
             if error is not None or key in failed:
                 self.tiers[t.dst].pool.release(slot)
             else:
-                self._commit(key, t.dst, slot)
+                self._commit(key, t.dst, slot, cold=t.kind is Kind.PREFETCH)
         self.stats[t.src].bytes_out += t.nbytes
         for key in failed:
             self._remove_copy(key, t.src)
@@ -570,7 +582,7 @@ class TierManager:
         return not (entry.protected and last_copy and self._below(name) is None)
 
     # -- internals: bookkeeping ----------------------------------------
-    def _commit(self, key: BlockKey, name: str, slot: int) -> None:
+    def _commit(self, key: BlockKey, name: str, slot: int, *, cold: bool = False) -> None:
         tier = self.tiers[name]
         entry = self.directory.entry(key)
         if name in entry.copies:  # already there (blocks are immutable): keep one copy
@@ -578,19 +590,25 @@ class TierManager:
             return
         tier.pool.commit(slot)
         entry.copies[name] = slot
-        self._admit(name, key)
+        self._admit(name, key, cold=cold)
         self.stats[name].bytes_in += self.block_bytes
 
-    def _admit(self, name: str, key: BlockKey) -> None:
-        """Tell ``name``'s policy the block is resident, and where it sits if the policy asks."""
+    def _admit(self, name: str, key: BlockKey, *, cold: bool = False) -> None:
+        """Tell ``name``'s policy the block is resident (``cold``: on a prefetch's guess), and
+        where it sits if the policy asks."""
         policy = self.policies[name]
-        policy.insert(key)
-        if isinstance(policy, DescribesBlocks):
+        if cold and implements(policy, AdmitsCold):
+            policy.insert_cold(key)
+            self._cold.add(key)
+        else:
+            policy.insert(key)
+        if implements(policy, DescribesBlocks):
             entry = self.directory.get(key)
             if entry is not None:
                 policy.describe(key, layer=entry.layer, index=entry.index)
 
     def _remove_copy(self, key: BlockKey, name: str) -> None:
+        self._cold.discard(key)
         entry = self.directory.entry(key)
         slot = entry.copies.pop(name)
         tier = self.tiers[name]
@@ -617,17 +635,28 @@ class TierManager:
     def _pin_resident(self, keys: Sequence[BlockKey], tier: str | None,
                       fresh: Container[BlockKey] = ()) -> tuple[tuple[str, int], ...] | None:
         names = [tier] if tier is not None else self.in_place_tiers
+        get = self.directory.get
         places = []
-        for key in keys:
-            entry = self.directory.entry(key)
-            name = next((n for n in names if n in entry.copies), None)
-            if name is None:
+        for key in keys:    # the hot path of every read: one dict lookup per key and tier
+            entry = get(key)
+            if entry is None:
                 return None
-            places.append((name, entry.copies[name]))
+            copies = entry.copies
+            for name in names:
+                slot = copies.get(name)
+                if slot is not None:
+                    places.append((name, slot))
+                    break
+            else:
+                return None
+        tiers, policies, cold = self.tiers, self.policies, self._cold
         for key, (name, slot) in zip(keys, places):
-            self.tiers[name].pool.pin(slot)
-            if key not in fresh:  # a block loaded for this call was just inserted: not a reuse
-                self.policies[name].touch(key)
+            tiers[name].pool.pin(slot)
+            if key in cold:  # a prefetched block's first use: no longer a guess
+                cold.discard(key)
+                policies[name].touch(key)
+            elif key not in fresh:  # a block loaded for this call was just inserted: not a reuse
+                policies[name].touch(key)
         return tuple(places)
 
     def _unpin(self, places: Iterable[tuple[str, int]]) -> None:

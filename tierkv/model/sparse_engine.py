@@ -9,9 +9,11 @@ Per layer and forward pass (one decode token, or one prefill chunk)::
     out    = merge(attend(q, K, V), attend(q, k_new, v_new, causal))
     seq.append(l, k_pre, v)                                   seals pages past the window
 
-While layer l computes, the sparse prefetcher may start loading layer l+1's
-chunks; ``speculative`` guesses them from layer l's input run through layer
-l+1's query projection (InfiniGen), so the fetch overlaps the compute.
+Once layer l has its own pages, the sparse prefetcher may start loading layer
+l+1's chunks; ``speculative`` guesses them from layer l's input run through
+layer l+1's query projection (InfiniGen), so the fetch overlaps the rest of
+layer l. Prefetched pages enter their tier cold (see ``tierkv.policy``): a
+wrong guess is the first thing evicted, not a page the next step reuses.
 
 Prefill attends exactly (everything is still in the window) until
 ``dense_prefill_tokens``; there each layer's key basis is fitted and the
@@ -116,11 +118,13 @@ class SparseEngine:
         speculate = len(chunk) == 1 and getattr(self.prefetcher, "speculates", False)
         for index, layer in enumerate(self.layers):
             start = time.perf_counter()
-            if len(chunk) == 1 and index + 1 < len(self.layers):
-                self._prefetch(seq, index + 1, h if speculate else None, pos)
             with profiler_range(f"tierkv sparse layer {index}"):
                 q_pre, k_pre, v = project_qkv_pre(layer, h)          # [1, H, T, D], [1, Hkv, T, D] x2
-                out = self._attention(seq, index, q_pre, k_pre, v, pos)
+                chunks = self._select(seq, index, self._query(seq, q_pre, pos), seq.length(index), len(chunk))
+                context = self._context(seq, index, chunks)          # this layer's loads are done here
+                if len(chunk) == 1 and index + 1 < len(self.layers):  # the next layer's overlap the rest
+                    self._prefetch(seq, index + 1, h if speculate else None, pos)
+                out = self._attention(seq, index, q_pre, k_pre, v, pos, context)
                 seq.append(index, k_pre[0].transpose(0, 1), v[0].transpose(0, 1))
                 if seq.length(index) >= seq.config.dense_prefill_tokens:
                     seq.fit(index, self.rank)
@@ -128,11 +132,11 @@ class SparseEngine:
             events.record(Event("layer", "", "", index, 0, start, start, time.perf_counter()))
         return h
 
-    def _attention(self, seq: SparseSequence, layer: int, q_pre: Tensor, k_pre: Tensor, v: Tensor,
-                   pos: int) -> Tensor:
+    def _attention(self, seq: SparseSequence, layer: int, q_pre: Tensor, k_pre: Tensor, v: Tensor, pos: int,
+                   context: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        """Attend to ``context`` (pre-RoPE K, V [Hkv, Tc, D], positions [Hkv, Tc]) and causally to the new tokens."""
         T = q_pre.shape[2]
-        chunks = self._select(seq, layer, self._query(seq, q_pre, pos), seq.length(layer), T)
-        k_ctx, v_ctx, p_ctx = self._context(seq, layer, chunks)          # [Hkv, Tc, D] x2, [Hkv, Tc]
+        k_ctx, v_ctx, p_ctx = context
         Tc = k_ctx.shape[1]
         remap = seq.config.positions == "remap"
         cos, sin = self._rope_span(Tc if remap else pos, T)
