@@ -13,7 +13,7 @@ calls a hint only on policies that have it (``isinstance`` against the
 protocols below), so a policy without hints, and a caller that never sends
 them, keep working unchanged::
 
-    insert_cold(key)                 instead of ``insert`` for a block a prefetch loaded:
+    insert_cold(key)                 instead of ``insert`` for a block a guessed prefetch loaded:
                                      evict it first unless a reader uses it (``touch``)
     describe(key, *, layer, index)   right after each insert of ``key``: the block holds
                                      block ``index`` (0 = first tokens) of ``layer``;

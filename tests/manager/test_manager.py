@@ -216,25 +216,41 @@ def test_blocking_facade(knobs):
 
 
 async def test_an_unused_prefetch_is_evicted_before_blocks_in_use(knobs):
-    """A prefetch is a guess: its block enters the tier cold, so the next load evicts it before
+    """A guessed prefetch enters the tier cold, so the next load evicts it before
     blocks a reader used, however long ago; once read, it ranks like any other block."""
     async with TierManager(two_tiers(gpu_slots=4), knobs=knobs) as m:
         for i in range(8):
             await m.put(key(i), block(i), tier="cpu")
         for i in range(3):                                  # in use: read into the gpu tier
             (await m.acquire([key(i)], "gpu")).release()
-        m.prefetch([key(3)], "gpu")                         # the guess fills the last slot
+        m.prefetch([key(3)], "gpu", guess=True)             # the guess fills the last slot
         await m.flush()
         assert "gpu" in m.where(key(3))
         (await m.acquire([key(4)], "gpu")).release()        # needs room: the guess goes, not key 0
         assert "gpu" not in m.where(key(3))
         assert all("gpu" in m.where(key(i)) for i in (0, 1, 2, 4))
 
-        m.prefetch([key(5)], "gpu")
+        m.prefetch([key(5)], "gpu", guess=True)
         await m.flush()
         lease = await m.acquire([key(5)], "gpu")            # read: no longer a guess
         assert torch.equal(lease.views[0], block(5))
         lease.release()
         (await m.acquire([key(6)], "gpu")).release()        # evicts the oldest use, key 0
         assert "gpu" not in m.where(key(0)) and "gpu" in m.where(key(5))
+        assert_quiescent(m)
+
+
+async def test_a_certain_prefetch_ranks_as_used(knobs):
+    """Without ``guess`` (a reader will use the blocks: the next group, the next layer) a
+    prefetched block is inserted like a read one: the oldest use goes first."""
+    async with TierManager(two_tiers(gpu_slots=4), knobs=knobs) as m:
+        for i in range(8):
+            await m.put(key(i), block(i), tier="cpu")
+        for i in range(3):
+            (await m.acquire([key(i)], "gpu")).release()
+        m.prefetch([key(3)], "gpu")
+        await m.flush()
+        (await m.acquire([key(4)], "gpu")).release()
+        assert "gpu" not in m.where(key(0)) and "gpu" in m.where(key(3))
+        assert not m._guessed and not m._cold
         assert_quiescent(m)

@@ -91,8 +91,9 @@ class BlockingTierManager:
             lease.release()
         return out
 
-    def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *, layer: int | None = None) -> None:
-        self._loop.call_soon_threadsafe(lambda: self.manager.prefetch(keys, tier, layer=layer))
+    def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *, layer: int | None = None,
+                 guess: bool = False) -> None:
+        self._loop.call_soon_threadsafe(lambda: self.manager.prefetch(keys, tier, layer=layer, guess=guess))
 
     def observe(self, scores: Sequence[tuple[BlockKey, float]]) -> None:
         """Attention mass per block (fire and forget: policies change on the loop thread)."""

@@ -142,7 +142,8 @@ class TierManager:
         self._writeback_errors: list[BaseException] = []
         self._state = "new"
         self._wanted: Counter[tuple[BlockKey, str]] = Counter()  # blocks callers wait to pin
-        self._cold: set[BlockKey] = set()   # prefetched, inserted cold, not yet used by a reader
+        self._guessed: set[BlockKey] = set()   # on their way in for a prefetch that guessed them
+        self._cold: set[BlockKey] = set()      # guessed, inserted cold, not yet used by a reader
         self._changed = asyncio.Event()   # set on every unpin and completed move
         self.pin_wait_s = 10.0            # how long a full tier waits for readers to unpin
 
@@ -358,13 +359,25 @@ class TierManager:
         return len(keys) - sum(found.values())
 
     def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *,
-                 layer: int | None = None) -> None:
-        """Start loading ``keys`` into ``tier`` in the background; errors are recorded, not raised."""
+                 layer: int | None = None, guess: bool = False) -> None:
+        """Start loading ``keys`` into ``tier`` in the background; errors are recorded, not raised.
+
+        ``guess``: the caller may not read them (a speculative selection); they enter the tier
+        cold where its policy can (``AdmitsCold``), so an unused one is evicted first.
+        """
         self._check_running()
         missing = [k for k in keys if not self._resident(k, tier)]
         if missing:
-            self._spawn(self._bring(missing, tier or self.memory_tiers[0], layer, Priority.PREFETCH),
-                        quiet=True)
+            self._spawn(self._prefetch(missing, tier or self.memory_tiers[0], layer, guess), quiet=True)
+
+    async def _prefetch(self, keys: list[BlockKey], dst: str, layer: int | None, guess: bool) -> None:
+        if guess:
+            self._guessed.update(keys)
+        try:
+            await self._bring(keys, dst, layer, Priority.PREFETCH)
+        finally:
+            if guess:
+                self._guessed.difference_update(keys)
 
     # -- internals: placement -------------------------------------------
     def _placement(self, tier: str | None) -> list[str]:
@@ -469,7 +482,7 @@ class TierManager:
             if error is not None or key in failed:
                 self.tiers[t.dst].pool.release(slot)
             else:
-                self._commit(key, t.dst, slot, cold=t.kind is Kind.PREFETCH)
+                self._commit(key, t.dst, slot, cold=t.kind is Kind.PREFETCH and key in self._guessed)
         self.stats[t.src].bytes_out += t.nbytes
         for key in failed:
             self._remove_copy(key, t.src)

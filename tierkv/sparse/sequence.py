@@ -272,7 +272,7 @@ class SparseSequence:
         state = self.layers[layer]
         keys = [state.pages[p] for p in self.chunk_pages(chunks).tolist() if p < len(state.pages)]
         if keys:
-            self.manager.prefetch(keys, self.read_tier, layer=layer)
+            self.manager.prefetch(keys, self.read_tier, layer=layer, guess=True)   # a selection not made yet
 
     def memory_bytes(self) -> int:
         """Bytes this sequence holds outside the tiers: sinks, windows, bases, chunk indexes."""
