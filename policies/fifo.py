@@ -19,3 +19,5 @@ class FIFOPolicy(LRUPolicy):
 
     def touch(self, key: Hashable) -> None:
         pass
+
+    insert_cold = None   # not LRU's: a use could never lift a cold block again (see tierkv.policy.AdmitsCold)

@@ -9,9 +9,10 @@ forgets them; when it cannot find ``n`` it returns ``None`` and changes
 nothing.
 
 Hints: a strategy may also have any of three optional methods. The manager
-calls a hint only on policies that have it (``isinstance`` against the
-protocols below), so a policy without hints, and a caller that never sends
-them, keep working unchanged::
+calls a hint only on policies whose class has it (``implements``: checked
+against the protocols below once per class; a method set to None opts out),
+so a policy without hints, and a caller that never sends them, keep working
+unchanged::
 
     insert_cold(key)                 instead of ``insert`` for a block a guessed prefetch loaded:
                                      evict it first unless a reader uses it (``touch``)

@@ -194,3 +194,26 @@ def test_evict_work_grows_with_protected_keys_passed_plus_n(name: str) -> None:
         protected.lookups = 0
         assert policy.evict(5, protected) is not None
         assert protected.lookups <= 3 * (1000 + 5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_cold_block_is_first_to_go_until_it_is_used(name):
+    """Where a policy admits cold (``AdmitsCold``), a guessed block goes before blocks in use, and a
+    use lifts it: it is then not the next victim."""
+    from tierkv.policy import AdmitsCold, implements
+    policy = make_policy(name, capacity=8)
+    if not implements(policy, AdmitsCold):
+        pytest.skip(f"{name} admits every block alike")
+    for k in range(4):
+        policy.insert(k)
+        policy.touch(k)
+    policy.insert_cold("guess")
+    assert policy.evict(1, frozenset()) == ["guess"]
+    policy.insert_cold("used")
+    policy.touch("used")
+    assert policy.evict(1, frozenset()) != ["used"]
+
+
+def test_fifo_does_not_admit_cold():
+    from tierkv.policy import AdmitsCold, implements
+    assert implements(make_policy("lru"), AdmitsCold) and not implements(make_policy("fifo"), AdmitsCold)

@@ -142,8 +142,7 @@ class TierManager:
         self._writeback_errors: list[BaseException] = []
         self._state = "new"
         self._wanted: Counter[tuple[BlockKey, str]] = Counter()  # blocks callers wait to pin
-        self._guessed: set[BlockKey] = set()   # on their way in for a prefetch that guessed them
-        self._cold: set[BlockKey] = set()      # guessed, inserted cold, not yet used by a reader
+        self._cold: set[tuple[BlockKey, str]] = set()   # (block, tier): a guess inserted cold, not read yet
         self._changed = asyncio.Event()   # set on every unpin and completed move
         self.pin_wait_s = 10.0            # how long a full tier waits for readers to unpin
 
@@ -325,7 +324,7 @@ class TierManager:
         if places is not None:   # all in place: pinned with no await, nothing can evict them meanwhile
             return Lease(tuple(keys), places, self.tiers, self._unpin)
         wanted = [(k, target) for k in keys]
-        self._wanted.update(wanted)  # resident and arriving blocks stay until pinned
+        self._wanted.update(wanted)  # blocks in (or arriving into) the target stay there until pinned
         loaded: set[BlockKey] = set()
         try:
             for _ in range(_MAX_ATTEMPTS):
@@ -368,16 +367,8 @@ class TierManager:
         self._check_running()
         missing = [k for k in keys if not self._resident(k, tier)]
         if missing:
-            self._spawn(self._prefetch(missing, tier or self.memory_tiers[0], layer, guess), quiet=True)
-
-    async def _prefetch(self, keys: list[BlockKey], dst: str, layer: int | None, guess: bool) -> None:
-        if guess:
-            self._guessed.update(keys)
-        try:
-            await self._bring(keys, dst, layer, Priority.PREFETCH)
-        finally:
-            if guess:
-                self._guessed.difference_update(keys)
+            self._spawn(self._bring(missing, tier or self.memory_tiers[0], layer, Priority.PREFETCH, cold=guess),
+                        quiet=True)
 
     # -- internals: placement -------------------------------------------
     def _placement(self, tier: str | None) -> list[str]:
@@ -410,8 +401,9 @@ class TierManager:
 
     # -- internals: moves -----------------------------------------------
     async def _bring(self, keys: Sequence[BlockKey], dst: str, layer: int | None,
-                     priority: Priority) -> None:
-        """Make every key resident in ``dst`` (joining moves already in flight)."""
+                     priority: Priority, *, cold: bool = False) -> None:
+        """Make every key resident in ``dst`` (joining moves already in flight; ``cold``: the
+        moves this call starts insert their blocks cold)."""
         joined: list[asyncio.Future] = []
         by_source: dict[str, list[BlockKey]] = {}
         for key in dict.fromkeys(keys):
@@ -428,7 +420,7 @@ class TierManager:
                 raise BlockMissing(f"block {key.hex()} is not stored in any tier")
             by_source.setdefault(source, []).append(key)
         kind = Kind.LOAD if priority is Priority.NOW else Kind.PREFETCH
-        moves = [self._move(group, src, dst, kind, priority, layer, self._claim(group, dst))
+        moves = [self._move(group, src, dst, kind, priority, layer, self._claim(group, dst), cold=cold)
                  for src, group in by_source.items()]
         results = await asyncio.gather(*moves, *(asyncio.shield(f) for f in joined), return_exceptions=True)
         corrupt = [k for r in results if isinstance(r, list) for k in r]
@@ -447,7 +439,7 @@ class TierManager:
         return done
 
     async def _move(self, keys: list[BlockKey], src: str, dst: str, kind: Kind, priority: Priority,
-                    layer: int | None, done: asyncio.Future) -> list[BlockKey]:
+                    layer: int | None, done: asyncio.Future, *, cold: bool = False) -> list[BlockKey]:
         """Copy ``keys`` (claimed by ``done``) from ``src`` to ``dst``; returns keys whose source was corrupt."""
         try:
             dst_slots = await self._reserve(dst, len(keys))
@@ -466,7 +458,7 @@ class TierManager:
         if any(self._wanted[(k, dst)] for k in keys):
             priority = Priority.NOW  # a caller started waiting while this move was prepared
         transfer = Transfer(kind, src, dst, tuple(keys), tuple(src_slots), tuple(dst_slots),
-                            len(keys) * self.block_bytes, layer)
+                            len(keys) * self.block_bytes, layer, cold=cold)
         handler = handler_for(self.tiers[src].medium, self.tiers[dst].medium)
         body = partial(handler, transfer, self.tiers[src], self.tiers[dst])
         work = self._executor.submit(transfer, body, priority)
@@ -482,7 +474,7 @@ class TierManager:
             if error is not None or key in failed:
                 self.tiers[t.dst].pool.release(slot)
             else:
-                self._commit(key, t.dst, slot, cold=t.kind is Kind.PREFETCH and key in self._guessed)
+                self._commit(key, t.dst, slot, cold=t.cold)
         self.stats[t.src].bytes_out += t.nbytes
         for key in failed:
             self._remove_copy(key, t.src)
@@ -612,7 +604,7 @@ class TierManager:
         policy = self.policies[name]
         if cold and implements(policy, AdmitsCold):
             policy.insert_cold(key)
-            self._cold.add(key)
+            self._cold.add((key, name))
         else:
             policy.insert(key)
         if implements(policy, DescribesBlocks):
@@ -621,7 +613,7 @@ class TierManager:
                 policy.describe(key, layer=entry.layer, index=entry.index)
 
     def _remove_copy(self, key: BlockKey, name: str) -> None:
-        self._cold.discard(key)
+        self._cold.discard((key, name))
         entry = self.directory.entry(key)
         slot = entry.copies.pop(name)
         tier = self.tiers[name]
@@ -665,8 +657,8 @@ class TierManager:
         tiers, policies, cold = self.tiers, self.policies, self._cold
         for key, (name, slot) in zip(keys, places):
             tiers[name].pool.pin(slot)
-            if key in cold:  # a prefetched block's first use: no longer a guess
-                cold.discard(key)
+            if (key, name) in cold:  # a guessed block's first use: no longer a guess
+                cold.discard((key, name))
                 policies[name].touch(key)
             elif key not in fresh:  # a block loaded for this call was just inserted: not a reuse
                 policies[name].touch(key)

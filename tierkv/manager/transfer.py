@@ -45,6 +45,7 @@ class Transfer:
     dst_slots: tuple[int, ...]
     nbytes: int
     layer: int | None = None
+    cold: bool = False     # a guessed prefetch: its blocks enter ``dst`` cold (tierkv.policy.AdmitsCold)
 
 
 Handler = Callable[[Transfer, object, object], list[BlockKey]]

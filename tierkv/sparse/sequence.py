@@ -269,10 +269,13 @@ class SparseSequence:
         state.previous = pages
 
     def prefetch(self, layer: int, chunks: Tensor) -> None:
+        """Start loading the pages of ``chunks``, a guess at ``layer``'s selection: they enter the
+        tier cold. None when they exceed one gather group (half the tier): the layer would read in
+        groups, and each group's loads would evict the cold pages of the next."""
         state = self.layers[layer]
         keys = [state.pages[p] for p in self.chunk_pages(chunks).tolist() if p < len(state.pages)]
-        if keys:
-            self.manager.prefetch(keys, self.read_tier, layer=layer, guess=True)   # a selection not made yet
+        if keys and len(keys) <= self._pin_limit():
+            self.manager.prefetch(keys, self.read_tier, layer=layer, guess=True)
 
     def memory_bytes(self) -> int:
         """Bytes this sequence holds outside the tiers: sinks, windows, bases, chunk indexes."""
