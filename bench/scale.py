@@ -99,9 +99,10 @@ def scale_run(report: Report, tokens: int, store: Path, new_tokens: int) -> None
     for metric, (value, unit) in rows.items():
         report.add_row("sparse-remap", metric, value, unit, context=tokens)
     report.add_row("sparse-remap", "wall_s", wall, "s", context=tokens)
-    report.add_ratio(f"rss_vs_budget@{label}", peak / (KV_BUDGET + base), 1.0,
-                     "peak RSS / (4 GiB KV budget + RSS of model and runtime without KV); at most 1 holds "
-                     "the budget")
+    rss = peak / (KV_BUDGET + base)   # an upper bound: report.py's verdict reads targets as lower bounds
+    report.add_ratio(f"rss_vs_budget@{label}", round(rss, 3), None,
+                     "peak RSS / (4 GiB KV budget + RSS of model and runtime without KV); target at most 1: "
+                     f"{'met' if rss <= 1 else 'NOT met'}")
     report.add_ratio(f"passkey_found@{label}", float(bool(result["found"])), 1.0,
                      f"passkey found by sparse attention with remapped positions at {tokens} tokens")
     report.add_bound(f"{label}: prefill {prefill_s:.0f} s over all runs = sparse prefill (exact for the first "

@@ -168,9 +168,9 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     sparse.add_argument("--selector", default="shadowkv",
                         help="chunk selector: shadowkv (landmarks, default), quest (page bounds), near-memory "
                              "(scored in a simulated CXL pool), or module:Class")
-    sparse.add_argument("--sparse-prefetch", default="speculative",
-                        help="what to load for layer l+1 during layer l: speculative (default), "
-                             "previous-step, none")
+    sparse.add_argument("--sparse-prefetch", default="none",
+                        help="what to load for layer l+1 during layer l: none (default: sparse decode computes "
+                             "on the CPU, where a guess costs more than it hides), speculative, previous-step")
     sparse.add_argument("--positions", default="auto", choices=("auto", "original", "remap"),
                         help="RoPE positions of attended keys: remap = compact positions inside the trained "
                              "window (default past it), original = real positions")

@@ -75,6 +75,18 @@ def test_remap_with_everything_attended_equals_dense_within_the_window():
     assert torch.allclose(got[0], want, atol=2e-4)
 
 
+@pytest.mark.parametrize("prefetch", ["speculative", "previous-step"])
+def test_a_prefetcher_changes_what_loads_not_the_logits(prefetch):
+    """Pages spill past a small gpu tier; guessed pages enter it cold: the logits stay those of none."""
+    from dataclasses import replace
+    lm = loaded("llama")
+    ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(7)).tolist()
+    cfg = SparseConfig(budget=64, rank=16, sink_tokens=8, window_tokens=32, page_tokens=16,
+                       positions="original", dense_prefill_tokens=100, prefetch="none")
+    want = torch.stack(run_sparse(lm, ids, cfg, steps=4))
+    assert torch.equal(torch.stack(run_sparse(lm, ids, replace(cfg, prefetch=prefetch), steps=4)), want)
+
+
 @pytest.mark.model
 def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tmp_path):
     from tierkv.model.generate import RunConfig, run

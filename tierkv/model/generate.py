@@ -55,7 +55,7 @@ class RunConfig:
     prefill_budget: str | int = 1024  # sparse: the same for each sparse prefill chunk
     rank: int | None = None          # sparse: rank of the low-rank keys (None: by the key width)
     selector: str = "shadowkv"       # sparse: a policies.selectors name
-    sparse_prefetch: str = "speculative"
+    sparse_prefetch: str = "none"
     positions: str = "auto"          # sparse: original | remap | auto (remap past the trained window)
     dense_prefill_tokens: int | None = None   # sparse: exact prefill up to here (None: auto)
     page_dtype: str | None = None    # sparse: dtype of stored values and key factors (None: the model's)
