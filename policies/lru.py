@@ -24,7 +24,7 @@ class LRUPolicy:
         self._order.move_to_end(key)
 
     def insert_cold(self, key: Hashable) -> None:
-        """A prefetched block: first in line for eviction until a reader uses it."""
+        """A guessed block (a speculative prefetch): first in line for eviction until a reader uses it."""
         self._order[key] = None
         self._order.move_to_end(key, last=False)
 

@@ -9,10 +9,10 @@ Per layer and forward pass (one decode token, or one prefill chunk)::
     out    = merge(attend(q, K, V), attend(q, k_new, v_new, causal))
     seq.append(l, k_pre, v)                                   seals pages past the window
 
-Once layer l has its own pages, the sparse prefetcher may start loading layer
-l+1's chunks; ``speculative`` guesses them from layer l's input run through
-layer l+1's query projection (InfiniGen), so the fetch overlaps the rest of
-layer l. Prefetched pages enter their tier cold (see ``tierkv.policy``): a
+Once layer l has its own pages, a sparse prefetcher (none by default: on CPU
+compute a guess costs more than it hides) may start loading layer l+1's
+chunks; ``speculative`` guesses them from layer l's input run through layer
+l+1's query projection (InfiniGen), so the fetch overlaps the rest of layer l. Prefetched pages enter their tier cold (see ``tierkv.policy``): a
 wrong guess is the first thing evicted, not a page the next step reuses.
 
 Prefill attends exactly (everything is still in the window) until
