@@ -12,8 +12,9 @@ Per layer and forward pass (one decode token, or one prefill chunk)::
 Once layer l has its own pages, a sparse prefetcher (none by default: on CPU
 compute a guess costs more than it hides) may start loading layer l+1's
 chunks; ``speculative`` guesses them from layer l's input run through layer
-l+1's query projection (InfiniGen), so the fetch overlaps the rest of layer l. Prefetched pages enter their tier cold (see ``tierkv.policy``): a
-wrong guess is the first thing evicted, not a page the next step reuses.
+l+1's query projection (InfiniGen), so the fetch overlaps the rest of layer
+l. Prefetched pages enter their tier cold (see ``tierkv.policy``): a wrong
+guess is the first thing evicted, not a page the next step reuses.
 
 Prefill attends exactly (everything is still in the window) until
 ``dense_prefill_tokens``; there each layer's key basis is fitted and the
@@ -122,7 +123,7 @@ class SparseEngine:
                 q_pre, k_pre, v = project_qkv_pre(layer, h)          # [1, H, T, D], [1, Hkv, T, D] x2
                 chunks = self._select(seq, index, self._query(seq, q_pre, pos), seq.length(index), len(chunk))
                 context = self._context(seq, index, chunks)          # this layer's loads are done here
-                if len(chunk) == 1 and index + 1 < len(self.layers):  # the next layer's overlap the rest
+                if len(chunk) == 1 and index + 1 < len(self.layers):  # next layer's loads overlap the rest
                     self._prefetch(seq, index + 1, h if speculate else None, pos)
                 out = self._attention(seq, index, q_pre, k_pre, v, pos, context)
                 seq.append(index, k_pre[0].transpose(0, 1), v[0].transpose(0, 1))

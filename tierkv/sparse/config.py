@@ -48,7 +48,7 @@ class SparseConfig:
     outlier_fraction: float = 0.01  # chunks kept exact because their landmark describes them worst
     max_outlier_tokens: int = 512   # cap, so remapped positions stay inside the trained window
     selector: str = "shadowkv"      # a policies.selectors name
-    prefetch: str = "none"   # a policies.selectors sparse-prefetch name; on CPU compute a guess costs more than it hides
+    prefetch: str = "none"   # a policies.selectors sparse-prefetch name (a guess costs more than it hides on CPU)
     positions: str = "auto"         # original | remap (RoPE at compact positions) | auto
     dense_prefill_tokens: int | None = None  # exact prefill up to here; None: auto (see resolve)
 
