@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from tierkv.sparse.index import ChunkIndex
@@ -46,3 +47,37 @@ def test_state_round_trip():
     copy.load(index.state())
     assert torch.equal(copy.landmarks, index.landmarks) and torch.equal(copy.candidates, index.candidates)
     assert list(copy.outliers) == [5] and torch.equal(copy.exact()[1], index.exact()[1])
+
+
+def test_state_is_views_of_the_index_and_a_load_grows_on():
+    """Saving copies nothing (the landmarks of 1M tokens are 1.5 GB); a loaded index keeps growing."""
+    keys = smooth_keys(30)
+    index = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks", "bounds"}), dtype=torch.float32)
+    index.add(keys, keys, keys, target_outliers=0)
+    state = index.state()
+    storage = index._landmarks.data.untyped_storage().data_ptr()
+    for head in range(2):
+        view = state[f"landmarks.h{head}"]
+        assert view.is_contiguous() and view.untyped_storage().data_ptr() == storage
+        assert torch.equal(view, index.landmarks[:, head])
+    assert state["lo"].is_contiguous() and state["lo"].data_ptr() == index._lo.data.data_ptr()
+    copy = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks", "bounds"}), dtype=torch.float32)
+    copy.load({name: t.clone() for name, t in state.items()})
+    more = smooth_keys(5, seed=1)
+    for grown in (index, copy):
+        grown.add(more, more, more, target_outliers=0)
+    assert copy.chunks == 35
+    assert torch.equal(copy.landmarks, index.landmarks) and torch.equal(copy.hi, index.hi)
+
+
+def test_the_first_layout_of_landmarks_loads_too():
+    keys = smooth_keys(12)
+    index = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks"}), dtype=torch.float32)
+    index.add(keys, keys, keys, target_outliers=0)
+    state = {n: t for n, t in index.state().items() if not n.startswith("landmarks.")}
+    copy = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks"}), dtype=torch.float32)
+    copy.load(state | {"landmarks": index.landmarks.contiguous()})      # [n, H, D], one tensor
+    assert torch.equal(copy.landmarks, index.landmarks)
+    bad = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks"}), dtype=torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        bad.load(state | {"landmarks": torch.zeros(12, 3, 16)})

@@ -141,3 +141,36 @@ def test_no_checkpoints_when_turned_off(tiny_loaded, tmp_path):
     with pytest.raises(Stop):
         run_open(tiny_loaded, tmp_path, stop_after=256, checkpoint_s=0)
     assert not (tmp_path / "sparse-indexes").exists() or partial_files(tmp_path) == []
+
+
+def test_an_index_in_the_first_file_layout_resumes_exactly(tiny_loaded, tmp_path):
+    """Files written before landmarks were saved per KV head (version 1) still load."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tierkv.sparse.store import _digest
+    path, key, logits = prefilled(tiny_loaded, tmp_path)
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    for layer in range(len(json.loads(meta["pages"]))):
+        heads = sorted(n for n in tensors if n.startswith(f"L{layer}.landmarks.h"))
+        tensors[f"L{layer}.landmarks"] = torch.stack([tensors.pop(n) for n in heads], dim=1)
+    meta |= {"version": "1", "checksums": json.dumps({n: _digest(t) for n, t in tensors.items()})}
+    save_file(tensors, str(path), metadata=meta)
+    again = reopen(tiny_loaded, tmp_path, path, key)
+    assert again is not None and torch.equal(again, logits)
+
+
+def test_a_failed_load_leaves_the_sequence_untouched(tiny_loaded, tmp_path):
+    path, key, _ = prefilled(tiny_loaded, tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[-50] ^= 0x10                                    # the last tensor: every other layer reads fine
+    path.write_bytes(bytes(raw))
+    with manager(tiny_loaded, tmp_path) as mgr:
+        engine = SparseEngine(tiny_loaded, mgr, CFG, chunk_tokens=64)
+        seq = engine.new_sequence(len(IDS), root=key)
+        layers = list(seq.layers)
+        assert load_index(seq, path) is None
+        assert seq.layers == layers and all(s.length == 0 and not s.pages for s in seq.layers)

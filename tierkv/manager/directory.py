@@ -9,21 +9,38 @@ trusts tierkv with: their last copy is never dropped.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from tierkv.errors import BlockMissing
 from tierkv.keys import BlockKey
 
 
+NOTHING_ARRIVING: Mapping[str, asyncio.Future] = MappingProxyType({})
+
+
 @dataclass(slots=True)
 class BlockEntry:
+    """One per stored block (a million for a 1M-token prompt in 32-token pages: keep it small)."""
     key: BlockKey
     protected: bool
     layer: int | None = None
     index: int | None = None    # block position within its layer (0 = first tokens), when the caller says
     copies: dict[str, int] = field(default_factory=dict)              # tier -> READY slot
-    arriving: dict[str, asyncio.Future] = field(default_factory=dict)  # tier -> move in flight
+    arriving: Mapping[str, asyncio.Future] = field(default_factory=lambda: NOTHING_ARRIVING)  # tier -> move in flight
+
+    def arrive(self, tier: str, done: asyncio.Future) -> None:
+        if not self.arriving:
+            self.arriving = {}
+        self.arriving[tier] = done
+
+    def settle(self, tier: str, done: asyncio.Future) -> None:
+        """The move ``done`` into ``tier`` is over (another may have replaced it since)."""
+        if self.arriving.get(tier) is done:
+            del self.arriving[tier]
+            if not self.arriving:
+                self.arriving = NOTHING_ARRIVING
 
 
 class Directory:

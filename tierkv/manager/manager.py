@@ -435,7 +435,7 @@ class TierManager:
         """Announce a move of ``keys`` into ``dst`` (synchronously, so later readers join it)."""
         done = asyncio.get_running_loop().create_future()
         for key in keys:
-            self.directory.entry(key).arriving[dst] = done
+            self.directory.entry(key).arrive(dst, done)
         return done
 
     async def _move(self, keys: list[BlockKey], src: str, dst: str, kind: Kind, priority: Priority,
@@ -492,8 +492,8 @@ class TierManager:
                 error: BaseException | None, failed: list[BlockKey] | None = None) -> None:
         for key in keys:
             entry = self.directory.get(key)
-            if entry is not None and entry.arriving.get(dst) is done:
-                del entry.arriving[dst]
+            if entry is not None:
+                entry.settle(dst, done)
             self.directory.forget_if_empty(key)
         if done.done():
             return

@@ -44,6 +44,14 @@ class _Growing:
         self.data.narrow(self.axis, self.n, rows.shape[0]).copy_(rows.movedim(0, self.axis))
         self.n = need
 
+    def adopt(self, data: Tensor) -> None:
+        """Take ``data`` (laid out as storage is, every row used) as the whole content, without a copy."""
+        if data.dim() != self.data.dim() or data.shape[:self.axis] + data.shape[self.axis + 1:] != \
+                self.data.shape[:self.axis] + self.data.shape[self.axis + 1:]:
+            raise ValueError(f"rows of shape {tuple(data.shape)} do not fit storage {tuple(self.data.shape)} "
+                             f"(rows along dimension {self.axis})")
+        self.data, self.n = data.to(self.data.dtype).contiguous(), data.shape[self.axis]
+
     def resize(self, rows: int) -> None:
         shape = list(self.data.shape)
         shape[self.axis] = max(rows, self.n)
@@ -157,25 +165,40 @@ class ChunkIndex:
 
     # -- persistence ----------------------------------------------------------------
     def state(self) -> dict[str, Tensor]:
+        """What the index holds, as views that need no copy to be saved: the landmarks one tensor per
+        KV head ("landmarks.h<j>" [n, D], contiguous in storage), the rest [n, ...] row prefixes."""
         ids, k, v = self.exact()
         state = {"candidates": self.candidates, "outlier_ids": ids, "outlier_scores":
                  torch.tensor([self.outliers[i][0] for i in ids.tolist()], dtype=torch.float32)}
         if ids.numel():
             state |= {"outlier_k": k, "outlier_v": v}
-        for name in ("landmarks", "lo", "hi"):
+        if self._landmarks is not None:
+            data, n = self._landmarks.data, self._landmarks.n
+            state |= {f"landmarks.h{h}": data[h, :n] for h in range(data.shape[0])}
+        for name in ("lo", "hi"):
             if getattr(self, name) is not None:
                 state[name] = getattr(self, name)
         return state
 
     def load(self, state: dict[str, Tensor]) -> None:
-        for name, grow in (("landmarks", self._landmarks), ("lo", self._lo), ("hi", self._hi)):
+        """Take the content of ``state()`` (or of the older layout with one "landmarks" [n, H, D]),
+        adopting its tensors where their layout allows."""
+        if self._landmarks is not None:
+            heads = self._landmarks.data.shape[0]
+            if all(f"landmarks.h{h}" in state for h in range(heads)):
+                self._landmarks.adopt(torch.stack([state[f"landmarks.h{h}"] for h in range(heads)]))
+            elif "landmarks" in state:
+                self._landmarks.adopt(state["landmarks"].transpose(0, 1))
+            else:
+                raise KeyError("the stored index has no landmarks")
+        for name, grow in (("lo", self._lo), ("hi", self._hi)):
             if grow is not None:
                 if name not in state:
                     raise KeyError(f"the stored index has no {name}")
-                grow.n = 0
-                grow.extend(state[name])
-        self._candidates.n = 0
-        self._candidates.extend(state["candidates"])
+                grow.adopt(state[name])
+        self._candidates.adopt(state["candidates"])
+        if len({g.n for g in (self._landmarks, self._lo, self._hi, self._candidates) if g is not None}) != 1:
+            raise ValueError("the stored summaries disagree on the number of chunks")
         c = self.chunk_tokens
         ids, scores = state["outlier_ids"].tolist(), state["outlier_scores"].tolist()
         self.outliers = {chunk: (score, state["outlier_k"][j * c:(j + 1) * c].clone(),

@@ -111,11 +111,16 @@ class SparseSequence:
         self.root = root or BlockKey.of("private-sparse", os.urandom(16))
         self.persist = persist
         self.read_tier: str | None = None
-        self.layers = [_Layer(i, config, layout, needs, dtype) for i in range(num_layers)]
+        self._shape = (needs, dtype)
+        self.layers = [self.new_layer(i) for i in range(num_layers)]
         self.stats = ReadStats()
         self.chosen: dict[int, Tensor] = {}      # layer -> chunks chosen in the last step
         self.resumed_tokens = 0                  # prompt tokens a stopped prefill had saved
         self.prefill_s = 0.0                     # seconds of prefill behind the state, all runs
+
+    def new_layer(self, layer: int) -> _Layer:
+        """An empty state for ``layer`` (a stored index is read into fresh ones, then swapped in)."""
+        return _Layer(layer, self.config, self.layout, *self._shape)
 
     # -- regions ------------------------------------------------------------------
     def length(self, layer: int) -> int:

@@ -5,7 +5,8 @@ sinks, window, key basis, chunk summaries, outliers) is written to one
 safetensors file named by the index id, a hash of everything that shaped it::
 
     id   = H("tierkv-sparse-v1" | model id | page layout | resolved sparse settings | prompt ids)
-    file = <dir>/<id>.safetensors          tensors "L<layer>.<name>"; metadata: tokens, pages per
+    file = <dir>/<id>.safetensors          tensors "L<layer>.<name>" (landmarks one per KV head:
+                                           "L<layer>.landmarks.h<j>"); metadata: tokens, pages per
                                            layer, prefill seconds, the xxh3-64 of every tensor's bytes
     partial = <dir>/<id>.partial.safetensors   the same, part way through the prefill (a checkpoint)
     page = H(id | "page" | layer | p)      (SparseSequence.page_key)
@@ -33,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import xxhash
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from tierkv.keys import BlockKey
 from tierkv.sparse.config import SparseConfig
@@ -42,7 +43,8 @@ from tierkv.sparse.pages import PageLayout
 from tierkv.sparse.sequence import SparseSequence
 
 log = logging.getLogger(__name__)
-VERSION = "1"
+VERSION = "2"                # 2: landmarks saved per KV head, as they lie in memory
+READABLE = ("1", "2")
 
 
 def index_id(model_id: str, layout: PageLayout, config: SparseConfig, needs: frozenset[str],
@@ -61,14 +63,16 @@ def checkpoint_path(directory: Path, key: BlockKey) -> Path:
 
 
 def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0) -> None:
-    """Write ``seq``'s in-memory part; ``prefill_s``: seconds its prefill took so far (all runs)."""
+    """Write ``seq``'s in-memory part; ``prefill_s``: seconds its prefill took so far (all runs).
+
+    The tensors are written from where they lie (the landmarks of 1M tokens are 1.5 GB: a copy
+    for the save would add that much to the peak memory of every checkpoint)."""
     tensors: dict[str, torch.Tensor] = {}
     for layer, state in enumerate(seq.layers):
-        basis = state.basis.basis
         parts = {"sink_k": state.sink_k, "sink_v": state.sink_v, "win_k": state.win_k.rows(),
-                 "win_v": state.win_v.rows(), "basis": basis} | state.index.state()
+                 "win_v": state.win_v.rows(), "basis": state.basis.basis} | state.index.state()
         for name, tensor in parts.items():
-            tensors[f"L{layer}.{name}"] = tensor.contiguous().clone()
+            tensors[f"L{layer}.{name}"] = tensor if tensor.is_contiguous() else tensor.contiguous()
     meta = {"version": VERSION, "tokens": json.dumps([s.length for s in seq.layers]),
             "pages": json.dumps([len(s.pages) for s in seq.layers]),
             "energy": json.dumps([s.basis.energy_kept for s in seq.layers]), "prefill_s": repr(prefill_s),
@@ -83,47 +87,45 @@ def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0) -> No
 
 def load_index(seq: SparseSequence, path: Path) -> dict[str, str] | None:
     """Fill a fresh ``seq`` from ``path`` and return the file's metadata; None (``seq`` untouched)
-    if it is absent, damaged or stale."""
+    if it is absent, damaged or stale.
+
+    The file is read one layer at a time into fresh layer states that take the tensors as read
+    (no second copy, no mapping of the file kept), each tensor checked against its checksum;
+    ``seq`` gets them only once all are read and every page they name is still stored."""
     if not path.exists():
         return None
     try:
-        tensors, meta = _read(path)
-    except (OSError, SafetensorError, ValueError, KeyError) as error:
+        with safe_open(str(path), framework="pt", backend="pread") as f:
+            meta = f.metadata() or {}
+            if meta.get("version") not in READABLE:
+                raise ValueError(f"version {meta.get('version')!r}, expected one of {', '.join(READABLE)}")
+            sums = json.loads(meta["checksums"])
+            if set(sums) != set(f.keys()):
+                raise ValueError("the tensors in the file are not those its checksums name")
+            pages = json.loads(meta["pages"])
+            if len(pages) != len(seq.layers):
+                raise ValueError(f"{len(pages)} layers, the model has {len(seq.layers)}")
+            layers = _read_layers(seq, f, sums, meta, pages)
+    except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as error:
         log.warning("sparse index %s is not usable (%s); prefilling again", path.name, error)
         return None
-    pages = json.loads(meta["pages"])
-    if len(pages) != len(seq.layers):
-        log.warning("sparse index %s has %d layers, the model %d; prefilling again",
-                    path.name, len(pages), len(seq.layers))
-        return None
-    keys = [seq.page_key(layer, p) for layer, n in enumerate(pages) for p in range(n)]
-    if not seq.manager.protect(keys):
+    keys = [state.pages for state in layers]
+    if not seq.manager.protect([key for layer in keys for key in layer]):
         log.warning("sparse index %s: some of its pages are no longer stored; prefilling again", path.name)
         return None
-    _fill(seq, tensors, meta, pages)
+    seq.layers = layers
     return meta
 
 
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import safe_open
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    if meta.get("version") != VERSION:
-        raise ValueError(f"version {meta.get('version')!r}, expected {VERSION}")
-    tensors = load_file(str(path))
-    sums = json.loads(meta["checksums"])
-    for name, tensor in tensors.items():
-        if sums.get(name) != _digest(tensor):
-            raise ValueError(f"tensor {name} fails its checksum")
-    if set(sums) != set(tensors):
-        raise ValueError("tensors missing from the file")
-    return tensors, meta
-
-
-def _fill(seq: SparseSequence, tensors: dict[str, torch.Tensor], meta: dict[str, str], pages: list[int]) -> None:
+def _read_layers(seq: SparseSequence, f: safe_open, sums: dict[str, str], meta: dict[str, str],
+                 pages: list[int]) -> list:
     lengths, energy = json.loads(meta["tokens"]), json.loads(meta["energy"])
-    for layer, state in enumerate(seq.layers):
-        get = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith(f"L{layer}.")}
+    names = sorted(sums)
+    layers = []
+    for layer in range(len(seq.layers)):
+        prefix = f"L{layer}."
+        get = {name[len(prefix):]: _checked(f, name, sums[name]) for name in names if name.startswith(prefix)}
+        state = seq.new_layer(layer)
         state.sink_k, state.sink_v = get["sink_k"], get["sink_v"]
         state.win_k.push(get["win_k"])
         state.win_v.push(get["win_v"])
@@ -131,6 +133,15 @@ def _fill(seq: SparseSequence, tensors: dict[str, torch.Tensor], meta: dict[str,
         state.index.load(get)
         state.pages = [seq.page_key(layer, p) for p in range(pages[layer])]
         state.length = lengths[layer]
+        layers.append(state)
+    return layers
+
+
+def _checked(f: safe_open, name: str, digest: str) -> torch.Tensor:
+    tensor = f.get_tensor(name)
+    if _digest(tensor) != digest:
+        raise ValueError(f"tensor {name} fails its checksum")
+    return tensor
 
 
 def _digest(tensor: torch.Tensor) -> str:
