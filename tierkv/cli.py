@@ -161,6 +161,9 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     sparse = p.add_argument_group("sparse mode")
     sparse.add_argument("--sparse-budget", default="2048", metavar="N|P%",
                         help="selected tokens per KV head and step: a count (default 2048) or a share like 2%%")
+    sparse.add_argument("--layer-budget", default="", metavar="L:N[;L:N]",
+                        help="decode budgets of single layers, like 0:6144 (layer 0 attends broadly: at "
+                             "16K its best 2048 tokens hold 60%% of its attention); default: none")
     sparse.add_argument("--prefill-budget", default="1024", metavar="N|P%",
                         help="the same for each chunk of a sparse prefill (default 1024)")
     sparse.add_argument("--rank", type=int, help="rank of the low-rank keys (default: full up to 256 key "
@@ -218,7 +221,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = RunConfig(model=args.model, doc=args.doc, synthetic_tokens=args.synthetic_tokens,
                        question=args.question, max_new_tokens=args.max_new_tokens,
                        nvme_dir=args.nvme_dir, **run_settings(args), mode=args.mode, dtype=args.dtype,
-                       sparse_budget=args.sparse_budget, prefill_budget=args.prefill_budget, rank=args.rank,
+                       sparse_budget=args.sparse_budget, layer_budgets=args.layer_budget,
+                       prefill_budget=args.prefill_budget, rank=args.rank,
                        selector=args.selector,
                        sparse_prefetch=args.sparse_prefetch, positions=args.positions,
                        dense_prefill_tokens=args.dense_prefill_tokens, page_dtype=args.page_dtype,

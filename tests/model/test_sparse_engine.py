@@ -99,3 +99,20 @@ def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tm
     assert second.text == first.text
     assert first.sparse["budget_tokens"] == 256 and first.sparse["pages_read"] > 0
     assert first.tiers["nvme"]["bytes_written"] > 0
+
+
+def test_a_layer_budget_widens_that_layer_only():
+    lm = loaded("llama")
+    ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(6)).tolist()
+    cfg = SparseConfig(budget=16, layer_budgets="0:10000", rank=32, sink_tokens=8, window_tokens=32,
+                       page_tokens=16, positions="original", dense_prefill_tokens=100)
+    layout = SparseEngine.page_layout(lm, cfg)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB",
+                                                    cpu="8MiB")) as manager:
+        engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
+        seq = engine.new_sequence(len(ids))
+        engine.prefill(seq, ids[:-1])
+        engine.decode(seq, ids[-1])
+        candidates = int(seq.index(0).candidates.sum())
+        assert seq.chosen[0].shape[-1] == candidates > 2
+        assert all(seq.chosen[layer].shape[-1] == 2 for layer in range(1, lm.spec.num_layers))

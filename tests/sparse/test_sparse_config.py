@@ -53,3 +53,19 @@ def test_resolve_within_and_past_the_trained_window():
     forced = SparseConfig(positions="original", dense_prefill_tokens=0).resolve(prompt_tokens=10**6,
                                                                                 trained_tokens=8192)
     assert (forced.positions, forced.dense_prefill_tokens) == ("original", 0)
+
+
+def test_a_layer_can_have_its_own_decode_budget():
+    c = SparseConfig(budget=2048, layer_budgets="0:6144; 3:5%")
+    assert c.layer_budgets == ((0, 6144), (3, 0.05))
+    assert SparseConfig(layer_budgets={3: 0.05, 0: 6144}) == c
+    assert c.budget_tokens(16384, layer=0) == 6144 and c.budget_tokens(16384, layer=3) == 816
+    assert c.budget_tokens(16384, layer=1) == c.budget_tokens(16384) == 2048
+    assert c.budget_tokens(16384, prefill=True, layer=0) == 1024       # prefill chunks keep their own budget
+
+
+@pytest.mark.parametrize("bad, message", [("0=6144", "LAYER:BUDGET pairs"), ("x:1", "LAYER:BUDGET pairs"),
+                                          ("0:1;0:2", "at most once"), ("0:lots", r"layer_budgets\[0\]")])
+def test_bad_layer_budgets_name_what_is_allowed(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        SparseConfig(layer_budgets=bad)

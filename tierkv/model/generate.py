@@ -52,6 +52,7 @@ class RunConfig:
     prefetch: str = "next-layer"     # a policies.prefetch name
     mode: str = "auto"               # auto: sparse past the model's trained window (see resolve_mode)
     sparse_budget: str | int = 2048  # sparse: selected tokens per KV head, or a share like "2%"
+    layer_budgets: str = ""          # sparse: decode budgets of single layers, like "0:6144"
     prefill_budget: str | int = 1024  # sparse: the same for each sparse prefill chunk
     rank: int | None = None          # sparse: rank of the low-rank keys (None: by the key width)
     selector: str = "shadowkv"       # sparse: a policies.selectors name
@@ -94,7 +95,8 @@ class RunConfig:
 
 
     def sparse_config(self) -> SparseConfig:
-        return SparseConfig(budget=self.sparse_budget, prefill_budget=self.prefill_budget, rank=self.rank,
+        return SparseConfig(budget=self.sparse_budget, layer_budgets=self.layer_budgets,
+                            prefill_budget=self.prefill_budget, rank=self.rank,
                             selector=self.selector, page_tokens=self.page_tokens,
                             prefetch=self.sparse_prefetch, positions=self.positions,
                             dense_prefill_tokens=self.dense_prefill_tokens)

@@ -165,7 +165,7 @@ class SparseEngine:
         index = seq.index(layer)
         if not index.chunks:
             return torch.empty(self.layout.num_kv_heads, 0, dtype=torch.long)
-        k = seq.config.budget_tokens(context, prefill=query_tokens > 1) // seq.config.chunk_tokens
+        k = seq.config.budget_tokens(context, prefill=query_tokens > 1, layer=layer) // seq.config.chunk_tokens
         chunks = self.selector.select(query, index, k)
         seq.chosen[layer] = chunks
         return chunks
@@ -190,7 +190,7 @@ class SparseEngine:
         guess = None
         if h is not None:
             q_pre = project_query_pre(self.layers[layer], h)         # [1, H, 1, D]
-            k = seq.config.budget_tokens(seq.length(layer) + 1) // seq.config.chunk_tokens
+            k = seq.config.budget_tokens(seq.length(layer) + 1, layer=layer) // seq.config.chunk_tokens
             guess = self.selector.select(self._query(seq, q_pre, pos), index, k)
         chunks = self.prefetcher.plan(layer, guess, seq.chosen.get(layer))
         if chunks is not None and chunks.numel():

@@ -7,6 +7,7 @@ and an error names the field, the value and what is allowed. Fields left
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from tierkv.errors import ConfigError
@@ -36,6 +37,25 @@ def parse_budget(value: str | int | float, field: str = "sparse_budget") -> int 
     return number
 
 
+def parse_layer_budgets(value: str | Mapping[int, int | float] | tuple = ()) -> tuple[tuple[int, int | float], ...]:
+    """``"0:8192;1:4096"`` (or {0: 8192, 1: 4096}) -> ((0, 8192), (1, 4096)): decode budgets of
+    single layers, tokens or a share as for ``budget``."""
+    if isinstance(value, str):
+        pairs = []
+        for part in filter(None, (p.strip() for p in value.split(";"))):
+            layer, sep, budget = part.partition(":")
+            if not sep or not layer.strip().isdigit():
+                raise ConfigError(f"layer_budgets={value!r}: expected LAYER:BUDGET pairs split by ';', "
+                                  "like 0:8192 or 0:8192;1:5%")
+            pairs.append((int(layer), budget))
+    else:
+        pairs = list(value.items() if isinstance(value, Mapping) else value)
+    layers = [layer for layer, _ in pairs]
+    if len(set(layers)) != len(layers) or any(not isinstance(x, int) or x < 0 for x in layers):
+        raise ConfigError(f"layer_budgets={value!r}: each layer (an index >= 0) at most once")
+    return tuple(sorted((layer, parse_budget(b, f"layer_budgets[{layer}]")) for layer, b in pairs))
+
+
 @dataclass(frozen=True, slots=True)
 class SparseConfig:
     budget: int | float = 2048      # selected tokens per KV head per step, or a share of the context
@@ -47,6 +67,7 @@ class SparseConfig:
     window_tokens: int = 512        # newest tokens, always attended, kept exact
     outlier_fraction: float = 0.01  # chunks kept exact because their landmark describes them worst
     max_outlier_tokens: int = 512   # cap, so remapped positions stay inside the trained window
+    layer_budgets: tuple[tuple[int, int | float], ...] = ()  # decode budget of single layers ("0:6144")
     selector: str = "shadowkv"      # a policies.selectors name
     prefetch: str = "none"   # a policies.selectors sparse-prefetch name (a guess costs more than it hides on CPU)
     positions: str = "auto"         # original | remap (RoPE at compact positions) | auto
@@ -55,6 +76,7 @@ class SparseConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_budget(self.budget))
         object.__setattr__(self, "prefill_budget", parse_budget(self.prefill_budget, "prefill_budget"))
+        object.__setattr__(self, "layer_budgets", parse_layer_budgets(self.layer_budgets))
         for name in ("chunk_tokens", "page_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
@@ -79,9 +101,10 @@ class SparseConfig:
         make_selector(self.selector)          # unknown names list the valid ones
         make_sparse_prefetch(self.prefetch)
 
-    def budget_tokens(self, context: int, *, prefill: bool = False) -> int:
-        """Selected tokens per KV head for a context of ``context`` tokens (whole chunks)."""
-        budget = self.prefill_budget if prefill else self.budget
+    def budget_tokens(self, context: int, *, prefill: bool = False, layer: int | None = None) -> int:
+        """Selected tokens per KV head for a context of ``context`` tokens (whole chunks); a decode
+        step of ``layer`` takes that layer's own budget when ``layer_budgets`` names it."""
+        budget = self.prefill_budget if prefill else dict(self.layer_budgets).get(layer, self.budget)
         tokens = budget if isinstance(budget, int) else int(budget * context)
         return tokens // self.chunk_tokens * self.chunk_tokens
 
