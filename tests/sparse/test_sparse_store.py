@@ -174,3 +174,16 @@ def test_a_failed_load_leaves_the_sequence_untouched(tiny_loaded, tmp_path):
         layers = list(seq.layers)
         assert load_index(seq, path) is None
         assert seq.layers == layers and all(s.length == 0 and not s.pages for s in seq.layers)
+
+
+def test_a_stored_prefill_keeps_its_name_across_releases():
+    """A new setting must not rename every stored index (a 1M-token prefill takes hours): the name
+    below was computed by the release that wrote the first stores. Change it only on purpose."""
+    from tierkv.sparse.pages import PageLayout
+    layout = PageLayout(32, 3, 64, 192, torch.bfloat16)
+    resolved = SparseConfig(page_tokens=32).resolve(prompt_tokens=1000, trained_tokens=8192)
+    ids = list(range(999))
+    key = index_id("smollm2", layout, resolved, frozenset({"landmarks"}), ids)
+    assert key.hex() == "387252c13acda7a572dd6d711c4de173"
+    wider = SparseConfig(page_tokens=32, layer_budgets="0:6144").resolve(prompt_tokens=1000, trained_tokens=8192)
+    assert index_id("smollm2", layout, wider, frozenset({"landmarks"}), ids) == key   # decode-only setting

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from tierkv.errors import ConfigError
 
@@ -67,7 +67,9 @@ class SparseConfig:
     window_tokens: int = 512        # newest tokens, always attended, kept exact
     outlier_fraction: float = 0.01  # chunks kept exact because their landmark describes them worst
     max_outlier_tokens: int = 512   # cap, so remapped positions stay inside the trained window
-    layer_budgets: tuple[tuple[int, int | float], ...] = ()  # decode budget of single layers ("0:6144")
+    # decode budgets of single layers ("0:6144"); left out of the repr, which names a stored index
+    # (tierkv.sparse.store.index_id): they do not shape it, and stored prefills keep their names
+    layer_budgets: tuple[tuple[int, int | float], ...] = field(default=(), repr=False)
     selector: str = "shadowkv"      # a policies.selectors name
     prefetch: str = "none"   # a policies.selectors sparse-prefetch name (a guess costs more than it hides on CPU)
     positions: str = "auto"         # original | remap (RoPE at compact positions) | auto
