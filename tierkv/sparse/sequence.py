@@ -111,7 +111,7 @@ class SparseSequence:
         self.root = root or BlockKey.of("private-sparse", os.urandom(16))
         self.persist = persist
         self.read_tier: str | None = None
-        self._shape = (needs, dtype)
+        self._layer_args = (needs, dtype)
         self.layers = [self.new_layer(i) for i in range(num_layers)]
         self.stats = ReadStats()
         self.chosen: dict[int, Tensor] = {}      # layer -> chunks chosen in the last step
@@ -120,7 +120,7 @@ class SparseSequence:
 
     def new_layer(self, layer: int) -> _Layer:
         """An empty state for ``layer`` (a stored index is read into fresh ones, then swapped in)."""
-        return _Layer(layer, self.config, self.layout, *self._shape)
+        return _Layer(layer, self.config, self.layout, *self._layer_args)
 
     # -- regions ------------------------------------------------------------------
     def length(self, layer: int) -> int:
