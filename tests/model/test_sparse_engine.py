@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tierkv.config import TierConfig
+from tierkv.errors import ConfigError
 from tierkv.manager import BlockingTierManager
 from tierkv.model.arch import model_spec
 from tierkv.model.loading import LoadedModel
@@ -116,3 +117,12 @@ def test_a_layer_budget_widens_that_layer_only():
         candidates = int(seq.index(0).candidates.sum())
         assert seq.chosen[0].shape[-1] == candidates > 2
         assert all(seq.chosen[layer].shape[-1] == 2 for layer in range(1, lm.spec.num_layers))
+
+
+def test_a_layer_budget_must_name_a_layer_of_the_model():
+    lm = loaded("llama")
+    cfg = SparseConfig(layer_budgets="99:4096", page_tokens=16)
+    layout = SparseEngine.page_layout(lm, cfg)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB")) as manager:
+        with pytest.raises(ConfigError, match=f"layer 99 is not in the model: it has {lm.spec.num_layers} layers"):
+            SparseEngine(lm, manager, cfg)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from policies.selectors import make_selector, make_sparse_prefetch
+from tierkv.errors import ConfigError
 from tierkv.manager import BlockingTierManager
 from tierkv.model.arch import apply_rope, decoder_layers, embed, final_logits, finish_attention, mlp_block, \
     project_qkv_pre, project_query_pre, rope_cos_sin
@@ -49,6 +50,10 @@ class SparseEngine:
         spec = loaded.spec
         self.loaded, self.model, self.manager, self.config = loaded, loaded.model, manager, config
         self.layers = decoder_layers(self.model)
+        beyond = [layer for layer, _ in config.layer_budgets if layer >= len(self.layers)]
+        if beyond:
+            raise ConfigError(f"layer_budgets: layer {beyond[0]} is not in the model: it has {len(self.layers)} "
+                              f"layers, 0 to {len(self.layers) - 1}")
         self.chunk_tokens = chunk_tokens
         self.rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
         self.layout = PageLayout(config.page_tokens, spec.num_kv_heads, spec.head_dim, self.rank,
