@@ -603,7 +603,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="passkey 2K x 3 depths, document 4K x 32 steps (~3 min on 2 busy cores)")
-    parser.add_argument("--out", help="write the result as JSON (format: shared/BENCH.md)")
+    parser.add_argument("--out", help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--contexts", type=lambda s: [parse_tokens(p) for p in s.split(",") if p],
                         help="passkey contexts (default 2K,4K,8K; quick 2K)")
     parser.add_argument("--depths", type=int, help="passkey depths, evenly from 0 to 1 (default 10; quick 3)")

@@ -422,7 +422,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4K only, 8 steps, reuse at 4K (~2 min on 2 cores)")
-    parser.add_argument("--out", type=Path, help="write the result as JSON (format: shared/BENCH.md)")
+    parser.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--contexts", help="comma-separated, like 4K,16K, or 'none' (default 4K,16K,32K; quick 4K)")
     parser.add_argument("--long", action="store_true", help="add 64K and 128K to the contexts")
     parser.add_argument("--steps", type=int, help="greedy decode steps per config (default 16, quick 8)")

@@ -1,6 +1,6 @@
 """What every benchmark hands back: machine facts, rows, ratios and bounds.
 
-The JSON format is fixed by ``/work/shared/BENCH.md``::
+The JSON format, the same for every benchmark::
 
     {"bench": ..., "quick": ..., "machine": machine(),
      "rows":   [{"config", "metric", "value", "unit", **extra}],

@@ -129,7 +129,7 @@ def passkey(report: Report, tokens: int, depths: list[float], mode: str, store: 
 def main(argv: list[str] | None = None) -> Report:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="32K sparse + 12K dense, one depth each")
-    parser.add_argument("--out", type=Path, help="write the result as JSON (format: shared/BENCH.md)")
+    parser.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-scale",
                         help="NVMe store directory (the 1M run writes ~17 GB)")
     parser.add_argument("--cases", default="1m,passkey",

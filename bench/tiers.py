@@ -360,7 +360,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="256 KiB and 1 MiB blocks, 256 MiB each (~1 min)")
-    parser.add_argument("--out", type=Path, help="write the result as JSON (format: shared/BENCH.md)")
+    parser.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--dir", type=Path, default=Path.cwd(),
                         help="where the temporary files go; must be a real disk, not tmpfs (default: .)")
     parser.add_argument("--total", help="bytes moved per path and block size (default 1GiB, quick 256MiB)")
