@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--quick", action="store_true", help="32K sparse + 12K dense, one depth each")
     parser.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-scale",
-                        help="NVMe store directory (the 1M run writes ~17 GB)")
+                        help="NVMe store directory (the 1M run writes ~25 GB)")
     parser.add_argument("--cases", default="1m,passkey",
                         help="which parts: 1m (the 1M-token run), passkey (32K/128K retrieval), or both (default)")
     args = parser.parse_args(argv)
