@@ -184,7 +184,7 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                         help="dtype of the stored values and key factors (default: the model's --dtype)")
     sparse.add_argument("--page-tokens", type=int, default=16, metavar="N",
                         help="tokens per stored page, a multiple of 8 (default 16; 32 past ~500K tokens halves "
-                             "the ~1 KiB of bookkeeping the tier manager keeps per page)")
+                             "the ~0.8 KiB of bookkeeping the tier manager keeps per page)")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per KV block")
     p.add_argument("--chunk-tokens", type=int, default=1024, help="prefill chunk (a multiple of the block)")

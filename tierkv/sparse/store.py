@@ -109,8 +109,7 @@ def load_index(seq: SparseSequence, path: Path) -> dict[str, str] | None:
     except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as error:
         log.warning("sparse index %s is not usable (%s); prefilling again", path.name, error)
         return None
-    keys = [state.pages for state in layers]
-    if not seq.manager.protect([key for layer in keys for key in layer]):
+    if not seq.manager.protect([key for state in layers for key in state.pages]):
         log.warning("sparse index %s: some of its pages are no longer stored; prefilling again", path.name)
         return None
     seq.layers = layers
