@@ -209,7 +209,8 @@ class ProbedEngine(SparseEngine):
         mass = self._region(seq, layer, probs.sum(dim=1))               # [Hkv, C, c]: summed over the group
         best = (lambda k: None) if mass is None else (lambda k: top_chunks(mass.sum(-1), k, index.candidates))
         picked = (lambda k: None) if mass is None else (lambda k: self.selector.select(query, index, k))
-        oracle = self._choose(seq, layer, attended, best(seq.config.budget_tokens(seq.length(layer), layer=layer) // c))
+        own = seq.config.budget_tokens(seq.length(layer), layer=layer)
+        oracle = self._choose(seq, layer, attended, best(own // c))
         curve = [recall(probs, self._choose(seq, layer, attended, choose(budget // c)))
                  for choose in (picked, best) for budget in CURVE]
         return torch.stack([

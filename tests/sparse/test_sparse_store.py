@@ -164,9 +164,15 @@ def test_an_index_in_the_first_file_layout_resumes_exactly(tiny_loaded, tmp_path
 
 
 def test_a_failed_load_leaves_the_sequence_untouched(tiny_loaded, tmp_path):
+    import json
+    import struct
     path, key, _ = prefilled(tiny_loaded, tmp_path)
     raw = bytearray(path.read_bytes())
-    raw[-50] ^= 0x10                                    # the last tensor: every other layer reads fine
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + size])
+    last = tiny_loaded.spec.num_layers - 1
+    start, _ = header[f"L{last}.sink_v"]["data_offsets"]   # the last layer: every earlier one reads fine
+    raw[8 + size + start] ^= 0x10
     path.write_bytes(bytes(raw))
     with manager(tiny_loaded, tmp_path) as mgr:
         engine = SparseEngine(tiny_loaded, mgr, CFG, chunk_tokens=64)

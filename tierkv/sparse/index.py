@@ -46,8 +46,9 @@ class _Growing:
 
     def adopt(self, data: Tensor) -> None:
         """Take ``data`` (laid out as storage is, every row used) as the whole content, without a copy."""
-        if data.dim() != self.data.dim() or data.shape[:self.axis] + data.shape[self.axis + 1:] != \
-                self.data.shape[:self.axis] + self.data.shape[self.axis + 1:]:
+        def tail(t: Tensor) -> tuple[int, ...]:      # the shape of one row
+            return tuple(t.shape[:self.axis] + t.shape[self.axis + 1:])
+        if data.dim() != self.data.dim() or tail(data) != tail(self.data):
             raise ValueError(f"rows of shape {tuple(data.shape)} do not fit storage {tuple(self.data.shape)} "
                              f"(rows along dimension {self.axis})")
         self.data, self.n = data.to(self.data.dtype).contiguous(), data.shape[self.axis]
