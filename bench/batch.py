@@ -90,8 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, help="prompt tokens of the FlexGen regime (default 16); longer "
                                               "prompts cap accelerate's batch by the device budget")
     p.add_argument("--repeats", type=int, default=2,
-                   help="runs of each FlexGen-regime configuration; the best counts (default 2): the "
-                        "calibration is a best-of measurement too, and the machine is shared")
+                   help="runs of each FlexGen-regime configuration; the best counts (default 2): on a "
+                        "shared machine others' load only ever slows a run")
     return p.parse_args(argv)
 
 
