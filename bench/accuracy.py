@@ -634,6 +634,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (32 if args.quick else 256)
     args.control_steps = (8 if args.quick else 32) if args.control_steps is None else args.control_steps
     args.variant_steps = args.variant_steps or args.steps
+    if args.doc_tokens and not (args.selectors or args.control_steps or args.variant):
+        parser.error("the document has nothing to run: --selectors is empty, --control-steps is 0 and no "
+                     "--variant is given; name a selector (shadowkv, quest) or a variant, or pass --doc-tokens 0")
     return args
 
 
