@@ -41,6 +41,8 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--cxl-budget", "lots"], "cxl_budget='lots'"),
     (["run", "--synthetic-tokens", "100", "--chunk-tokens", "1000"], "must be a multiple of block_tokens=256"),
     (["run", "--synthetic-tokens", "100", "--dtype", "int8"], "dtype='int8'"),
+    (["run", "--synthetic-tokens", "100", "--mode", "dense", "--layer-budget", "0:4096", "--rank", "64"],
+     "--layer-budget, --rank: sparse-mode settings, but --mode dense attends to every stored key"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert main(args) == 2
@@ -76,6 +78,13 @@ def test_run_json_has_the_documented_fields(tmp_path):
     assert set(nvme) >= {"budget_bytes", "peak_bytes", "bytes_read", "bytes_written", "backend"}
     trace = json.loads((tmp_path / "t.json").read_text())
     assert any(e.get("name") == "writeback" for e in trace["traceEvents"])
+
+
+@pytest.mark.model
+def test_sparse_settings_that_auto_mode_leaves_unused_are_named():
+    done = tierkv("run", "--synthetic-tokens", "200", "--max-new-tokens", "1", "--sparse-budget", "512")
+    assert done.returncode == 0, done.stderr
+    assert "note: --sparse-budget unused: --mode auto ran dense" in done.stdout
 
 
 @pytest.mark.model

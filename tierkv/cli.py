@@ -25,7 +25,7 @@ import torch
 
 from tierkv.config import format_size
 from tierkv.device import has_cuda, has_cuda_driver
-from tierkv.errors import TierKVError
+from tierkv.errors import ConfigError, TierKVError
 from tierkv.profile.command import add_profile
 from tierkv.profile.tune import add_tune
 from tierkv.schedule.command import add_batch
@@ -159,32 +159,35 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                    help="dense: attend to every stored key; sparse: ShadowKV-style top-k chunks; auto "
                         "(default): sparse past the model's trained window, dense within it")
     sparse = p.add_argument_group("sparse mode")
-    sparse.add_argument("--sparse-budget", default="2048", metavar="N|P%",
-                        help="selected tokens per KV head and step: a count (default 2048) or a share like 2%%")
-    sparse.add_argument("--layer-budget", default="", metavar="L:N[;L:N]",
-                        help="decode budgets of single layers, like 0:6144 (layer 0 attends broadly: at "
-                             "16K its best 2048 tokens hold 60%% of its attention); default: none")
-    sparse.add_argument("--prefill-budget", default="1024", metavar="N|P%",
-                        help="the same for each chunk of a sparse prefill (default 1024)")
-    sparse.add_argument("--rank", type=int, help="rank of the low-rank keys (default: full up to 256 key "
-                                                 "dimensions, else 160 per 1024, at least 128)")
-    sparse.add_argument("--selector", default="shadowkv",
-                        help="chunk selector: shadowkv (landmarks, default), quest (page bounds), near-memory "
-                             "(scored in a simulated CXL pool), or module:Class")
-    sparse.add_argument("--sparse-prefetch", default="none",
-                        help="what to load for layer l+1 during layer l: none (default: sparse decode computes "
-                             "on the CPU, where a guess costs more than it hides), speculative, previous-step")
-    sparse.add_argument("--positions", default="auto", choices=("auto", "original", "remap"),
-                        help="RoPE positions of attended keys: remap = compact positions inside the trained "
-                             "window (default past it), original = real positions")
-    sparse.add_argument("--dense-prefill-tokens", type=int, metavar="N",
-                        help="prefill exactly up to N tokens, sparsely after (default: the whole prompt "
-                             "within the trained window, half the window past it)")
-    sparse.add_argument("--page-dtype", choices=("float32", "bfloat16", "float16"),
-                        help="dtype of the stored values and key factors (default: the model's --dtype)")
-    sparse.add_argument("--page-tokens", type=int, default=16, metavar="N",
-                        help="tokens per stored page, a multiple of 8 (default 16; 32 past ~500K tokens halves "
-                             "the ~0.8 KiB of bookkeeping the tier manager keeps per page)")
+    sparse_flags = [
+        sparse.add_argument("--sparse-budget", default="2048", metavar="N|P%",
+                            help="selected tokens per KV head and step: a count (default 2048) or a share like 2%%"),
+        sparse.add_argument("--layer-budget", default="", metavar="L:N[;L:N]",
+                            help="decode budgets of single layers, like 0:6144 (layer 0 attends broadly: at "
+                                 "16K its best 2048 tokens hold 60%% of its attention); default: none"),
+        sparse.add_argument("--prefill-budget", default="1024", metavar="N|P%",
+                            help="the same for each chunk of a sparse prefill (default 1024)"),
+        sparse.add_argument("--rank", type=int, help="rank of the low-rank keys (default: full up to 256 key "
+                                                     "dimensions, else 160 per 1024, at least 128)"),
+        sparse.add_argument("--selector", default="shadowkv",
+                            help="chunk selector: shadowkv (landmarks, default), quest (page bounds), near-memory "
+                                 "(scored in a simulated CXL pool), or module:Class"),
+        sparse.add_argument("--sparse-prefetch", default="none",
+                            help="what to load for layer l+1 during layer l: none (default: sparse decode computes "
+                                 "on the CPU, where a guess costs more than it hides), speculative, previous-step"),
+        sparse.add_argument("--positions", default="auto", choices=("auto", "original", "remap"),
+                            help="RoPE positions of attended keys: remap = compact positions inside the trained "
+                                 "window (default past it), original = real positions"),
+        sparse.add_argument("--dense-prefill-tokens", type=int, metavar="N",
+                            help="prefill exactly up to N tokens, sparsely after (default: the whole prompt "
+                                 "within the trained window, half the window past it)"),
+        sparse.add_argument("--page-dtype", choices=("float32", "bfloat16", "float16"),
+                            help="dtype of the stored values and key factors (default: the model's --dtype)"),
+        sparse.add_argument("--page-tokens", type=int, default=16, metavar="N",
+                            help="tokens per stored page, a multiple of 8 (default 16; 32 past ~500K tokens halves "
+                                 "the ~0.8 KiB of bookkeeping the tier manager keeps per page)"),
+    ]
+    p.set_defaults(sparse_flags={a.dest: (a.option_strings[0], a.default) for a in sparse_flags})
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per KV block")
     p.add_argument("--chunk-tokens", type=int, default=1024, help="prefill chunk (a multiple of the block)")
@@ -218,6 +221,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tierkv.model.generate import RunConfig, run
+    sparse_given = [flag for dest, (flag, default) in args.sparse_flags.items() if getattr(args, dest) != default]
+    if sparse_given and args.mode == "dense":
+        raise ConfigError(f"{', '.join(sparse_given)}: sparse-mode settings, but --mode dense attends to every "
+                          "stored key; drop them, or use --mode sparse (or auto: sparse past the trained window)")
     config = RunConfig(model=args.model, doc=args.doc, synthetic_tokens=args.synthetic_tokens,
                        question=args.question, max_new_tokens=args.max_new_tokens,
                        nvme_dir=args.nvme_dir, **run_settings(args), mode=args.mode, dtype=args.dtype,
@@ -254,6 +261,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         print()
         _print_run_summary(result, config)
+        if sparse_given and result.mode != "sparse":
+            print(f"note: {', '.join(sparse_given)} unused: --mode auto ran dense, the prompt being within the "
+                  "model's trained window; --mode sparse applies them")
     return 0
 
 
