@@ -209,7 +209,8 @@ class ProbedEngine(SparseEngine):
         mass = self._region(seq, layer, probs.sum(dim=1))               # [Hkv, C, c]: summed over the group
         best = (lambda k: None) if mass is None else (lambda k: top_chunks(mass.sum(-1), k, index.candidates))
         picked = (lambda k: None) if mass is None else (lambda k: self.selector.select(query, index, k))
-        own = seq.config.budget_tokens(seq.length(layer), layer=layer)
+        chosen = seq.chosen.get(layer)      # as many chunks as the engine chose (its budgets may be adaptive)
+        own = 0 if chosen is None else chosen.shape[-1] * c
         oracle = self._choose(seq, layer, attended, best(own // c))
         curve = [recall(probs, self._choose(seq, layer, attended, choose(budget // c)))
                  for choose in (picked, best) for budget in CURVE]

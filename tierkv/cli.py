@@ -165,6 +165,9 @@ def add_run(sub: argparse._SubParsersAction) -> None:
         sparse.add_argument("--layer-budget", default="", metavar="L:N[;L:N]",
                             help="decode budgets of single layers, like 0:6144 (layer 0 attends broadly: at "
                                  "16K its best 2048 tokens hold 60%% of its attention); default: none"),
+        sparse.add_argument("--layer-allocation", default="adaptive", choices=("adaptive", "uniform"),
+                            help="adaptive (default): move decode budget between layers at the same total, "
+                                 "estimated from the landmarks every 32 steps; uniform: every layer the same"),
         sparse.add_argument("--prefill-budget", default="1024", metavar="N|P%",
                             help="the same for each chunk of a sparse prefill (default 1024)"),
         sparse.add_argument("--rank", type=int, help="rank of the low-rank keys (default: full up to 256 key "
@@ -229,6 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                        question=args.question, max_new_tokens=args.max_new_tokens,
                        nvme_dir=args.nvme_dir, **run_settings(args), mode=args.mode, dtype=args.dtype,
                        sparse_budget=args.sparse_budget, layer_budgets=args.layer_budget,
+                       layer_allocation=args.layer_allocation,
                        prefill_budget=args.prefill_budget, rank=args.rank,
                        selector=args.selector,
                        sparse_prefetch=args.sparse_prefetch, positions=args.positions,
@@ -286,7 +290,9 @@ def _print_run_summary(r, config) -> None:
 
 
 def _print_sparse_summary(s: dict) -> None:
-    print(f"sparse: {s['budget_tokens']} tokens per KV head by {s['selector']}, rank {s['rank']}, "
+    spread = f"{min(s['layer_tokens'])}-{max(s['layer_tokens'])}" if s["layer_tokens"] else "-"
+    print(f"sparse: {s['budget_tokens']} tokens per KV head and layer ({s['allocation']}: {spread} by layer "
+          f"in the last step) by {s['selector']}, rank {s['rank']}, "
           f"positions {s['positions']}, prefetch {s['prefetch']}; {s['tokens_per_layer_step']:.0f} tokens "
           f"attended per layer beside sinks and window; pages reused from the previous step "
           f"{100 * s['reuse_rate']:.0f} %; index in memory {format_size(s['index_bytes'])}")

@@ -11,6 +11,7 @@ from tierkv.model.arch import model_spec
 from tierkv.model.loading import LoadedModel
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.sparse import SparseConfig
+from tierkv.sparse.sequence import SparseSequence
 
 from tinymodels import native_logits, tiny_model
 
@@ -29,6 +30,19 @@ def run_sparse(lm: LoadedModel, ids: list[int], cfg: SparseConfig, steps: int = 
         seq = engine.new_sequence(len(ids) - steps)
         engine.prefill(seq, ids[:-steps - 1])
         return [engine.decode(seq, t) for t in ids[-steps - 1:]]
+
+
+def decoded_sequence(lm: LoadedModel, ids: list[int], cfg: SparseConfig, steps: int) -> SparseSequence:
+    """The sequence after prefilling ids[:-steps] and decoding the last ``steps`` tokens (finite logits)."""
+    layout = SparseEngine.page_layout(lm, cfg)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB",
+                                                    cpu="8MiB")) as manager:
+        engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
+        seq = engine.new_sequence(len(ids))
+        engine.prefill(seq, ids[:-steps])
+        for token in ids[-steps:]:
+            assert torch.isfinite(engine.decode(seq, token)).all()
+        return seq
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -107,16 +121,10 @@ def test_a_layer_budget_widens_that_layer_only():
     ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(6)).tolist()
     cfg = SparseConfig(budget=16, layer_budgets="0:10000", rank=32, sink_tokens=8, window_tokens=32,
                        page_tokens=16, positions="original", dense_prefill_tokens=100)
-    layout = SparseEngine.page_layout(lm, cfg)
-    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB",
-                                                    cpu="8MiB")) as manager:
-        engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
-        seq = engine.new_sequence(len(ids))
-        engine.prefill(seq, ids[:-1])
-        engine.decode(seq, ids[-1])
-        candidates = int(seq.index(0).candidates.sum())
-        assert seq.chosen[0].shape[-1] == candidates > 2
-        assert all(seq.chosen[layer].shape[-1] == 2 for layer in range(1, lm.spec.num_layers))
+    seq = decoded_sequence(lm, ids, cfg, steps=1)
+    candidates = int(seq.index(0).candidates.sum())
+    assert seq.chosen[0].shape[-1] == candidates > 2
+    assert all(seq.chosen[layer].shape[-1] == 2 for layer in range(1, lm.spec.num_layers))
 
 
 def test_a_layer_budget_must_name_a_layer_of_the_model():
@@ -126,3 +134,19 @@ def test_a_layer_budget_must_name_a_layer_of_the_model():
     with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB")) as manager:
         with pytest.raises(ConfigError, match=f"layer 99 is not in the model: it has {lm.spec.num_layers} layers"):
             SparseEngine(lm, manager, cfg)
+
+
+@pytest.mark.parametrize("allocation", ["adaptive", "uniform"])
+def test_adaptive_budgets_move_chunks_between_layers_at_the_same_total(allocation):
+    lm = loaded("llama")
+    ids = torch.randint(0, 128, (600,), generator=torch.Generator().manual_seed(7)).tolist()
+    cfg = SparseConfig(budget=64, rank=32, sink_tokens=8, window_tokens=32, page_tokens=16,
+                       positions="original", dense_prefill_tokens=100, allocation=allocation)
+    seq = decoded_sequence(lm, ids, cfg, steps=3)
+    uniform = 64 // cfg.chunk_tokens
+    chosen = [seq.chosen[layer].shape[-1] for layer in range(lm.spec.num_layers)]
+    if allocation == "uniform":
+        assert chosen == [uniform] * lm.spec.num_layers
+    else:     # estimated after the first step: shares differ, the total does not grow
+        assert len(set(chosen)) > 1 and sum(chosen) <= uniform * lm.spec.num_layers
+        assert min(chosen) >= uniform // 4

@@ -39,6 +39,7 @@ from tierkv.model.attention import attend, merge
 from tierkv.model.loading import LoadedModel
 from tierkv.profile.events import Event
 from tierkv.profile.trace import profiler_range
+from tierkv.sparse.allocation import coverage_curve
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.pages import PageLayout
 from tierkv.sparse.sequence import SparseSequence
@@ -114,6 +115,7 @@ class SparseEngine:
     def decode(self, seq: SparseSequence, token: int) -> Tensor:
         """Append one token; returns the logits [vocab] that follow it."""
         h = self._forward(seq, [token], seq.length(0))
+        seq.allocation.step_done()
         return final_logits(self.model, h[:, -1:])[0, -1]
 
     # -- one forward pass -----------------------------------------------------------------------
@@ -170,10 +172,47 @@ class SparseEngine:
         index = seq.index(layer)
         if not index.chunks:
             return torch.empty(self.layout.num_kv_heads, 0, dtype=torch.long)
-        k = seq.config.budget_tokens(context, prefill=query_tokens > 1, layer=layer) // seq.config.chunk_tokens
+        if query_tokens > 1:
+            k = seq.config.budget_tokens(context, prefill=True) // seq.config.chunk_tokens
+        else:
+            k = self._decode_chunks(seq, layer, context, query)
         chunks = self.selector.select(query, index, k)
         seq.chosen[layer] = chunks
         return chunks
+
+    def _decode_chunks(self, seq: SparseSequence, layer: int, context: int, query: Tensor | None = None) -> int:
+        """Chunks ``layer`` selects in a decode step: its budget, times its adaptive share (see
+        tierkv.sparse.allocation); given ``query``, a step that re-estimates offers its curve."""
+        config, index, alloc = seq.config, seq.index(layer), seq.allocation
+        uniform = config.budget_tokens(context, layer=layer) // config.chunk_tokens
+        adapts = config.allocation == "adaptive" and index.landmarks is not None and \
+            layer not in dict(config.layer_budgets)
+        if not adapts or uniform >= index.chunks:      # a budget that covers every chunk stays exact
+            return uniform
+        if query is not None and alloc.due() and uniform:
+            grain = max(1, uniform // 16)
+            alloc.offer(layer, coverage_curve(query, self._fixed_keys(seq, layer), index.landmarks,
+                                              index.candidates, chunk_tokens=config.chunk_tokens, grain=grain,
+                                              most=4 * uniform), uniform, grain)
+        return round(uniform * alloc.share(layer))
+
+    def _fixed_keys(self, seq: SparseSequence, layer: int) -> Tensor:
+        """What ``layer`` always attends (sinks, exact outliers, window): keys [Hkv, F, D] in the
+        frame its chunks are scored in."""
+        c, S = seq.config.chunk_tokens, seq.config.sink_tokens
+        sink_k, _ = seq.sinks(layer)
+        win_k, _ = seq.window(layer)
+        ids, k_out, _ = seq.index(layer).exact()
+        start = seq.length(layer) - win_k.shape[0]
+        keys = [sink_k.float(), win_k.float()]
+        positions = [torch.arange(sink_k.shape[0]), torch.arange(start, start + win_k.shape[0])]
+        if ids.numel():
+            keys.append(k_out.float())
+            positions.append(((S + ids * c).unsqueeze(-1) + torch.arange(c)).flatten())
+        k = torch.cat(keys)                                          # [F, Hkv, D]
+        if seq.rotate is not None:
+            k = seq.rotate(k, torch.cat(positions))
+        return k.transpose(0, 1)
 
     def _context(self, seq: SparseSequence, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Pre-RoPE K, V [Hkv, Tc, D] and real positions [Hkv, Tc]: sinks | chunks + outliers | window."""
@@ -195,7 +234,7 @@ class SparseEngine:
         guess = None
         if h is not None:
             q_pre = project_query_pre(self.layers[layer], h)         # [1, H, 1, D]
-            k = seq.config.budget_tokens(seq.length(layer) + 1, layer=layer) // seq.config.chunk_tokens
+            k = self._decode_chunks(seq, layer, seq.length(layer) + 1)
             guess = self.selector.select(self._query(seq, q_pre, pos), index, k)
         chunks = self.prefetcher.plan(layer, guess, seq.chosen.get(layer))
         if chunks is not None and chunks.numel():

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from tierkv.errors import ConfigError
 
 POSITIONS = ("auto", "original", "remap")
+ALLOCATIONS = ("adaptive", "uniform")   # tierkv.sparse.allocation
 
 
 def parse_budget(value: str | int | float, field: str = "sparse_budget") -> int | float:
@@ -70,6 +71,9 @@ class SparseConfig:
     # decode budgets of single layers ("0:6144"); left out of the repr, which names a stored index
     # (tierkv.sparse.store.index_id): they do not shape it, and stored prefills keep their names
     layer_budgets: tuple[tuple[int, int | float], ...] = field(default=(), repr=False)
+    # decode budgets moved between layers at an unchanged total, estimated from the landmarks
+    # (tierkv.sparse.allocation), or the same in every layer; decode-only, so out of the repr too
+    allocation: str = field(default="adaptive", repr=False)
     selector: str = "shadowkv"      # a policies.selectors name
     prefetch: str = "none"   # a policies.selectors sparse-prefetch name (a guess costs more than it hides on CPU)
     positions: str = "auto"         # original | remap (RoPE at compact positions) | auto
@@ -95,6 +99,8 @@ class SparseConfig:
             raise ConfigError(f"outlier_fraction={self.outlier_fraction}: must be in [0, 1)")
         if self.rank is not None and self.rank <= 0:
             raise ConfigError(f"rank={self.rank}: must be > 0 (or None for the default)")
+        if self.allocation not in ALLOCATIONS:
+            raise ConfigError(f"allocation={self.allocation!r}: allowed: {', '.join(ALLOCATIONS)}")
         if self.positions not in POSITIONS:
             raise ConfigError(f"positions={self.positions!r}: allowed: {', '.join(POSITIONS)}")
         if self.dense_prefill_tokens is not None and self.dense_prefill_tokens < 0:

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager
+from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
 from tierkv.sparse.lowrank import KeyBasis, project
@@ -115,6 +116,7 @@ class SparseSequence:
         self.layers = [self.new_layer(i) for i in range(num_layers)]
         self.stats = ReadStats()
         self.chosen: dict[int, Tensor] = {}      # layer -> chunks chosen in the last step
+        self.allocation = Allocation()           # decode budgets per layer (tierkv.sparse.allocation)
         self.resumed_tokens = 0                  # prompt tokens a stopped prefill had saved
         self.prefill_s = 0.0                     # seconds of prefill behind the state, all runs
 
