@@ -61,6 +61,7 @@ def test_shares_are_re_estimated_every_few_steps():
 
 
 def test_an_unknown_allocation_names_the_allowed_ones():
-    with pytest.raises(ConfigError, match="allocation='even': allowed: adaptive, uniform"):
+    with pytest.raises(ConfigError, match="allocation='even': allowed: uniform, adaptive"):
         SparseConfig(allocation="even")
-    assert "allocation" not in repr(SparseConfig(allocation="uniform"))     # stored indexes keep their names
+    assert SparseConfig().allocation == "uniform"
+    assert "allocation" not in repr(SparseConfig(allocation="adaptive"))    # stored indexes keep their names

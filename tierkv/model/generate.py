@@ -53,7 +53,7 @@ class RunConfig:
     mode: str = "auto"               # auto: sparse past the model's trained window (see resolve_mode)
     sparse_budget: str | int = 2048  # sparse: selected tokens per KV head, or a share like "2%"
     layer_budgets: str = ""          # sparse: decode budgets of single layers, like "0:6144"
-    layer_allocation: str = "adaptive"   # sparse: budgets moved between layers (or uniform)
+    layer_allocation: str = "uniform"    # sparse: the same budget in every layer, or adaptive
     prefill_budget: str | int = 1024  # sparse: the same for each sparse prefill chunk
     rank: int | None = None          # sparse: rank of the low-rank keys (None: by the key width)
     selector: str = "shadowkv"       # sparse: a policies.selectors name

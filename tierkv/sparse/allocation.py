@@ -21,6 +21,12 @@ grows with it. Layers with their own budget (``SparseConfig.layer_budgets``) kee
 part. Measured offline on SmolLM2's 16K document (dense queries of 16 steps, 2048 tokens per layer
 on average): the same budget everywhere covers 0.962 of the attention, this allocation 0.976, and
 the same greedy allocation from the true curves 0.978.
+
+It is not the default (``SparseConfig.allocation="uniform"``): in the engine, on the 8K document
+over 256 teacher-forced steps, it raised the mean coverage only from 0.963 to 0.966 and lowered
+top-1 agreement with dense from 0.902 to 0.871 (KL 0.102 -> 0.157 nats). Layers 3-9 attend to a
+few tokens that chunk means hide; their landmarks make them look well covered, so they give up
+budget they need, while layer 0's diffuse attention gains coverage that barely moves its output.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from tierkv.errors import ConfigError
 
 POSITIONS = ("auto", "original", "remap")
-ALLOCATIONS = ("adaptive", "uniform")   # tierkv.sparse.allocation
+ALLOCATIONS = ("uniform", "adaptive")   # tierkv.sparse.allocation
 
 
 def parse_budget(value: str | int | float, field: str = "sparse_budget") -> int | float:
@@ -71,9 +71,9 @@ class SparseConfig:
     # decode budgets of single layers ("0:6144"); left out of the repr, which names a stored index
     # (tierkv.sparse.store.index_id): they do not shape it, and stored prefills keep their names
     layer_budgets: tuple[tuple[int, int | float], ...] = field(default=(), repr=False)
-    # decode budgets moved between layers at an unchanged total, estimated from the landmarks
-    # (tierkv.sparse.allocation), or the same in every layer; decode-only, so out of the repr too
-    allocation: str = field(default="adaptive", repr=False)
+    # decode budgets the same in every layer, or moved between layers at an unchanged total as
+    # estimated from the landmarks (tierkv.sparse.allocation); decode-only, so out of the repr too
+    allocation: str = field(default="uniform", repr=False)
     selector: str = "shadowkv"      # a policies.selectors name
     prefetch: str = "none"   # a policies.selectors sparse-prefetch name (a guess costs more than it hides on CPU)
     positions: str = "auto"         # original | remap (RoPE at compact positions) | auto
