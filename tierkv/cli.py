@@ -291,9 +291,9 @@ def _print_run_summary(r, config) -> None:
 
 
 def _print_sparse_summary(s: dict) -> None:
-    spread = f"{min(s['layer_tokens'])}-{max(s['layer_tokens'])}" if s["layer_tokens"] else "-"
-    print(f"sparse: {s['budget_tokens']} tokens per KV head and layer ({s['allocation']}: {spread} by layer "
-          f"in the last step) by {s['selector']}, rank {s['rank']}, "
+    lo, hi = min(s["layer_tokens"], default=0), max(s["layer_tokens"], default=0)
+    spread = f" ({lo}-{hi} by layer in the last step, {s['allocation']})" if lo != hi else ""
+    print(f"sparse: {s['budget_tokens']} tokens per KV head{spread} by {s['selector']}, rank {s['rank']}, "
           f"positions {s['positions']}, prefetch {s['prefetch']}; {s['tokens_per_layer_step']:.0f} tokens "
           f"attended per layer beside sinks and window; pages reused from the previous step "
           f"{100 * s['reuse_rate']:.0f} %; index in memory {format_size(s['index_bytes'])}")
