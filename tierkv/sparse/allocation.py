@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+
 def coverage_curve(query: Tensor, fixed_keys: Tensor, landmarks: Tensor, candidates: Tensor, *,
                    chunk_tokens: int, grain: int, most: int) -> Tensor:
     """Estimated share of the attention covered with the top ``0, grain, 2*grain, ... <= most`` chunks.
