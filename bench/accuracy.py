@@ -210,8 +210,7 @@ class ProbedEngine(SparseEngine):
         best = (lambda k: None) if mass is None else (lambda k: top_chunks(mass.sum(-1), k, index.candidates))
         picked = (lambda k: None) if mass is None else (lambda k: self.selector.select(query, index, k))
         chosen = seq.chosen.get(layer)      # as many chunks as the engine chose (its budgets may be adaptive)
-        own = 0 if chosen is None else chosen.shape[-1] * c
-        oracle = self._choose(seq, layer, attended, best(own // c))
+        oracle = self._choose(seq, layer, attended, best(0 if chosen is None else chosen.shape[-1]))
         curve = [recall(probs, self._choose(seq, layer, attended, choose(budget // c)))
                  for choose in (picked, best) for budget in CURVE]
         return torch.stack([

@@ -50,10 +50,19 @@ def test_allocation_leaves_unread_what_no_curve_can_use():
 
 
 def test_shares_are_re_estimated_every_few_steps():
+    """Layer 0 attends evenly over 64 chunks (each more chunk covers more); layer 1's window holds
+    nearly all of its attention (more chunks add nothing): the budget moves from 1 to 0."""
+    D, C = 8, 64
+    query = torch.zeros(1, D)
+    query[0, 0] = 4.0
+    even = torch.zeros(C, 1, D)
+    candidates = torch.ones(C, dtype=torch.bool)
+    window = torch.zeros(1, 32, D)
+    window[..., 0] = 6.0                                      # q . k / sqrt(D) = 8.5 for every window key
     alloc = Allocation(every=2)
     assert alloc.due() and alloc.share(0) == 1.0
-    alloc.offer(0, torch.linspace(0, 1, 9), 8, 2)
-    alloc.offer(1, torch.linspace(0, 0.1, 9), 8, 2)
+    alloc.offer(0, 8, query, torch.zeros(1, 0, D), even, candidates, chunk_tokens=8)
+    alloc.offer(1, 8, query, window, even, candidates, chunk_tokens=8)
     alloc.step_done()
     assert alloc.share(0) > 1 > alloc.share(1) and not alloc.due()
     alloc.step_done()

@@ -39,7 +39,6 @@ from tierkv.model.attention import attend, merge
 from tierkv.model.loading import LoadedModel
 from tierkv.profile.events import Event
 from tierkv.profile.trace import profiler_range
-from tierkv.sparse.allocation import coverage_curve
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.pages import PageLayout
 from tierkv.sparse.sequence import SparseSequence
@@ -190,10 +189,8 @@ class SparseEngine:
         if not adapts or uniform >= index.chunks:      # a budget that covers every chunk stays exact
             return uniform
         if query is not None and alloc.due() and uniform:
-            grain = max(1, uniform // 16)
-            alloc.offer(layer, coverage_curve(query, self._fixed_keys(seq, layer), index.landmarks,
-                                              index.candidates, chunk_tokens=config.chunk_tokens, grain=grain,
-                                              most=4 * uniform), uniform, grain)
+            alloc.offer(layer, uniform, query, self._fixed_keys(seq, layer), index.landmarks, index.candidates,
+                        chunk_tokens=config.chunk_tokens)
         return round(uniform * alloc.share(layer))
 
     def _fixed_keys(self, seq: SparseSequence, layer: int) -> Tensor:

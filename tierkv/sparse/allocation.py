@@ -89,13 +89,12 @@ def allocate(curves: dict[int, Tensor], uniform: dict[int, int], *, grain: int) 
 class Allocation:
     """One sequence's decode budgets per layer, as shares of the configured budget (1.0: uniform).
 
-    The engine offers each layer's curve during a step where ``due()``; ``step_done()`` shares
-    the budget anew from them."""
+    During a step where ``due()`` the engine hands each layer's estimate to ``offer``;
+    ``step_done()`` shares the budget anew from them."""
 
     every: int = 32                              # decode steps between estimates
     shares: dict[int, float] = field(default_factory=dict)
     steps: int = 0
-    grain: int = 1
     curves: dict[int, Tensor] = field(default_factory=dict)
     uniform: dict[int, int] = field(default_factory=dict)
 
@@ -105,12 +104,22 @@ class Allocation:
     def share(self, layer: int) -> float:
         return self.shares.get(layer, 1.0)
 
-    def offer(self, layer: int, curve: Tensor, uniform_chunks: int, grain: int) -> None:
-        self.curves[layer], self.uniform[layer], self.grain = curve, uniform_chunks, grain
+    def offer(self, layer: int, uniform_chunks: int, query: Tensor, fixed_keys: Tensor, landmarks: Tensor,
+              candidates: Tensor, *, chunk_tokens: int) -> None:
+        """``layer``'s coverage curve (see `coverage_curve`) at ``uniform_chunks``, its uniform share."""
+        self.curves[layer] = coverage_curve(query, fixed_keys, landmarks, candidates, chunk_tokens=chunk_tokens,
+                                            grain=_grain(uniform_chunks), most=4 * uniform_chunks)
+        self.uniform[layer] = uniform_chunks
 
     def step_done(self) -> None:
         if self.curves:
-            chunks = allocate(self.curves, self.uniform, grain=self.grain)
-            self.shares = {layer: n / self.uniform[layer] for layer, n in chunks.items() if self.uniform[layer]}
+            # every offering layer has the configured budget (pinned layers do not offer): one grain
+            chunks = allocate(self.curves, self.uniform, grain=_grain(max(self.uniform.values())))
+            self.shares = {layer: n / self.uniform[layer] for layer, n in chunks.items()}
             self.curves, self.uniform = {}, {}
         self.steps += 1
+
+
+def _grain(uniform_chunks: int) -> int:
+    """Chunks moved at a time: a sixteenth of the uniform share."""
+    return max(1, uniform_chunks // 16)
