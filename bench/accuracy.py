@@ -10,8 +10,10 @@ Three measurements, each against dense attention computed in the same run::
     attention   inside every sparse decode step and layer, the engine's own query also attends
                 densely over the run's own exact keys (a probe; the engine is unchanged):
                   recall     dense softmax mass on the tokens the engine attended
-                             (sinks + selected chunks + outliers + window + the new token)
-                  oracle     the same, with the chunks chosen by their dense mass
+                             (sinks + selected chunks, widened to the pages read + outliers +
+                             window + the new token)
+                  oracle     the same, with the chunks chosen by their dense mass (read and attended
+                             as the engine reads and attends its own)
                   out error  |sparse out - dense out| / |dense out|, all heads of the layer;
                              'exact-K': the same selection with exact keys (no low-rank error)
                   recall@B   what the selector's (and the oracle's) choice would cover at budget B
@@ -167,7 +169,8 @@ class ProbedEngine(SparseEngine):
     Per layer and step: the query's softmax over every exact key of this run (its own decoded
     tokens included), the tokens the engine attended (the positions ``_context`` returned, and
     the new token), and the oracle: per KV head the same number of candidate chunks, chosen by
-    dense mass summed over the head's query heads (that sum maximises the mean recall reported).
+    dense mass summed over the head's query heads (that sum maximises the mean recall reported),
+    attended as the engine attends its own choice (widened to the pages read, attend="pages").
     """
 
     def __init__(self, loaded: LoadedModel, manager: BlockingTierManager, config: SparseConfig,
@@ -177,9 +180,12 @@ class ProbedEngine(SparseEngine):
         self.sums = torch.zeros(len(self.layers), len(FIGURES), dtype=torch.float64)
         self.steps = 0
         self._attended: Tensor | None = None
+        self._whole_pages = False
 
-    def _context(self, seq: SparseSequence, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        k, v, positions = super()._context(seq, layer, chunks)
+    def _context(self, seq: SparseSequence, layer: int, chunks: Tensor, *,
+                 whole_pages: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        k, v, positions = super()._context(seq, layer, chunks, whole_pages=whole_pages)
+        self._whole_pages = whole_pages
         self._attended = positions                                     # [Hkv, Tc]
         return k, v, positions
 
@@ -232,6 +238,7 @@ class ProbedEngine(SparseEngine):
         mask = attended.clone()
         region = self._region(seq, layer, mask)                         # a view: writes land in mask
         region[:] = ~seq.index(layer).candidates.view(1, -1, 1)
+        chunks = seq.attended_chunks(layer, chunks, whole_pages=self._whole_pages)   # as the engine reads
         region.scatter_(1, chunks.unsqueeze(-1).expand(-1, -1, region.shape[-1]), True)
         return mask
 
@@ -454,7 +461,8 @@ def add_document(report: Report, loaded: LoadedModel, runs: list[DocRun], prompt
     report.add_ratio(f"oracle_recall{tag}", round(mean(default.per_layer["recall"]), 4),
                      TARGETS[f"oracle_recall{tag}"],
                      f"{default.name}: dense attention mass on the attended set (sinks + window + outliers + "
-                     f"selected chunks + the new token), mean over layers, query heads and steps")
+                     f"selected chunks, widened to the pages read where attend=pages, + the new token), mean over "
+                     f"layers, query heads and steps")
     for run in runs:
         if run is default:
             continue

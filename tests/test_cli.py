@@ -37,6 +37,8 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--mode", "fast"], "invalid choice: 'fast' (choose from 'auto', 'dense', 'sparse')"),
     (["run", "--synthetic-tokens", "100", "--sparse-budget", "150%"], "sparse_budget='150%': a share must be between"),
     (["run", "--synthetic-tokens", "100", "--selector", "best"], "selector='best': unknown; valid names:"),
+    (["run", "--synthetic-tokens", "100", "--sparse-attend", "heads"],
+     "invalid choice: 'heads' (choose from 'pages', 'chunks')"),
     (["run", "--synthetic-tokens", "100", "--rank", "500", "--mode", "sparse"], "rank=500: at most the key dimensions"),
     (["run", "--synthetic-tokens", "100", "--cxl-budget", "lots"], "cxl_budget='lots'"),
     (["run", "--synthetic-tokens", "100", "--chunk-tokens", "1000"], "must be a multiple of block_tokens=256"),

@@ -169,6 +169,10 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                             help="uniform (default): every layer the same budget; adaptive: move it between "
                                  "layers at the same total, by coverage estimated from the landmarks (it "
                                  "raised coverage but lowered agreement with dense on SmolLM2 at 8K)"),
+        sparse.add_argument("--sparse-attend", default="pages", choices=("pages", "chunks"),
+                            help="pages (default): a decode step attends, for every KV head, every token of the "
+                                 "pages it read (a page holds every head's tokens; no extra read, more of "
+                                 "the attention covered); chunks: each head only the chunks it selected"),
         sparse.add_argument("--prefill-budget", default="1024", metavar="N|P%",
                             help="the same for each chunk of a sparse prefill (default 1024)"),
         sparse.add_argument("--rank", type=int, help="rank of the low-rank keys (default: full up to 256 key "
@@ -233,7 +237,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                        question=args.question, max_new_tokens=args.max_new_tokens,
                        nvme_dir=args.nvme_dir, **run_settings(args), mode=args.mode, dtype=args.dtype,
                        sparse_budget=args.sparse_budget, layer_budgets=args.layer_budget,
-                       layer_allocation=args.layer_allocation,
+                       layer_allocation=args.layer_allocation, sparse_attend=args.sparse_attend,
                        prefill_budget=args.prefill_budget, rank=args.rank,
                        selector=args.selector,
                        sparse_prefetch=args.sparse_prefetch, positions=args.positions,
@@ -295,7 +299,7 @@ def _print_sparse_summary(s: dict) -> None:
     spread = f" ({lo}-{hi} by layer in the last step, {s['allocation']})" if lo != hi else ""
     print(f"sparse: {s['budget_tokens']} tokens per KV head{spread} by {s['selector']}, rank {s['rank']}, "
           f"positions {s['positions']}, prefetch {s['prefetch']}; {s['tokens_per_layer_step']:.0f} tokens "
-          f"attended per layer beside sinks and window; pages reused from the previous step "
+          f"attended per layer beside sinks and window (attend {s['attend']}); pages reused from the previous step "
           f"{100 * s['reuse_rate']:.0f} %; index in memory {format_size(s['index_bytes'])}")
     if s["resumed_prefill_tokens"]:
         print(f"resumed a stopped prefill at token {s['resumed_prefill_tokens']}; its prefill took "

@@ -116,6 +116,20 @@ def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tm
     assert first.tiers["nvme"]["bytes_written"] > 0
 
 
+def test_decode_attends_whole_pages_for_the_same_reads():
+    """attend="pages" (the default) attends more of the tokens of each page it reads than "chunks"
+    (the outputs differ, so later layers select other pages: compared per page read)."""
+    from dataclasses import replace
+    lm = loaded("llama")
+    ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(8)).tolist()
+    cfg = SparseConfig(budget=32, rank=32, sink_tokens=8, window_tokens=32, page_tokens=32,
+                       positions="original", dense_prefill_tokens=100)
+    assert cfg.attend == "pages"
+    wide, narrow = (decoded_sequence(lm, ids, replace(cfg, attend=a), steps=3) for a in ("pages", "chunks"))
+    assert wide.stats.pages > 0 and narrow.stats.pages > 0
+    assert wide.stats.tokens / wide.stats.pages > 1.5 * narrow.stats.tokens / narrow.stats.pages
+
+
 def test_a_layer_budget_widens_that_layer_only():
     lm = loaded("llama")
     ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(6)).tolist()

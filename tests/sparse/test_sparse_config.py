@@ -39,6 +39,7 @@ def test_explicit_rank_must_fit_the_keys():
     ("outlier_fraction", 1.0, r"in \[0, 1\)"), ("rank", 0, "must be > 0"),
     ("positions", "rope", "allowed: auto, original, remap"), ("selector", "best", "valid names: .*quest, shadowkv"),
     ("prefetch", "eager", "valid names: none, previous-step, speculative"),
+    ("attend", "heads", "allowed: pages, chunks"),
 ])
 def test_each_field_is_checked(field, value, message):
     with pytest.raises(ConfigError, match=message):

@@ -52,23 +52,51 @@ def test_regions_and_sealing():
         assert seq.index(0).chunks == 8
 
 
+def indexed_tokens(manager, cfg):
+    """200 random tokens sealed at full rank: (sequence, k, v, outlier chunk ids, candidate chunk ids)."""
+    seq = sequence(manager, cfg)
+    k, v = torch.randn(200, H, D), torch.randn(200, H, D)
+    seq.append(0, k, v)
+    seq.fit(0, H * D)
+    return seq, k, v, sorted(seq.index(0).outliers), seq.index(0).candidates.nonzero().flatten()
+
+
+def assert_exact(got, k, v, expect_per_head):
+    got_k, got_v, pos = got
+    for h, expect in enumerate(expect_per_head):
+        assert pos[h].tolist() == expect
+        assert torch.allclose(got_k[h], k[expect, h], atol=1e-5)
+        assert torch.equal(got_v[h], v[expect, h])
+
+
+def tokens_of(chunks):
+    return sorted(8 + c * 8 + j for c in chunks for j in range(8))
+
+
 def test_full_rank_gather_returns_the_exact_keys_values_and_positions():
     cfg = config(outlier_fraction=0.2)
     with pages_manager(cfg) as manager:
-        seq = sequence(manager, cfg)
-        k, v = torch.randn(200, H, D), torch.randn(200, H, D)
-        seq.append(0, k, v)
-        seq.fit(0, H * D)
-        outliers = sorted(seq.index(0).outliers)
-        free = seq.index(0).candidates.nonzero().flatten()
+        seq, k, v, outliers, free = indexed_tokens(manager, cfg)
         chunks = torch.stack([free[[0, 3, 9]], free[[2, 3, 17]]])
-        got_k, got_v, pos = seq.gather(0, chunks)
         assert outliers and not set(outliers) & set(chunks.flatten().tolist())
-        for h in range(H):
-            expect = sorted(8 + c * 8 + j for c in [*chunks[h].tolist(), *outliers] for j in range(8))
-            assert pos[h].tolist() == expect
-            assert torch.allclose(got_k[h], k[expect, h], atol=1e-5)
-            assert torch.equal(got_v[h], v[expect, h])
+        assert_exact(seq.gather(0, chunks), k, v, [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)])
+
+
+def test_whole_pages_give_every_head_every_indexed_chunk_of_the_pages_read():
+    """Two chunks per 16-token page: the heads' chunks widen to their pages' chunks, the same for
+    every head, outliers still once; the same pages are read, the keys and values stay exact."""
+    cfg = config(outlier_fraction=0.2)
+    with pages_manager(cfg) as manager:
+        seq, k, v, outliers, free = indexed_tokens(manager, cfg)
+        chunks = torch.stack([free[[0, 3]], free[[3, 9]]])
+        seq.gather(0, chunks)
+        read = seq.stats.pages
+        got = seq.gather(0, chunks, whole_pages=True)
+        assert seq.stats.pages == 2 * read                          # no page more than before
+        pages = {c // 2 for c in chunks.flatten().tolist()}
+        widened = [c for p in sorted(pages) for c in (2 * p, 2 * p + 1) if c not in outliers]
+        assert len(widened) > chunks.shape[1]
+        assert_exact(got, k, v, [tokens_of([*widened, *outliers])] * H)
 
 
 def test_full_rank_rebuilt_keys_rotated_equal_the_real_post_rope_keys(tiny_loaded):

@@ -72,8 +72,8 @@ def test_an_index_whose_pages_are_gone_is_not_reused(tiny_loaded, tmp_path):
 def test_the_id_names_prompt_and_settings_but_not_prefetch(tiny_loaded):
     layout = SparseEngine.page_layout(tiny_loaded, CFG)
     base = index_id("m", layout, CFG, frozenset({"landmarks"}), IDS)
-    for prefetch in ("none", "speculative"):
-        assert base == index_id("m", layout, SparseConfig(**{**_fields(CFG), "prefetch": prefetch}),
+    for field, value in (("prefetch", "none"), ("prefetch", "speculative"), ("attend", "chunks")):
+        assert base == index_id("m", layout, SparseConfig(**{**_fields(CFG), field: value}),
                                 frozenset({"landmarks"}), IDS)
     assert base != index_id("m", layout, CFG, frozenset({"landmarks"}), IDS[:-1])
     assert base != index_id("m", layout, SparseConfig(**{**_fields(CFG), "budget": 128}),

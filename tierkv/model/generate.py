@@ -54,6 +54,7 @@ class RunConfig:
     sparse_budget: str | int = 2048  # sparse: selected tokens per KV head, or a share like "2%"
     layer_budgets: str = ""          # sparse: decode budgets of single layers, like "0:6144"
     layer_allocation: str = "uniform"    # sparse: the same budget in every layer, or adaptive
+    sparse_attend: str = "pages"     # sparse decode: every head attends the pages read, or its own chunks
     prefill_budget: str | int = 1024  # sparse: the same for each sparse prefill chunk
     rank: int | None = None          # sparse: rank of the low-rank keys (None: by the key width)
     selector: str = "shadowkv"       # sparse: a policies.selectors name
@@ -97,7 +98,7 @@ class RunConfig:
 
     def sparse_config(self) -> SparseConfig:
         return SparseConfig(budget=self.sparse_budget, layer_budgets=self.layer_budgets,
-                            allocation=self.layer_allocation,
+                            allocation=self.layer_allocation, attend=self.sparse_attend,
                             prefill_budget=self.prefill_budget, rank=self.rank,
                             selector=self.selector, page_tokens=self.page_tokens,
                             prefetch=self.sparse_prefetch, positions=self.positions,
@@ -278,7 +279,7 @@ def sparse_report(engine: SparseEngine, seq: SparseSequence, prompt_tokens: int)
     c = seq.config
     stats = seq.stats
     return {
-        "budget_tokens": c.budget_tokens(seq.length(0)), "allocation": c.allocation,
+        "budget_tokens": c.budget_tokens(seq.length(0)), "allocation": c.allocation, "attend": c.attend,
         "layer_tokens": [int(seq.chosen[layer].shape[-1]) * c.chunk_tokens for layer in sorted(seq.chosen)],
         "rank": engine.rank, "selector": c.selector,
         "prefetch": c.prefetch, "positions": c.positions, "chunk_tokens": c.chunk_tokens,

@@ -5,6 +5,7 @@ Per layer and forward pass (one decode token, or one prefill chunk)::
     q_pre, k_pre, v = project(h)                               before RoPE
     chunks = selector.select(query, index_l, k)                [Hkv, k] per KV head; none while dense
     K, V   = sinks | pages of chunks (keys = A B) + outliers | window     pre-RoPE, token order
+             (a decode step attends every head to all of the pages read: attend="pages")
     RoPE   at the real positions, or remapped  0 .. |K|-1 then the queries   (positions="remap")
     out    = merge(attend(q, K, V), attend(q, k_new, v_new, causal))
     seq.append(l, k_pre, v)                                   seals pages past the window
@@ -128,7 +129,8 @@ class SparseEngine:
             with profiler_range(f"tierkv sparse layer {index}"):
                 q_pre, k_pre, v = project_qkv_pre(layer, h)          # [1, H, T, D], [1, Hkv, T, D] x2
                 chunks = self._select(seq, index, self._query(seq, q_pre, pos), seq.length(index), len(chunk))
-                context = self._context(seq, index, chunks)          # this layer's loads are done here
+                context = self._context(seq, index, chunks,          # this layer's loads are done here
+                                        whole_pages=len(chunk) == 1 and seq.config.attend == "pages")
                 if len(chunk) == 1 and index + 1 < len(self.layers):  # next layer's loads overlap the rest
                     self._prefetch(seq, index + 1, h if speculate else None, pos)
                 out = self._attention(seq, index, q_pre, k_pre, v, pos, context)
@@ -211,10 +213,12 @@ class SparseEngine:
             k = seq.rotate(k, torch.cat(positions))
         return k.transpose(0, 1)
 
-    def _context(self, seq: SparseSequence, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Pre-RoPE K, V [Hkv, Tc, D] and real positions [Hkv, Tc]: sinks | chunks + outliers | window."""
+    def _context(self, seq: SparseSequence, layer: int, chunks: Tensor, *,
+                 whole_pages: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Pre-RoPE K, V [Hkv, Tc, D] and real positions [Hkv, Tc]: sinks | chunks + outliers | window
+        (``whole_pages``: the chunks widened to the pages read, see SparseSequence.attended_chunks)."""
         H = self.layout.num_kv_heads
-        k_mid, v_mid, p_mid = seq.gather(layer, chunks)
+        k_mid, v_mid, p_mid = seq.gather(layer, chunks, whole_pages=whole_pages)
         sink_k, sink_v = seq.sinks(layer)
         win_k, win_v = seq.window(layer)
         start = seq.length(layer) - win_k.shape[0]

@@ -14,6 +14,7 @@ from tierkv.errors import ConfigError
 
 POSITIONS = ("auto", "original", "remap")
 ALLOCATIONS = ("uniform", "adaptive")   # tierkv.sparse.allocation
+ATTENDS = ("pages", "chunks")           # what a decode step attends of what it read
 
 
 def parse_budget(value: str | int | float, field: str = "sparse_budget") -> int | float:
@@ -74,6 +75,10 @@ class SparseConfig:
     # decode budgets the same in every layer, or moved between layers at an unchanged total as
     # estimated from the landmarks (tierkv.sparse.allocation); decode-only, so out of the repr too
     allocation: str = field(default="uniform", repr=False)
+    # a decode step reads whole pages (all KV heads, page_tokens tokens) for the chunks each head
+    # selected; "pages": every head attends every indexed token of those pages (more of the dense
+    # mass at no extra read), "chunks": each head only its own chunks. Decode-only, out of the repr
+    attend: str = field(default="pages", repr=False)
     selector: str = "shadowkv"      # a policies.selectors name
     prefetch: str = "none"   # a policies.selectors sparse-prefetch name (a guess costs more than it hides on CPU)
     positions: str = "auto"         # original | remap (RoPE at compact positions) | auto
@@ -101,6 +106,8 @@ class SparseConfig:
             raise ConfigError(f"rank={self.rank}: must be > 0 (or None for the default)")
         if self.allocation not in ALLOCATIONS:
             raise ConfigError(f"allocation={self.allocation!r}: allowed: {', '.join(ALLOCATIONS)}")
+        if self.attend not in ATTENDS:
+            raise ConfigError(f"attend={self.attend!r}: allowed: {', '.join(ATTENDS)}")
         if self.positions not in POSITIONS:
             raise ConfigError(f"positions={self.positions!r}: allowed: {', '.join(POSITIONS)}")
         if self.dense_prefill_tokens is not None and self.dense_prefill_tokens < 0:

@@ -16,7 +16,10 @@ chunk summaries and outliers indexed, the page put into the tier manager.
 Reading: for chunks chosen per KV head, the pages holding them are pinned
 through the manager (pages kept from the previous step are found in place:
 ShadowKV's cross-step reuse), keys rebuilt from the factors, and each head's
-chunks gathered in token order, merged with the outliers.
+chunks gathered in token order, merged with the outliers. A page holds every
+head's tokens, so a decode step attends, for every head, every indexed token
+of the pages read (``SparseConfig.attend``): more of the dense attention for
+no extra read.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from tierkv.manager import BlockingTierManager
 from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
-from tierkv.sparse.lowrank import KeyBasis, project
+from tierkv.sparse.lowrank import KeyBasis, project, reconstruct
 from tierkv.sparse.pages import PageLayout
 
 Rotate = Callable[[Tensor, Tensor], Tensor]   # (k_pre [t, Hkv, D], positions [t]) -> keys in the scoring frame
@@ -77,7 +80,7 @@ class ReadStats:
     steps: int = 0            # layer reads
     pages: int = 0            # pages read
     reused: int = 0           # of those, pages the same layer read in the previous step
-    tokens: int = 0           # selected + outlier tokens attended
+    tokens: int = 0           # tokens attended from pages and outliers (per KV head)
 
 
 class _Layer:
@@ -209,14 +212,31 @@ class SparseSequence:
         """The pages holding ``chunks``: ascending, each once."""
         return torch.unique(chunks // (self.layout.page_tokens // self.config.chunk_tokens))
 
-    def gather(self, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def attended_chunks(self, layer: int, chunks: Tensor, *, whole_pages: bool) -> Tensor:
+        """The chunks a step attends, given those its heads selected [Hkv, k]: the same, or with
+        ``whole_pages`` every indexed chunk (outliers aside) of the pages that hold any of them,
+        the same for every head [Hkv, m]. A read brings whole pages with every head's values and
+        key factors, so the wider set costs attention compute, not reads::
+
+            page p  = chunks [p*P/c, (p+1)*P/c)        read when any head selected one of them
+        """
+        if not whole_pages or not chunks.numel():
+            return chunks
+        per = self.layout.page_tokens // self.config.chunk_tokens
+        ids = (self.chunk_pages(chunks).unsqueeze(1) * per + torch.arange(per)).flatten()
+        ids = ids[self.layers[layer].index.candidates[ids]]
+        return ids.expand(self.layout.num_kv_heads, -1)
+
+    def gather(self, layer: int, chunks: Tensor, *, whole_pages: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Selected chunks [Hkv, k] plus the outliers -> pre-RoPE K, V [Hkv, M, D] (float) and
-        their token positions [Hkv, M], in token order per head."""
+        their token positions [Hkv, M], in token order per head; ``whole_pages`` widens the
+        chunks as ``attended_chunks`` does."""
         state = self.layers[layer]
         H = self.layout.num_kv_heads
         parts_k, parts_v, parts_pos = [], [], []
         if chunks.numel():
-            k_sel, v_sel = self._read(layer, chunks)
+            chunks = self.attended_chunks(layer, chunks, whole_pages=whole_pages)
+            k_sel, v_sel = self._read(layer, chunks, shared=whole_pages)
             parts_k.append(k_sel)
             parts_v.append(v_sel)
             parts_pos.append(self._positions(chunks))
@@ -240,12 +260,14 @@ class SparseSequence:
         first = self.config.sink_tokens + chunks * c
         return (first.unsqueeze(-1) + torch.arange(c)).flatten(1)
 
-    def _read(self, layer: int, chunks: Tensor) -> tuple[Tensor, Tensor]:
+    def _read(self, layer: int, chunks: Tensor, *, shared: bool = False) -> tuple[Tensor, Tensor]:
         """Pin the pages of ``chunks`` [Hkv, k]; rebuild each head's keys of its chunks only::
 
             rows[h]  = page slot * P + chunk offset in page * c + 0..c-1      [Hkv, k*c]
             K[h]     = A[rows[h]] @ B[:, h*D:(h+1)*D]                         [Hkv, k*c, D]
             V[h]     = values[rows[h], h]
+
+        ``shared``: every head has the same chunks; their keys come from one product A[rows] @ B.
         """
         state, c, P, H = self.layers[layer], self.config.chunk_tokens, self.layout.page_tokens, \
             self.layout.num_kv_heads
@@ -259,8 +281,12 @@ class SparseSequence:
         where = torch.searchsorted(pages, chunks // (P // c))                   # [Hkv, k]: page slot
         tok = (chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)           # [Hkv, k, c]: row in page
         where = where.unsqueeze(-1).expand_as(tok)
-        a = factors[where, tok].flatten(1, 2).float()                          # [Hkv, k*c, r]
-        k_sel = torch.bmm(a, state.head_basis())                               # [Hkv, k*c, D]
+        if shared:
+            a = factors[where[0], tok[0]].flatten(0, 1)                        # [k*c, r]
+            k_sel = reconstruct(a, state.basis.basis, H).transpose(0, 1)       # [Hkv, k*c, D]
+        else:
+            a = factors[where, tok].flatten(1, 2).float()                      # [Hkv, k*c, r]
+            k_sel = torch.bmm(a, state.head_basis())                           # [Hkv, k*c, D]
         heads = torch.arange(H).view(H, 1, 1)
         v_sel = values[where, tok, heads].flatten(1, 2).float()                # [Hkv, k*c, D]
         return k_sel, v_sel
