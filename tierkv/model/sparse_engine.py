@@ -244,7 +244,9 @@ class SparseEngine:
     # -- RoPE ---------------------------------------------------------------------------------------
     def _rotate_heads(self, k_pre: Tensor, positions: Tensor) -> Tensor:
         """k_pre [Hkv, T, D] rotated to per-head positions [Hkv, T]."""
-        cos, sin = self._rope(positions)                             # [Hkv, T, D]
+        if positions.shape[0] > 1 and torch.equal(positions[1:], positions[:1].expand(positions.shape[0] - 1, -1)):
+            positions = positions[:1]                                # the same for every head: one table
+        cos, sin = self._rope(positions)                             # [Hkv or 1, T, D]
         return apply_rope(k_pre.unsqueeze(1).float(), cos, sin).squeeze(1)
 
     def _rotate_keys(self, k_pre: Tensor, positions: Tensor) -> Tensor:

@@ -249,10 +249,13 @@ class SparseSequence:
             D = self.layout.head_dim
             return torch.empty(H, 0, D), torch.empty(H, 0, D), torch.empty(H, 0, dtype=torch.long)
         k, v, pos = torch.cat(parts_k, 1), torch.cat(parts_v, 1), torch.cat(parts_pos, 1)
-        order = pos.argsort(dim=1)
-        take = order.unsqueeze(-1).expand(-1, -1, k.shape[-1])
         self.stats.tokens += pos.shape[1]
-        return k.gather(1, take), v.gather(1, take), pos.gather(1, order)
+        if whole_pages:              # one order for every head: rows moved whole, once
+            order = pos[0].argsort()
+            return k[:, order], v[:, order], pos[:, order]
+        order = pos.argsort(dim=1)
+        heads = torch.arange(H).unsqueeze(1)
+        return k[heads, order], v[heads, order], pos[heads, order]
 
     def _positions(self, chunks: Tensor) -> Tensor:
         """chunk ids [Hkv, k] -> token positions [Hkv, k*c]."""
@@ -282,13 +285,15 @@ class SparseSequence:
         tok = (chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)           # [Hkv, k, c]: row in page
         where = where.unsqueeze(-1).expand_as(tok)
         if shared:
-            a = factors[where[0], tok[0]].flatten(0, 1)                        # [k*c, r]
-            k_sel = reconstruct(a, state.basis.basis, H).transpose(0, 1)       # [Hkv, k*c, D]
-        else:
-            a = factors[where, tok].flatten(1, 2).float()                      # [Hkv, k*c, r]
-            k_sel = torch.bmm(a, state.head_basis())                           # [Hkv, k*c, D]
+            rows = (where[0] * P + tok[0]).flatten()                            # [k*c]
+            a = factors.reshape(-1, factors.shape[-1])[rows]                    # [k*c, r]
+            k_sel = reconstruct(a, state.basis.basis, H).transpose(0, 1)        # [Hkv, k*c, D]
+            v_sel = values.reshape(-1, H, values.shape[-1])[rows].float().transpose(0, 1)
+            return k_sel, v_sel
+        a = factors[where, tok].flatten(1, 2).float()                           # [Hkv, k*c, r]
+        k_sel = torch.bmm(a, state.head_basis())                                # [Hkv, k*c, D]
         heads = torch.arange(H).view(H, 1, 1)
-        v_sel = values[where, tok, heads].flatten(1, 2).float()                # [Hkv, k*c, D]
+        v_sel = values[where, tok, heads].flatten(1, 2).float()                 # [Hkv, k*c, D]
         return k_sel, v_sel
 
     def _pin_limit(self) -> int:
