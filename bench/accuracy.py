@@ -180,12 +180,10 @@ class ProbedEngine(SparseEngine):
         self.sums = torch.zeros(len(self.layers), len(FIGURES), dtype=torch.float64)
         self.steps = 0
         self._attended: Tensor | None = None
-        self._whole_pages = False
 
     def _context(self, seq: SparseSequence, layer: int, chunks: Tensor, *,
-                 whole_pages: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        k, v, positions = super()._context(seq, layer, chunks, whole_pages=whole_pages)
-        self._whole_pages = whole_pages
+                 shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        k, v, positions = super()._context(seq, layer, chunks, shared=shared)
         self._attended = positions                                     # [Hkv, Tc]
         return k, v, positions
 
@@ -216,8 +214,8 @@ class ProbedEngine(SparseEngine):
         best = (lambda k: None) if mass is None else (lambda k: top_chunks(mass.sum(-1), k, index.candidates))
         picked = (lambda k: None) if mass is None else (lambda k: self.selector.select(query, index, k))
         chosen = seq.chosen.get(layer)      # as many chunks as the engine chose (its budgets may be adaptive)
-        oracle = self._choose(seq, layer, attended, best(0 if chosen is None else chosen.shape[-1]))
-        curve = [recall(probs, self._choose(seq, layer, attended, choose(budget // c)))
+        oracle = self._choose(seq, layer, query, attended, best(0 if chosen is None else chosen.shape[-1]))
+        curve = [recall(probs, self._choose(seq, layer, query, attended, choose(budget // c)))
                  for choose in (picked, best) for budget in CURVE]
         return torch.stack([
             recall(probs, attended), relative_error(out.view_as(dense), dense),
@@ -231,14 +229,17 @@ class ProbedEngine(SparseEngine):
         C, c, S = seq.index(layer).chunks, seq.config.chunk_tokens, seq.config.sink_tokens
         return x[:, S:S + C * c].view(x.shape[0], C, c) if C else None
 
-    def _choose(self, seq: SparseSequence, layer: int, attended: Tensor, chunks: Tensor | None) -> Tensor:
-        """attended [Hkv, n] with its selected chunks replaced by ``chunks`` [Hkv, k] (outliers stay)."""
+    def _choose(self, seq: SparseSequence, layer: int, query: Tensor, attended: Tensor,
+                chunks: Tensor | None) -> Tensor:
+        """attended [Hkv, n] with its selected chunks replaced by ``chunks`` [Hkv, k] (outliers stay),
+        widened as the engine widens its own (attend="pages")."""
         if chunks is None:
             return attended
         mask = attended.clone()
         region = self._region(seq, layer, mask)                         # a view: writes land in mask
         region[:] = ~seq.index(layer).candidates.view(1, -1, 1)
-        chunks = seq.attended_chunks(layer, chunks, whole_pages=self._whole_pages)   # as the engine reads
+        if seq.config.attend == "pages":
+            chunks = self._widen(seq, layer, query, chunks)[0]
         region.scatter_(1, chunks.unsqueeze(-1).expand(-1, -1, region.shape[-1]), True)
         return mask
 

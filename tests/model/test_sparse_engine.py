@@ -116,18 +116,36 @@ def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tm
     assert first.tiers["nvme"]["bytes_written"] > 0
 
 
-def test_decode_attends_whole_pages_for_the_same_reads():
-    """attend="pages" (the default) attends more of the tokens of each page it reads than "chunks"
-    (the outputs differ, so later layers select other pages: compared per page read)."""
-    from dataclasses import replace
+def test_decode_widens_to_the_pages_read_at_most_twice_the_selection():
+    """attend="pages": a head attends the indexed chunks of the pages its layer read, all of them
+    (the same for every head) while they are at most twice its own; past that its own chunks plus
+    the best-scored others, from those pages only."""
+    from tierkv.model.sparse_engine import WIDEN
     lm = loaded("llama")
     ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(8)).tolist()
     cfg = SparseConfig(budget=32, rank=32, sink_tokens=8, window_tokens=32, page_tokens=32,
                        positions="original", dense_prefill_tokens=100)
-    assert cfg.attend == "pages"
-    wide, narrow = (decoded_sequence(lm, ids, replace(cfg, attend=a), steps=3) for a in ("pages", "chunks"))
-    assert wide.stats.pages > 0 and narrow.stats.pages > 0
-    assert wide.stats.tokens / wide.stats.pages > 1.5 * narrow.stats.tokens / narrow.stats.pages
+    assert cfg.attend == "pages" and WIDEN == 2
+    seq = decoded_sequence(lm, ids, cfg, steps=1)
+    H, per = lm.spec.num_kv_heads, cfg.page_tokens // cfg.chunk_tokens
+    query = torch.randn(lm.spec.num_heads, lm.spec.head_dim, generator=torch.Generator().manual_seed(9))
+    free = seq.index(0).candidates.nonzero().flatten()
+    layout = SparseEngine.page_layout(lm, cfg)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB")) as manager:
+        engine = SparseEngine(lm, manager, cfg)
+        one_page = free[free // per == int(free[0]) // per]          # the candidates of one page
+        few = one_page[:max(1, len(one_page) // 2)].expand(H, -1)
+        wide, shared = engine._widen(seq, 0, query, few)
+        assert shared and wide.shape[1] <= WIDEN * few.shape[1]
+        assert all(row.tolist() == one_page.tolist() for row in wide)
+        spread = torch.stack([free[h::per + 1][:3] for h in range(H)])  # chunks on many pages
+        read = set(seq.page_chunks(0, spread).tolist())
+        assert len(read) > WIDEN * spread.shape[1]
+        wide, shared = engine._widen(seq, 0, query, spread)
+        assert not shared and wide.shape == (H, WIDEN * spread.shape[1])
+        for h in range(H):
+            assert set(spread[h].tolist()) <= set(wide[h].tolist()) <= read
+            assert wide[h].tolist() == sorted(wide[h].tolist())
 
 
 def test_a_layer_budget_widens_that_layer_only():

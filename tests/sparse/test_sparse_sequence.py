@@ -91,11 +91,11 @@ def test_whole_pages_give_every_head_every_indexed_chunk_of_the_pages_read():
         chunks = torch.stack([free[[0, 3]], free[[3, 9]]])
         seq.gather(0, chunks)
         read = seq.stats.pages
-        got = seq.gather(0, chunks, whole_pages=True)
-        assert seq.stats.pages == 2 * read                          # no page more than before
         pages = {c // 2 for c in chunks.flatten().tolist()}
         widened = [c for p in sorted(pages) for c in (2 * p, 2 * p + 1) if c not in outliers]
-        assert len(widened) > chunks.shape[1]
+        assert seq.page_chunks(0, chunks).tolist() == widened and len(widened) > chunks.shape[1]
+        got = seq.gather(0, torch.tensor(widened).expand(H, -1), shared=True)
+        assert seq.stats.pages == 2 * read                          # no page more than before
         assert_exact(got, k, v, [tokens_of([*widened, *outliers])] * H)
 
 

@@ -17,9 +17,8 @@ Reading: for chunks chosen per KV head, the pages holding them are pinned
 through the manager (pages kept from the previous step are found in place:
 ShadowKV's cross-step reuse), keys rebuilt from the factors, and each head's
 chunks gathered in token order, merged with the outliers. A page holds every
-head's tokens, so a decode step attends, for every head, every indexed token
-of the pages read (``SparseConfig.attend``): more of the dense attention for
-no extra read.
+head's tokens, so a decode step may attend more of the pages read than the
+chunks chosen (``page_chunks``; see ``SparseEngine`` and ``SparseConfig.attend``).
 """
 from __future__ import annotations
 
@@ -212,31 +211,26 @@ class SparseSequence:
         """The pages holding ``chunks``: ascending, each once."""
         return torch.unique(chunks // (self.layout.page_tokens // self.config.chunk_tokens))
 
-    def attended_chunks(self, layer: int, chunks: Tensor, *, whole_pages: bool) -> Tensor:
-        """The chunks a step attends, given those its heads selected [Hkv, k]: the same, or with
-        ``whole_pages`` every indexed chunk (outliers aside) of the pages that hold any of them,
-        the same for every head [Hkv, m]. A read brings whole pages with every head's values and
-        key factors, so the wider set costs attention compute, not reads::
+    def page_chunks(self, layer: int, chunks: Tensor) -> Tensor:
+        """Every indexed chunk (outliers aside) of the pages that hold ``chunks`` [Hkv, k]: [m],
+        ascending. A read brings whole pages with every head's values and key factors, so any of
+        these costs attention compute, not a read::
 
             page p  = chunks [p*P/c, (p+1)*P/c)        read when any head selected one of them
         """
-        if not whole_pages or not chunks.numel():
-            return chunks
         per = self.layout.page_tokens // self.config.chunk_tokens
         ids = (self.chunk_pages(chunks).unsqueeze(1) * per + torch.arange(per)).flatten()
-        ids = ids[self.layers[layer].index.candidates[ids]]
-        return ids.expand(self.layout.num_kv_heads, -1)
+        return ids[self.layers[layer].index.candidates[ids]]
 
-    def gather(self, layer: int, chunks: Tensor, *, whole_pages: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """Selected chunks [Hkv, k] plus the outliers -> pre-RoPE K, V [Hkv, M, D] (float) and
-        their token positions [Hkv, M], in token order per head; ``whole_pages`` widens the
-        chunks as ``attended_chunks`` does."""
+    def gather(self, layer: int, chunks: Tensor, *, shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Chunks [Hkv, k] plus the outliers -> pre-RoPE K, V [Hkv, M, D] (float) and their token
+        positions [Hkv, M], in token order per head; ``shared``: every head has the same chunks
+        (keys rebuilt in one product, one order)."""
         state = self.layers[layer]
         H = self.layout.num_kv_heads
         parts_k, parts_v, parts_pos = [], [], []
         if chunks.numel():
-            chunks = self.attended_chunks(layer, chunks, whole_pages=whole_pages)
-            k_sel, v_sel = self._read(layer, chunks, shared=whole_pages)
+            k_sel, v_sel = self._read(layer, chunks, shared=shared)
             parts_k.append(k_sel)
             parts_v.append(v_sel)
             parts_pos.append(self._positions(chunks))
@@ -250,7 +244,7 @@ class SparseSequence:
             return torch.empty(H, 0, D), torch.empty(H, 0, D), torch.empty(H, 0, dtype=torch.long)
         k, v, pos = torch.cat(parts_k, 1), torch.cat(parts_v, 1), torch.cat(parts_pos, 1)
         self.stats.tokens += pos.shape[1]
-        if whole_pages:              # one order for every head: rows moved whole, once
+        if shared:                   # one order for every head: rows moved whole, once
             order = pos[0].argsort()
             return k[:, order], v[:, order], pos[:, order]
         order = pos.argsort(dim=1)
