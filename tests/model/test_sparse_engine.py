@@ -113,6 +113,7 @@ def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tm
     assert (first.reused_prompt_tokens, second.reused_prompt_tokens) == (0, 1199)
     assert second.text == first.text
     assert first.sparse["budget_tokens"] == 256 and first.sparse["pages_read"] > 0
+    assert first.sparse["attend"] == "pages"
     assert first.tiers["nvme"]["bytes_written"] > 0
 
 
