@@ -170,9 +170,10 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                                  "layers at the same total, by coverage estimated from the landmarks (it "
                                  "raised coverage but lowered agreement with dense on SmolLM2 at 8K)"),
         sparse.add_argument("--sparse-attend", default="pages", choices=("pages", "chunks"),
-                            help="pages (default): a decode step attends, for every KV head, every token of the "
-                                 "pages it read (a page holds every head's tokens; no extra read, more of "
-                                 "the attention covered); chunks: each head only the chunks it selected"),
+                            help="pages (default): each KV head also attends other chunks of the pages its "
+                                 "step read, up to twice its own selection (a page holds every head's tokens: "
+                                 "no extra read, more of the attention covered); chunks: each head only the "
+                                 "chunks it selected"),
         sparse.add_argument("--prefill-budget", default="1024", metavar="N|P%",
                             help="the same for each chunk of a sparse prefill (default 1024)"),
         sparse.add_argument("--rank", type=int, help="rank of the low-rank keys (default: full up to 256 key "

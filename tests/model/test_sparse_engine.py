@@ -149,6 +149,25 @@ def test_decode_widens_to_the_pages_read_at_most_twice_the_selection():
             assert wide[h].tolist() == sorted(wide[h].tolist())
 
 
+def test_with_remapped_positions_the_widened_set_stays_inside_the_trained_window():
+    lm = loaded("llama")                                   # trained window 512
+    ids = torch.randint(0, 128, (1300,), generator=torch.Generator().manual_seed(5)).tolist()
+    cfg = SparseConfig(budget=256, sink_tokens=8, window_tokens=64, page_tokens=32, positions="remap",
+                       dense_prefill_tokens=256)
+    seq = decoded_sequence(lm, ids, cfg, steps=1)
+    H, c = lm.spec.num_kv_heads, cfg.chunk_tokens
+    free = seq.index(0).candidates.nonzero().flatten()
+    spread = torch.stack([free[h::3][:32] for h in range(H)])      # 32 chunks a head, over many pages
+    fixed = cfg.sink_tokens + cfg.window_tokens + len(seq.index(0).outliers) * c
+    limit = (lm.spec.max_position - fixed - 1) // c
+    assert 32 < limit < 64 and seq.page_chunks(0, spread).numel() > limit
+    layout = SparseEngine.page_layout(lm, cfg)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB")) as manager:
+        wide, shared = SparseEngine(lm, manager, cfg)._widen(seq, 0, torch.randn(lm.spec.num_heads, lm.spec.head_dim),
+                                                             spread)
+    assert wide.shape == (H, limit) and fixed + limit * c < lm.spec.max_position
+
+
 def test_a_layer_budget_widens_that_layer_only():
     lm = loaded("llama")
     ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(6)).tolist()

@@ -226,12 +226,17 @@ class SparseEngine:
         """attend="pages": the chunks [Hkv, m] a decode step attends, given those its heads selected
         [Hkv, k]. The pages read hold every head's tokens; each head attends all of their indexed
         chunks, or, past WIDEN x k of them, its own k plus the best the selector's scores rank among
-        the rest (attention compute grows with the set, the reads do not). Returns (chunks, whether
-        every head has the same ones)."""
+        the rest (attention compute grows with the set, the reads do not). With remapped positions
+        the set also stays within the trained window, beside sinks, outliers and window. Returns
+        (chunks, whether every head has the same ones)."""
         if not chunks.numel():
             return chunks, False
-        wide, H = seq.page_chunks(layer, chunks), chunks.shape[0]
-        cap = WIDEN * chunks.shape[1]
+        wide, (H, k) = seq.page_chunks(layer, chunks), chunks.shape
+        cap = WIDEN * k
+        if seq.config.positions == "remap":
+            config = seq.config
+            fixed = config.sink_tokens + config.window_tokens + len(seq.index(layer).outliers) * config.chunk_tokens
+            cap = max(k, min(cap, (self.loaded.spec.max_position - fixed - 1) // config.chunk_tokens))
         if wide.numel() <= cap:
             return wide.expand(H, -1), True
         index = seq.index(layer)

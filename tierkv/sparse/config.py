@@ -76,8 +76,9 @@ class SparseConfig:
     # estimated from the landmarks (tierkv.sparse.allocation); decode-only, so out of the repr too
     allocation: str = field(default="uniform", repr=False)
     # a decode step reads whole pages (all KV heads, page_tokens tokens) for the chunks each head
-    # selected; "pages": every head attends every indexed token of those pages (more of the dense
-    # mass at no extra read), "chunks": each head only its own chunks. Decode-only, out of the repr
+    # selected; "pages": each head attends more of those pages, up to twice its own selection (more
+    # of the dense mass at no extra read; SparseEngine._widen), "chunks": each head only its own
+    # chunks. Decode-only, out of the repr
     attend: str = field(default="pages", repr=False)
     selector: str = "shadowkv"      # a policies.selectors name
     prefetch: str = "none"   # a policies.selectors sparse-prefetch name (a guess costs more than it hides on CPU)
