@@ -45,9 +45,9 @@ from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.pages import PageLayout
 from tierkv.sparse.sequence import SparseSequence
 
-# attend="pages": a head attends at most this many times the chunks it selected (SmolLM2, 8K
-# document: its pages' chunks come to ~2x and lift recall 0.963 -> 0.985; at 128K they come to
-# ~4x and doubled the step time)
+# attend="pages": a head attends at most this many times the chunks it selected (SmolLM2: at 8K
+# its pages' chunks come to ~2x and lift recall 0.963 -> 0.985; at 128K they come to ~4x, and
+# attending all of them doubled the step time)
 WIDEN = 2
 
 
