@@ -10,8 +10,8 @@ Three measurements, each against dense attention computed in the same run::
     attention   inside every sparse decode step and layer, the engine's own query also attends
                 densely over the run's own exact keys (a probe; the engine is unchanged):
                   recall     dense softmax mass on the tokens the engine attended
-                             (sinks + selected chunks, widened to the pages read + outliers +
-                             window + the new token)
+                             (sinks + selected chunks, with attend=pages more of the pages read
+                             + outliers + window + the new token)
                   oracle     the same, with the chunks chosen by their dense mass (read and attended
                              as the engine reads and attends its own)
                   out error  |sparse out - dense out| / |dense out|, all heads of the layer;
@@ -462,7 +462,7 @@ def add_document(report: Report, loaded: LoadedModel, runs: list[DocRun], prompt
     report.add_ratio(f"oracle_recall{tag}", round(mean(default.per_layer["recall"]), 4),
                      TARGETS[f"oracle_recall{tag}"],
                      f"{default.name}: dense attention mass on the attended set (sinks + window + outliers + "
-                     f"selected chunks, widened to the pages read where attend=pages, + the new token), mean over "
+                     f"selected chunks, with attend=pages more of the pages read, + the new token), mean over "
                      f"layers, query heads and steps")
     for run in runs:
         if run is default:
