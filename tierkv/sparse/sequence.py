@@ -278,16 +278,13 @@ class SparseSequence:
         where = torch.searchsorted(pages, chunks // (P // c))                   # [Hkv, k]: page slot
         tok = (chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)           # [Hkv, k, c]: row in page
         where = where.unsqueeze(-1).expand_as(tok)
+        rows = (where * P + tok).flatten(1)                                     # [Hkv, k*c]: row in raw
+        factors, values = factors.reshape(-1, factors.shape[-1]), values.reshape(-1, H, values.shape[-1])
         if shared:
-            rows = (where[0] * P + tok[0]).flatten()                            # [k*c]
-            a = factors.reshape(-1, factors.shape[-1])[rows]                    # [k*c, r]
-            k_sel = reconstruct(a, state.basis.basis, H).transpose(0, 1)        # [Hkv, k*c, D]
-            v_sel = values.reshape(-1, H, values.shape[-1])[rows].float().transpose(0, 1)
-            return k_sel, v_sel
-        a = factors[where, tok].flatten(1, 2).float()                           # [Hkv, k*c, r]
-        k_sel = torch.bmm(a, state.head_basis())                                # [Hkv, k*c, D]
-        heads = torch.arange(H).view(H, 1, 1)
-        v_sel = values[where, tok, heads].flatten(1, 2).float()                 # [Hkv, k*c, D]
+            k_sel = reconstruct(factors[rows[0]], state.basis.basis, H).transpose(0, 1)   # [Hkv, k*c, D]
+            return k_sel, values[rows[0]].float().transpose(0, 1)
+        k_sel = torch.bmm(factors[rows].float(), state.head_basis())            # [Hkv, k*c, D]
+        v_sel = values[rows, torch.arange(H).unsqueeze(1)].float()              # [Hkv, k*c, D]
         return k_sel, v_sel
 
     def _pin_limit(self) -> int:
