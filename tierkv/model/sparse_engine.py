@@ -225,8 +225,9 @@ class SparseEngine:
     def _widen(self, seq: SparseSequence, layer: int, query: Tensor, chunks: Tensor) -> tuple[Tensor, bool]:
         """attend="pages": the chunks [Hkv, m] a decode step attends, given those its heads selected
         [Hkv, k]. The pages read hold every head's tokens; each head attends all of their indexed
-        chunks, or, past WIDEN x k of them, its own k plus the best the selector's scores rank among
-        the rest (attention compute grows with the set, the reads do not). With remapped positions
+        chunks, or, past WIDEN x k of them, its own k plus the rest's best by the summaries the
+        selector had the index keep (landmark scores, else Quest bounds): attention compute grows
+        with the set, the reads do not. With remapped positions
         the set also stays within the trained window, beside sinks, outliers and window. Returns
         (chunks, whether every head has the same ones)."""
         if not chunks.numel():
