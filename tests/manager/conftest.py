@@ -34,6 +34,10 @@ class SlowTier(MemoryTier):
         time.sleep(self.delay)
         return super().view(slot)
 
+    def address(self, slot: int) -> int:   # host-to-host copies find a block by its address
+        time.sleep(self.delay)
+        return super().address(slot)
+
 
 @pytest.fixture
 def knobs() -> IOKnobs:

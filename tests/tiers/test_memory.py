@@ -46,6 +46,17 @@ def test_gather_and_scatter_keep_order_across_extents(monkeypatch: pytest.Monkey
     assert [int(tier.view(s)[0]) for s in reversed(slots)] == slots
 
 
+def test_copy_slots_moves_each_block_into_the_other_tiers_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    src, dst = make(10, 4, monkeypatch), make(12, 4, monkeypatch)
+    fill(src)
+    src.copy_slots([9, 0, 4, 3], dst, [11, 5, 0, 6])   # across extents, into a tier of another size
+    assert [int(dst.view(d)[0]) for d in (11, 5, 0, 6)] == [9, 0, 4, 3]
+    assert torch.equal(dst.view(11), src.view(9))
+    assert dst.pool.used == 0 and src.pool.used == 0          # bytes only: the pools are the caller's
+    with pytest.raises(IndexError, match="slot=12"):
+        src.copy_slots([0], dst, [12])
+
+
 def test_adjacent_slots_move_as_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make(16, 8, monkeypatch)
     fill(tier)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tierkv.tiers import nvme_striped
-from tierkv.tiers.nvme_striped import StripedIO, checksum, plan_runs
+from tierkv.tiers.nvme_striped import BACKGROUND, LAST, URGENT, JobQueue, StripedIO, checksum, plan_runs
 
 BB = 4096
 
@@ -187,3 +187,55 @@ def test_close_stops_every_worker() -> None:
     io.close()
     assert not any(w.is_alive() for w in workers)
     assert not [t for t in threading.enumerate() if t in workers]
+
+
+class Named:
+    def __init__(self, name: str, priority: int) -> None:
+        self.name, self.priority = name, priority
+
+
+def test_job_queue_serves_the_most_urgent_first_then_in_order_of_arrival() -> None:
+    jobs = JobQueue()
+    jobs.put(Named("writeback", LAST))
+    jobs.put(Named("guess", BACKGROUND), copies=2)
+    jobs.put(None)                           # a worker's stop: after every job queued before it
+    jobs.put(Named("wanted", URGENT))
+    jobs.put(Named("wanted too", URGENT))
+    assert jobs.more_urgent(BACKGROUND) and not jobs.more_urgent(URGENT)
+    served = [jobs.get() for _ in range(6)]
+    assert [None if job is None else job.name for job in served] == \
+        ["wanted", "wanted too", "guess", "guess", "writeback", None]
+    assert not jobs.more_urgent(LAST)
+
+
+def test_an_urgent_read_overtakes_a_background_read_under_way() -> None:
+    order: list[int] = []
+
+    def before(kind: str, offset: int) -> None:
+        if kind == "read":
+            order.append(offset // BB)
+            time.sleep(0.01)
+
+    file = MemoryFile(64)
+    io = StripedIO(file, BB, threads=1)
+    try:
+        src = blocks(64)
+        io.write(list(range(64)), src)
+        file.before = before
+        background = list(range(0, 40, 2))   # 20 runs of one block: nothing adjacent
+        got: dict[str, list] = {}
+        reader = threading.Thread(target=lambda: got.update(
+            guess=io.read(background, [np.zeros(BB, np.uint8) for _ in background], priority=BACKGROUND)))
+        reader.start()
+        assert wait_for(lambda: len(order) >= 2)
+        bufs = [np.zeros(BB, np.uint8) for _ in range(2)]
+        sums = io.read([41, 43], bufs)       # URGENT, the default
+        reader.join()
+    finally:
+        io.close()
+    first = order.index(41)
+    assert order[first:first + 2] == [41, 43]
+    assert first <= order.index(background[2]) + 2          # at most the run under way, and one more
+    assert len(order) == len(background) + 2 and sorted(order[:first] + order[first + 2:]) == background
+    assert sums == [checksum(src[41]), checksum(src[43])] and int(bufs[1][0]) == 43
+    assert got["guess"] == [checksum(src[i]) for i in background]

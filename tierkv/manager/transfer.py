@@ -19,6 +19,7 @@ from tierkv.device import host_buffer, new_event, new_stream, on_stream
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
 from tierkv.tiers.cxl_link import Direction
+from tierkv.tiers.nvme_striped import BACKGROUND, LAST, URGENT
 
 
 class Priority(enum.IntEnum):
@@ -86,6 +87,9 @@ STREAMS = _Streams()
 
 
 def copy_memory(t: Transfer, src, dst) -> list[BlockKey]:
+    if src.device.type == "cpu" and dst.device.type == "cpu":
+        src.copy_slots(t.src_slots, dst, t.dst_slots)
+        return []
     stream = STREAMS.get(src.device, dst.device)
     event = new_event(dst.device if dst.device.type == "cuda" else src.device)
     with on_stream(stream):
@@ -96,20 +100,26 @@ def copy_memory(t: Transfer, src, dst) -> list[BlockKey]:
     return []
 
 
+# A transfer's place in the NVMe store's I/O queue: a read a caller waits for overtakes a prefetch
+# or a write-back already under way (tierkv.tiers.nvme_striped.JobQueue).
+_IO_PRIORITY = {Kind.PREFETCH: BACKGROUND, Kind.WRITEBACK: LAST}
+
+
 def write_store(t: Transfer, src, store) -> list[BlockKey]:
     views = [src.view(s) for s in t.src_slots]
     if src.device.type == "cuda" and store.backend != "kvikio":
         views = [_to_host(v) for v in views]
-    store.write(list(zip(t.keys, t.dst_slots, views)))
+    store.write(list(zip(t.keys, t.dst_slots, views)), priority=_IO_PRIORITY.get(t.kind, URGENT))
     return []
 
 
 def read_store(t: Transfer, store, dst) -> list[BlockKey]:
     views = [dst.view(d) for d in t.dst_slots]
+    priority = _IO_PRIORITY.get(t.kind, URGENT)
     if dst.device.type != "cuda" or store.backend == "kvikio":
-        return store.read(list(zip(t.keys, t.src_slots, views)))
+        return store.read(list(zip(t.keys, t.src_slots, views)), priority=priority)
     bounce = [host_buffer(store.block_bytes, pinned=True) for _ in views]
-    failed = store.read(list(zip(t.keys, t.src_slots, bounce)))
+    failed = store.read(list(zip(t.keys, t.src_slots, bounce)), priority=priority)
     for host, view in zip(bounce, views):
         view.copy_(host)
     return failed

@@ -509,6 +509,9 @@ class _SimArena:
     def scatter(self, slots: list[int], src: torch.Tensor) -> None:
         pass
 
+    def copy_slots(self, slots: list[int], dst: _SimArena, dst_slots: list[int]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -541,10 +544,10 @@ class _SimStore:
     def __len__(self) -> int:
         return len(self._index)
 
-    def write(self, items: list[tuple[BlockKey, int, torch.Tensor]]) -> None:
+    def write(self, items: list[tuple[BlockKey, int, torch.Tensor]], *, priority: int = 0) -> None:
         self._index.update((key, slot) for key, slot, _ in items)
 
-    def read(self, items: list[tuple[BlockKey, int, torch.Tensor]]) -> list[BlockKey]:
+    def read(self, items: list[tuple[BlockKey, int, torch.Tensor]], *, priority: int = 0) -> list[BlockKey]:
         return [key for key, slot, _ in items if self._index.get(key) != slot]
 
     def drop(self, key: BlockKey) -> None:

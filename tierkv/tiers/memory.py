@@ -76,6 +76,20 @@ class MemoryTier:
         """Copy ``src`` (contiguous, ``len(slots) * block_bytes`` bytes) into ``slots``, block i into slots[i]."""
         self._copy_runs(slots, src, into_slots=True)
 
+    def address(self, slot: int) -> int:
+        """Where ``slot``'s bytes start (host tiers: for ``memmove``)."""
+        index, offset = self._locate(slot)
+        return self._extents[index].data_ptr() + offset * self.block_bytes
+
+    def copy_slots(self, slots: Sequence[int], dst: MemoryTier, dst_slots: Sequence[int]) -> None:
+        """Copy block ``slots[i]`` into ``dst``'s ``dst_slots[i]``, host to host: one ``memmove``
+        each. A torch copy per block costs ~50 us of dispatch under load; a memmove of 12 KiB ~1."""
+        if self.device.type != "cpu" or dst.device.type != "cpu":
+            raise ValueError(f"copy_slots is host to host; {self.name} is on {self.device}, "
+                             f"{dst.name} on {dst.device}")
+        moves = [(dst.address(d), self.address(s), self.block_bytes) for s, d in zip(slots, dst_slots)]
+        self._memmove_all(moves, len(moves) * self.block_bytes)
+
     def close(self) -> None:
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=True)

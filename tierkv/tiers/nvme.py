@@ -62,7 +62,7 @@ from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
 from tierkv.tiers.journal import Journal, Op, Record, encode_puts, fsync_dir
 from tierkv.tiers.nvme_io import BACKENDS, Buffer, choose_backend
-from tierkv.tiers.nvme_striped import StripedIO
+from tierkv.tiers.nvme_striped import URGENT, StripedIO
 from tierkv.tiers.pool import BlockPool
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,9 @@ class NvmeTier:
         return len(self._index)
 
     # -- block I/O -----------------------------------------------------------
-    def write(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]]) -> None:
-        """Write blocks into their RESERVED slots, then make them visible; all or nothing."""
+    def write(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT) -> None:
+        """Write blocks into their RESERVED slots, then make them visible; all or nothing.
+        ``priority``: the I/O's place among the store's queued jobs (see tierkv.tiers.nvme_striped)."""
         self._check_open()
         if not items:
             return
@@ -137,7 +138,7 @@ class NvmeTier:
             self._grow_to((max(slots) + 1) * self.block_bytes)
         digests = [key.digest for key, _, _ in items]
         with self._disk_full_raised(len(items) * self.block_bytes):
-            job = self._io.start_write(slots, bufs, misaligned)
+            job = self._io.start_write(slots, bufs, misaligned, priority=priority)
             try:  # while the workers write: the checksums, and the records that carry them
                 sums = job.checksums()
                 records = encode_puts(digests, slots, sums)
@@ -149,7 +150,7 @@ class NvmeTier:
             for digest, slot, checksum in zip(digests, slots, sums):
                 self._index.put(digest, slot, checksum)
 
-    def read(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]]) -> list[BlockKey]:
+    def read(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT) -> list[BlockKey]:
         """Read blocks into the given tensors; the keys that failed (their tensors hold garbage)."""
         self._check_open()
         with self._lock:
@@ -167,7 +168,7 @@ class NvmeTier:
             tensors.append(tensor)
         if slots:
             bufs = [self._buffer(tensor) for tensor in tensors]
-            sums = self._io.read(slots, bufs, self._misaligned(tensors))
+            sums = self._io.read(slots, bufs, self._misaligned(tensors), priority=priority)
             failed.update(key for (key, expected), got in zip(wanted, sums) if got != expected)
         return [key for key, _, _ in items if key in failed]
 
