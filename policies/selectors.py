@@ -11,7 +11,8 @@ start loading while the current layer computes (see ``tierkv.policy``)::
     prefetch       loads for layer l+1, while layer l computes
     none           nothing: every chunk is fetched when its layer asks
     speculative    the chunks layer l+1 would pick for a query guessed from layer l's
-                   input (InfiniGen): the real selection then finds most of them arriving
+                   input (InfiniGen): the real selection then finds most of them arriving;
+                   a layer whose guesses held under half of its choices is skipped
     previous-step  the chunks layer l+1 picked in the previous step (ShadowKV's reuse)
 
 ``make_selector("shadowkv")`` / ``make_sparse_prefetch("speculative")`` build
@@ -20,7 +21,7 @@ one; ``selectors()`` / ``sparse_prefetchers()`` list the names;
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -65,10 +66,27 @@ class NoSparsePrefetch:
 @register_sparse_prefetch("speculative")
 @dataclass(slots=True)
 class Speculative:
+    """The guess, for layers whose guesses have been paying off.
+
+    At each plan the layer's previous guess is scored against what the layer then really chose
+    (``previous``): the share of chosen chunks the guess held, a moving average per layer. A layer
+    below ``min_recall`` is not prefetched (its guess is still made and scored, so it comes back
+    when it improves): on SmolLM2 at 128K layers 1-2 guessed 14-31 % of their chunks, and every
+    wrong page is a disk read taken from the layers that guess well.
+    """
     speculates: bool = True
+    min_recall: float = 0.5
+    _guesses: dict[int, Tensor] = field(default_factory=dict, repr=False)
+    recall: dict[int, float] = field(default_factory=dict)
 
     def plan(self, layer: int, guess: Tensor | None, previous: Tensor | None) -> Tensor | None:
-        return guess
+        last = self._guesses.get(layer)
+        if last is not None and previous is not None and previous.numel() and last.shape[0] == previous.shape[0]:
+            hit = float((previous.unsqueeze(-1) == last.unsqueeze(-2)).any(-1).float().mean())   # per head
+            self.recall[layer] = hit if layer not in self.recall else (self.recall[layer] + hit) / 2
+        if guess is not None:
+            self._guesses[layer] = guess
+        return guess if self.recall.get(layer, 1.0) >= self.min_recall else None
 
 
 @register_sparse_prefetch("previous-step")

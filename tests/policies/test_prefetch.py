@@ -105,3 +105,26 @@ def test_a_custom_strategy_loads_by_module_and_class(module_dir: Path) -> None:
         make_prefetch("my_prefetch:Nothing")
     with pytest.raises(ConfigError, match="cannot import module"):
         make_prefetch("no_such_module_here:X")
+
+
+# -- sparse prefetchers ----------------------------------------------------------------------
+def test_sparse_prefetchers_are_listed() -> None:
+    from policies.selectors import sparse_prefetchers
+    assert sparse_prefetchers() == ["none", "previous-step", "speculative"]
+
+
+def test_speculative_stops_guessing_a_layer_whose_guesses_miss_and_resumes_when_they_hit() -> None:
+    import torch
+
+    from policies.selectors import make_sparse_prefetch
+    spec = make_sparse_prefetch("speculative")
+    good, bad = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]), torch.tensor([[20, 21, 22, 23], [24, 25, 26, 27]])
+    assert torch.equal(spec.plan(3, good, None), good)          # no record yet: guess
+    assert spec.plan(3, good, bad) is None and spec.recall[3] == 0.0   # the layer chose none of the guess
+    assert spec.plan(3, good, torch.tensor([[1, 2, 3, 4], [5, 6, 7, 9]])) is None   # (0 + 7/8) / 2 < 0.5
+    assert spec.recall[3] == pytest.approx(7 / 16)
+    assert torch.equal(spec.plan(3, good, good), good)          # (7/16 + 1) / 2 >= 0.5: guessing again
+    assert torch.equal(spec.plan(4, bad, None), bad)            # layers are judged apart
+    always = make_sparse_prefetch("speculative", min_recall=0.0)
+    always.plan(3, good, None)
+    assert torch.equal(always.plan(3, good, bad), good)         # min_recall=0: every guess is loaded
