@@ -22,15 +22,19 @@ sparse at remapped ones, so the tokens differ; the rows compare speed, not text.
 """
 from __future__ import annotations
 
+import mmap
+import os
+import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from report import Report
-from tierkv.config import TierConfig
+from tierkv.config import IOKnobs, TierConfig
 from tierkv.manager import BlockingTierManager
 from tierkv.model.generate import RunConfig, open_sparse
 from tierkv.model.loading import LoadedModel
@@ -155,12 +159,46 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
                                                          prefetch="none", warm=False),
     }
     runs = interleave(builders, ids[-1], steps, together=False)
+    threads = IOKnobs.from_env().io_threads
+    tiers = TierConfig(block_bytes=layout.page_bytes, gpu=layout.page_bytes, cpu=0, nvme_dir=store / layout.name)
+    with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager:   # the stored pages' slots
+        slots = [slot for _, slot in manager.manager.store.items()]
+    rate = page_read_rate(store / layout.name / "slots.dat", layout.page_bytes, slots, threads)
+    if rate:
+        report.add_bound(f"page reads@{ctx // K}K: the store's device serves {rate / 1e3:.1f}K random "
+                         f"{layout.page_bytes // 1024} KiB O_DIRECT reads/s with {threads} threads "
+                         f"({rate * layout.page_bytes / 1e6:.0f} MB/s), measured on the stored pages in this run")
     runs |= interleave({"dynamic-cache": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store),
                                                            len(ids) - 1)}, ids[-1], steps, together=False)
-    add_sparse_rows(report, ctx, runs, steps, prefill_s)
+    add_sparse_rows(report, ctx, runs, steps, prefill_s, rate)
 
 
-def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s: float) -> None:
+def page_read_rate(path: Path, page_bytes: int, slots: list[int], threads: int, reads: int = 4000) -> float | None:
+    """Random O_DIRECT reads of one stored page each, ``threads`` at a time, from the store's own
+    file: reads per second (the device's limit for page loads; sequential GB/s says little about
+    it). None where O_DIRECT is refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return None
+    try:
+        offsets = [slot * page_bytes for slot in random.Random(0).choices(slots, k=reads)]
+        bufs = [memoryview(mmap.mmap(-1, page_bytes)) for _ in range(threads)]   # page-aligned
+
+        def worker(t: int) -> None:
+            for offset in offsets[t::threads]:
+                os.preadv(fd, [bufs[t]], offset)
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(worker, range(threads)))
+        return reads / (time.perf_counter() - start)
+    finally:
+        os.close(fd)
+
+
+def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s: float,
+                    page_reads_per_s: float | None = None) -> None:
     tag = f"@{ctx // K}K"
     base = runs["dynamic-cache"].tokens_per_s
     for name, d in runs.items():
@@ -174,7 +212,7 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
                        median_ms=round(d.ms(0.5), 1), p90_ms=round(d.ms(0.9), 1), steps=steps, **extra)
     report.add_row("sparse-prefill", "prefill_s", round(prefill_s, 1), "s", context=ctx,
                    note="0: reused from the store")
-    add_sparse_bounds(report, ctx, runs, steps)
+    add_sparse_bounds(report, ctx, runs, steps, page_reads_per_s)
     ratio = lambda n: round(runs[n].tokens_per_s / base, 3)   # noqa: E731
     report.add_ratio(f"sparse_ram_vs_dynamic{tag}", ratio("sparse-ram"), 3.0,
                      "decode tok/s of sparse with every page in memory / DynamicCache all in memory, same run")
@@ -194,7 +232,7 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
                      "share of a layer's pages that the same layer read in the previous step (cross-step reuse)")
 
 
-def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int) -> None:
+def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int, page_reads_per_s: float | None) -> None:
     for name, d in runs.items():
         step_ms = 1e3 * sum(d.seconds) / len(d.seconds)
         if "pages_read" not in d.figures:
@@ -209,4 +247,15 @@ def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int) -> None:
                          f"{100 * f['reuse_rate']:.0f} % of a layer's pages were read by it the step before; "
                          f"stall {100 * f['waited_s'] / sum(d.seconds):.0f} %; the rest is the weights "
                          f"(513 MiB read per token) and per-layer selection, key rebuild and attention over "
-                         f"{f['tokens_per_layer_step'] / 1e3:.1f}K tokens per KV head beside sinks and window")
+                         f"{f['tokens_per_layer_step'] / 1e3:.1f}K tokens per KV head beside sinks and window"
+                         + _disk_share(f, steps, step_ms, page_reads_per_s))
+
+
+def _disk_share(f: dict, steps: int, step_ms: float, page_reads_per_s: float | None) -> str:
+    """What the NVMe page loads of a step cost at the device's measured random-read rate."""
+    loads = f["nvme_read_bytes"] / f["page_bytes"] / steps
+    if loads < 1 or not page_reads_per_s:
+        return ""
+    disk_ms = 1e3 * loads / page_reads_per_s
+    return (f"; its {loads:.0f} page loads from NVMe per token take {disk_ms:.0f} ms at the device's random-read "
+            f"rate ({100 * disk_ms / step_ms:.0f} % of the step)")
