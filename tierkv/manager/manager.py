@@ -319,16 +319,18 @@ class TierManager:
             self.access.on_acquire(keys, layer)
         start = time.perf_counter()
         target = tier or self.memory_tiers[0]
-        not_in_place = self._record_hits(keys, tier, layer)
-        places = self._pin_resident(keys, tier)
-        if places is not None:   # all in place: pinned with no await, nothing can evict them meanwhile
-            return Lease(tuple(keys), places, self.tiers, self._unpin)
+        found = self._find(keys, tier)
+        not_in_place = self._record_hits(found, layer)
+        if not not_in_place:   # all in place: pinned with no await, nothing can evict them meanwhile
+            return Lease(tuple(keys), self._pin(keys, found), self.tiers, self._unpin)
         wanted = [(k, target) for k in keys]
         self._wanted.update(wanted)  # blocks in (or arriving into) the target stay there until pinned
         loaded: set[BlockKey] = set()
+        missing = [k for k, place in zip(keys, found) if place is None]
         try:
-            for _ in range(_MAX_ATTEMPTS):
-                missing = [k for k in keys if not self._resident(k, tier)]
+            for attempt in range(_MAX_ATTEMPTS):
+                if attempt:
+                    missing = [k for k in keys if not self._resident(k, tier)]
                 loaded.update(missing)
                 await self._bring(missing, target, layer, priority)
                 places = self._pin_resident(keys, tier, loaded)
@@ -344,18 +346,14 @@ class TierManager:
         raise BudgetExceeded(f"tier {tier}: blocks were evicted {_MAX_ATTEMPTS} times before they could "
                              f"be pinned; the tier is too small for {len(keys)} blocks at once")
 
-    def _record_hits(self, keys: Sequence[BlockKey], tier: str | None, layer: int | None) -> int:
-        """Record a ``hit`` event per tier for blocks already in place; returns how many are not."""
-        if not self.events.enabled:
-            return len(keys)
-        names = [tier] if tier is not None else self.in_place_tiers
-        found = Counter(next((n for n in names if n in e.copies), None)
-                        for k in keys if (e := self.directory.get(k)) is not None)
-        found.pop(None, None)
-        now = time.perf_counter()
-        for name, n in found.items():
-            self.events.record(Event("hit", name, name, layer, n * self.block_bytes, now, now, now, n))
-        return len(keys) - sum(found.values())
+    def _record_hits(self, found: Sequence[tuple[str, int] | None], layer: int | None) -> int:
+        """Record a ``hit`` event per tier for the blocks ``_find`` found in place; returns how many are not."""
+        hits = Counter(name for name, _ in filter(None, found))
+        if self.events.enabled:
+            now = time.perf_counter()
+            for name, n in hits.items():
+                self.events.record(Event("hit", name, name, layer, n * self.block_bytes, now, now, now, n))
+        return len(found) - hits.total()
 
     def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *,
                  layer: int | None = None, guess: bool = False) -> None:
@@ -446,15 +444,16 @@ class TierManager:
         except BaseException as error:
             self._settle(keys, dst, done, error)
             raise
-        lost = [k for k in keys if src not in self.directory.entry(k).copies]
-        if lost:  # evicted from the source while we made room: the caller retries
+        entry_of = self.directory.entry
+        copies = [entry_of(k).copies for k in keys]
+        if any(src not in c for c in copies):  # evicted from the source while we made room: the caller retries
             for slot in dst_slots:
                 self.tiers[dst].pool.release(slot)
             self._settle(keys, dst, done, None)
             return []
-        src_slots = [self.directory.entry(k).copies[src] for k in keys]
+        src_slots, src_pool = [c[src] for c in copies], self.tiers[src].pool
         for slot in src_slots:
-            self.tiers[src].pool.pin(slot)
+            src_pool.pin(slot)
         if any(self._wanted[(k, dst)] for k in keys):
             priority = Priority.NOW  # a caller started waiting while this move was prepared
         transfer = Transfer(kind, src, dst, tuple(keys), tuple(src_slots), tuple(dst_slots),
@@ -466,15 +465,16 @@ class TierManager:
         return await asyncio.shield(done)
 
     def _complete(self, t: Transfer, work: asyncio.Future, done: asyncio.Future) -> None:
+        src_pool = self.tiers[t.src].pool
         for slot in t.src_slots:
-            self.tiers[t.src].pool.unpin(slot)
+            src_pool.unpin(slot)
         error = work.exception()
         failed = set() if error is not None else set(work.result())
-        for key, slot in zip(t.keys, t.dst_slots):
-            if error is not None or key in failed:
+        if error is not None:
+            for slot in t.dst_slots:
                 self.tiers[t.dst].pool.release(slot)
-            else:
-                self._commit(key, t.dst, slot, cold=t.cold)
+        else:
+            self._commit_all(t.keys, t.dst, t.dst_slots, cold=t.cold, skip=failed)
         self.stats[t.src].bytes_out += t.nbytes
         for key in failed:
             self._remove_copy(key, t.src)
@@ -490,11 +490,13 @@ class TierManager:
 
     def _settle(self, keys: Sequence[BlockKey], dst: str, done: asyncio.Future,
                 error: BaseException | None, failed: list[BlockKey] | None = None) -> None:
+        get = self.directory.get
         for key in keys:
-            entry = self.directory.get(key)
+            entry = get(key)
             if entry is not None:
                 entry.settle(dst, done)
-            self.directory.forget_if_empty(key)
+                if not entry.copies and not entry.arriving:
+                    self.directory.forget_if_empty(key)
         if done.done():
             return
         if error is None:
@@ -588,29 +590,45 @@ class TierManager:
 
     # -- internals: bookkeeping ----------------------------------------
     def _commit(self, key: BlockKey, name: str, slot: int, *, cold: bool = False) -> None:
-        tier = self.tiers[name]
-        entry = self.directory.entry(key)
-        if name in entry.copies:  # already there (blocks are immutable): keep one copy
-            tier.pool.release(slot)
-            return
-        tier.pool.commit(slot)
-        entry.copies[name] = slot
-        self._admit(name, key, cold=cold)
-        self.stats[name].bytes_in += self.block_bytes
+        self._commit_all((key,), name, (slot,), cold=cold)
+
+    def _commit_all(self, keys: Sequence[BlockKey], name: str, slots: Sequence[int], *, cold: bool = False,
+                    skip: Container[BlockKey] = ()) -> None:
+        """Make block ``keys[i]`` resident in ``slots[i]`` of ``name`` and admit it to the tier's policy
+        (this runs for every block a load brings); ``skip``: keys whose slot is released instead
+        (their source failed verification)."""
+        pool, entry_of = self.tiers[name].pool, self.directory.entry
+        added = []
+        for key, slot in zip(keys, slots):
+            entry = None if key in skip else entry_of(key)
+            if entry is None or name in entry.copies:  # failed, or already there (blocks are immutable)
+                pool.release(slot)
+                continue
+            pool.commit(slot)
+            entry.copies[name] = slot
+            added.append(key)
+        self._admit_all(name, added, cold=cold)
+        self.stats[name].bytes_in += len(added) * self.block_bytes
 
     def _admit(self, name: str, key: BlockKey, *, cold: bool = False) -> None:
-        """Tell ``name``'s policy the block is resident (``cold``: on a prefetch's guess), and
-        where it sits if the policy asks."""
+        self._admit_all(name, (key,), cold=cold)
+
+    def _admit_all(self, name: str, keys: Sequence[BlockKey], *, cold: bool = False) -> None:
+        """Tell ``name``'s policy the blocks are resident (``cold``: on a prefetch's guess), and
+        where they sit if the policy asks."""
         policy = self.policies[name]
         if cold and implements(policy, AdmitsCold):
-            policy.insert_cold(key)
-            self._cold.add((key, name))
+            for key in keys:
+                policy.insert_cold(key)
+            self._cold.update((key, name) for key in keys)
         else:
-            policy.insert(key)
+            for key in keys:
+                policy.insert(key)
         if implements(policy, DescribesBlocks):
-            entry = self.directory.get(key)
-            if entry is not None:
-                policy.describe(key, layer=entry.layer, index=entry.index)
+            get = self.directory.get
+            for key in keys:
+                if (entry := get(key)) is not None:
+                    policy.describe(key, layer=entry.layer, index=entry.index)
 
     def _remove_copy(self, key: BlockKey, name: str) -> None:
         self._cold.discard((key, name))
@@ -639,21 +657,31 @@ class TierManager:
 
     def _pin_resident(self, keys: Sequence[BlockKey], tier: str | None,
                       fresh: Container[BlockKey] = ()) -> tuple[tuple[str, int], ...] | None:
+        found = self._find(keys, tier)
+        return None if None in found else self._pin(keys, found, fresh)
+
+    def _find(self, keys: Sequence[BlockKey], tier: str | None) -> list[tuple[str, int] | None]:
+        """Where each key can be read in place: (tier, slot), or None. The hot path of every read:
+        one dict lookup per key and tier."""
         names = [tier] if tier is not None else self.in_place_tiers
         get = self.directory.get
-        places = []
-        for key in keys:    # the hot path of every read: one dict lookup per key and tier
+        found: list[tuple[str, int] | None] = []
+        for key in keys:
             entry = get(key)
-            if entry is None:
-                return None
-            copies = entry.copies
-            for name in names:
-                slot = copies.get(name)
-                if slot is not None:
-                    places.append((name, slot))
-                    break
-            else:
-                return None
+            place = None
+            if entry is not None:
+                copies = entry.copies
+                for name in names:
+                    slot = copies.get(name)
+                    if slot is not None:
+                        place = (name, slot)
+                        break
+            found.append(place)
+        return found
+
+    def _pin(self, keys: Sequence[BlockKey], places: Sequence[tuple[str, int]],
+             fresh: Container[BlockKey] = ()) -> tuple[tuple[str, int], ...]:
+        """Pin every key where ``_find`` found it, and tell the policies of the use."""
         tiers, policies, cold = self.tiers, self.policies, self._cold
         for key, (name, slot) in zip(keys, places):
             tiers[name].pool.pin(slot)
