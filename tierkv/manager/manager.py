@@ -454,7 +454,8 @@ class TierManager:
         src_slots, src_pool = [c[src] for c in copies], self.tiers[src].pool
         for slot in src_slots:
             src_pool.pin(slot)
-        if any(self._wanted[(k, dst)] for k in keys):
+        wanted = self._wanted.get    # .get: a Counter's [] calls Python code for every absent key
+        if any(wanted((k, dst)) for k in keys):
             priority = Priority.NOW  # a caller started waiting while this move was prepared
         transfer = Transfer(kind, src, dst, tuple(keys), tuple(src_slots), tuple(dst_slots),
                             len(keys) * self.block_bytes, layer, cold=cold)
@@ -583,7 +584,7 @@ class TierManager:
         entry = self.directory.get(key)
         if entry is None or name not in entry.copies:
             return True  # stale in the policy; evicting it is harmless
-        if self.tiers[name].pool.pins(entry.copies[name]) or self._wanted[(key, name)]:
+        if self.tiers[name].pool.pins(entry.copies[name]) or self._wanted.get((key, name)):
             return False
         last_copy = len(entry.copies) == 1
         return not (entry.protected and last_copy and self._below(name) is None)
