@@ -76,8 +76,8 @@ class Speculative:
     """
     speculates: bool = True
     min_recall: float = 0.5
-    _guesses: dict[int, Tensor] = field(default_factory=dict, repr=False)
-    recall: dict[int, float] = field(default_factory=dict)
+    _guesses: dict[int, Tensor] = field(default_factory=dict, init=False, repr=False)
+    recall: dict[int, float] = field(default_factory=dict, init=False)   # layer -> moving average
 
     def plan(self, layer: int, guess: Tensor | None, previous: Tensor | None) -> Tensor | None:
         last = self._guesses.get(layer)

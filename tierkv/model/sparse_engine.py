@@ -227,9 +227,9 @@ class SparseEngine:
         [Hkv, k]. The pages read hold every head's tokens; each head attends all of their indexed
         chunks, or, past WIDEN x k of them, its own k plus the rest's best by the summaries the
         selector had the index keep (landmark scores, else Quest bounds): attention compute grows
-        with the set, the reads do not. With remapped positions
-        the set also stays within the trained window, beside sinks, outliers and window. Returns
-        (chunks, whether every head has the same ones)."""
+        with the set, the reads do not. With remapped positions the set also stays within the
+        trained window, beside sinks, outliers and window. Returns (chunks, whether every head has
+        the same ones)."""
         if not chunks.numel():
             return chunks, False
         wide, (H, k) = seq.page_chunks(layer, chunks), chunks.shape
