@@ -34,6 +34,10 @@ class SlowTier(MemoryTier):
         time.sleep(self.delay)
         return super().view(slot)
 
+    def buffers(self, slots):   # the NVMe tier reads into and writes from these
+        time.sleep(self.delay * len(slots))
+        return super().buffers(slots)
+
     def address(self, slot: int) -> int:   # host-to-host copies find a block by its address
         time.sleep(self.delay)
         return super().address(slot)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from tierkv.tiers import nvme_striped
-from tierkv.tiers.nvme_striped import BACKGROUND, LAST, URGENT, JobQueue, StripedIO, checksum, plan_runs
+from tierkv.tiers.nvme_striped import (BACKGROUND, LAST, URGENT, JobQueue, StripedIO, checksum, plan_runs,
+                                      plan_tasks)
 
 BB = 4096
 
@@ -94,7 +95,7 @@ def test_roundtrip_returns_each_blocks_checksum_in_input_order() -> None:
 
 def test_write_hashes_on_the_caller_while_the_worker_writes(monkeypatch: pytest.MonkeyPatch,
                                                              hashed: Hashes) -> None:
-    monkeypatch.setattr(nvme_striped, "WRITE_RUNS_PER_THREAD", 1)
+    monkeypatch.setattr(nvme_striped, "WRITE_TASKS_PER_THREAD", 1)
     writers: list[int] = []
 
     def before(kind: str, offset: int) -> None:  # the write is in flight until every block is hashed
@@ -111,7 +112,7 @@ def test_write_hashes_on_the_caller_while_the_worker_writes(monkeypatch: pytest.
 
 
 def test_read_verifies_each_run_while_the_next_is_read(monkeypatch: pytest.MonkeyPatch, hashed: Hashes) -> None:
-    monkeypatch.setattr(nvme_striped, "READ_RUNS_PER_THREAD", 4)  # 8 blocks, 1 thread: runs of 2
+    monkeypatch.setattr(nvme_striped, "READ_TASKS_PER_THREAD", 4)  # 8 blocks, 1 thread: runs of 2
     file = MemoryFile(8)
     io = StripedIO(file, BB, threads=1)
     try:
@@ -139,7 +140,7 @@ def test_read_verifies_each_run_while_the_next_is_read(monkeypatch: pytest.Monke
 
 
 def test_failed_run_skips_the_rest_and_wait_outlasts_every_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nvme_striped, "WRITE_RUNS_PER_THREAD", 8)  # 64 blocks, 2 threads: 16 runs of 4
+    monkeypatch.setattr(nvme_striped, "WRITE_TASKS_PER_THREAD", 8)  # 64 blocks, 2 threads: 16 runs of 4
     ended: list[float] = []
     calls = 0
 
@@ -178,6 +179,44 @@ def test_read_error_fails_only_that_run() -> None:
     finally:
         io.close()
     assert sums == [checksum(src[0]), None, checksum(src[12])]
+
+
+def test_plan_tasks_deals_runs_in_order_as_evenly_as_can_be() -> None:
+    runs = [[i] for i in range(7)]
+    assert plan_tasks(runs, 3) == [[[0], [1]], [[2], [3]], [[4], [5], [6]]]
+    assert plan_tasks(runs[:2], 4) == [[[0]], [[1]]]
+    assert plan_tasks([], 4) == []
+
+
+def test_scattered_blocks_are_read_a_task_of_runs_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """12 blocks on every other slot, 1 thread, 2 tasks: 6 runs (one call each) per claim; a
+    failed call in the middle of a task loses that block only."""
+    monkeypatch.setattr(nvme_striped, "READ_TASKS_PER_THREAD", 2)
+    file = MemoryFile(24)
+    io = StripedIO(file, BB, threads=1)
+    try:
+        slots = list(range(0, 24, 2))
+        src = blocks(12)
+        io.write(slots, src)
+        claims: list[int] = []
+        real = nvme_striped.Job.do_tasks
+
+        def counted(job, preempted=lambda priority: False):
+            claims.append(len(job.tasks))
+            return real(job, preempted)
+
+        monkeypatch.setattr(nvme_striped.Job, "do_tasks", counted)
+        file.before = lambda kind, offset: _fail_at(offset, 8 * BB)
+        sums = io.read(slots, [np.zeros(BB, np.uint8) for _ in slots])
+    finally:
+        io.close()
+    assert claims == [2]
+    assert sums == [None if s == 8 else checksum(b) for s, b in zip(slots, src)]
+
+
+def _fail_at(offset: int, bad: int) -> None:
+    if offset == bad:
+        raise OSError(errno.EIO, "injected")
 
 
 def test_close_stops_every_worker() -> None:

@@ -106,7 +106,7 @@ _IO_PRIORITY = {Kind.PREFETCH: BACKGROUND, Kind.WRITEBACK: LAST}
 
 
 def write_store(t: Transfer, src, store) -> list[BlockKey]:
-    views = [src.view(s) for s in t.src_slots]
+    views = src.buffers(t.src_slots)
     if src.device.type == "cuda" and store.backend != "kvikio":
         views = [_to_host(v) for v in views]
     store.write(list(zip(t.keys, t.dst_slots, views)), priority=_IO_PRIORITY.get(t.kind, URGENT))
@@ -114,7 +114,7 @@ def write_store(t: Transfer, src, store) -> list[BlockKey]:
 
 
 def read_store(t: Transfer, store, dst) -> list[BlockKey]:
-    views = [dst.view(d) for d in t.dst_slots]
+    views = dst.buffers(t.dst_slots)
     priority = _IO_PRIORITY.get(t.kind, URGENT)
     if dst.device.type != "cuda" or store.backend == "kvikio":
         return store.read(list(zip(t.keys, t.src_slots, views)), priority=priority)

@@ -503,6 +503,9 @@ class _SimArena:
     def view(self, slot: int) -> torch.Tensor:
         return self._scratch
 
+    def buffers(self, slots: list[int]) -> list[torch.Tensor]:
+        return [self._scratch] * len(slots)
+
     def gather(self, slots: list[int], out: torch.Tensor) -> None:
         pass
 

@@ -13,6 +13,7 @@ transfer handlers registered per (source medium, destination medium).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -46,4 +47,8 @@ class ArenaTier(Tier, Protocol):
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's bytes: a uint8 tensor of ``block_bytes``, on ``device``."""
+        ...
+
+    def buffers(self, slots: Sequence[int]) -> Sequence:
+        """Each slot's bytes as a flat uint8 buffer (numpy on the host, a tensor on a device)."""
         ...

@@ -112,7 +112,7 @@ class Index:
         self._owner: dict[int, bytes] = {}
 
     def get(self, key: BlockKey) -> Entry | None:
-        return self._entries.get(key.digest)
+        return self._entries.get(key)   # a BlockKey hashes and compares as its digest
 
     def items(self) -> list[tuple[BlockKey, Entry]]:
         return [(BlockKey(digest), entry) for digest, entry in self._entries.items()]

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from tierkv.device import host_buffer
@@ -53,6 +54,7 @@ class MemoryTier:
         self.pool = BlockPool(budget // block_bytes)
         self.extent_slots = max(1, min(self.pool.capacity, EXTENT_BYTES // block_bytes))
         self._extents: list[torch.Tensor] = []  # each [slots, block_bytes] uint8
+        self._arrays: list[np.ndarray] = []     # host tiers: the same extents as numpy arrays
         self._grow_lock = threading.Lock()
         self._copy_pool: ThreadPoolExecutor | None = None  # started by the first big host gather/scatter
 
@@ -67,6 +69,17 @@ class MemoryTier:
     def view(self, slot: int) -> torch.Tensor:
         index, offset = self._locate(slot)
         return self._extents[index][offset]
+
+    def buffers(self, slots: Sequence[int]) -> list[np.ndarray] | list[torch.Tensor]:
+        """The blocks in ``slots`` as flat uint8 views: numpy arrays on the host (what the NVMe
+        tier reads into, at a fraction of a tensor view's cost), tensors on a device."""
+        if self.device.type != "cpu":
+            return [self.view(slot) for slot in slots]
+        arrays, per = self._arrays, self.extent_slots
+        if slots and not 0 <= min(slots) <= max(slots) < len(arrays) * per:
+            for slot in slots:
+                self._locate(slot)
+        return [arrays[slot // per][slot % per] for slot in slots]
 
     def gather(self, slots: Sequence[int], out: torch.Tensor) -> None:
         """Copy the blocks in ``slots``, in that order, into ``out``: contiguous, ``len(slots) * block_bytes`` bytes."""
@@ -95,6 +108,7 @@ class MemoryTier:
             self._copy_pool.shutdown(wait=True)
             self._copy_pool = None
         self._extents.clear()
+        self._arrays.clear()
 
     # -- internals -----------------------------------------------------------
     def _locate(self, slot: int) -> tuple[int, int]:
@@ -172,7 +186,10 @@ class MemoryTier:
             while len(self._extents) <= index:
                 first = len(self._extents) * self.extent_slots
                 slots = min(self.extent_slots, self.pool.capacity - first)
-                self._extents.append(self._allocate(slots * self.block_bytes).view(slots, self.block_bytes))
+                extent = self._allocate(slots * self.block_bytes).view(slots, self.block_bytes)
+                self._extents.append(extent)
+                if self.device.type == "cpu":
+                    self._arrays.append(extent.numpy())
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if self.device.type == "cpu":

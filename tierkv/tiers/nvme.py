@@ -251,8 +251,14 @@ class NvmeTier:
             return
         raise self._disk_full(end - current)
 
-    def _buffer(self, tensor: torch.Tensor) -> Buffer:
-        """A flat uint8 view of ``tensor``'s bytes, without copying."""
+    def _buffer(self, tensor: torch.Tensor | np.ndarray) -> Buffer:
+        """A flat uint8 view of ``tensor``'s bytes, without copying (a host tier's
+        ``buffers`` are such views already)."""
+        if type(tensor) is np.ndarray:
+            if tensor.dtype == np.uint8 and tensor.nbytes == self.block_bytes and tensor.flags.c_contiguous:
+                return tensor.reshape(-1) if tensor.ndim != 1 else tensor
+            raise ValueError(f"block array: {tensor.shape} {tensor.dtype}, contiguous={tensor.flags.c_contiguous}"
+                             f"; expected {self.block_bytes} contiguous bytes")
         try:
             array = tensor.numpy()  # the common case, kept cheap: a flat uint8 CPU block
         except (TypeError, RuntimeError):
@@ -274,7 +280,7 @@ class NvmeTier:
         """Positions of the tensors O_DIRECT cannot use in place (they need a bounce buffer)."""
         if not self._file.needs_alignment:
             return set()
-        return {i for i, tensor in enumerate(tensors) if tensor.data_ptr() % ALIGN}
+        return {i for i, tensor in enumerate(tensors) if _address(tensor) % ALIGN}
 
     def _check_slots(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots):
@@ -380,3 +386,7 @@ def _write_manifest(path: Path, block_bytes: int, namespace: str) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def _address(block: torch.Tensor | np.ndarray) -> int:
+    return block.__array_interface__["data"][0] if type(block) is np.ndarray else block.data_ptr()

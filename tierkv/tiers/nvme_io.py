@@ -79,8 +79,10 @@ class BufferedFile:
 
     def preadv(self, bufs: Sequence[Buffer], offset: int) -> int:
         """Bytes read; fewer than asked only at the end of the file."""
-        views = list(bufs)
-        total = 0
+        total = os.preadv(self.fd, bufs, offset)
+        if total == 0 or total == sum(map(len, bufs)):   # the end of the file, or all of it (the usual)
+            return total
+        views = _advance(list(bufs), total)
         while views:
             done = os.preadv(self.fd, views, offset + total)
             if done == 0:

@@ -1,32 +1,36 @@
 """Batches of whole blocks on the NVMe block file: persistent workers, checksums off the I/O path.
 
 A batch is sorted by slot and cut into runs of adjacent slots, one vectored
-call each, about `WRITE_RUNS_PER_THREAD` (`READ_RUNS_PER_THREAD`) runs per
-worker and at most `MAX_RUN_BYTES`::
+call each, at most `MAX_RUN_BYTES`. The runs are dealt in order into about
+`WRITE_TASKS_PER_THREAD` (`READ_TASKS_PER_THREAD`) tasks per worker; a worker
+claims a task at a time::
 
     slots   3 4 5 6   9 10   20         threads = 2: at most ceil(7 / (2 * 2)) = 2 blocks a run
     runs    [3 4] [5 6] [9 10] [20]  ->  pwritev(fd, [b3, b4], 3 * block_bytes) ...
+    tasks   one run each here; 200 scattered pages (sparse decode): 4 tasks of 50 one-page runs
 
-A call's runs form a `Job`. The ``threads`` workers live as long as the store
-and take jobs from one queue; each claims the next run of its job as soon as it
-is free, so the device gets the runs back to back. The calling thread takes
-the checksums meanwhile, so no worker waits for a hash before its next call::
+A call's tasks form a `Job`. The ``threads`` workers live as long as the store
+and take jobs from one queue; each claims the next task of its job as soon as
+it is free, so the device gets the runs back to back. A task, not a run, is
+what costs a claim, a hand-off to the caller and a wake-up: ~15 us of CPU per
+12 KiB page when every scattered page was its own task. The calling thread
+takes the checksums meanwhile, so no worker waits for a hash before its next call::
 
-    write, 4 workers, 8 runs
-      worker k  | pwritev run k | pwritev run k+4 |      (k = 0..3; the next free worker takes the next run)
-      caller    submit | wait: 4 runs claimed | hash every block | wait for all runs |
+    write, 4 workers, 8 tasks
+      worker k  | pwritev task k | pwritev task k+4 |     (k = 0..3; the next free worker takes the next task)
+      caller    submit | wait: 4 tasks claimed | hash every block | wait for all tasks |
                 then tierkv.tiers.nvme appends the journal records carrying the sums
-    read, 4 workers, 8 runs
-      worker k  | preadv run k | preadv run k+4, verify it |
-      caller    submit | run 0 back: verify it | run 1 back: verify it | ... | wait for all runs
-                (runs 4..7, the last wave, are verified by their own workers: nothing is left to read)
+    read, 4 workers, 8 tasks
+      worker k  | preadv task k | preadv task k+4, verify it |
+      caller    submit | task 0 back: verify it | task 1 back: verify it | ... | wait for all tasks
+                (tasks 4..7, the last wave, are verified by their own workers: nothing is left to read)
 
 Jobs queue by priority (`JobQueue`): a read that a caller waits for (`URGENT`)
 goes before a guessed prefetch (`BACKGROUND`) and a write-back (`LAST`). Sparse
-decode reads 12 KiB pages at random, 15-25K a second on the disk here, so a
-demand read queued behind a 400-page prefetch would wait 15-30 ms for it.
-Instead, a worker that finishes a run while a more urgent job waits puts its
-job back and serves that one::
+decode reads 12 KiB pages at random, 15-40K a second on the disk here, so a
+demand read queued behind a 400-page prefetch would wait 10-30 ms for it.
+Instead, a worker about to start a run checks for a more urgent job and serves
+it first, then goes on with its task::
 
     worker    | guess run 0 | guess run 1 | wanted 0 | wanted 1 | guess run 2 | ...
                                   ^ a caller's read queued here
@@ -36,12 +40,13 @@ the caller's tensor; the hasher releases the GIL for inputs over 64 KiB.
 Hashing a block while it is being written is safe: the caller's bytes do not
 change during the call, and the sums go only into journal records appended
 after `Job.wait`. A read block counts only once its hash is taken. After an
-error a job skips the runs not yet started, but every run is reported, so once
+error a job skips the tasks not yet started, but every task is reported, so once
 `Job.wait` returns (or raises the first error) no worker touches the caller's
 buffers.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -63,12 +68,12 @@ log = logging.getLogger(__name__)
 
 MAX_RUN_BYTES = 8 * 1024**2
 URGENT, BACKGROUND, LAST = 0, 1, 2   # job priorities: a caller waits / a guess ahead of need / write-back
-# Runs per worker and call. Each run costs a syscall and a hand-off: 256 KiB blocks took ~10 % more CPU
-# per GB at 4 than at 1 (measured). At 2, reads gained ~5 % (the caller verifies the first wave while the
-# second is read) and writes kept ~3 of 4 requests in flight instead of ~2.2 (a worker that finishes
-# early takes more), for ~0.01 s/GB more CPU.
-WRITE_RUNS_PER_THREAD = 2
-READ_RUNS_PER_THREAD = 2
+# Tasks per worker and call. Each task costs a hand-off: 256 KiB blocks took ~10 % more CPU per GB at 4
+# than at 1 (measured). At 2, reads gained ~5 % (the caller verifies the first wave while the second is
+# read) and writes kept ~3 of 4 requests in flight instead of ~2.2 (a worker that finishes early takes
+# more), for ~0.01 s/GB more CPU.
+WRITE_TASKS_PER_THREAD = 2
+READ_TASKS_PER_THREAD = 2
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 
@@ -93,6 +98,15 @@ def plan_runs(slots: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
     return runs
 
 
+def plan_tasks(runs: list[Run], count: int) -> list[Task]:
+    """Deal ``runs`` in order into ``count`` tasks (fewer if there are fewer runs), as even as can be."""
+    count = min(count, len(runs))
+    if not count:
+        return []
+    cuts = [len(runs) * i // count for i in range(count + 1)]
+    return [runs[lo:hi] for lo, hi in zip(cuts, cuts[1:])]
+
+
 @dataclass(slots=True)
 class Batch:
     """One call's blocks, shared by the workers; ``sums[i]`` is filled for block i."""
@@ -107,51 +121,53 @@ class Batch:
             self.sums[i] = checksum(_host(self.bufs[i]))
 
 
-Work = Callable[[list[int], Batch, bool], int]
+Run = list[int]      # positions in a batch of blocks on adjacent slots: one vectored call
+Task = list[Run]     # what a worker claims at a time
+Pause = Callable[[], None]                       # called between runs: serve more urgent jobs first
+Work = Callable[[Task, Batch, bool, Pause], object]
 
 
 class Job:
-    """One call's runs, shared by the workers it was handed to.
+    """One call's tasks, shared by the workers it was handed to.
 
-    Workers claim runs in slot order until none is left and report every run,
+    Workers claim tasks in slot order until none is left and report every task,
     skipped (after an error) and failed ones too, so once `wait` returns no
-    worker touches the call's buffers. Runs from ``tail`` on are the last wave:
+    worker touches the call's buffers. Tasks from ``tail`` on are the last wave:
     their own workers verify them, having nothing left to read.
     """
 
-    __slots__ = ("work", "batch", "runs", "tail", "priority", "error", "_started", "_wave", "_claimed", "_claim",
+    __slots__ = ("work", "batch", "tasks", "tail", "priority", "error", "_started", "_wave", "_claimed", "_claim",
                  "_pending", "_done")
 
-    def __init__(self, work: Work, batch: Batch, runs: list[list[int]], *, tail: int, wave: int,
+    def __init__(self, work: Work, batch: Batch, tasks: list[Task], *, tail: int, wave: int,
                  priority: int = URGENT) -> None:
-        self.work, self.batch, self.runs, self.tail, self.priority = work, batch, runs, tail, priority
+        self.work, self.batch, self.tasks, self.tail, self.priority = work, batch, tasks, tail, priority
         self.error: BaseException | None = None
-        self._started = threading.Event()  # set once the first ``wave`` runs are claimed
+        self._started = threading.Event()  # set once the first ``wave`` tasks are claimed
         self._wave, self._claimed, self._claim = wave, 0, threading.Lock()
         if wave == 0:  # an empty batch
             self._started.set()
-        self._pending = len(runs)
-        self._done: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self._pending = len(tasks)
+        self._done: queue.SimpleQueue[tuple[int, object]] = queue.SimpleQueue()
 
-    def do_runs(self, preempted: Callable[[int], bool] = lambda priority: False) -> bool:
-        """On a worker: do unclaimed runs until there are none (False), or until ``preempted`` says
-        a more urgent job waits (True: the worker puts this job back and serves that one)."""
+    def do_tasks(self, yield_to: Callable[[int], None] = lambda priority: None) -> None:
+        """On a worker: do unclaimed tasks until there are none. Between two runs the worker calls
+        ``yield_to(priority)``, which serves any job more urgent than this one first."""
+        pause = functools.partial(yield_to, self.priority)
         while True:
             with self._claim:
                 index, self._claimed = self._claimed, self._claimed + 1
             if index + 1 == self._wave:
                 self._started.set()
-            if index >= len(self.runs):
-                return False
-            result = 0
+            if index >= len(self.tasks):
+                return
+            result: object = 0
             if self.error is None:
                 try:
-                    result = self.work(self.runs[index], self.batch, index >= self.tail)
+                    result = self.work(self.tasks[index], self.batch, index >= self.tail, pause)
                 except BaseException as exc:  # noqa: BLE001 - raised on the caller by wait()
                     self.error = self.error or exc
             self._done.put((index, result))
-            if index + 1 < len(self.runs) and preempted(self.priority):
-                return True
 
     def checksums(self) -> list[int]:
         """Hash every block on the calling thread, once the workers are under way; stops if the job fails.
@@ -166,14 +182,14 @@ class Job:
             sums[i] = checksum(_host(buf))
         return sums
 
-    def completions(self) -> Iterator[tuple[int, int]]:
-        """``(run index, result)`` as runs complete; for the submitting thread only."""
+    def completions(self) -> Iterator[tuple[int, object]]:
+        """``(task index, result)`` as tasks complete; for the submitting thread only."""
         while self._pending:
             self._pending -= 1
             yield self._done.get()
 
     def wait(self) -> None:
-        """Wait for every run still out; raise the first error a worker hit."""
+        """Wait for every task still out; raise the first error a worker hit."""
         for _ in self.completions():
             pass
         if self.error is not None:
@@ -184,8 +200,8 @@ class JobQueue:
     """The jobs the workers serve, most urgent first (lower ``priority``), then in order of arrival.
 
     A job is queued once per worker it may keep busy. A worker that finishes a run of a job
-    while a more urgent one waits puts its job back and takes the urgent one, so a read that
-    a caller waits for overtakes a prefetch already under way after at most one run.
+    while a more urgent one waits serves that one first (`take_more_urgent`), then goes on,
+    so a read that a caller waits for overtakes a prefetch under way after at most one run.
     """
 
     def __init__(self) -> None:
@@ -211,6 +227,12 @@ class JobQueue:
         """Whether a job more urgent than ``priority`` waits (a racy peek; a miss costs one run)."""
         heap = self._heap
         return bool(heap) and heap[0][0] < priority
+
+    def take_more_urgent(self, priority: int) -> Job | None:
+        """The most urgent job if it is more urgent than ``priority``; None (at once) if none is."""
+        with self._ready:
+            heap = self._heap
+            return heapq.heappop(heap)[2] if heap and heap[0][0] < priority else None
 
 
 class StripedIO:
@@ -238,7 +260,7 @@ class StripedIO:
         ``priority``: lower goes first (`URGENT`, `BACKGROUND`, ...; see `JobQueue`).
         """
         batch = Batch(slots, bufs, misaligned, [0] * len(slots))
-        return self._submit(self._write_run, batch, WRITE_RUNS_PER_THREAD, verify_tail=False, priority=priority)
+        return self._submit(self._write_task, batch, WRITE_TASKS_PER_THREAD, verify_tail=False, priority=priority)
 
     def write(self, slots: Sequence[int], bufs: Sequence[Buffer],
               misaligned: Collection[int] | None = None, *, priority: int = URGENT) -> list[int]:
@@ -253,11 +275,11 @@ class StripedIO:
              misaligned: Collection[int] | None = None, *, priority: int = URGENT) -> list[int | None]:
         """Read every block; checksum per block, None where it could not be read whole."""
         batch = Batch(slots, bufs, misaligned, [None] * len(slots))
-        job = self._submit(self._read_run, batch, READ_RUNS_PER_THREAD, verify_tail=True, priority=priority)
-        try:  # verify run k while the workers read the runs after it
-            for index, whole in job.completions():
+        job = self._submit(self._read_task, batch, READ_TASKS_PER_THREAD, verify_tail=True, priority=priority)
+        try:  # verify task k while the workers read the tasks after it
+            for index, whole_blocks in job.completions():
                 if index < job.tail:
-                    batch.hash_blocks(job.runs[index][:whole])
+                    batch.hash_blocks(whole_blocks)
         finally:
             job.wait()
         return batch.sums
@@ -271,15 +293,16 @@ class StripedIO:
         self._workers.clear()
 
     # -- internals ---------------------------------------------------------
-    def _submit(self, work: Work, batch: Batch, runs_per_thread: int, *, verify_tail: bool,
+    def _submit(self, work: Work, batch: Batch, tasks_per_thread: int, *, verify_tail: bool,
                 priority: int) -> Job:
-        """Queue the batch as runs in slot order, about ``runs_per_thread`` for each worker."""
+        """Queue the batch as tasks of runs in slot order, about ``tasks_per_thread`` for each worker."""
         slots = batch.slots
         order = sorted(range(len(slots)), key=slots.__getitem__)
-        max_blocks = min(self._max_run, math.ceil(len(slots) / (self.threads * runs_per_thread)))
+        max_blocks = min(self._max_run, math.ceil(len(slots) / (self.threads * tasks_per_thread)))
         runs = [order[lo:hi] for lo, hi in plan_runs([slots[i] for i in order], max_blocks)]
-        wave = min(self.threads, len(runs))
-        job = Job(work, batch, runs, tail=len(runs) - self.threads if verify_tail else len(runs), wave=wave,
+        tasks = plan_tasks(runs, self.threads * tasks_per_thread)
+        wave = min(self.threads, len(tasks))
+        job = Job(work, batch, tasks, tail=len(tasks) - self.threads if verify_tail else len(tasks), wave=wave,
                   priority=priority)
         self._queue.put(job, wave)
         return job
@@ -287,37 +310,47 @@ class StripedIO:
     def _serve(self) -> None:
         """A worker: work on queued jobs, the most urgent first, until the None sentinel."""
         while (job := self._queue.get()) is not None:
-            if job.do_runs(self._queue.more_urgent):
-                self._queue.put(job)
+            job.do_tasks(self._yield_to)
 
-    def _write_run(self, run: list[int], batch: Batch, _verify: bool) -> int:
-        blocks = [batch.bufs[i] for i in run]
-        iov, bounced = self._iovecs(run, blocks, batch)
-        for k in bounced:
-            iov[k][:] = blocks[k]
-        self.file.pwritev(iov, batch.slots[run[0]] * self.block_bytes)
-        return len(run)
+    def _yield_to(self, priority: int) -> None:
+        """Between two runs of a job of ``priority``: serve every job more urgent than it first."""
+        while self._queue.more_urgent(priority) and (job := self._queue.take_more_urgent(priority)):
+            job.do_tasks(self._yield_to)
 
-    def _read_run(self, run: list[int], batch: Batch, verify: bool) -> int:
-        """Read the run; how many of its blocks came back whole (verified too if ``verify``)."""
-        blocks = [batch.bufs[i] for i in run]
-        iov, bounced = self._iovecs(run, blocks, batch)
-        offset = batch.slots[run[0]] * self.block_bytes
-        try:
-            whole = self.file.preadv(iov, offset) // self.block_bytes
-        except OSError as exc:
-            log.warning("read of %d block(s) at offset %d failed: %s", len(run), offset, exc)
-            return 0
-        for k in bounced:
-            if k < whole:
-                blocks[k][:] = iov[k]
+    def _write_task(self, task: Task, batch: Batch, _verify: bool, pause: Pause) -> int:
+        for run in task:
+            pause()
+            blocks = [batch.bufs[i] for i in run]
+            iov, bounced = self._iovecs(run, blocks, batch)
+            for k in bounced:
+                iov[k][:] = blocks[k]
+            self.file.pwritev(iov, batch.slots[run[0]] * self.block_bytes)
+        return sum(map(len, task))
+
+    def _read_task(self, task: Task, batch: Batch, verify: bool, pause: Pause) -> list[int]:
+        """Read the task's runs; the blocks that came back whole (verified too if ``verify``)."""
+        whole_blocks: list[int] = []
+        for run in task:
+            pause()
+            blocks = [batch.bufs[i] for i in run]
+            iov, bounced = self._iovecs(run, blocks, batch)
+            offset = batch.slots[run[0]] * self.block_bytes
+            try:
+                whole = self.file.preadv(iov, offset) // self.block_bytes
+            except OSError as exc:
+                log.warning("read of %d block(s) at offset %d failed: %s", len(run), offset, exc)
+                continue
+            for k in bounced:
+                if k < whole:
+                    blocks[k][:] = iov[k]
+            whole_blocks += run[:whole] if whole < len(run) else run
         if verify:
-            batch.hash_blocks(run[:whole])
-        return whole
+            batch.hash_blocks(whole_blocks)
+        return whole_blocks
 
     def _iovecs(self, run: list[int], blocks: list[Buffer], batch: Batch) -> tuple[list[Buffer], list[int]]:
         """The buffers to hand the kernel, and which positions of the run are bounce buffers."""
-        if not self.file.needs_alignment:
+        if not self.file.needs_alignment or batch.misaligned is not None and not batch.misaligned:
             return blocks, []
         if batch.misaligned is None:
             bounced = [k for k, b in enumerate(blocks) if not is_aligned(b)]
