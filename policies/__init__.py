@@ -6,8 +6,8 @@ lists the names; ``"module:Class"`` loads a custom one.
 
 Every built-in accepts ``capacity`` (the tier's size in blocks) so the
 manager can build any of them the same way; LRU, FIFO and LFU ignore it, ARC
-and S3-FIFO size their queues from it and, without it, from the most keys
-ever resident at once.
+and S3-FIFO size their queues from it, and lfu-history and H2O their memory
+of evicted keys; without it, from the most keys ever resident at once.
 
 What the protocol leaves open, every built-in answers alike:
 
@@ -19,17 +19,18 @@ What the protocol leaves open, every built-in answers alike:
 * ``evict(0, ...)`` is ``[]``; a negative count raises ``ValueError``. Its cost
   is O(n + protected keys passed over); everything else is O(1) (amortized).
 
-=========  ======================================================  ==============
-name       evicts first                                            module
-=========  ======================================================  ==============
-lru        least recently used                                     ``lru.py``
-fifo       oldest insert; use does not matter                      ``fifo.py``
-lfu        least often used, least recent among equals             ``lfu.py``
-arc        adaptive split between once-used and reused (ARC)       ``arc.py``
-s3fifo     new keys not reused since insert (S3-FIFO)              ``s3fifo.py``
-streaming  not the sinks or the recent window; oldest first        ``streaming.py``
-h2o        least accumulated attention, then least recently used  ``h2o.py``
-=========  ======================================================  ==============
+===========  ======================================================  ==============
+name         evicts first                                            module
+===========  ======================================================  ==============
+lru          least recently used                                     ``lru.py``
+fifo         oldest insert; use does not matter                      ``fifo.py``
+lfu          least often used, least recent among equals             ``lfu.py``
+lfu-history  the same, counting the uses before an eviction too      ``lfu.py``
+arc          adaptive split between once-used and reused (ARC)       ``arc.py``
+s3fifo       new keys not reused since insert (S3-FIFO)              ``s3fifo.py``
+streaming    not the sinks or the recent window; oldest first        ``streaming.py``
+h2o          least accumulated attention, then least recently used  ``h2o.py``
+===========  ======================================================  ==============
 
 ``streaming`` and ``h2o`` use the optional hints of ``tierkv.policy``
 (``describe``, ``observe``); without them they act as FIFO and LRU.

@@ -10,6 +10,23 @@ A use moves a key from its bucket to the end of the next count's bucket,
 creating it next door when missing and dropping the old one when emptied,
 so nothing is ever sorted. Counts never decay: a key that was hot long ago
 stays until keys with more uses crowd it out.
+
+``lfu`` forgets a key's count when it is evicted, so a key used on every
+pass over a working set larger than the tier comes back at count 1 each
+time and is evicted again before its next use: on such a cycle LFU hits no
+more than LRU. ``lfu-history`` remembers the counts of evicted keys (up to
+``ghosts_per_block`` per block of capacity, the oldest forgotten first) and
+gives a key its count back when it returns, so the keys used most over the
+whole run stay (the "perfect LFU" of the caching literature). A returning
+key finds its count's place among the counts held, at worst one dict lookup
+per lower count.
+
+Sparse decode is such a cycle: each step reads 15-18K pages, more than a
+20 % tier holds at 32K. In steady state (gpu tier 10 % and cpu tier 10 % of
+the pages, the rest on NVMe) lfu-history on the gpu tier loaded 27 % fewer
+pages from NVMe per step than LRU at 32K and 13 % fewer at 128K; on 2 CPU
+cores the steps were no faster (its bookkeeping and the machine's noise ate
+the difference), so LRU stays the default: ``--gpu-policy lfu-history``.
 """
 from __future__ import annotations
 
@@ -17,9 +34,10 @@ from collections import OrderedDict
 from collections.abc import Container, Hashable, Iterator
 from dataclasses import dataclass, field
 
-from policies.capacity import validate_capacity
+from policies.capacity import Capacity, validate_capacity
 from policies.registry import register
 from policies.victims import first_unprotected
+from tierkv.errors import ConfigError
 
 
 @dataclass(slots=True, eq=False)
@@ -47,6 +65,7 @@ class LFUPolicy:
     capacity: int | None = None  # accepted like every built-in; LFU needs no size
     _ring: _Bucket = field(default_factory=lambda: _Bucket(0), init=False, repr=False)
     _bucket_of: dict[Hashable, _Bucket] = field(default_factory=dict, init=False, repr=False)
+    _by_count: dict[int, _Bucket] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         validate_capacity(self.capacity)
@@ -87,16 +106,67 @@ class LFUPolicy:
     def _bucket_after(self, bucket: _Bucket, count: int) -> _Bucket:
         if bucket.next is not self._ring and bucket.next.count == count:
             return bucket.next
-        fresh = _Bucket(count)
+        fresh = self._by_count[count] = _Bucket(count)
         fresh.link_after(bucket)
         return fresh
+
+    def _bucket_for(self, count: int) -> _Bucket:
+        """The bucket of ``count``, made after the highest lower count's when there is none."""
+        bucket = self._by_count.get(count)
+        if bucket is None:
+            below = next((self._by_count[c] for c in range(count - 1, 0, -1) if c in self._by_count), self._ring)
+            bucket = self._bucket_after(below, count)
+        return bucket
 
     def _place(self, key: Hashable, bucket: _Bucket) -> None:
         bucket.keys[key] = None
         self._bucket_of[key] = bucket
 
-    @staticmethod
-    def _take(key: Hashable, bucket: _Bucket) -> None:
+    def _take(self, key: Hashable, bucket: _Bucket) -> None:
         del bucket.keys[key]
         if not bucket.keys:
             bucket.unlink()
+            del self._by_count[bucket.count]
+
+
+@register("lfu-history")
+@dataclass(slots=True, eq=False)
+class LFUHistoryPolicy(LFUPolicy):
+    """LFU whose counts outlive eviction: a returning key resumes its count (see the module notes)."""
+
+    ghosts_per_block: int = 4     # counts remembered per block of capacity
+    _size: Capacity = field(init=False, repr=False)
+    _ghosts: OrderedDict[Hashable, int] = field(default_factory=OrderedDict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._size = Capacity(self.capacity)
+        ghosts = self.ghosts_per_block
+        if isinstance(ghosts, bool) or not isinstance(ghosts, int) or ghosts < 0:
+            raise ConfigError(f"ghosts_per_block={ghosts!r}: expected an integer >= 0")
+
+    def insert(self, key: Hashable) -> None:
+        if key in self._bucket_of:
+            self.touch(key)
+            return
+        self._place(key, self._bucket_for(self._ghosts.pop(key, 0) + 1))
+        self._size.observe(len(self._bucket_of))
+
+    def remove(self, key: Hashable) -> None:
+        """The block is gone: its count goes too."""
+        LFUPolicy.remove(self, key)
+        self._ghosts.pop(key, None)
+
+    def evict(self, n: int, protected: Container[Hashable]) -> list[Hashable] | None:
+        victims = first_unprotected(self._coldest_first(), n, protected)
+        for key in victims or ():
+            bucket = self._bucket_of.pop(key)
+            self._ghosts[key] = bucket.count
+            self._take(key, bucket)
+        for _ in range(len(self._ghosts) - self.ghosts_per_block * self._size.blocks):
+            self._ghosts.popitem(last=False)
+        return victims
+
+    def count(self, key: Hashable) -> int:
+        """Uses of a resident or remembered key (0 when unknown)."""
+        bucket = self._bucket_of.get(key)
+        return bucket.count if bucket is not None else self._ghosts.get(key, 0)

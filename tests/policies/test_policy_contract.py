@@ -18,7 +18,7 @@ from tierkv.policy import EvictionPolicy
 
 NAMES = available()
 SEEDS = range(6)
-ORDERED = ["lru", "fifo", "lfu"]  # strategies whose eviction order is a fixed ranking
+ORDERED = ["lru", "fifo", "lfu", "lfu-history"]  # strategies whose eviction order is a fixed ranking
 
 
 def _universe(seed: int) -> list[Hashable]:

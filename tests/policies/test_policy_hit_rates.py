@@ -13,6 +13,7 @@ from collections.abc import Hashable, Sequence
 import pytest
 
 from policies import make_policy
+from tierkv.errors import ConfigError
 from tierkv.policy import EvictionPolicy
 
 SCAN_RESISTANT = ["lfu", "arc", "s3fifo"]
@@ -100,6 +101,45 @@ def test_lfu_keeps_a_hot_key_that_lru_loses() -> None:
     lru = simulate(make_policy("lru"), trace, capacity=4)
     assert hit_ratio(trace, lfu, start, "hot") == 1.0
     assert hit_ratio(trace, lru, start, "hot") == 0.0
+
+
+def test_lfu_history_keeps_the_keys_every_pass_uses_when_a_pass_outgrows_the_tier() -> None:
+    """Sparse decode's pattern: each pass (a step) uses more keys than fit, some of them every pass
+    ("hot"), others every other pass. Under LRU and LFU a hot key is evicted, at count 1, before
+    its next use; lfu-history gives it its count back, so the hot keys settle in."""
+    cold = [f"cold{i}" for i in range(12)]
+    trace = [key for p in range(30) for key in [*(f"hot{i}" for i in range(4)), *cold[6 * (p % 2):][:6]]]
+    start = len(trace) // 3
+    ratios = {name: hit_ratio(trace, simulate(make_policy(name), trace, capacity=6), start, "hot")
+              for name in ("lru", "lfu", "lfu-history")}
+    assert ratios == {"lru": 0.0, "lfu": 0.0, "lfu-history": 1.0}
+
+
+def test_lfu_history_resumes_a_returning_keys_count_and_forgets_removed_ones() -> None:
+    for name, victim in (("lfu", "a"), ("lfu-history", "b")):
+        policy = make_policy(name, capacity=2)
+        policy.insert("a")
+        policy.touch("a")
+        policy.touch("a")                       # a used 3 times
+        assert policy.evict(1, frozenset()) == ["a"]
+        policy.insert("b")
+        policy.touch("b")                       # b: 2 uses
+        policy.insert("a")                      # lfu: 1 use; lfu-history: 4
+        assert policy.evict(1, frozenset()) == [victim], name
+    assert policy.count("b") == 2 and policy.count("a") == 4
+    policy.remove("b")
+    assert policy.count("b") == 0
+
+
+def test_lfu_history_remembers_a_bounded_number_of_evicted_keys() -> None:
+    policy = make_policy("lfu-history", capacity=2, ghosts_per_block=1)
+    for key in "abcde":
+        policy.insert(key)
+        policy.touch(key)
+    assert policy.evict(5, frozenset()) == list("abcde")
+    assert [policy.count(k) for k in "abcde"] == [0, 0, 0, 2, 2]   # the two newest ghosts
+    with pytest.raises(ConfigError, match="ghosts_per_block"):
+        make_policy("lfu-history", ghosts_per_block=-1)
 
 
 def test_lfu_breaks_ties_by_recency() -> None:

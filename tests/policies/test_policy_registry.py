@@ -15,7 +15,7 @@ from policies import registry as registry_module
 from tierkv.errors import ConfigError
 from tierkv.policy import EvictionPolicy
 
-BUILT_IN = ["arc", "fifo", "h2o", "lfu", "lru", "s3fifo", "streaming"]
+BUILT_IN = ["arc", "fifo", "h2o", "lfu", "lfu-history", "lru", "s3fifo", "streaming"]
 POLICIES_DIR = Path(policies.__file__).parent
 ALLOWED_OUTSIDE_STDLIB = {"tierkv.policy", "tierkv.errors", "policies"}
 # Chunk selectors score tensors (torch, the shared scoring math); the near-memory one runs that math on the
