@@ -69,11 +69,13 @@ TARGETS = {"ttft_second_vs_first@16K": 10.0}
 
 @dataclass(slots=True)
 class Decoded:
-    """Greedy steps of one configuration: its tokens, each timed step's seconds, and its own figures."""
+    """Greedy steps of one configuration: its tokens, each timed step's seconds, its own figures, and
+    the seconds of the untimed steps before (the first step, and any that filled its caches)."""
 
     tokens: list[int]
     seconds: list[float]
     figures: dict[str, object] = field(default_factory=dict)
+    warmup: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,7 +90,7 @@ class Decoder(Protocol):
     """One configuration, ready to decode after the prompt: ``step`` feeds a token, returns the next."""
 
     def step(self, token: int) -> int: ...
-    def start_timing(self) -> None: ...      # called after the untimed warm-up step
+    def start_timing(self) -> None: ...      # called after the untimed warm-up steps
     def figures(self) -> dict[str, object]: ...
     def close(self) -> None: ...
 
@@ -209,18 +211,29 @@ class NativeDecoder:
 
 # -- one context ---------------------------------------------------------------------
 def interleave(decoders: dict[str, Decoder], first: int, steps: int) -> dict[str, Decoded]:
-    """Step every config in turn, so the shared machine's noise hits them alike; step 0 is untimed."""
+    """Step every config in turn, so the shared machine's noise hits them alike. A config's first step
+    is untimed, and so are the next ones while it says its caches are still filling (``warming``,
+    where it has one): the timed steps are its steady state."""
     tokens = {name: [first] for name in decoders}
     seconds: dict[str, list[float]] = {name: [] for name in decoders}
-    for i in range(steps + 1):
+    warmup: dict[str, list[float]] = {name: [] for name in decoders}
+    timing = dict.fromkeys(decoders, False)
+    while any(len(s) < steps for s in seconds.values()):
         for name, decoder in decoders.items():
+            if len(seconds[name]) == steps:
+                continue
             start = time.perf_counter()
             tokens[name].append(decoder.step(tokens[name][-1]))
-            if i:
-                seconds[name].append(time.perf_counter() - start)
-            else:
+            took = time.perf_counter() - start
+            if timing[name]:
+                seconds[name].append(took)
+                continue
+            warmup[name].append(took)
+            if not getattr(decoder, "warming", lambda: False)():
                 decoder.start_timing()
-    return {name: Decoded(tokens[name][1:], seconds[name], d.figures()) for name, d in decoders.items()}
+                timing[name] = True
+    return {name: Decoded(tokens[name][1:], seconds[name], d.figures(), warmup[name])
+            for name, d in decoders.items()}
 
 
 def decode_all(builders: dict[str, Callable[[], Decoder]], first: int, steps: int,
