@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,6 +45,35 @@ def test_gather_and_scatter_keep_order_across_extents(monkeypatch: pytest.Monkey
     assert [int(block[0]) for block in out.view(-1, BB)] == slots
     tier.scatter(list(reversed(slots)), out)  # the same bytes, block i into slot reversed(slots)[i]
     assert [int(tier.view(s)[0]) for s in reversed(slots)] == slots
+
+
+def test_gather_into_rows_places_each_block_in_its_row_and_keeps_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make(10, 4, monkeypatch)
+    fill(tier)
+    sizes: list[int] = []
+    real = ctypes.memmove
+    monkeypatch.setattr(ctypes, "memmove", lambda dst, src, n: (sizes.append(n), real(dst, src, n))[1])
+    out = torch.zeros(6, BB, dtype=torch.uint8)
+    tier.gather([5, 6, 7, 1], out, rows=[0, 1, 3, 5])   # 5-6 to rows 0-1 in one copy; 7 and 1 alone
+    assert [int(block[0]) for block in out] == [5, 6, 0, 7, 0, 1]
+    assert sizes == [2 * BB, BB, BB]
+    with pytest.raises(ValueError, match="6 x 1024"):
+        tier.gather([0], torch.empty(5, BB, dtype=torch.uint8), rows=[5])
+
+
+@pytest.mark.parametrize("block_bytes", [4096, 12288, 1024])
+def test_buffers_are_numpy_views_of_the_slots_aligned_where_the_tier_says(block_bytes: int) -> None:
+    tier = MemoryTier("cpu", Medium.CPU, torch.device("cpu"), block_bytes, 20 * block_bytes)
+    assert tier.aligned_slots == (block_bytes % 4096 == 0)
+    bufs = tier.buffers([3, 0, 19])
+    for slot, buf in zip([3, 0, 19], bufs):
+        assert buf.shape == (block_bytes,) and buf.dtype == np.uint8 and buf.flags.c_contiguous
+        buf[:] = slot + 1
+        assert int(tier.view(slot)[0]) == slot + 1          # the same bytes, not a copy
+        if tier.aligned_slots:
+            assert buf.ctypes.data % 4096 == 0
+    with pytest.raises(IndexError, match="slot=20"):
+        tier.buffers([20])
 
 
 def test_copy_slots_moves_each_block_into_the_other_tiers_slot(monkeypatch: pytest.MonkeyPatch) -> None:

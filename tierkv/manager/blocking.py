@@ -84,9 +84,7 @@ class BlockingTierManager:
                 if len(rows) == len(keys):
                     tiers[name].gather([slot for _, slot in rows], out)
                 else:
-                    part = torch.empty(len(rows), out.shape[1], dtype=out.dtype)
-                    tiers[name].gather([slot for _, slot in rows], part)
-                    out[torch.tensor([row for row, _ in rows])] = part
+                    tiers[name].gather([slot for _, slot in rows], out, [row for row, _ in rows])
         finally:
             lease.release()
         return out

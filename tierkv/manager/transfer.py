@@ -109,7 +109,8 @@ def write_store(t: Transfer, src, store) -> list[BlockKey]:
     views = src.buffers(t.src_slots)
     if src.device.type == "cuda" and store.backend != "kvikio":
         views = [_to_host(v) for v in views]
-    store.write(list(zip(t.keys, t.dst_slots, views)), priority=_IO_PRIORITY.get(t.kind, URGENT))
+    store.write(list(zip(t.keys, t.dst_slots, views)), priority=_IO_PRIORITY.get(t.kind, URGENT),
+                aligned=getattr(src, "aligned_slots", False))
     return []
 
 
@@ -117,7 +118,8 @@ def read_store(t: Transfer, store, dst) -> list[BlockKey]:
     views = dst.buffers(t.dst_slots)
     priority = _IO_PRIORITY.get(t.kind, URGENT)
     if dst.device.type != "cuda" or store.backend == "kvikio":
-        return store.read(list(zip(t.keys, t.src_slots, views)), priority=priority)
+        return store.read(list(zip(t.keys, t.src_slots, views)), priority=priority,
+                          aligned=getattr(dst, "aligned_slots", False))
     bounce = [host_buffer(store.block_bytes, pinned=True) for _ in views]
     failed = store.read(list(zip(t.keys, t.src_slots, bounce)), priority=priority)
     for host, view in zip(bounce, views):

@@ -506,7 +506,7 @@ class _SimArena:
     def buffers(self, slots: list[int]) -> list[torch.Tensor]:
         return [self._scratch] * len(slots)
 
-    def gather(self, slots: list[int], out: torch.Tensor) -> None:
+    def gather(self, slots: list[int], out: torch.Tensor, rows: list[int] | None = None) -> None:
         pass
 
     def scatter(self, slots: list[int], src: torch.Tensor) -> None:
@@ -547,10 +547,12 @@ class _SimStore:
     def __len__(self) -> int:
         return len(self._index)
 
-    def write(self, items: list[tuple[BlockKey, int, torch.Tensor]], *, priority: int = 0) -> None:
+    def write(self, items: list[tuple[BlockKey, int, torch.Tensor]], *, priority: int = 0,
+              aligned: bool = False) -> None:
         self._index.update((key, slot) for key, slot, _ in items)
 
-    def read(self, items: list[tuple[BlockKey, int, torch.Tensor]], *, priority: int = 0) -> list[BlockKey]:
+    def read(self, items: list[tuple[BlockKey, int, torch.Tensor]], *, priority: int = 0,
+             aligned: bool = False) -> list[BlockKey]:
         return [key for key, slot, _ in items if self._index.get(key) != slot]
 
     def drop(self, key: BlockKey) -> None:

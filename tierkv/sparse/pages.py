@@ -31,7 +31,7 @@ class PageLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def value_bytes(self) -> int:

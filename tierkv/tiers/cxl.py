@@ -53,9 +53,9 @@ class CxlTier(MemoryTier):
         return self.link.book(direction, {d: n * self.block_bytes for d, n in per_device.items()},
                               src=src, dst=dst, layer=layer)
 
-    def gather(self, slots: Sequence[int], out: torch.Tensor) -> None:
+    def gather(self, slots: Sequence[int], out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         ticket = self.book(Direction.READ, slots)
-        super().gather(slots, out)
+        super().gather(slots, out, rows)
         self.link.wait(ticket)
 
     def scatter(self, slots: Sequence[int], src: torch.Tensor) -> None:

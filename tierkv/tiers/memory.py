@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from tierkv.device import host_buffer
+from tierkv.device import ALIGN, host_buffer
 from tierkv.tiers.base import Medium
 from tierkv.tiers.pool import BlockPool
 
@@ -57,6 +57,8 @@ class MemoryTier:
         self._arrays: list[np.ndarray] = []     # host tiers: the same extents as numpy arrays
         self._grow_lock = threading.Lock()
         self._copy_pool: ThreadPoolExecutor | None = None  # started by the first big host gather/scatter
+        # host extents start on an ALIGN boundary: with whole multiples of it per block, every slot does
+        self.aligned_slots = device.type == "cpu" and block_bytes % ALIGN == 0
 
     @property
     def budget_bytes(self) -> int:
@@ -76,14 +78,15 @@ class MemoryTier:
         if self.device.type != "cpu":
             return [self.view(slot) for slot in slots]
         arrays, per = self._arrays, self.extent_slots
-        if slots and not 0 <= min(slots) <= max(slots) < len(arrays) * per:
+        if slots and not 0 <= min(slots) <= max(slots) < min(len(arrays) * per, self.pool.capacity):
             for slot in slots:
                 self._locate(slot)
         return [arrays[slot // per][slot % per] for slot in slots]
 
-    def gather(self, slots: Sequence[int], out: torch.Tensor) -> None:
-        """Copy the blocks in ``slots``, in that order, into ``out``: contiguous, ``len(slots) * block_bytes`` bytes."""
-        self._copy_runs(slots, out, into_slots=False)
+    def gather(self, slots: Sequence[int], out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+        """Copy the blocks in ``slots``, in that order, into ``out``: contiguous, ``len(slots) * block_bytes``
+        bytes; or, given ``rows``, block i into row ``rows[i]`` of ``out`` (contiguous, [n, block_bytes])."""
+        self._copy_runs(slots, out, into_slots=False, rows=rows)
 
     def scatter(self, slots: Sequence[int], src: torch.Tensor) -> None:
         """Copy ``src`` (contiguous, ``len(slots) * block_bytes`` bytes) into ``slots``, block i into slots[i]."""
@@ -120,26 +123,29 @@ class MemoryTier:
             self._grow(index)
         return index, offset
 
-    def _runs(self, slots: Sequence[int]) -> list[tuple[int, int, int, int]]:
-        """``(position, extent, offset, count)`` per run of adjacent slots within one extent."""
+    def _runs(self, slots: Sequence[int], rows: Sequence[int]) -> list[tuple[int, int, int, int]]:
+        """``(row, extent, offset, count)`` per run of adjacent slots within one extent going to
+        (coming from) adjacent rows."""
         runs = []
         pos, n = 0, len(slots)
         while pos < n:
             index, offset = self._locate(slots[pos])
             room = min(self.extent_slots - offset, self.pool.capacity - slots[pos])
             end = pos + 1
-            while end < n and end - pos < room and slots[end] == slots[end - 1] + 1:
+            while end < n and end - pos < room and slots[end] == slots[end - 1] + 1 and rows[end] == rows[end - 1] + 1:
                 end += 1
-            runs.append((pos, index, offset, end - pos))
+            runs.append((rows[pos], index, offset, end - pos))
             pos = end
         return runs
 
-    def _copy_runs(self, slots: Sequence[int], flat: torch.Tensor, *, into_slots: bool) -> None:
+    def _copy_runs(self, slots: Sequence[int], flat: torch.Tensor, *, into_slots: bool,
+                   rows: Sequence[int] | None = None) -> None:
         bb = self.block_bytes
-        if not flat.is_contiguous() or flat.nbytes != len(slots) * bb:
+        need = (len(slots) if rows is None else max(rows, default=-1) + 1) * bb
+        if not flat.is_contiguous() or flat.nbytes != need and (rows is None or flat.nbytes < need):
             raise ValueError(f"{tuple(flat.shape)} {flat.dtype}, contiguous={flat.is_contiguous()}: expected "
-                             f"{len(slots)} x {bb} = {len(slots) * bb} contiguous bytes")
-        runs = self._runs(slots)
+                             f"{need // bb} x {bb} = {need} contiguous bytes")
+        runs = self._runs(slots, range(len(slots)) if rows is None else rows)
         if flat.device.type == "cpu" and self.device.type == "cpu":
             base, moves = flat.data_ptr(), []
             for pos, index, offset, count in runs:

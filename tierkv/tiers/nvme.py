@@ -124,16 +124,19 @@ class NvmeTier:
         return len(self._index)
 
     # -- block I/O -----------------------------------------------------------
-    def write(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT) -> None:
+    def write(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT,
+              aligned: bool = False) -> None:
         """Write blocks into their RESERVED slots, then make them visible; all or nothing.
-        ``priority``: the I/O's place among the store's queued jobs (see tierkv.tiers.nvme_striped)."""
+        ``priority``: the I/O's place among the store's queued jobs (see tierkv.tiers.nvme_striped);
+        ``aligned``: the caller vouches that every buffer starts on an ALIGN boundary (the slots of
+        a host tier do), which spares checking each one."""
         self._check_open()
         if not items:
             return
         slots = [slot for _, slot, _ in items]
         self._check_slots(slots)
         bufs = [self._buffer(tensor) for _, _, tensor in items]
-        misaligned = self._misaligned(tensor for _, _, tensor in items)
+        misaligned = set() if aligned else self._misaligned(tensor for _, _, tensor in items)
         with self._lock:
             self._grow_to((max(slots) + 1) * self.block_bytes)
         digests = [key.digest for key, _, _ in items]
@@ -150,8 +153,10 @@ class NvmeTier:
             for digest, slot, checksum in zip(digests, slots, sums):
                 self._index.put(digest, slot, checksum)
 
-    def read(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT) -> list[BlockKey]:
-        """Read blocks into the given tensors; the keys that failed (their tensors hold garbage)."""
+    def read(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT,
+             aligned: bool = False) -> list[BlockKey]:
+        """Read blocks into the given tensors; the keys that failed (their tensors hold garbage).
+        ``priority`` and ``aligned`` as for `write`."""
         self._check_open()
         with self._lock:
             entries = [self._index.get(key) for key, _, _ in items]
@@ -168,7 +173,8 @@ class NvmeTier:
             tensors.append(tensor)
         if slots:
             bufs = [self._buffer(tensor) for tensor in tensors]
-            sums = self._io.read(slots, bufs, self._misaligned(tensors), priority=priority)
+            misaligned = set() if aligned else self._misaligned(tensors)
+            sums = self._io.read(slots, bufs, misaligned, priority=priority)
             failed.update(key for (key, expected), got in zip(wanted, sums) if got != expected)
         return [key for key, _, _ in items if key in failed]
 
