@@ -7,7 +7,7 @@ claims a task at a time::
 
     slots   3 4 5 6   9 10   20         threads = 2: at most ceil(7 / (2 * 2)) = 2 blocks a run
     runs    [3 4] [5 6] [9 10] [20]  ->  pwritev(fd, [b3, b4], 3 * block_bytes) ...
-    tasks   one run each here; 200 scattered pages (sparse decode): 4 tasks of 50 one-page runs
+    tasks   one run each here; 200 scattered pages (sparse decode), 4 workers: 8 tasks of 25 one-page runs
 
 A call's tasks form a `Job`. The ``threads`` workers live as long as the store
 and take jobs from one queue; each claims the next task of its job as soon as
