@@ -17,7 +17,8 @@ configuration, which then runs the same greedy steps and must produce DynamicCac
     llama-cpp            only where ``llama_cpp`` imports
 
 The configurations are built side by side (one after another where RAM is short) and stepped in
-turn, so the shared machine's noise hits them alike; each one's first step is an untimed warm-up.
+turn, so the shared machine's noise hits them alike; each one's first step is an untimed warm-up
+(the sparse NVMe rows also leave untimed the steps that fill their memory tiers).
 Prefill once, decode many: a second ``tierkv run`` over the same prompt reuses the stored KV;
 ``ttft_second_vs_first@CTX`` compares the two runs' time to first token.
 
