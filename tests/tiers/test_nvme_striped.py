@@ -181,6 +181,25 @@ def test_read_error_fails_only_that_run() -> None:
     assert sums == [checksum(src[0]), None, checksum(src[12])]
 
 
+def test_a_read_task_that_raises_fails_the_read_with_its_own_error() -> None:
+    """Tasks skipped after the error report nothing whole; the caller does not trip over them."""
+    file = MemoryFile(16)
+    io = StripedIO(file, BB, threads=1)
+    try:
+        io.write(list(range(16)), blocks(16))
+
+        def before(kind: str, offset: int) -> None:
+            if kind == "read":
+                raise RuntimeError("injected")
+
+        file.before = before
+        with pytest.raises(RuntimeError, match="injected") as raised:
+            io.read(list(range(0, 16, 2)), [np.zeros(BB, np.uint8) for _ in range(8)])
+    finally:
+        io.close()
+    assert raised.value.__context__ is None
+
+
 def test_plan_tasks_deals_runs_in_order_as_evenly_as_can_be() -> None:
     runs = [[i] for i in range(7)]
     assert plan_tasks(runs, 3) == [[[0], [1]], [[2], [3]], [[4], [5], [6]]]

@@ -161,7 +161,7 @@ class Job:
                 self._started.set()
             if index >= len(self.tasks):
                 return
-            result: object = 0
+            result: object = None   # a task skipped or failed: nothing of it is whole
             if self.error is None:
                 try:
                     result = self.work(self.tasks[index], self.batch, index >= self.tail, pause)
@@ -278,7 +278,7 @@ class StripedIO:
         job = self._submit(self._read_task, batch, READ_TASKS_PER_THREAD, verify_tail=True, priority=priority)
         try:  # verify task k while the workers read the tasks after it
             for index, whole_blocks in job.completions():
-                if index < job.tail:
+                if index < job.tail and whole_blocks:
                     batch.hash_blocks(whole_blocks)
         finally:
             job.wait()
