@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Container, Hashable
 from dataclasses import dataclass, field
 from itertools import count
 
-from policies.capacity import Capacity
+from policies.ghosts import Ghosts
 from policies.registry import register
 from policies.victims import check_count
-from tierkv.errors import ConfigError
 
 _Entry = tuple[float, int, int, Hashable]  # serials are unique, so keys are never compared
 
@@ -37,22 +35,18 @@ _Entry = tuple[float, int, int, Hashable]  # serials are unique, so keys are nev
 class H2OPolicy:
     capacity: int | None = None   # sizes the ghost scores; None: the most keys ever resident
     ghosts_per_block: int = 4     # ghost scores kept per block of capacity
-    _size: Capacity = field(init=False, repr=False)
     _rank: dict[Hashable, _Entry] = field(default_factory=dict, init=False, repr=False)  # live entries
-    _ghosts: OrderedDict[Hashable, float] = field(default_factory=OrderedDict, init=False, repr=False)
+    _ghosts: Ghosts[float] = field(init=False, repr=False)
     _heap: list[_Entry] = field(default_factory=list, init=False, repr=False)
     _serials: count = field(default_factory=count, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._size = Capacity(self.capacity)
-        ghosts = self.ghosts_per_block
-        if isinstance(ghosts, bool) or not isinstance(ghosts, int) or ghosts < 0:
-            raise ConfigError(f"ghosts_per_block={self.ghosts_per_block!r}: expected an integer >= 0")
+        self._ghosts = Ghosts(self.capacity, self.ghosts_per_block)
 
     def insert(self, key: Hashable) -> None:
-        score = self._rank[key][0] if key in self._rank else self._ghosts.pop(key, 0.0)
+        score = self._rank[key][0] if key in self._rank else self._ghosts.take(key, 0.0)
         self._rerank(key, score)
-        self._size.observe(len(self))
+        self._ghosts.resident(len(self))
 
     def touch(self, key: Hashable) -> None:
         if key in self._rank:
@@ -65,12 +59,11 @@ class H2OPolicy:
             held, last_use, _, _ = self._rank[key]
             self._push(key, held + score, last_use)
             return
-        self._ghosts[key] = self._ghosts.pop(key, 0.0) + score
-        self._trim_ghosts()
+        self._ghosts.remember(key, self._ghosts.take(key, 0.0) + score)
 
     def remove(self, key: Hashable) -> None:
         self._rank.pop(key, None)
-        self._ghosts.pop(key, None)
+        self._ghosts.forget(key)
 
     def evict(self, n: int, protected: Container[Hashable]) -> list[Hashable] | None:
         check_count(n)
@@ -90,8 +83,7 @@ class H2OPolicy:
             return None
         for score, _, _, key in victims:
             del self._rank[key]
-            self._ghosts[key] = score
-        self._trim_ghosts()
+            self._ghosts.remember(key, score)
         return [entry[3] for entry in victims]
 
     def score(self, key: Hashable) -> float:
@@ -113,7 +105,3 @@ class H2OPolicy:
 
     def _live(self, entry: _Entry) -> bool:
         return self._rank.get(entry[3]) is entry
-
-    def _trim_ghosts(self) -> None:
-        for _ in range(len(self._ghosts) - self.ghosts_per_block * self._size.blocks):
-            self._ghosts.popitem(last=False)

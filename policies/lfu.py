@@ -34,10 +34,10 @@ from collections import OrderedDict
 from collections.abc import Container, Hashable, Iterator
 from dataclasses import dataclass, field
 
-from policies.capacity import Capacity, validate_capacity
+from policies.capacity import validate_capacity
+from policies.ghosts import Ghosts
 from policies.registry import register
 from policies.victims import first_unprotected
-from tierkv.errors import ConfigError
 
 
 @dataclass(slots=True, eq=False)
@@ -135,35 +135,29 @@ class LFUHistoryPolicy(LFUPolicy):
     """LFU whose counts outlive eviction: a returning key resumes its count (see the module notes)."""
 
     ghosts_per_block: int = 4     # counts remembered per block of capacity
-    _size: Capacity = field(init=False, repr=False)
-    _ghosts: OrderedDict[Hashable, int] = field(default_factory=OrderedDict, init=False, repr=False)
+    _ghosts: Ghosts[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._size = Capacity(self.capacity)
-        ghosts = self.ghosts_per_block
-        if isinstance(ghosts, bool) or not isinstance(ghosts, int) or ghosts < 0:
-            raise ConfigError(f"ghosts_per_block={ghosts!r}: expected an integer >= 0")
+        self._ghosts = Ghosts(self.capacity, self.ghosts_per_block)
 
     def insert(self, key: Hashable) -> None:
         if key in self._bucket_of:
             self.touch(key)
             return
-        self._place(key, self._bucket_for(self._ghosts.pop(key, 0) + 1))
-        self._size.observe(len(self._bucket_of))
+        self._place(key, self._bucket_for(self._ghosts.take(key, 0) + 1))
+        self._ghosts.resident(len(self._bucket_of))
 
     def remove(self, key: Hashable) -> None:
         """The block is gone: its count goes too."""
         LFUPolicy.remove(self, key)
-        self._ghosts.pop(key, None)
+        self._ghosts.forget(key)
 
     def evict(self, n: int, protected: Container[Hashable]) -> list[Hashable] | None:
         victims = first_unprotected(self._coldest_first(), n, protected)
         for key in victims or ():
             bucket = self._bucket_of.pop(key)
-            self._ghosts[key] = bucket.count
+            self._ghosts.remember(key, bucket.count)
             self._take(key, bucket)
-        for _ in range(len(self._ghosts) - self.ghosts_per_block * self._size.blocks):
-            self._ghosts.popitem(last=False)
         return victims
 
     def count(self, key: Hashable) -> int:

@@ -25,6 +25,14 @@ def fill(tier: MemoryTier) -> None:
         tier.view(slot).fill_(slot % 251)
 
 
+def count_memmoves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every memmove from now on, in order."""
+    sizes: list[int] = []
+    real = ctypes.memmove
+    monkeypatch.setattr(ctypes, "memmove", lambda dst, src, n: (sizes.append(n), real(dst, src, n))[1])
+    return sizes
+
+
 def test_view_is_a_flat_block_of_the_arena(monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make(10, 4, monkeypatch)
     view = tier.view(9)  # the last extent holds only 2 slots
@@ -50,9 +58,7 @@ def test_gather_and_scatter_keep_order_across_extents(monkeypatch: pytest.Monkey
 def test_gather_into_rows_places_each_block_in_its_row_and_keeps_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make(10, 4, monkeypatch)
     fill(tier)
-    sizes: list[int] = []
-    real = ctypes.memmove
-    monkeypatch.setattr(ctypes, "memmove", lambda dst, src, n: (sizes.append(n), real(dst, src, n))[1])
+    sizes = count_memmoves(monkeypatch)
     out = torch.zeros(6, BB, dtype=torch.uint8)
     tier.gather([5, 6, 7, 1], out, rows=[0, 1, 3, 5])   # 5-6 to rows 0-1 in one copy; 7 and 1 alone
     assert [int(block[0]) for block in out] == [5, 6, 0, 7, 0, 1]
@@ -90,9 +96,7 @@ def test_copy_slots_moves_each_block_into_the_other_tiers_slot(monkeypatch: pyte
 def test_adjacent_slots_move_as_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make(16, 8, monkeypatch)
     fill(tier)
-    sizes: list[int] = []
-    real = ctypes.memmove
-    monkeypatch.setattr(ctypes, "memmove", lambda dst, src, n: (sizes.append(n), real(dst, src, n))[1])
+    sizes = count_memmoves(monkeypatch)
     tier.gather([0, 1, 2, 6, 7, 8, 9, 3], torch.empty(8 * BB, dtype=torch.uint8))
     assert sizes == [3 * BB, 2 * BB, 2 * BB, BB]  # 6-7 | 8-9 split at the extent edge
 
