@@ -12,6 +12,9 @@ Configurations, one after another (they share the store's lock)::
                        cost of attending whole pages (the default)
     sparse-nvme        gpu 10 % + cpu 10 % of the pages, the rest only on NVMe, speculative prefetch
     sparse-nvme-no-prefetch   the same without prefetch (the default)
+    sparse-nvme-overlap       speculative prefetch, and each layer attends to its pages in place while the
+                              rest load, then to those (``--sparse-overlap``)
+    sparse-nvme-overlap-no-prefetch   the same without prefetch
 
 The nvme rows start with empty memory tiers and time their steady state: the
 steps until both tiers are full (at most `MAX_WARMUP_STEPS`) are untimed, and
@@ -61,10 +64,10 @@ def run_config(ctx: int, store: Path) -> RunConfig:
 
 class SparseDecoder:
     def __init__(self, loaded: LoadedModel, ids: list[int], store: Path, *, gpu: int, cpu: int,
-                 prefetch: str, warm: bool, attend: str = "pages", fill: bool = False) -> None:
+                 prefetch: str, warm: bool, attend: str = "pages", fill: bool = False, overlap: bool = False) -> None:
         """``warm``: every page read into the gpu tier first; ``fill``: the steps until the memory
-        tiers are full are untimed (``warming``)."""
-        cfg = SparseConfig(prefetch=prefetch, attend=attend)
+        tiers are full are untimed (``warming``); ``overlap``: SparseConfig.overlap."""
+        cfg = SparseConfig(prefetch=prefetch, attend=attend, overlap=overlap)
         layout = SparseEngine.page_layout(loaded, cfg, PAGE_DTYPE)
         self.recorder = EventRecorder()
         tiers = TierConfig(block_bytes=layout.page_bytes, gpu=gpu, cpu=cpu, nvme_dir=store / layout.name)
@@ -174,6 +177,10 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
                                              warm=False, fill=True),
         "sparse-nvme-no-prefetch": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small,
                                                          prefetch="none", warm=False, fill=True),
+        "sparse-nvme-overlap": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small, prefetch="speculative",
+                                                     warm=False, fill=True, overlap=True),
+        "sparse-nvme-overlap-no-prefetch": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small,
+                                                                 prefetch="none", warm=False, fill=True, overlap=True),
     }
     runs = interleave(builders, ids[-1], steps, together=False)
     threads = IOKnobs.from_env().io_threads
@@ -249,6 +256,15 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
                      "share of decode time waiting on page loads, speculative prefetch (target: at most 0.10)")
     report.add_ratio(f"stall_fraction_no_prefetch{tag}", stall("sparse-nvme-no-prefetch"), None,
                      "the same run without prefetch")
+    report.add_ratio(f"sparse_nvme_overlap_vs_dynamic{tag}", ratio("sparse-nvme-overlap"), None,
+                     "speculative prefetch, and pages in place attended to while the rest load (--sparse-overlap)")
+    report.add_ratio(f"stall_fraction_overlap{tag}", stall("sparse-nvme-overlap"), None,
+                     "share of decode time waiting on page loads, speculative prefetch with overlap "
+                     "(target: at most 0.10)")
+    report.add_ratio(f"sparse_nvme_overlap_no_prefetch_vs_dynamic{tag}", ratio("sparse-nvme-overlap-no-prefetch"),
+                     None, "overlap without prefetch")
+    report.add_ratio(f"stall_fraction_overlap_no_prefetch{tag}", stall("sparse-nvme-overlap-no-prefetch"), None,
+                     "its stall")
     report.add_ratio(f"reuse_rate{tag}", round(runs["sparse-ram"].figures["reuse_rate"], 3), None,
                      "share of a layer's pages that the same layer read in the previous step (cross-step reuse)")
 

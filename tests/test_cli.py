@@ -43,6 +43,8 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--cxl-budget", "lots"], "cxl_budget='lots'"),
     (["run", "--synthetic-tokens", "100", "--chunk-tokens", "1000"], "must be a multiple of block_tokens=256"),
     (["run", "--synthetic-tokens", "100", "--dtype", "int8"], "dtype='int8'"),
+    (["run", "--synthetic-tokens", "100", "--mode", "dense", "--sparse-overlap"],
+     "--sparse-overlap: sparse-mode settings, but --mode dense"),
     (["run", "--synthetic-tokens", "100", "--mode", "dense", "--layer-budget", "0:4096", "--rank", "64"],
      "--layer-budget, --rank: sparse-mode settings, but --mode dense attends to every stored key"),
 ])

@@ -127,3 +127,18 @@ def test_heads_must_fold_into_kv_groups():
     q, k, v = qkv(H=5, Hkv=2)
     with pytest.raises(ValueError, match="multiple"):
         attend(q, k, v, causal=False)
+
+
+def test_a_key_mask_per_kv_head_equals_attending_to_each_heads_keys_alone():
+    q, k, v = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    keep = [torch.tensor([0, 3, 4, 9]), torch.arange(10)]
+    mask = torch.full((1, 2, 1, 10), float("-inf"))
+    for h, rows in enumerate(keep):
+        mask[0, h, 0, rows] = 0.0
+    out, lse = attend(q, k, v, causal=False, mask=mask)
+    for h, rows in enumerate(keep):
+        want, want_lse = attend(q[:, 3 * h:3 * h + 3], k[:, h:h + 1, rows], v[:, h:h + 1, rows], causal=False)
+        assert torch.allclose(out[:, 3 * h:3 * h + 3], want, atol=1e-6)
+        assert torch.allclose(lse[:, 3 * h:3 * h + 3], want_lse, atol=1e-5)
+    with pytest.raises(ValueError, match="non-causal"):
+        attend(q, k, v, causal=True, mask=mask)

@@ -1,6 +1,8 @@
 """Sparse prefill and decode on tiny random models and on SmolLM2."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -93,7 +95,6 @@ def test_remap_with_everything_attended_equals_dense_within_the_window():
 @pytest.mark.parametrize("prefetch", ["speculative", "previous-step"])
 def test_a_prefetcher_changes_what_loads_not_the_logits(prefetch):
     """Pages spill past a small gpu tier; guessed pages enter it cold: the logits stay those of none."""
-    from dataclasses import replace
     lm = loaded("llama")
     ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(7)).tolist()
     cfg = SparseConfig(budget=64, rank=16, sink_tokens=8, window_tokens=32, page_tokens=16,
@@ -115,6 +116,9 @@ def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tm
     assert first.sparse["budget_tokens"] == 256 and first.sparse["pages_read"] > 0
     assert first.sparse["attend"] == "pages"
     assert first.tiers["nvme"]["bytes_written"] > 0
+    overlapped = run(replace(config, sparse_overlap=True), loaded=smollm2)     # a decode-only setting:
+    assert overlapped.reused_prompt_tokens == 1199 and overlapped.found          # the stored index serves it
+    assert overlapped.sparse["overlap"] and not first.sparse["overlap"]
 
 
 def test_decode_widens_to_the_pages_read_at_most_twice_the_selection():
@@ -202,3 +206,30 @@ def test_adaptive_budgets_move_chunks_between_layers_at_the_same_total(allocatio
     else:     # estimated after the first step: shares differ, the total does not grow
         assert len(set(chosen)) > 1 and sum(chosen) <= uniform * lm.spec.num_layers
         assert min(chosen) >= uniform // 4
+
+
+@pytest.mark.parametrize("positions", ["original", "remap"])
+def test_overlapped_decode_over_pages_on_nvme_equals_dense_attention(positions, tmp_path):
+    """Full rank and budget, most pages only on NVMe: attending to the pages in place while the rest
+    load, then to those, is still exact (and so equal to decoding without overlap)."""
+    lm = loaded("llama")
+    dims = lm.spec.num_kv_heads * lm.spec.head_dim
+    ids = torch.randint(0, 128, (1, 400), generator=torch.Generator().manual_seed(3))[0].tolist()
+    logits = {}
+    for overlap in (False, True):
+        cfg = SparseConfig(budget=10_000, rank=dims, sink_tokens=8, window_tokens=32, page_tokens=16,
+                           outlier_fraction=0.05, positions=positions, dense_prefill_tokens=100, overlap=overlap)
+        layout = SparseEngine.page_layout(lm, cfg)
+        tiers = TierConfig(block_bytes=layout.page_bytes, gpu=4 * layout.page_bytes, cpu=0,
+                           nvme_dir=tmp_path / f"{positions}-{overlap}")
+        with BlockingTierManager.from_config(tiers) as manager:
+            engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
+            seq = engine.new_sequence(len(ids) - 3)
+            engine.prefill(seq, ids[:-4])
+            waits = len(manager.manager.events.of_kind("wait"))
+            logits[overlap] = torch.stack([engine.decode(seq, t) for t in ids[-4:]])
+            assert len(manager.manager.events.of_kind("wait")) > waits     # pages did load from NVMe
+    assert torch.allclose(logits[True], logits[False], atol=1e-4)
+    if positions == "original":
+        want = native_logits(lm.model, torch.tensor([ids]), chunk=64, block=64)[0, -4:]
+        assert torch.allclose(logits[True], want, atol=2e-4)

@@ -175,3 +175,30 @@ async def test_cancelled_page_fetch_leaks_nothing(tmp_path):
                 assert tier.pool.pins(slot) == 0, (name, slot)
         lease = await manager.acquire(keys[:4], "gpu")     # and the pages still read back
         lease.release()
+
+
+def test_a_split_gather_returns_what_is_in_place_and_brings_the_rest(tmp_path):
+    cfg = config()
+    layout = PageLayout(cfg.page_tokens, H, D, H * D, torch.float32)
+    with pages_manager(cfg, gpu=8 * layout.page_bytes, cpu=0, nvme_dir=tmp_path / "s") as manager:
+        seq, k, v, outliers, candidates = indexed_tokens(manager, cfg)   # 11 pages: the first ones on NVMe
+        chunks = torch.stack([candidates[:2], candidates[-2:]])          # the heads read different pages
+        expect = [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)]
+        k_got, v_got, pos, loading = seq.gather_split(0, chunks)
+        assert loading is not None and loading.missing.any() and not loading.missing.all()
+        ready = ~loading.missing
+        for h in range(H):
+            assert pos[h].tolist() == expect[h]
+            rows = torch.tensor(expect[h])[ready[h]]
+            assert torch.allclose(k_got[h, ready[h]], k[rows, h], atol=1e-5)
+            assert torch.equal(v_got[h, ready[h]], v[rows, h])
+            assert not k_got[h, loading.missing[h]].any()                 # zeros until they arrive
+        at, valid, k_new, v_new = loading.finish()
+        for h in range(H):
+            assert sorted(at[h, valid[h]].tolist()) == loading.missing[h].nonzero().flatten().tolist()
+            rows = torch.tensor(expect[h])[at[h, valid[h]]]
+            assert torch.allclose(k_new[h, valid[h]], k[rows, h], atol=1e-5)
+            assert torch.equal(v_new[h, valid[h]], v[rows, h])
+        with pytest.raises(RuntimeError, match="already"):
+            loading.finish()
+        assert seq.gather_split(0, chunks)[3] is None                     # every page is in place now

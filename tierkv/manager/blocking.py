@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Coroutine, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -25,6 +27,41 @@ from tierkv.manager.transfer import Priority
 from tierkv.profile.events import EventRecorder
 
 T = TypeVar("T")
+
+
+class Gathering:
+    """The second half of a ``start_gather``: rows ``missing`` of ``out`` are still loading."""
+
+    def __init__(self, manager: BlockingTierManager, out: torch.Tensor, missing: list[int],
+                 pending: Future | None, tier: str | None, layer: int | None) -> None:
+        self.missing = missing
+        self._manager, self._out, self._pending, self._tier, self._layer = manager, out, pending, tier, layer
+
+    def wait(self) -> torch.Tensor:
+        """Copy the missing rows in once they are loaded; the time this blocks is recorded as a stall."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self._out
+        mgr = self._manager.manager
+        start = time.perf_counter()
+        lease = pending.result()
+        mgr.events.wait("", self._tier or mgr.memory_tiers[0], self._layer,
+                        len(self.missing) * mgr.block_bytes, start, len(self.missing))
+        lease.unpin = self._manager._unpin
+        self._manager._copy_out(lease, self._out, self.missing)
+        return self._out
+
+    def abandon(self) -> None:
+        """The caller will not wait: the missing blocks are released whenever they arrive."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.add_done_callback(self._release)
+
+    def _release(self, pending: Future) -> None:
+        if not pending.cancelled() and pending.exception() is None:
+            lease = pending.result()
+            lease.unpin = self._manager._unpin
+            lease.release()
 
 
 class BlockingTierManager:
@@ -74,20 +111,52 @@ class BlockingTierManager:
 
     def gather(self, keys: Sequence[BlockKey], out: torch.Tensor, tier: str | None = None, **kw: Any) -> torch.Tensor:
         """Copy the blocks ``keys`` into ``out`` (uint8 [len(keys), block_bytes]), one tier gather per tier."""
-        lease = self.acquire(keys, tier, **kw)
+        self._copy_out(self.acquire(keys, tier, **kw), out, range(len(keys)))
+        return out
+
+    def start_gather(self, keys: Sequence[BlockKey], out: torch.Tensor, tier: str | None = None, *,
+                     layer: int | None = None) -> Gathering:
+        """``gather`` in two halves, so that the caller can work on the blocks that were in place
+        while the rest load: those are copied into their rows of ``out`` before this returns, the
+        rest start loading, and ``Gathering.wait()`` copies them in::
+
+            g = mgr.start_gather(keys, out)      # out[i] holds keys[i] for every i not in g.missing
+            ...compute on those rows...
+            g.wait()                             # now every row; the time it blocked is the stall
+        """
+        async def begin() -> tuple[list[int], Lease, Future | None]:
+            ready, lease = self.manager.pin_ready(keys, tier, layer=layer)
+            rest = sorted(set(range(len(keys))).difference(ready))
+            pending = None
+            if rest:   # runs on the loop as a task of its own, after this returns
+                pending = asyncio.run_coroutine_threadsafe(
+                    self.manager.acquire([keys[i] for i in rest], tier, layer=layer, rest_of=True), self._loop)
+            return rest, lease, pending
+        rest, lease, pending = self._run(begin())
+        lease.unpin = self._unpin
+        try:
+            self._copy_out(lease, out, sorted(set(range(len(keys))).difference(rest)))
+        except BaseException:
+            if pending is not None:
+                Gathering(self, out, rest, pending, tier, layer).abandon()
+            raise
+        return Gathering(self, out, rest, pending, tier, layer)
+
+    def _copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int]) -> None:
+        """Copy ``lease``'s blocks into ``rows`` (ascending) of ``out``, one tier gather per tier, then
+        release it."""
         try:
             by_tier: dict[str, list[tuple[int, int]]] = {}
-            for row, (name, slot) in enumerate(lease.places):
+            for row, (name, slot) in zip(rows, lease.places):
                 by_tier.setdefault(name, []).append((row, slot))
             tiers = self.manager.tiers
-            for name, rows in by_tier.items():
-                if len(rows) == len(keys):
-                    tiers[name].gather([slot for _, slot in rows], out)
+            for name, pairs in by_tier.items():
+                if len(pairs) == len(out):     # every row, in order
+                    tiers[name].gather([slot for _, slot in pairs], out)
                 else:
-                    tiers[name].gather([slot for _, slot in rows], out, [row for row, _ in rows])
+                    tiers[name].gather([slot for _, slot in pairs], out, [row for row, _ in pairs])
         finally:
             lease.release()
-        return out
 
     def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *, layer: int | None = None,
                  guess: bool = False) -> None:

@@ -306,16 +306,18 @@ class TierManager:
 
     # -- reading --------------------------------------------------------
     async def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, *,
-                      layer: int | None = None, priority: Priority = Priority.NOW) -> Lease:
+                      layer: int | None = None, priority: Priority = Priority.NOW,
+                      rest_of: bool = False) -> Lease:
         """Pin ``keys`` in ``tier`` (None: any memory tier, loading into the fastest).
+
+        ``rest_of``: these are the blocks a ``pin_ready`` of the same read left; the caller
+        computes meanwhile, so it records its own stall (and the read was told to ``access``).
 
         Raises BlockMissing for a block stored nowhere and BlockCorrupt for
         one whose stored bytes failed their checksum (it is dropped: recompute it).
         """
-        self._check_running()
-        if tier is not None and tier not in self.memory_tiers:
-            raise ValueError(f"tier={tier!r}: blocks are read into a memory tier: {', '.join(self.memory_tiers)}")
-        if self.access is not None:
+        self._check_read(tier)
+        if self.access is not None and not rest_of:
             self.access.on_acquire(keys, layer)
         start = time.perf_counter()
         target = tier or self.memory_tiers[0]
@@ -335,7 +337,8 @@ class TierManager:
                 await self._bring(missing, target, layer, priority)
                 places = self._pin_resident(keys, tier, loaded)
                 if places is not None:
-                    self.events.wait("", target, layer, not_in_place * self.block_bytes, start, not_in_place)
+                    if not rest_of:
+                        self.events.wait("", target, layer, not_in_place * self.block_bytes, start, not_in_place)
                     return Lease(tuple(keys), places, self.tiers, self._unpin)
         finally:
             for item in wanted:
@@ -345,6 +348,30 @@ class TierManager:
                     del self._wanted[item]
         raise BudgetExceeded(f"tier {tier}: blocks were evicted {_MAX_ATTEMPTS} times before they could "
                              f"be pinned; the tier is too small for {len(keys)} blocks at once")
+
+    def pin_ready(self, keys: Sequence[BlockKey], tier: str | None = None, *,
+                  layer: int | None = None) -> tuple[list[int], Lease]:
+        """Pin those of ``keys`` that ``acquire`` would find in place now (no await: nothing can
+        evict them meanwhile). Returns their positions in ``keys`` and a lease over them; the
+        caller acquires the rest with ``rest_of=True`` while it works on these::
+
+            keys    a b c d e          in place: b, d
+            ready   [1, 3]             lease.keys (b, d)      acquire([a, c, e], rest_of=True)
+        """
+        self._check_read(tier)
+        if self.access is not None:
+            self.access.on_acquire(keys, layer)
+        found = self._find(keys, tier)
+        self._record_hits(found, layer)
+        ready = [i for i, place in enumerate(found) if place is not None]
+        ready_keys = [keys[i] for i in ready]
+        places = self._pin(ready_keys, [found[i] for i in ready])
+        return ready, Lease(tuple(ready_keys), places, self.tiers, self._unpin)
+
+    def _check_read(self, tier: str | None) -> None:
+        self._check_running()
+        if tier is not None and tier not in self.memory_tiers:
+            raise ValueError(f"tier={tier!r}: blocks are read into a memory tier: {', '.join(self.memory_tiers)}")
 
     def _record_hits(self, found: Sequence[tuple[str, int] | None], layer: int | None) -> int:
         """Record a ``hit`` event per tier for the blocks ``_find`` found in place; returns how many are not."""

@@ -34,16 +34,22 @@ from torch import Tensor
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, q_offset: int = 0) -> tuple[Tensor, Tensor]:
+def attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, q_offset: int = 0,
+           mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of ``q`` over one key block: ``(out [B, H, Tq, D] in q.dtype, lse [B, H, Tq] fp32)``.
 
     ``out`` is normalised within the block; rows that see no key get ``out = 0`` and
-    ``lse = -inf`` (they drop out of ``merge``).
+    ``lse = -inf`` (they drop out of ``merge``). ``mask`` (not causal): additive, per KV head
+    [B or 1, Hkv, 1, Tk], -inf for keys left out; every KV head must keep a key.
     """
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if H % Hkv:
         raise ValueError(f"q has {H} heads, not a multiple of the {Hkv} KV heads")
+    if mask is not None:
+        if causal:
+            raise ValueError("attend: a key mask is for non-causal blocks; causal blocks build their own")
+        return _attend_folded(q, k, v, mask.to(q.dtype))
     if causal and q_offset == 0 and Tq == Tk > 1 and _kernel(q, k, v) is _attend_cpu_flash:
         return _attend_square_causal(q, k, v)
     first, full = _row_runs(Tq, Tk, q_offset) if causal else (0, 0)

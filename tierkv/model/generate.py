@@ -59,6 +59,7 @@ class RunConfig:
     rank: int | None = None          # sparse: rank of the low-rank keys (None: by the key width)
     selector: str = "shadowkv"       # sparse: a policies.selectors name
     sparse_prefetch: str = "none"
+    sparse_overlap: bool = False     # sparse decode: attend to the pages in place while the rest load
     positions: str = "auto"          # sparse: original | remap | auto (remap past the trained window)
     dense_prefill_tokens: int | None = None   # sparse: exact prefill up to here (None: auto)
     page_dtype: str | None = None    # sparse: dtype of stored values and key factors (None: the model's)
@@ -101,7 +102,7 @@ class RunConfig:
                             allocation=self.layer_allocation, attend=self.sparse_attend,
                             prefill_budget=self.prefill_budget, rank=self.rank,
                             selector=self.selector, page_tokens=self.page_tokens,
-                            prefetch=self.sparse_prefetch, positions=self.positions,
+                            prefetch=self.sparse_prefetch, overlap=self.sparse_overlap, positions=self.positions,
                             dense_prefill_tokens=self.dense_prefill_tokens)
 
 
@@ -282,7 +283,7 @@ def sparse_report(engine: SparseEngine, seq: SparseSequence, prompt_tokens: int)
         "budget_tokens": c.budget_tokens(seq.length(0)), "allocation": c.allocation, "attend": c.attend,
         "layer_tokens": [int(seq.chosen[layer].shape[-1]) * c.chunk_tokens for layer in sorted(seq.chosen)],
         "rank": engine.rank, "selector": c.selector,
-        "prefetch": c.prefetch, "positions": c.positions, "chunk_tokens": c.chunk_tokens,
+        "prefetch": c.prefetch, "overlap": c.overlap, "positions": c.positions, "chunk_tokens": c.chunk_tokens,
         "page_tokens": c.page_tokens, "page_bytes": engine.layout.page_bytes,
         "dense_prefill_tokens": c.dense_prefill_tokens,
         "approximate_prefill": prompt_tokens - 1 > c.dense_prefill_tokens,

@@ -26,8 +26,11 @@ stored index (see ``tierkv.sparse.store``) resumes with no recomputation.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -43,12 +46,34 @@ from tierkv.profile.trace import profiler_range
 from tierkv.scoring import bound_scores, landmark_scores
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.pages import PageLayout
-from tierkv.sparse.sequence import SparseSequence
+from tierkv.sparse.sequence import Loading, SparseSequence
 
 # attend="pages": a head attends at most this many times the chunks it selected (SmolLM2: at 8K
 # its pages' chunks come to ~2x and lift recall 0.963 -> 0.985; at 128K they come to ~4x, and
 # attending all of them doubled the step time)
 WIDEN = 2
+
+
+@dataclass(slots=True)
+class _Context:
+    """What a layer attends to besides the new tokens: pre-RoPE K, V [Hkv, Tc, D] and real positions
+    [Hkv, Tc] of sinks | gathered chunks + outliers | window. With ``loading``, the gathered rows
+    (``first`` on, real positions ``p_mid`` [Hkv, M]) of pages still loading are zeros in ``k``, ``v``."""
+    k: Tensor
+    v: Tensor
+    p: Tensor
+    loading: Loading | None = None
+    first: int = 0
+    p_mid: Tensor | None = None
+
+    def mask(self) -> Tensor | None:
+        """-inf for the tokens still loading, per KV head [1, Hkv, 1, Tc] (None: nothing is)."""
+        if self.loading is None:
+            return None
+        H, Tc = self.p.shape
+        mask = torch.zeros(H, Tc)
+        mask[:, self.first:self.first + self.p_mid.shape[1]].masked_fill_(self.loading.missing, -math.inf)
+        return mask.view(1, H, 1, Tc)
 
 
 class SparseEngine:
@@ -139,10 +164,16 @@ class SparseEngine:
                 shared = False
                 if len(chunk) == 1 and seq.config.attend == "pages":
                     chunks, shared = self._widen(seq, index, query, chunks)
-                context = self._context(seq, index, chunks, shared=shared)   # this layer's loads are done here
-                if len(chunk) == 1 and index + 1 < len(self.layers):  # next layer's loads overlap the rest
-                    self._prefetch(seq, index + 1, h if speculate else None, pos)
-                out = self._attention(seq, index, q_pre, k_pre, v, pos, context)
+                # decode with overlap: the pages in place are attended to while the rest load (_attention)
+                context = self._context(seq, index, chunks, shared=shared,
+                                        split=len(chunk) == 1 and seq.config.overlap)
+                try:
+                    if len(chunk) == 1 and index + 1 < len(self.layers):  # next layer's loads overlap the rest
+                        self._prefetch(seq, index + 1, h if speculate else None, pos)
+                    out = self._attention(seq, index, q_pre, k_pre, v, pos, context)
+                finally:
+                    if context.loading is not None:
+                        context.loading.abandon()       # an error before it finished: release what arrives
                 seq.append(index, k_pre[0].transpose(0, 1), v[0].transpose(0, 1))
                 if seq.length(index) >= seq.config.dense_prefill_tokens:
                     seq.fit(index, self.rank)
@@ -151,10 +182,16 @@ class SparseEngine:
         return h
 
     def _attention(self, seq: SparseSequence, layer: int, q_pre: Tensor, k_pre: Tensor, v: Tensor, pos: int,
-                   context: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-        """Attend to ``context`` (pre-RoPE K, V [Hkv, Tc, D], positions [Hkv, Tc]) and causally to the new tokens."""
+                   context: _Context) -> Tensor:
+        """Attend to ``context`` and causally to the new tokens. Tokens of pages still loading
+        (``context.loading``) are masked out of the first pass and attended once they arrive; the
+        parts merge exactly (log-sum-exp), and each token keeps its position either way::
+
+            pass 1   sinks | chunks in place + outliers | window     while the rest load
+            pass 2   chunks of the pages that arrived               (per KV head: their counts differ)
+        """
         T = q_pre.shape[2]
-        k_ctx, v_ctx, p_ctx = context
+        k_ctx, v_ctx, p_ctx = context.k, context.v, context.p
         Tc = k_ctx.shape[1]
         remap = seq.config.positions == "remap"
         cos, sin = self._rope_span(Tc if remap else pos, T)
@@ -167,8 +204,23 @@ class SparseEngine:
                 k_ctx = apply_rope(k_ctx.unsqueeze(0), cos, sin).to(q.dtype)
             else:
                 k_ctx = self._rotate_heads(k_ctx, p_ctx).to(q.dtype).unsqueeze(0)
-            parts.append(attend(q, k_ctx, v_ctx.to(q.dtype).unsqueeze(0), causal=False))
+            parts.append(attend(q, k_ctx, v_ctx.to(q.dtype).unsqueeze(0), causal=False, mask=context.mask()))
+        if context.loading is not None:
+            parts.append(self._arrived(q, context, remap))
         return merge(parts)
+
+    def _arrived(self, q: Tensor, context: _Context, remap: bool) -> tuple[Tensor, Tensor]:
+        """Attention of ``q`` [1, H, T, D] over the tokens that ``context.loading`` brought: (out, lse)."""
+        at, valid, k, v = context.loading.finish()                          # [Hkv, m], [Hkv, m, D]
+        positions = context.first + at if remap else context.p_mid.gather(1, at)
+        k = self._rotate_heads(k, positions).to(q.dtype).unsqueeze(0)
+        none = ~valid.any(dim=1)                    # heads with nothing missing keep one padding key
+        mask = torch.zeros(valid.shape).masked_fill_(~valid, -math.inf)
+        mask[none, 0] = 0.0
+        out, lse = attend(q, k, v.to(q.dtype).unsqueeze(0), causal=False, mask=mask.view(1, *valid.shape[:1], 1, -1))
+        if none.any():                              # ... which then drops out of the merge
+            lse[:, none.repeat_interleave(q.shape[1] // valid.shape[0])] = -math.inf
+        return out, lse
 
     def _query(self, seq: SparseSequence, q_pre: Tensor, pos: int) -> Tensor:
         """The query a selection scores with [H, D]: mean over the chunk's queries, in the index's frame."""
@@ -250,20 +302,26 @@ class SparseEngine:
         scores.scatter_(1, torch.searchsorted(wide, chunks), float("inf"))     # a head's own chunks stay
         return wide[scores.topk(cap, dim=1, sorted=False).indices.sort(dim=1).values], False
 
-    def _context(self, seq: SparseSequence, layer: int, chunks: Tensor, *,
-                 shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    def _context(self, seq: SparseSequence, layer: int, chunks: Tensor, *, shared: bool = False,
+                 split: bool = False) -> _Context:
         """Pre-RoPE K, V [Hkv, Tc, D] and real positions [Hkv, Tc]: sinks | chunks + outliers | window
-        (``shared``: every head has the same chunks)."""
+        (``shared``: every head has the same chunks; ``split``: pages not in place are still loading)."""
         H = self.layout.num_kv_heads
-        k_mid, v_mid, p_mid = seq.gather(layer, chunks, shared=shared)
+        k_mid, v_mid, p_mid, loading = seq.gather_split(layer, chunks, shared=shared) if split else \
+            (*seq.gather(layer, chunks, shared=shared), None)
         sink_k, sink_v = seq.sinks(layer)
         win_k, win_v = seq.window(layer)
+        if loading is not None and not (sink_k.shape[0] or win_k.shape[0]):
+            at, valid, k_new, v_new = loading.finish()      # nothing to attend meanwhile: a head could
+            heads = torch.arange(H).unsqueeze(1).expand_as(at)   # be left with no key at all
+            k_mid[heads[valid], at[valid]], v_mid[heads[valid], at[valid]] = k_new[valid], v_new[valid]
+            loading = None
         start = seq.length(layer) - win_k.shape[0]
         k = torch.cat([sink_k.float().transpose(0, 1), k_mid, win_k.float().transpose(0, 1)], dim=1)
         v = torch.cat([sink_v.float().transpose(0, 1), v_mid, win_v.float().transpose(0, 1)], dim=1)
         p = torch.cat([torch.arange(sink_k.shape[0]).expand(H, -1), p_mid,
                        torch.arange(start, start + win_k.shape[0]).expand(H, -1)], dim=1)
-        return k, v, p
+        return _Context(k, v, p, loading, sink_k.shape[0], p_mid)
 
     def _prefetch(self, seq: SparseSequence, layer: int, h: Tensor | None, pos: int) -> None:
         index = seq.index(layer)

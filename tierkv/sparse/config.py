@@ -80,6 +80,9 @@ class SparseConfig:
     # of the dense mass at no extra read; SparseEngine._widen), "chunks": each head only its own
     # chunks. Decode-only, out of the repr
     attend: str = field(default="pages", repr=False)
+    # decode: attend to the pages in place while the rest load, then to those (merged exactly);
+    # hides the loads where compute has its own device, costs CPU where it shares the cores
+    overlap: bool = field(default=False, repr=False)
     selector: str = "shadowkv"      # a policies.selectors name
     prefetch: str = "none"   # a policies.selectors sparse-prefetch name (a guess costs more than it hides on CPU)
     positions: str = "auto"         # original | remap (RoPE at compact positions) | auto

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager
+from tierkv.manager.blocking import Gathering
 from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
@@ -74,12 +75,55 @@ class _Fifo:
         return self.data[self.head:self.tail]
 
 
+class Loading:
+    """The chunk tokens of a ``gather_split`` whose pages were still loading when it returned::
+
+        k, v, pos, loading = seq.gather_split(layer, chunks)
+        attend to the rows where not loading.missing        (the missing ones are zeros)
+        at, valid, k2, v2 = loading.finish()                 waits; the missing rows' keys and values
+        attend to those
+
+    ``finish`` returns them per KV head, padded to the largest count: ``at`` [Hkv, m] (rows of
+    the gathered K, V), ``valid`` [Hkv, m] (False: padding), keys and values [Hkv, m, D] (float).
+    """
+
+    def __init__(self, missing: Tensor, finish: Callable[[], tuple[Tensor, Tensor, Tensor, Tensor]],
+                 abandon: Callable[[], None]) -> None:
+        self.missing = missing          # [Hkv, M] bool, in the order of the gathered rows
+        self._finish, self._abandon = finish, abandon
+        self.done = False
+
+    def finish(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if self.done:
+            raise RuntimeError("Loading.finish: already finished or abandoned")
+        self.done = True
+        return self._finish()
+
+    def abandon(self) -> None:
+        """Not going to ``finish`` (an error on the way): the pages are released when they arrive."""
+        if not self.done:
+            self.done = True
+            self._abandon()
+
+
 @dataclass(slots=True)
 class ReadStats:
     steps: int = 0            # layer reads
     pages: int = 0            # pages read
     reused: int = 0           # of those, pages the same layer read in the previous step
     tokens: int = 0           # tokens attended from pages and outliers (per KV head)
+
+
+@dataclass(slots=True)
+class _Read:
+    """A layer's chunks read from their pages: keys and values [Hkv, k*c, D], each token's row in
+    ``raw`` [Hkv, k*c], and, for a split read, the pages still loading into ``raw``."""
+    k: Tensor
+    v: Tensor
+    rows: Tensor
+    raw: Tensor
+    gathering: Gathering | None
+    loading: Tensor | None = None      # [pages] bool: still loading into raw
 
 
 class _Layer:
@@ -226,30 +270,69 @@ class SparseSequence:
         """Chunks [Hkv, k] plus the outliers -> pre-RoPE K, V [Hkv, M, D] (float) and their token
         positions [Hkv, M], in token order per head; ``shared``: every head has the same chunks
         (keys rebuilt in one product, one order)."""
+        return self._gather(layer, chunks, shared=shared, split=False)[:3]
+
+    def gather_split(self, layer: int, chunks: Tensor, *,
+                     shared: bool = False) -> tuple[Tensor, Tensor, Tensor, Loading | None]:
+        """``gather`` that returns as soon as the pages in place are copied: the rows of pages still
+        loading are zeros, and the ``Loading`` fills them in (None: nothing was missing). The
+        caller attends to the rest meanwhile (see ``SparseEngine``)."""
+        return self._gather(layer, chunks, shared=shared, split=True)
+
+    def _gather(self, layer: int, chunks: Tensor, *, shared: bool,
+                split: bool) -> tuple[Tensor, Tensor, Tensor, Loading | None]:
         state = self.layers[layer]
         H = self.layout.num_kv_heads
-        parts_k, parts_v, parts_pos = [], [], []
+        parts_k, parts_v, parts_pos, parts_rows = [], [], [], []
+        read = None
         if chunks.numel():
-            k_sel, v_sel = self._read(layer, chunks, shared=shared)
-            parts_k.append(k_sel)
-            parts_v.append(v_sel)
+            read = self._read(layer, chunks, shared=shared, split=split)
+            parts_k.append(read.k)
+            parts_v.append(read.v)
             parts_pos.append(self._positions(chunks))
+            parts_rows.append(read.rows)
         ids, k_out, v_out = state.index.exact()
         if ids.numel():
             parts_k.append(k_out.float().transpose(0, 1))
             parts_v.append(v_out.float().transpose(0, 1))
             parts_pos.append(self._positions(ids.expand(H, -1)))
+            parts_rows.append(torch.full((H, parts_pos[-1].shape[1]), -1))    # not from a page
         if not parts_k:
             D = self.layout.head_dim
-            return torch.empty(H, 0, D), torch.empty(H, 0, D), torch.empty(H, 0, dtype=torch.long)
+            return torch.empty(H, 0, D), torch.empty(H, 0, D), torch.empty(H, 0, dtype=torch.long), None
         k, v, pos = torch.cat(parts_k, 1), torch.cat(parts_v, 1), torch.cat(parts_pos, 1)
         self.stats.tokens += pos.shape[1]
         if shared:                   # one order for every head: rows moved whole, once
             order = pos[0].argsort()
-            return k[:, order], v[:, order], pos[:, order]
-        order = pos.argsort(dim=1)
-        heads = torch.arange(H).unsqueeze(1)
-        return k[heads, order], v[heads, order], pos[heads, order]
+            k, v, pos = k[:, order], v[:, order], pos[:, order]
+            rows = torch.cat(parts_rows, 1)[:, order] if read is not None and read.gathering else None
+        else:
+            order = pos.argsort(dim=1)
+            heads = torch.arange(H).unsqueeze(1)
+            k, v, pos = k[heads, order], v[heads, order], pos[heads, order]
+            rows = torch.cat(parts_rows, 1)[heads, order] if read is not None and read.gathering else None
+        if rows is None:
+            return k, v, pos, None
+        return k, v, pos, self._loading(layer, read, rows)
+
+    def _loading(self, layer: int, read: _Read, rows: Tensor) -> Loading:
+        """What brings the gathered rows whose page ``read`` is still loading; ``rows`` [Hkv, M]:
+        each gathered token's row in the read's pages (-1: an outlier, never missing)."""
+        gathering, raw, P = read.gathering, read.raw, self.layout.page_tokens
+        missing = (rows >= 0) & read.loading[rows.clamp(min=0) // P]
+
+        def finish() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            gathering.wait()
+            count = missing.sum(dim=1)                                            # [Hkv]
+            at = (~missing).to(torch.uint8).argsort(dim=1, stable=True)[:, :int(count.max())]   # missing first
+            valid = torch.arange(at.shape[1]) < count.unsqueeze(1)
+            row = rows.gather(1, at).clamp(min=0)
+            page, tok = row.div(P, rounding_mode="floor"), row % P
+            values, factors = self.layout.unpack(raw)                           # views: [n, P, Hkv, D], [n, P, r]
+            keys = torch.bmm(factors[page, tok].float(), self.layers[layer].head_basis())   # [Hkv, m, D]
+            heads = torch.arange(at.shape[0]).unsqueeze(1)
+            return at, valid, keys, values[page, tok, heads].float()
+        return Loading(missing, finish, gathering.abandon)
 
     def _positions(self, chunks: Tensor) -> Tensor:
         """chunk ids [Hkv, k] -> token positions [Hkv, k*c]."""
@@ -257,7 +340,7 @@ class SparseSequence:
         first = self.config.sink_tokens + chunks * c
         return (first.unsqueeze(-1) + torch.arange(c)).flatten(1)
 
-    def _read(self, layer: int, chunks: Tensor, *, shared: bool = False) -> tuple[Tensor, Tensor]:
+    def _read(self, layer: int, chunks: Tensor, *, shared: bool = False, split: bool = False) -> _Read:
         """Pin the pages of ``chunks`` [Hkv, k]; rebuild each head's keys of its chunks only::
 
             rows[h]  = page slot * P + chunk offset in page * c + 0..c-1      [Hkv, k*c]
@@ -265,27 +348,50 @@ class SparseSequence:
             V[h]     = values[rows[h], h]
 
         ``shared``: every head has the same chunks; their keys come from one product A[rows] @ B.
+        ``split``: pages not in place are left loading (their rows zero; see ``gather``).
         """
-        state, c, P, H = self.layers[layer], self.config.chunk_tokens, self.layout.page_tokens, \
-            self.layout.num_kv_heads
+        state = self.layers[layer]
         pages = self.chunk_pages(chunks)
         self._count(state, pages)
         raw = torch.empty(len(pages), self.layout.page_bytes, dtype=torch.uint8)
         keys, step = [state.pages[p] for p in pages.tolist()], self._pin_limit()
-        for first in range(0, len(keys), step):        # pinned at most half the fastest tier at once
-            self.manager.gather(keys[first:first + step], raw[first:first + step], self.read_tier, layer=layer)
-        values, factors = self.layout.unpack(raw)                          # [n, P, Hkv, D], [n, P, r]
-        where = torch.searchsorted(pages, chunks // (P // c))                   # [Hkv, k]: page slot
+        gathering = None
+        if split and len(keys) <= step:
+            gathering = self.manager.start_gather(keys, raw, self.read_tier, layer=layer)
+            if not gathering.missing:
+                gathering = None
+        else:
+            for first in range(0, len(keys), step):        # pinned at most half the fastest tier at once
+                self.manager.gather(keys[first:first + step], raw[first:first + step], self.read_tier, layer=layer)
+        loading = None
+        try:
+            if gathering is not None:
+                raw[gathering.missing] = 0
+                loading = torch.zeros(len(keys), dtype=torch.bool)
+                loading[gathering.missing] = True
+            k_sel, v_sel, rows = self._rebuild(state, chunks, pages, raw, shared)
+        except BaseException:
+            if gathering is not None:
+                gathering.abandon()
+            raise
+        return _Read(k_sel, v_sel, rows, raw, gathering, loading)
+
+    def _rebuild(self, state: _Layer, chunks: Tensor, pages: Tensor, raw: Tensor,
+                 shared: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys and values [Hkv, k*c, D] of ``chunks`` from their pages in ``raw`` (a page still
+        loading is zeros there, and so are its tokens' keys), and each token's row [Hkv, k*c]."""
+        c, P, H = self.config.chunk_tokens, self.layout.page_tokens, self.layout.num_kv_heads
+        values, factors = self.layout.unpack(raw)                   # views: [n, P, Hkv, D], [n, P, r]
+        page = torch.searchsorted(pages, chunks // (P // c))                    # [Hkv, k]: page slot
         tok = (chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)           # [Hkv, k, c]: row in page
-        where = where.unsqueeze(-1).expand_as(tok)
-        rows = (where * P + tok).flatten(1)                                     # [Hkv, k*c]: row in raw
-        factors, values = factors.reshape(-1, factors.shape[-1]), values.reshape(-1, H, values.shape[-1])
+        page, tok = page.unsqueeze(-1).expand_as(tok).flatten(1), tok.flatten(1)   # [Hkv, k*c] each
+        rows = page * P + tok                                                   # [Hkv, k*c]: row in raw
         if shared:
-            k_sel = reconstruct(factors[rows[0]], state.basis.basis, H).transpose(0, 1)   # [Hkv, k*c, D]
-            return k_sel, values[rows[0]].float().transpose(0, 1)
-        k_sel = torch.bmm(factors[rows].float(), state.head_basis())            # [Hkv, k*c, D]
-        v_sel = values[rows, torch.arange(H).unsqueeze(1)].float()              # [Hkv, k*c, D]
-        return k_sel, v_sel
+            k_sel = reconstruct(factors[page[0], tok[0]], state.basis.basis, H).transpose(0, 1)  # [Hkv, k*c, D]
+            return k_sel, values[page[0], tok[0]].float().transpose(0, 1), rows
+        k_sel = torch.bmm(factors[page, tok].float(), state.head_basis())      # [Hkv, k*c, D]
+        v_sel = values[page, tok, torch.arange(H).unsqueeze(1)].float()         # [Hkv, k*c, D]
+        return k_sel, v_sel, rows
 
     def _pin_limit(self) -> int:
         mgr = self.manager.manager

@@ -1,0 +1,71 @@
+"""start_gather: the blocks in place are copied at once, the rest when they arrive."""
+import time
+
+import torch
+
+from tierkv.manager import BlockingTierManager, TierManager
+from tierkv.tiers.cpu import CpuTier
+from tierkv.tiers.gpu import GpuTier
+from tierkv.tiers.nvme import NvmeTier
+
+from conftest import BLOCK, assert_quiescent, block, key
+
+
+def manager(path, knobs, gpu=4, cpu=4) -> BlockingTierManager:
+    tiers = [GpuTier(BLOCK, gpu * BLOCK), CpuTier(BLOCK, cpu * BLOCK), NvmeTier(path, BLOCK, 256 * BLOCK)]
+    return BlockingTierManager(TierManager(tiers, knobs=knobs))
+
+
+def stored(mgr: BlockingTierManager, n: int) -> list:
+    """n protected blocks: the first ones end up only on NVMe, the last ones in memory."""
+    keys = [key(i) for i in range(n)]
+    for i, k in enumerate(keys):
+        mgr.put(k, block(i))
+    return keys
+
+
+def test_blocks_in_place_are_copied_at_once_and_the_rest_on_wait(tmp_path, knobs):
+    with manager(tmp_path / "s", knobs) as mgr:
+        keys = stored(mgr, 12)
+        only_on_disk = [i for i, k in enumerate(keys) if mgr.where(k) == ["nvme"]]
+        assert only_on_disk and len(only_on_disk) < len(keys)
+        out = torch.zeros(len(keys), BLOCK, dtype=torch.uint8)
+        gathering = mgr.start_gather(keys, out, layer=3)
+        assert gathering.missing == only_on_disk
+        for i in range(len(keys)):
+            assert torch.equal(out[i], block(i)) != (i in only_on_disk)
+        waits = len(mgr.manager.events.of_kind("wait"))
+        gathering.wait()
+        assert all(torch.equal(out[i], block(i)) for i in range(len(keys)))
+        stall = mgr.manager.events.of_kind("wait")[waits:]
+        assert [(e.layer, e.blocks) for e in stall] == [(3, len(only_on_disk))]   # one stall, the caller's
+        assert gathering.wait() is out                                            # a second wait: nothing to do
+        mgr.contains(keys[0])                                                     # the unpins have run
+        assert_quiescent(mgr.manager)
+
+
+def test_everything_in_place_leaves_nothing_to_wait_for(tmp_path, knobs):
+    with manager(tmp_path / "s", knobs, gpu=16) as mgr:
+        keys = stored(mgr, 8)
+        out = torch.zeros(len(keys), BLOCK, dtype=torch.uint8)
+        gathering = mgr.start_gather(keys, out)
+        assert gathering.missing == [] and all(torch.equal(out[i], block(i)) for i in range(8))
+        gathering.wait()
+        assert not mgr.manager.events.of_kind("wait")
+        mgr.contains(keys[0])
+        assert_quiescent(mgr.manager)
+
+
+def test_an_abandoned_gather_releases_its_blocks_when_they_arrive(tmp_path, knobs):
+    with manager(tmp_path / "s", knobs) as mgr:
+        keys = stored(mgr, 12)
+        gathering = mgr.start_gather(keys, torch.zeros(len(keys), BLOCK, dtype=torch.uint8))
+        pending = gathering._pending
+        gathering.abandon()
+        pending.result(timeout=30)
+        deadline = time.monotonic() + 10     # the release runs on the loop once the load is done
+        while any(t.pool.busy_slots() for t in mgr.manager.tiers.values()) and time.monotonic() < deadline:
+            mgr.contains(keys[0])
+            time.sleep(0.01)
+        assert_quiescent(mgr.manager)
+        gathering.wait()                    # abandoned: nothing left to copy
