@@ -181,14 +181,13 @@ class ProbedEngine(SparseEngine):
         self.steps = 0
         self._attended: Tensor | None = None
 
-    def _context(self, seq: SparseSequence, layer: int, chunks: Tensor, *,
-                 shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        k, v, positions = super()._context(seq, layer, chunks, shared=shared)
-        self._attended = positions                                     # [Hkv, Tc]
-        return k, v, positions
+    def _context(self, seq: SparseSequence, layer: int, chunks: Tensor, **kw):
+        context = super()._context(seq, layer, chunks, **kw)
+        self._attended = context.p                                     # [Hkv, Tc]
+        return context
 
     def _attention(self, seq: SparseSequence, layer: int, q_pre: Tensor, k_pre: Tensor, v: Tensor,
-                   pos: int, context: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+                   pos: int, context) -> Tensor:
         out = super()._attention(seq, layer, q_pre, k_pre, v, pos, context)
         if q_pre.shape[2] == 1:
             cos, sin = self._rope(torch.tensor([[pos]]))
