@@ -188,7 +188,7 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                             help="decode: attend to the pages already in memory while the rest load from NVMe, "
                                  "then to those (an exact merge); hides the loads where compute has cores of its "
                                  "own, costs throughput where it shares them (2 CPU cores, 128K: stall under "
-                                 "1 %%, 3-12 %% fewer tokens/s)"),
+                                 "2 %%, 0-8 %% fewer tokens/s)"),
         sparse.add_argument("--positions", default="auto", choices=("auto", "original", "remap"),
                             help="RoPE positions of attended keys: remap = compact positions inside the trained "
                                  "window (default past it), original = real positions"),
