@@ -305,7 +305,8 @@ def _print_sparse_summary(s: dict) -> None:
     lo, hi = min(s["layer_tokens"], default=0), max(s["layer_tokens"], default=0)
     spread = f" ({lo}-{hi} by layer in the last step, {s['allocation']})" if lo != hi else ""
     print(f"sparse: {s['budget_tokens']} tokens per KV head{spread} by {s['selector']}, rank {s['rank']}, "
-          f"positions {s['positions']}, prefetch {s['prefetch']}; {s['tokens_per_layer_step']:.0f} tokens "
+          f"positions {s['positions']}, prefetch {s['prefetch']}{', overlap' if s['overlap'] else ''}; "
+          f"{s['tokens_per_layer_step']:.0f} tokens "
           f"attended per layer beside sinks and window (attend {s['attend']}); pages reused from the previous step "
           f"{100 * s['reuse_rate']:.0f} %; index in memory {format_size(s['index_bytes'])}")
     if s["resumed_prefill_tokens"]:

@@ -348,27 +348,30 @@ class SparseSequence:
             V[h]     = values[rows[h], h]
 
         ``shared``: every head has the same chunks; their keys come from one product A[rows] @ B.
-        ``split``: pages not in place are left loading (their rows zero; see ``gather``).
+        ``split``: pages not in place are left loading (their rows zero; see ``gather_split``);
+        a read of more than half the fastest tier splits its last group only.
         """
         state = self.layers[layer]
         pages = self.chunk_pages(chunks)
         self._count(state, pages)
         raw = torch.empty(len(pages), self.layout.page_bytes, dtype=torch.uint8)
         keys, step = [state.pages[p] for p in pages.tolist()], self._pin_limit()
-        gathering = None
-        if split and len(keys) <= step:
-            gathering = self.manager.start_gather(keys, raw, self.read_tier, layer=layer)
+        # pinned at most half the fastest tier at once; split: the last group is left loading
+        groups = [(first, first + step) for first in range(0, len(keys), step)]
+        for first, end in groups[:-1] if split else groups:
+            self.manager.gather(keys[first:end], raw[first:end], self.read_tier, layer=layer)
+        gathering = loading = None
+        if split:
+            first = groups[-1][0]
+            gathering = self.manager.start_gather(keys[first:], raw[first:], self.read_tier, layer=layer)
             if not gathering.missing:
                 gathering = None
-        else:
-            for first in range(0, len(keys), step):        # pinned at most half the fastest tier at once
-                self.manager.gather(keys[first:first + step], raw[first:first + step], self.read_tier, layer=layer)
-        loading = None
         try:
             if gathering is not None:
-                raw.numpy()[gathering.missing] = 0      # (numpy: 20x faster than torch's index_put here)
+                late = [first + row for row in gathering.missing]
+                raw.numpy()[late] = 0                   # (numpy: 20x faster than torch's index_put here)
                 loading = torch.zeros(len(keys), dtype=torch.bool)
-                loading[gathering.missing] = True
+                loading[late] = True
             k_sel, v_sel, rows = self._rebuild(state, chunks, pages, raw, shared)
         except BaseException:
             if gathering is not None:
