@@ -208,13 +208,15 @@ def test_adaptive_budgets_move_chunks_between_layers_at_the_same_total(allocatio
         assert min(chosen) >= uniform // 4
 
 
-@pytest.mark.parametrize("positions,sinks,window", [("original", 8, 32), ("remap", 8, 32), ("original", 0, 0)])
-def test_overlapped_decode_over_pages_on_nvme_equals_dense_attention(positions, sinks, window, tmp_path,
-                                                                     monkeypatch):
+@pytest.mark.parametrize("positions,sinks,window,gpu_pages", [
+    ("original", 8, 32, 52), ("remap", 8, 32, 52), ("original", 0, 0, 52), ("original", 8, 32, 20)])
+def test_overlapped_decode_over_pages_on_nvme_equals_dense_attention(positions, sinks, window, gpu_pages,
+                                                                     tmp_path, monkeypatch):
     """Full rank and budget, about half the pages only on NVMe at each read: attending to the pages
     in place while the rest load, then to those, is still exact (and so equal to decoding without
     overlap). With neither sinks nor window, a head could have nothing in place to attend to when
-    the window is empty: that read is not split."""
+    the window is empty: that read is not split. With 20 gpu pages a read goes in groups of 10,
+    the last one split."""
     import transformers
     from tinymodels import TINY
     from tierkv.sparse.sequence import Loading
@@ -233,7 +235,7 @@ def test_overlapped_decode_over_pages_on_nvme_equals_dense_attention(positions, 
         cfg = SparseConfig(budget=10_000, rank=dims, sink_tokens=sinks, window_tokens=window, page_tokens=16,
                            outlier_fraction=0.05, positions=positions, dense_prefill_tokens=100, overlap=overlap)
         layout = SparseEngine.page_layout(lm, cfg)
-        tiers = TierConfig(block_bytes=layout.page_bytes, gpu=52 * layout.page_bytes, cpu=0,
+        tiers = TierConfig(block_bytes=layout.page_bytes, gpu=gpu_pages * layout.page_bytes, cpu=0,
                            nvme_dir=tmp_path / str(overlap))
         with BlockingTierManager.from_config(tiers) as manager:
             engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
