@@ -15,7 +15,9 @@ compute a guess costs more than it hides) may start loading layer l+1's
 chunks; ``speculative`` guesses them from layer l's input run through layer
 l+1's query projection (InfiniGen), so the fetch overlaps the rest of layer
 l. Prefetched pages enter their tier cold (see ``tierkv.policy``): a wrong
-guess is the first thing evicted, not a page the next step reuses.
+guess is the first thing evicted, not a page the next step reuses. With
+``overlap``, a decode layer attends to its pages in place while the rest load,
+then to those (``_attention``): the wait shrinks to what outlasts that compute.
 
 Prefill attends exactly (everything is still in the window) until
 ``dense_prefill_tokens``; there each layer's key basis is fitted and the
