@@ -1,6 +1,7 @@
 """start_gather: the blocks in place are copied at once, the rest when they arrive."""
 import time
 
+import pytest
 import torch
 
 from tierkv.manager import BlockingTierManager, TierManager
@@ -22,6 +23,18 @@ def stored(mgr: BlockingTierManager, n: int) -> list:
     for i, k in enumerate(keys):
         mgr.put(k, block(i))
     return keys
+
+
+class Interrupted(BaseException):
+    pass
+
+
+def settle(mgr: BlockingTierManager, key) -> None:
+    """Wait until no slot is pinned or reserved: a release runs on the loop once its load is done."""
+    deadline = time.monotonic() + 10
+    while any(t.pool.busy_slots() for t in mgr.manager.tiers.values()) and time.monotonic() < deadline:
+        mgr.contains(key)
+        time.sleep(0.01)
 
 
 def test_blocks_in_place_are_copied_at_once_and_the_rest_on_wait(tmp_path, knobs):
@@ -63,9 +76,24 @@ def test_an_abandoned_gather_releases_its_blocks_when_they_arrive(tmp_path, knob
         pending = gathering._pending
         gathering.abandon()
         pending.result(timeout=30)
-        deadline = time.monotonic() + 10     # the release runs on the loop once the load is done
-        while any(t.pool.busy_slots() for t in mgr.manager.tiers.values()) and time.monotonic() < deadline:
-            mgr.contains(keys[0])
-            time.sleep(0.01)
+        settle(mgr, keys[0])
         assert_quiescent(mgr.manager)
         gathering.wait()                    # abandoned: nothing left to copy
+
+
+def test_an_interrupted_wait_releases_the_blocks_when_they_arrive(tmp_path, knobs):
+    with manager(tmp_path / "s", knobs) as mgr:
+        keys = stored(mgr, 12)
+        gathering = mgr.start_gather(keys, torch.zeros(len(keys), BLOCK, dtype=torch.uint8))
+        pending = gathering._pending
+        arrived = pending.result
+
+        def interrupted(timeout=None):
+            pending.result = arrived
+            raise Interrupted      # as KeyboardInterrupt would, which pytest takes for its own
+        pending.result = interrupted
+        with pytest.raises(Interrupted):
+            gathering.wait()
+        arrived(timeout=30)
+        settle(mgr, keys[0])
+        assert_quiescent(mgr.manager)

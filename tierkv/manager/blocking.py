@@ -44,7 +44,11 @@ class Gathering:
             return self._out
         mgr = self._manager.manager
         start = time.perf_counter()
-        lease = pending.result()
+        try:
+            lease = pending.result()
+        except BaseException:
+            pending.add_done_callback(self._release)     # interrupted: release the blocks when they arrive
+            raise
         mgr.events.wait("", self._tier or mgr.memory_tiers[0], self._layer,
                         len(self.missing) * mgr.block_bytes, start, len(self.missing))
         lease.unpin = self._manager._unpin
