@@ -51,8 +51,7 @@ class Gathering:
             raise
         mgr.events.wait("", self._tier or mgr.memory_tiers[0], self._layer,
                         len(self.missing) * mgr.block_bytes, start, len(self.missing))
-        lease.unpin = self._manager._unpin
-        self._manager._copy_out(lease, self._out, self.missing)
+        self._manager._copy_out(self._manager._callers(lease), self._out, self.missing)
         return self._out
 
     def abandon(self) -> None:
@@ -63,9 +62,7 @@ class Gathering:
 
     def _release(self, pending: Future) -> None:
         if not pending.cancelled() and pending.exception() is None:
-            lease = pending.result()
-            lease.unpin = self._manager._unpin
-            lease.release()
+            self._manager._callers(pending.result()).release()
 
 
 class BlockingTierManager:
@@ -101,9 +98,7 @@ class BlockingTierManager:
         self._run(put_all())
 
     def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Lease:
-        lease = self._run(self.manager.acquire(keys, tier, **kw))
-        lease.unpin = self._unpin  # release hops back to the loop thread
-        return lease
+        return self._callers(self._run(self.manager.acquire(keys, tier, **kw)))
 
     @contextmanager
     def blocks(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -128,23 +123,23 @@ class BlockingTierManager:
             ...compute on those rows...
             g.wait()                             # now every row; the time it blocked is the stall
         """
-        async def begin() -> tuple[list[int], Lease, Future | None]:
+        async def begin() -> tuple[list[int], list[int], Lease, Future | None]:
             ready, lease = self.manager.pin_ready(keys, tier, layer=layer)
-            rest = sorted(set(range(len(keys))).difference(ready))
+            in_place = set(ready)
+            rest = [i for i in range(len(keys)) if i not in in_place]
             pending = None
             if rest:   # runs on the loop as a task of its own, after this returns
                 pending = asyncio.run_coroutine_threadsafe(
                     self.manager.acquire([keys[i] for i in rest], tier, layer=layer, rest_of=True), self._loop)
-            return rest, lease, pending
-        rest, lease, pending = self._run(begin())
-        lease.unpin = self._unpin
+            return ready, rest, lease, pending
+        ready, rest, lease, pending = self._run(begin())
+        gathering = Gathering(self, out, rest, pending, tier, layer)
         try:
-            self._copy_out(lease, out, sorted(set(range(len(keys))).difference(rest)))
+            self._copy_out(self._callers(lease), out, ready)
         except BaseException:
-            if pending is not None:
-                Gathering(self, out, rest, pending, tier, layer).abandon()
+            gathering.abandon()
             raise
-        return Gathering(self, out, rest, pending, tier, layer)
+        return gathering
 
     def _copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int]) -> None:
         """Copy ``lease``'s blocks into ``rows`` (ascending) of ``out``, one tier gather per tier, then
@@ -194,6 +189,11 @@ class BlockingTierManager:
 
     def where(self, key: BlockKey) -> list[str]:
         return self._call(self.manager.where, key)
+
+    def _callers(self, lease: Lease) -> Lease:
+        """``lease``, made on the loop thread, for this thread: its release hops back to the loop."""
+        lease.unpin = self._unpin
+        return lease
 
     def _unpin(self, places: Any) -> None:
         """Fire and forget: the loop runs it before anything this thread asks for later."""

@@ -285,20 +285,18 @@ class SparseSequence:
                 split: bool) -> tuple[Tensor, Tensor, Tensor, Loading | None]:
         state = self.layers[layer]
         H = self.layout.num_kv_heads
-        parts_k, parts_v, parts_pos, parts_rows = [], [], [], []
+        parts_k, parts_v, parts_pos = [], [], []
         read = None
         if chunks.numel():
             read = self._read(layer, chunks, shared=shared, split=split)
             parts_k.append(read.k)
             parts_v.append(read.v)
             parts_pos.append(self._positions(chunks))
-            parts_rows.append(read.rows)
         ids, k_out, v_out = state.index.exact()
         if ids.numel():
             parts_k.append(k_out.float().transpose(0, 1))
             parts_v.append(v_out.float().transpose(0, 1))
             parts_pos.append(self._positions(ids.expand(H, -1)))
-            parts_rows.append(torch.full((H, parts_pos[-1].shape[1]), -1))    # not from a page
         if not parts_k:
             D = self.layout.head_dim
             return torch.empty(H, 0, D), torch.empty(H, 0, D), torch.empty(H, 0, dtype=torch.long), None
@@ -307,15 +305,14 @@ class SparseSequence:
         if shared:                   # one order for every head: rows moved whole, once
             order = pos[0].argsort()
             k, v, pos = k[:, order], v[:, order], pos[:, order]
-            rows = torch.cat(parts_rows, 1)[:, order] if read is not None and read.gathering else None
         else:
             order = pos.argsort(dim=1)
             heads = torch.arange(H).unsqueeze(1)
             k, v, pos = k[heads, order], v[heads, order], pos[heads, order]
-            rows = torch.cat(parts_rows, 1)[heads, order] if read is not None and read.gathering else None
-        if rows is None:
+        if read is None or read.gathering is None:
             return k, v, pos, None
-        return k, v, pos, self._loading(layer, read, rows)
+        rows = torch.cat([read.rows, torch.full((H, pos.shape[1] - read.rows.shape[1]), -1)], 1)   # outliers: -1
+        return k, v, pos, self._loading(layer, read, rows[:, order] if shared else rows[heads, order])
 
     def _loading(self, layer: int, read: _Read, rows: Tensor) -> Loading:
         """What brings the gathered rows whose page ``read`` is still loading; ``rows`` [Hkv, M]:
