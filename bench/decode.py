@@ -59,7 +59,7 @@ from tierkv.model.generate import DTYPES, RunConfig, RunResult, run
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sequence import KVLayout
-from tierkv.profile.events import EventRecorder, busy_seconds
+from tierkv.events import EventRecorder, busy_seconds
 from sparse_rows import measure_sparse
 
 K, MiB = 1024, 1024**2

@@ -41,15 +41,16 @@ from pathlib import Path
 import numpy as np
 
 from report import Report, filesystem, machine, print_grid
-from tierkv.config import TierConfig, format_size
+from tierkv.config import TierConfig
+from tierkv.sizes import format_size
 from tierkv.manager import BlockingTierManager
 from tierkv.model.engine import Engine, EngineConfig
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sequence import KVLayout
 from tierkv.profile.access import STEP_KINDS, AccessRecorder, AccessTrace, link_bytes
-from tierkv.profile.events import EventRecorder
-from tierkv.profile.replay import ReplayConfig, ReplayResult, TierModel, compute_gaps, replay
+from tierkv.events import EventRecorder
+from tierkv.tune.replay import ReplayConfig, ReplayResult, TierModel, compute_gaps, replay
 
 TARGETS = {"bytes_prediction_error": 0.05, "stall_prediction_error": 0.25, "ranking_agreement": 1.0}
 LOWER_IS_BETTER = {"bytes_prediction_error", "stall_prediction_error"}

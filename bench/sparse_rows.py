@@ -42,13 +42,14 @@ import torch
 from transformers import DynamicCache
 
 from report import Report
-from tierkv.config import IOKnobs, TierConfig
+from tierkv.config import TierConfig
+from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager
 from tierkv.model.generate import RunConfig, open_sparse
 from tierkv.model.loading import LoadedModel
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sparse_engine import SparseEngine
-from tierkv.profile.events import EventRecorder
+from tierkv.events import EventRecorder
 from tierkv.sparse import SparseConfig
 
 K = 1024

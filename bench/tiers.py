@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 from report import Report, filesystem, machine
-from tierkv.config import IOKnobs, format_size, parse_size
+from tierkv.knobs import IOKnobs
+from tierkv.sizes import format_size, parse_size
 from tierkv.device import host_buffer
 from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager, TierManager

@@ -40,8 +40,9 @@ registry of their own: ``make_prefetch("next-layer")``, ``prefetch_policies()``
 (see ``prefetch.py``).
 
 Chunk selectors and sparse prefetchers for sparse decode work on tensors, so
-they live in ``policies.selectors`` (and ``policies.near_memory``), imported
-on their own: ``import policies`` stays free of torch.
+they live in ``policies.selectors``, imported on their own: ``import policies``
+stays free of torch. Its ``near-memory`` selector is the CXL tier's
+(`tierkv.tiers.cxl_select`), named by path.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ class Registry(Generic[P]):
 
     def __init__(self, field: str, protocol: type[P], members: tuple[str, ...]) -> None:
         self.field, self.protocol, self.members = field, protocol, members
-        self._factories: dict[str, Factory] = {}
+        self._factories: dict[str, Factory | str] = {}  # a str is a module:Class path, imported when made
 
     def register(self, name: str) -> Callable[[F], F]:
         """Class decorator: make the strategy available as ``make(name)``."""
@@ -45,6 +45,10 @@ class Registry(Generic[P]):
 
         return add
 
+    def alias(self, name: str, spec: str) -> None:
+        """Make ``module:Class`` available as ``make(name)``, imported only when it is made."""
+        self.register(name)(spec)
+
     def names(self) -> list[str]:
         """Registered names, sorted."""
         return sorted(self._factories)
@@ -57,10 +61,11 @@ class Registry(Generic[P]):
 
     def _registered(self, name: str) -> Factory:
         try:
-            return self._factories[name]
+            factory = self._factories[name]
         except KeyError:
             raise ConfigError(f"{self.field}={name!r}: unknown; valid names: {', '.join(self.names())}, "
                               f"or 'module:Class' for a custom one") from None
+        return self._import(factory) if isinstance(factory, str) else factory
 
     def _import(self, spec: str) -> Factory:
         module_name, _, attr = spec.partition(":")

@@ -7,6 +7,8 @@ start loading while the current layer computes (see ``tierkv.policy``)::
     selector     scores each chunk by                                     keeps
     shadowkv     max over the group of q . landmark (mean key, ShadowKV)  landmarks
     quest        upper bound of q . k from per-dim min/max keys (Quest)   lo, hi
+    near-memory  as shadowkv, scored at a CXL pool's processor             landmarks
+                 (`tierkv.tiers.cxl_select`)
 
     prefetch       loads for layer l+1, while layer l computes
     none           nothing: every chunk is fetched when its layer asks
@@ -33,6 +35,8 @@ SELECTORS: Registry[ChunkSelector] = Registry("selector", ChunkSelector, ("selec
 SPARSE_PREFETCH: Registry[SparsePrefetch] = Registry("sparse prefetch", SparsePrefetch, ("plan",))
 register_selector, selectors, make_selector = SELECTORS.register, SELECTORS.names, SELECTORS.make
 register_sparse_prefetch = SPARSE_PREFETCH.register
+# Runs at the CXL pool's processor: a capability of that tier, named here by path.
+SELECTORS.alias("near-memory", "tierkv.tiers.cxl_select:NearMemorySelector")
 sparse_prefetchers, make_sparse_prefetch = SPARSE_PREFETCH.names, SPARSE_PREFETCH.make
 
 
@@ -97,5 +101,3 @@ class PreviousStepChunks:
     def plan(self, layer: int, guess: Tensor | None, previous: Tensor | None) -> Tensor | None:
         return previous
 
-
-from policies import near_memory  # noqa: E402,F401  registers near-memory (it needs register_selector above)

@@ -1,6 +1,10 @@
 import pytest
 
-from tierkv.config import IOKnobs, TierConfig, format_size, parse_size
+from tierkv.config import TierConfig
+
+from tierkv.knobs import IOKnobs
+
+from tierkv.sizes import format_size, parse_size
 from tierkv.errors import ConfigError
 
 

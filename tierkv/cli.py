@@ -23,11 +23,11 @@ from pathlib import Path
 import psutil
 import torch
 
-from tierkv.config import format_size
+from tierkv.sizes import format_size
 from tierkv.device import has_cuda, has_cuda_driver
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.profile.command import add_profile
-from tierkv.profile.tune import add_tune
+from tierkv.tune.tune import add_tune
 from tierkv.schedule.command import add_batch
 
 
@@ -226,7 +226,7 @@ RUN_DEFAULTS = {"gpu_budget": "256MiB", "cpu_budget": "1GiB", "nvme_budget": "64
 
 def run_settings(args: argparse.Namespace) -> dict[str, object]:
     """Budgets, policies and prefetch: a flag given, else ``--config``, else the default."""
-    from tierkv.profile.tune import read_run_config
+    from tierkv.tune.tune import read_run_config
     chosen = RUN_DEFAULTS | (read_run_config(args.config) if args.config else {})
     return {key: value if getattr(args, key) is None else getattr(args, key) for key, value in chosen.items()}
 

@@ -17,6 +17,11 @@ import torch
 ALIGN = 4096  # O_DIRECT wants buffer addresses, offsets and lengths in these units
 
 
+def align_up(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ALIGN (a block's size on every tier)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 @functools.cache
 def has_cuda() -> bool:
     return torch.cuda.is_available()

@@ -102,7 +102,7 @@ class TieredCache(Cache):
         total = seq.length(layer)
         k = torch.empty(B, Hkv, total, D, dtype=tail_k.dtype, device=device)
         v = torch.empty_like(k)
-        for first, blocks in seq.block_groups(layer, self._group()):
+        for first, blocks in seq.block_groups(layer, self.manager.pin_group()):
             for i, (bk, bv) in enumerate(blocks):
                 start = (first + i) * T
                 k[:, :, start:start + T].copy_(bk)
@@ -112,14 +112,9 @@ class TieredCache(Cache):
         v[:, :, sealed:].copy_(tail_v)
         return k, v
 
-    def _group(self) -> int:
-        """Blocks pinned at once: half of the fastest tier, so a prefetch fits beside them."""
-        fastest = self.manager.manager.tiers[self.manager.manager.memory_tiers[0]]
-        return max(1, fastest.pool.capacity // 2)
-
     def _prefetch_after(self, layer: int) -> None:
         if layer + 1 < self.num_layers:
-            self.sequence.prefetch_layer(layer + 1, self._group())
+            self.sequence.prefetch_layer(layer + 1, self.manager.pin_group())
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from tierkv.config import IOKnobs
+from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
 from tierkv.tiers.memory import MemoryTier

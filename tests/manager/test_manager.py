@@ -153,7 +153,7 @@ async def test_close_with_queued_transfers_leaks_nothing(knobs):
 
 async def test_loads_beat_prefetch_beat_writeback(knobs):
     """One worker thread, a blocking first job: the queue drains in priority order."""
-    from tierkv.config import IOKnobs
+    from tierkv.knobs import IOKnobs
     one = IOKnobs(copy_threads=1, inflight_bytes=BLOCK)
     tiers = [CpuTier(BLOCK, 32 * BLOCK), SlowTier("cxl", Medium.CXL, 32, 0.01)]
     async with TierManager(tiers, knobs=one) as m:
@@ -172,7 +172,7 @@ async def test_loads_beat_prefetch_beat_writeback(knobs):
 
 
 async def test_waiting_on_a_queued_prefetch_boosts_it(knobs):
-    from tierkv.config import IOKnobs
+    from tierkv.knobs import IOKnobs
     one = IOKnobs(copy_threads=1, inflight_bytes=BLOCK)
     tiers = [CpuTier(BLOCK, 32 * BLOCK), SlowTier("cxl", Medium.CXL, 32, 0.01)]
     async with TierManager(tiers, knobs=one) as m:

@@ -4,7 +4,9 @@ import time
 
 import torch
 
-from tierkv.config import IOKnobs, TierConfig
+from tierkv.config import TierConfig
+
+from tierkv.knobs import IOKnobs
 from tierkv.manager import TierManager
 from tierkv.tiers.cxl_link import Direction, LinkSpec
 

@@ -247,3 +247,23 @@ def test_overlapped_decode_over_pages_on_nvme_equals_dense_attention(positions, 
     if positions == "original":
         want = native_logits(lm.model, torch.tensor([ids]), chunk=64, block=64)[0, -4:]
         assert torch.allclose(logits[True], want, atol=2e-4)
+
+
+def test_a_recorded_sparse_run_marks_each_prefill_chunk_and_decode_step():
+    from tierkv.profile.access import STEP_KINDS, AccessRecorder
+    lm, cfg = loaded("llama"), SparseConfig(budget=16, rank=8, sink_tokens=8, window_tokens=32, page_tokens=16,
+                                            positions="original", dense_prefill_tokens=100)
+    layout = SparseEngine.page_layout(lm, cfg)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB",
+                                                    cpu="8MiB")) as manager:
+        recorder = AccessRecorder().attach(manager.manager)
+        engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
+        ids = [3 + i % 120 for i in range(197)]
+        seq = engine.new_sequence(len(ids) + 3)
+        engine.prefill(seq, ids)
+        for token in (5, 6, 7):
+            engine.decode(seq, token)
+        trace = recorder.trace(manager.manager)
+    kinds = [STEP_KINDS[k] for k in trace.step_kind]
+    assert kinds == ["prefill"] * 4 + ["decode"] * 3      # chunks 0-64, 64-100 (exact part ends), 100-164, 164-197
+    assert trace.n_ops > 0 and trace.op_step.max() == trace.n_steps - 1

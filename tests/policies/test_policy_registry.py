@@ -18,12 +18,10 @@ from tierkv.policy import EvictionPolicy
 BUILT_IN = ["arc", "fifo", "h2o", "lfu", "lfu-history", "lru", "s3fifo", "streaming"]
 POLICIES_DIR = Path(policies.__file__).parent
 ALLOWED_OUTSIDE_STDLIB = {"tierkv.policy", "tierkv.errors", "policies"}
-# Chunk selectors score tensors (torch, the shared scoring math); the near-memory one runs that math on the
-# simulated CXL pool's processor, which is the point of it. They are imported on their own, never by
-# ``import policies``.
+# Chunk selectors score tensors (torch, the shared scoring math). They are imported on their own, never by
+# ``import policies``; the near-memory one is the CXL tier's (tierkv.tiers.cxl_select), named by path.
 TENSOR_POLICIES = {
     "selectors.py": {"torch", "tierkv.scoring"},
-    "near_memory.py": {"torch", "tierkv.profile.events", "tierkv.tiers.cxl_link", "tierkv.tiers.cxl_pnm"},
 }
 
 CUSTOM = '''

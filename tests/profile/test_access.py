@@ -14,7 +14,7 @@ from tierkv.keys import BlockKey
 from tierkv.manager.manager import TierManager
 from tierkv.profile.access import (ARRIVING, NOWHERE, AccessRecorder, AccessTrace, OpKind, TierSpec, TraceMeta,
                                    device_stats, link_stats)
-from tierkv.profile.events import Event
+from tierkv.events import Event
 from tierkv.tiers.base import Medium
 from tierkv.tiers.memory import MemoryTier
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from policies.selectors import make_selector
-from tierkv.config import IOKnobs, TierConfig
+from tierkv.config import TierConfig
+from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
 from tierkv.manager.manager import TierManager
 from tierkv.profile.access import AccessRecorder, TierSpec, TraceMeta
-from tierkv.profile.events import EventRecorder
-from tierkv.profile.replay import Link, ReplayConfig, TierModel, replay
+from tierkv.events import EventRecorder
+from tierkv.tune.replay import Link, ReplayConfig, TierModel, replay
 from tierkv.profile.summary import format_summary, summarize
 from tierkv.profile.trace import read_trace, write_trace
 from tierkv.tiers.cxl_link import LINK_PRESETS

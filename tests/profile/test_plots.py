@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tierkv.errors import ConfigError
-from tierkv.profile.events import Event
+from tierkv.events import Event
 from tierkv.profile.plots import plot_profile, timeline_window
 from tierkv.profile.summary import summarize
 

@@ -10,7 +10,7 @@ import pytest
 from tierkv import cli
 from tierkv.errors import ConfigError
 from tierkv.profile.command import add_profile
-from tierkv.profile.events import Event
+from tierkv.events import Event
 from tierkv.profile.summary import UNATTRIBUTED, TransferIndex, attribute, format_summary, link_limit, summarize
 from tierkv.profile.trace import write_trace
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tierkv.errors import ConfigError
-from tierkv.profile.events import Event
+from tierkv.events import Event
 from tierkv.profile.trace import VERSION, chrome_trace, profiler_range, read_trace, write_trace
 
 ORIGIN = 100.0

@@ -9,7 +9,7 @@ import torch
 
 from tierkv.config import TierConfig
 from tierkv.errors import ConfigError
-from tierkv.profile.events import EventRecorder
+from tierkv.events import EventRecorder
 from tierkv.tiers.cxl import CxlTier, cxl_tier
 from tierkv.tiers.cxl_link import LINK_PRESETS, CxlLink, Direction, LinkSpec, link_spec
 

@@ -20,11 +20,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from tierkv.config import IOKnobs, TierConfig
+from tierkv.config import TierConfig
+
+from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
 from tierkv.manager.manager import Lease, TierManager
 from tierkv.manager.transfer import Priority
-from tierkv.profile.events import EventRecorder
+from tierkv.events import EventRecorder
 
 T = TypeVar("T")
 
@@ -84,6 +86,12 @@ class BlockingTierManager:
         return cls(TierManager.from_config(config, namespace=namespace, knobs=knobs, recorder=recorder))
 
     # -- calls ----------------------------------------------------------
+    def pin_group(self, tier: str | None = None) -> int:
+        """Blocks a caller pins at once: half of ``tier`` (default the fastest memory tier), so a
+        prefetch fits beside them."""
+        mgr = self.manager
+        return max(1, mgr.tiers[tier or mgr.memory_tiers[0]].pool.capacity // 2)
+
     def put(self, key: BlockKey, data: torch.Tensor, **kw: Any) -> None:
         self._run(self.manager.put(key, data, **kw))
 

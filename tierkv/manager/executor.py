@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from tierkv.errors import ManagerClosed
 from tierkv.manager.transfer import Priority, Transfer
-from tierkv.profile.events import Event, EventRecorder
+from tierkv.events import Event, EventRecorder
 from tierkv.profile.trace import profiler_range
 
 

@@ -30,14 +30,15 @@ from typing import Protocol
 import torch
 
 from policies import make_policy
-from tierkv.config import IOKnobs, TierConfig
+from tierkv.config import TierConfig
+from tierkv.knobs import IOKnobs
 from tierkv.errors import BlockCorrupt, BlockMissing, BudgetExceeded, ManagerClosed
 from tierkv.keys import BlockKey
 from tierkv.manager.directory import Directory
 from tierkv.manager.executor import Executor
 from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for, put_handler_for
 from tierkv.policy import AdmitsCold, DescribesBlocks, EvictionPolicy, ObservesScores, implements
-from tierkv.profile.events import Event, EventRecorder
+from tierkv.events import Event, EventRecorder
 from tierkv.tiers.base import Medium, Tier
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier

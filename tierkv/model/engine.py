@@ -42,7 +42,7 @@ from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attent
 from tierkv.model.attention import attend, block_lse, block_mass, merge_lse
 from tierkv.model.loading import LoadedModel
 from tierkv.model.sequence import KVLayout, TieredSequence
-from tierkv.profile.events import Event
+from tierkv.events import Event
 from tierkv.profile.trace import profiler_range
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class Engine:
         for index, layer in enumerate(self.layers):
             start = time.perf_counter()
             if index + 1 < len(self.layers):
-                seq.prefetch_layer(index + 1, self._group(), self.prefetch)
+                seq.prefetch_layer(index + 1, self.manager.pin_group(), self.prefetch)
             with profiler_range(f"tierkv layer {index}"):
                 q, _, k, v = project_qkv(layer, h, cos, sin)
                 out = self._attention(seq, index, q, k, v, scored=self.scores and len(chunk) == 1)
@@ -187,7 +187,7 @@ class Engine:
         """
         parts = [attend(q, k, v, causal=True)]
         block_lses: list[Tensor] = []                                          # [B, H, Tq, g] per group
-        for _, blocks in seq.block_groups(layer, self._group()):
+        for _, blocks in seq.block_groups(layer, self.manager.pin_group()):
             # one kernel call per group: concatenating is cheaper than a merge per block
             group_k = torch.cat([bk for bk, _ in blocks], dim=2).to(q.device)   # [B, Hkv, g*T, D]
             group_v = torch.cat([bv for _, bv in blocks], dim=2).to(q.device)
@@ -203,7 +203,3 @@ class Engine:
             self.manager.observe(list(zip(seq.blocks[layer], masses)))
         return out
 
-    def _group(self) -> int:
-        """Blocks pinned at once: half the fastest memory tier, so a prefetch fits beside them."""
-        mgr = self.manager.manager
-        return max(1, mgr.tiers[mgr.memory_tiers[0]].pool.capacity // 2)

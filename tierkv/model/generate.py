@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from policies import make_policy
-from tierkv.config import TierConfig, parse_size
+from tierkv.config import TierConfig
+from tierkv.sizes import parse_size
 from tierkv.device import has_cuda
 from tierkv.errors import ConfigError
 from tierkv.manager import BlockingTierManager
@@ -23,7 +24,7 @@ from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import Prompt, document_prompt, passkey_prompt
 from tierkv.model.sequence import KVLayout
 from tierkv.profile.access import AccessRecorder
-from tierkv.profile.events import Event, EventRecorder
+from tierkv.events import Event, EventRecorder
 from tierkv.profile.trace import write_trace
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.sparse import SparseConfig, SparseSequence

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tierkv.device import align_up
 from tierkv.keys import BlockKey, layer_keys, prefix_keys, root_key
 from tierkv.manager import BlockingTierManager
 from tierkv.policy import PrefetchPolicy
 
-ALIGN = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        return -(-self.payload_bytes // ALIGN) * ALIGN
+        return align_up(self.payload_bytes)
 
     @property
     def name(self) -> str:

@@ -43,7 +43,7 @@ from tierkv.model.arch import apply_rope, decoder_layers, embed, final_logits, f
     project_qkv_pre, project_query_pre, rope_cos_sin
 from tierkv.model.attention import attend, merge
 from tierkv.model.loading import LoadedModel
-from tierkv.profile.events import Event
+from tierkv.events import Event
 from tierkv.profile.trace import profiler_range
 from tierkv.scoring import bound_scores, landmark_scores
 from tierkv.sparse.config import SparseConfig
@@ -131,6 +131,7 @@ class SparseEngine:
             end = min(pos + self.chunk_tokens, len(ids))
             if pos < seq.config.dense_prefill_tokens < end:
                 end = seq.config.dense_prefill_tokens   # fit the basis exactly where exact prefill ends
+            self._begin_step("prefill", end - pos)
             self._forward(seq, ids[pos:end], pos)
             if progress:
                 progress(end - pos)
@@ -147,9 +148,16 @@ class SparseEngine:
     @torch.inference_mode()
     def decode(self, seq: SparseSequence, token: int) -> Tensor:
         """Append one token; returns the logits [vocab] that follow it."""
+        self._begin_step("decode", 1)
         h = self._forward(seq, [token], seq.length(0))
         seq.allocation.step_done()
         return final_logits(self.model, h[:, -1:])[0, -1]
+
+    def _begin_step(self, kind: str, tokens: int) -> None:
+        """Mark a step in the access trace being recorded, if any (replay models compute per step)."""
+        access = self.manager.manager.access
+        if access is not None:
+            access.begin_step(kind, tokens)
 
     # -- one forward pass -----------------------------------------------------------------------
     def _forward(self, seq: SparseSequence, chunk: Sequence[int], pos: int) -> Tensor:

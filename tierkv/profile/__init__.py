@@ -1,1 +1,5 @@
-"""Measurement: events, Chrome/Perfetto traces, summaries and plots, access traces and replay."""
+"""Measurement: Chrome/Perfetto traces, summaries and plots, access traces, link probes.
+
+The events they read are `tierkv.events` (the bottom of the tree); replay and tuning over access
+traces are `tierkv.tune`.
+"""

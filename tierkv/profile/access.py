@@ -6,7 +6,7 @@ prefill chunk or decode step begins (``begin_step``). Blocks get dense ids in
 first-seen order. At the end, ``recorder.trace(manager)`` joins what the hook
 saw with the manager's events (how long the caller was blocked in each call,
 when each layer began) into an `AccessTrace`, which the replay simulator
-(`tierkv.profile.replay`) runs without the model.
+(`tierkv.tune.replay`) runs without the model.
 
 File format, version 1, every number little-endian; no pickle anywhere::
 
@@ -55,7 +55,7 @@ import xxhash
 
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
-from tierkv.profile.events import Event, busy_seconds
+from tierkv.events import Event, busy_seconds
 
 if TYPE_CHECKING:  # profile sits below the manager: no import at run time
     from tierkv.manager.manager import TierManager

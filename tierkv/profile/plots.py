@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierkv.errors import ConfigError
-from tierkv.profile.events import Event
+from tierkv.events import Event
 from tierkv.profile.summary import Summary
 
 KIND_COLORS = {"load": "#e6550d", "prefetch": "#3182bd", "demote": "#756bb1", "writeback": "#969696",

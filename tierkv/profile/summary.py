@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from tierkv.config import format_size
+from tierkv.sizes import format_size
 from tierkv.errors import ConfigError
-from tierkv.profile.events import Event, busy_seconds
+from tierkv.events import Event, busy_seconds
 
 PHASES = ("decode", "prefill", "all")
 WAITED_ON = ("load", "prefetch", "demote")    # transfers a reader can be blocked behind

@@ -39,7 +39,7 @@ import torch
 
 from tierkv.device import has_cuda
 from tierkv.errors import ConfigError
-from tierkv.profile.events import Event
+from tierkv.events import Event
 from tierkv.profile.summary import TransferIndex, attribute
 
 VERSION = 1

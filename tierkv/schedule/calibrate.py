@@ -159,10 +159,6 @@ def _time(fn: Callable[[], object], min_s: float = 0.05, repeats: int = 5) -> fl
     return statistics.median(per_call)
 
 
-def _at(table: list[tuple[int, float]], m: int) -> float:
-    return _interpolate(table)(m)
-
-
 def _interpolate(table: list) -> Callable[[int], float]:
     """Piecewise-linear in M through the measured points; linear beyond the last two."""
     points = sorted({int(m): float(t) for m, t in table}.items())     # one point per M

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from tierkv.config import format_size, parse_size
+from tierkv.sizes import format_size, parse_size
 from tierkv.model.prompt import DEFAULT_QUESTION
 from tierkv.schedule.job import JobConfig, JobResult, run_job
 from tierkv.schedule.policy import Policy

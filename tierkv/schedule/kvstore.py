@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tierkv.device import align_up
 from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager
 from tierkv.schedule import quant
 from tierkv.schedule.policy import Placement
 
-ALIGN = 4096
 TIER_OF_HOME = {"gpu": "gpu", "cpu": "cpu", "disk": "nvme"}
 
 
@@ -51,7 +51,7 @@ class KVShape:
 
     @property
     def block_bytes(self) -> int:
-        return -(-2 * self.half_bytes(self.rows) // ALIGN) * ALIGN
+        return align_up(2 * self.half_bytes(self.rows))
 
     def pack(self, k: Tensor, v: Tensor) -> Tensor:
         raw = torch.zeros(self.block_bytes, dtype=torch.uint8)

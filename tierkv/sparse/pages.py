@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-ALIGN = 4096
+from tierkv.device import align_up
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +44,7 @@ class PageLayout:
 
     @property
     def page_bytes(self) -> int:
-        return -(-self.payload_bytes // ALIGN) * ALIGN
+        return align_up(self.payload_bytes)
 
     @property
     def name(self) -> str:

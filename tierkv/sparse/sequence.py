@@ -354,7 +354,7 @@ class SparseSequence:
         pages = self.chunk_pages(chunks)
         self._count(state, pages)
         raw = torch.empty(len(pages), self.layout.page_bytes, dtype=torch.uint8)
-        keys, step = [state.pages[p] for p in pages.tolist()], self._pin_limit()
+        keys, step = [state.pages[p] for p in pages.tolist()], self.manager.pin_group(self.read_tier)
         # pinned at most half the fastest tier at once; split: the last group is left loading
         groups = [(first, first + step) for first in range(0, len(keys), step)]
         for first, end in groups[:-1] if split else groups:
@@ -395,10 +395,6 @@ class SparseSequence:
         v_sel = values[page, tok, torch.arange(H).unsqueeze(1)].float()         # [Hkv, k*c, D]
         return k_sel, v_sel, rows
 
-    def _pin_limit(self) -> int:
-        mgr = self.manager.manager
-        return max(1, mgr.tiers[self.read_tier or mgr.memory_tiers[0]].pool.capacity // 2)
-
     def _count(self, state: _Layer, pages: Tensor) -> None:
         self.stats.steps += 1
         self.stats.pages += pages.numel()
@@ -411,7 +407,7 @@ class SparseSequence:
         groups, and each group's loads would evict the cold pages of the next."""
         state = self.layers[layer]
         keys = [state.pages[p] for p in self.chunk_pages(chunks).tolist() if p < len(state.pages)]
-        if keys and len(keys) <= self._pin_limit():
+        if keys and len(keys) <= self.manager.pin_group(self.read_tier):
             self.manager.prefetch(keys, self.read_tier, layer=layer, guess=True)
 
     def memory_bytes(self) -> int:

@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from tierkv.errors import ConfigError
-from tierkv.profile.events import Event, EventRecorder
+from tierkv.events import Event, EventRecorder
 
 HOST = "host"   # the other end of a request that no tier names (a query, a selection)
 _OVERSLEEP_S = 2e-3   # a sleep ending this late is the timer's slack, not a slow copy
@@ -158,7 +158,7 @@ class CxlLink:
 
     Thread-safe: tier handlers and the near-memory processor book from worker threads.
     ``recorder``, when set, receives a ``queue`` slice (if the request waited) and a ``link`` slice
-    per request (see tierkv.profile.events).
+    per request (see tierkv.events).
     """
 
     def __init__(self, spec: LinkSpec, recorder: EventRecorder | None = None) -> None:

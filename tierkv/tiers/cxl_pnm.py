@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 
 from tierkv.errors import ConfigError
-from tierkv.profile.events import Event, EventRecorder
+from tierkv.events import Event, EventRecorder
 from tierkv.scoring import landmark_scores, top_chunks
 from tierkv.tiers.cxl_link import HOST, CxlLink, Direction, LinkSpec, link_spec, sleep_until
 

@@ -123,12 +123,6 @@ class Index:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def apply(self, record: Record) -> None:
-        if record.op is Op.PUT:
-            self.put(record.key.digest, record.slot, record.checksum)
-        else:
-            self.drop(record.key.digest)
-
     def put(self, digest: bytes, slot: int, checksum: int) -> None:
         self.drop(digest)
         evicted = self._owner.pop(slot, None)

@@ -55,7 +55,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tierkv.config import IOKnobs, format_size
+from tierkv.knobs import IOKnobs
+
+from tierkv.sizes import format_size
 from tierkv.device import ALIGN
 from tierkv.errors import ConfigError, DiskFullError, StoreLocked
 from tierkv.keys import BlockKey

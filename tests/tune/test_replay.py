@@ -14,7 +14,7 @@ from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager
 from tierkv.manager.manager import TierManager
 from tierkv.profile.access import AccessRecorder, AccessTrace, OpKind, TierSpec, TraceMeta, link_bytes
-from tierkv.profile.replay import (Link, Prefetch, ReplayConfig, TierModel, compute_gaps, engine_prefetch,
+from tierkv.tune.replay import (Link, Prefetch, ReplayConfig, TierModel, compute_gaps, engine_prefetch,
                                    next_get_prefetch, replay)
 from tierkv.tiers.base import Medium
 from tierkv.tiers.memory import MemoryTier
@@ -295,6 +295,9 @@ def test_replay_settings_are_checked() -> None:
         replay(trace, FAST, ReplayConfig({"ssd": "lru"}))
     with pytest.raises(ConfigError, match="policy='nope': unknown"):
         replay(trace, FAST, ReplayConfig({"gpu": "nope"}))
+    for slots in (0, 2.5, "4"):
+        with pytest.raises(ConfigError, match="a tier's budget must be at least 1 block"):
+            ReplayConfig(slots={"gpu": slots})
 
 
 def test_blocks_read_before_they_are_stored_need_a_store() -> None:

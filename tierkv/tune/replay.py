@@ -67,14 +67,14 @@ import numpy as np
 import torch
 
 from policies import make_policy
-from tierkv.config import IOKnobs
+from tierkv.knobs import IOKnobs
 from tierkv.errors import ConfigError, ManagerClosed, TierKVError
 from tierkv.keys import BlockKey
 from tierkv.manager.executor import Executor, Job, JobState
 from tierkv.manager.manager import Lease, TierManager
 from tierkv.manager.transfer import Priority, Transfer
 from tierkv.profile.access import STEP_KINDS, AccessRecorder, AccessTrace, OpKind, TierSpec, link_bytes
-from tierkv.profile.events import Event, EventRecorder
+from tierkv.events import Event, EventRecorder
 from tierkv.tiers.base import Medium
 from tierkv.tiers.cxl_link import LinkSpec, link_spec
 from tierkv.tiers.pool import BlockPool
@@ -284,6 +284,9 @@ class ReplayConfig:
         if set(scales) != set(STEP_KINDS) or not all(isinstance(v, int | float) and v > 0 for v in scales.values()):
             raise ConfigError(f"compute_scale={self.compute_scale!r}: a factor > 0, or one per step kind "
                               f"({', '.join(STEP_KINDS)})")
+        bad = {k: v for k, v in self.slots.items() if not (isinstance(v, int) and v >= 1)}
+        if bad:
+            raise ConfigError(f"slots={bad}: a tier's budget must be at least 1 block")
 
     def scales(self) -> dict[str, float]:
         scale = self.compute_scale
@@ -292,9 +295,6 @@ class ReplayConfig:
     def scale_per_op(self, trace: AccessTrace) -> np.ndarray:
         factors = np.array([self.scales()[kind] for kind in STEP_KINDS])
         return factors[trace.step_kind[trace.op_step]] if trace.n_steps else np.ones(trace.n_ops)
-        bad = {k: v for k, v in self.slots.items() if not (isinstance(v, int) and v >= 1)}
-        if bad:
-            raise ConfigError(f"slots={bad}: a tier's budget must be at least 1 block")
 
 
 @dataclass(slots=True)

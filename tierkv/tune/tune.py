@@ -1,7 +1,7 @@
 """``tierkv tune TRACE``: rank eviction policies and settings by replaying an access trace.
 
 Every point of the grid (policies x ``--grid`` values) replays the trace
-(`tierkv.profile.replay`) under one tier model; points rank by modelled stall
+(`tierkv.tune.replay`) under one tier model; points rank by modelled stall
 (seconds the reader waited in gets), then by bytes moved between tiers::
 
     --policies lru,arc          -> policy   on every memory tier (gpu, cpu)
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from policies import available, make_policy
-from tierkv.config import format_size, parse_size
+from tierkv.sizes import format_size, parse_size
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.profile.access import AccessTrace, TraceMeta
-from tierkv.profile.replay import PREFETCHERS, ReplayConfig, ReplayResult, TierModel, replay
+from tierkv.tune.replay import PREFETCHERS, ReplayConfig, ReplayResult, TierModel, replay
 
 CONFIG_FORMAT, CONFIG_VERSION = "tierkv-run-config", 1
 RUN_KEYS = ("gpu_budget", "cpu_budget", "nvme_budget", "gpu_policy", "cpu_policy", "nvme_policy", "prefetch")

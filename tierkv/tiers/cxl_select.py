@@ -9,24 +9,25 @@ step only the query crosses the link in and the chosen ids come back (see
                                         store(view.layer, view.landmarks, view.candidates)   new rows only
                                         select(view.layer, q, k)                             q in, ids out
 
-``make_selector("near-memory")`` builds its own processor behind a
+``policies.selectors.make_selector("near-memory")`` builds its own processor behind a
 ``cxl2-x8`` link with the ``pnm-ocp25`` processor; ``link=`` and ``pnm=``
 choose other presets (or pass a cxl tier's ``tier.link`` so selections and
 block moves share one link). ``stats`` reads bytes across the link, compute
 and queue seconds; ``attach(recorder)`` puts its slices in a run's trace.
+
+The selector is the CXL tier's capability, so it lives with the tier; ``policies.selectors``
+names it by path (``near-memory``) and imports nothing of the tiers.
 """
 from __future__ import annotations
 
 from torch import Tensor
 
-from policies.selectors import register_selector
+from tierkv.events import EventRecorder
 from tierkv.policy import ChunkView
-from tierkv.profile.events import EventRecorder
 from tierkv.tiers.cxl_link import CxlLink, Direction, LinkSpec
 from tierkv.tiers.cxl_pnm import NearMemoryProcessor, PnmSpec
 
 
-@register_selector("near-memory")
 class NearMemorySelector:
     needs: frozenset[str] = frozenset({"landmarks"})
 

@@ -10,7 +10,7 @@ import torch
 
 from policies.selectors import make_selector, selectors
 from tierkv.errors import ConfigError
-from tierkv.profile.events import EventRecorder
+from tierkv.events import EventRecorder
 from tierkv.scoring import landmark_scores, top_chunks
 from tierkv.tiers.cxl_link import Direction, LinkSpec
 from tierkv.tiers.cxl_pnm import INDEX_BYTES, NearMemoryProcessor, PnmSpec, Work, pnm_spec

@@ -1,0 +1,64 @@
+"""Process-wide I/O knobs (and only those) come from the environment:
+
+=========================  ========  ===============================================
+variable                   default   meaning
+=========================  ========  ===============================================
+TIERKV_IO_THREADS          4         worker threads of the NVMe tier (O_DIRECT/buffered)
+TIERKV_NVME_BACKEND        auto      force a backend: auto, kvikio, odirect, buffered
+TIERKV_COPY_THREADS        2         worker threads for host/device copies
+TIERKV_INFLIGHT_BYTES      256MiB    bytes the manager keeps in flight at most
+TIERKV_CACHE_DIR           ~/.cache/tierkv  converted models (GGUF -> safetensors) under models/
+=========================  ========  ===============================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from tierkv.errors import ConfigError
+from tierkv.sizes import parse_size
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name}={value}: must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class IOKnobs:
+    """Process-wide I/O knobs, read from ``TIERKV_*`` (see the table above)."""
+
+    io_threads: int = 4
+    nvme_backend: str = "auto"
+    copy_threads: int = 2
+    inflight_bytes: int = 256 * 1024**2
+    backends: tuple[str, ...] = field(default=("auto", "kvikio", "odirect", "buffered"), repr=False)
+
+    def __post_init__(self) -> None:
+        _positive("TIERKV_IO_THREADS", self.io_threads)
+        _positive("TIERKV_COPY_THREADS", self.copy_threads)
+        _positive("TIERKV_INFLIGHT_BYTES", self.inflight_bytes)
+        if self.nvme_backend not in self.backends:
+            raise ConfigError(f"TIERKV_NVME_BACKEND={self.nvme_backend!r}: allowed: {', '.join(self.backends)}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> IOKnobs:
+        env = os.environ if env is None else env
+        defaults = {f.name: f.default for f in fields(cls)}
+
+        def integer(name: str, default: int) -> int:
+            raw = env.get(name)
+            if raw is None:
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+
+        return cls(
+            io_threads=integer("TIERKV_IO_THREADS", defaults["io_threads"]),
+            nvme_backend=env.get("TIERKV_NVME_BACKEND", defaults["nvme_backend"]),
+            copy_threads=integer("TIERKV_COPY_THREADS", defaults["copy_threads"]),
+            inflight_bytes=parse_size(env.get("TIERKV_INFLIGHT_BYTES", defaults["inflight_bytes"]),
+                                      "TIERKV_INFLIGHT_BYTES"),
+        )
