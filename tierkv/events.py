@@ -8,15 +8,46 @@ stall = time compute waited on a transfer. Recording is an append to a list
 """
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import asdict, dataclass
 
 
+class EventKind(str, enum.Enum):
+    """What an event is. A ``str`` enum: it compares equal to, and exports as, its value."""
+
+    # transfers (`tierkv.manager.transfer.Kind`, same values)
+    PUT = "put"
+    LOAD = "load"
+    PREFETCH = "prefetch"
+    DEMOTE = "demote"
+    WRITEBACK = "writeback"
+    # the caller's side
+    WAIT = "wait"            # compute waited on a transfer (stall)
+    HIT = "hit"              # blocks found in place (src = dst = tier)
+    # compute
+    STEP = "step"            # one decode step
+    PREFILL = "prefill"
+    LAYER = "layer"          # one decoder layer
+    # a simulated CXL pool (`tierkv.tiers.cxl_link`, `cxl_pnm`)
+    LINK = "link"            # bytes on the link
+    QUEUE = "queue"          # waiting for a channel or the processor
+    COMPUTE = "compute"      # the near-memory processor
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:   # hash as the value, so a dict keyed by "wait" finds EventKind.WAIT
+        return str.__hash__(self)
+
+
+COMPUTE_KINDS = (EventKind.PREFILL, EventKind.STEP, EventKind.LAYER)    # the caller's own work
+MODELLED_KINDS = (EventKind.LINK, EventKind.QUEUE, EventKind.COMPUTE)   # a simulated CXL pool's slices
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
-    kind: str            # transfers: put | load | prefetch | demote | writeback
-                         # caller side: wait (stall) | hit (blocks found in place, src = dst = tier)
-                         # compute: step (decode step) | prefill | layer (one decoder layer)
+    kind: EventKind
     src: str             # tier name, "" for none
     dst: str
     layer: int | None
@@ -49,12 +80,12 @@ class EventRecorder:
 
     def wait(self, src: str, dst: str, layer: int | None, nbytes: int, start: float, blocks: int = 1) -> None:
         now = time.perf_counter()
-        self.record(Event("wait", src, dst, layer, nbytes, start, start, now, blocks))
+        self.record(Event(EventKind.WAIT, src, dst, layer, nbytes, start, start, now, blocks))
 
     def clear(self) -> None:
         self.events.clear()
 
-    def of_kind(self, *kinds: str) -> list[Event]:
+    def of_kind(self, *kinds: EventKind | str) -> list[Event]:
         return [e for e in self.events if e.kind in kinds]
 
 

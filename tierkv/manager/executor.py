@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from tierkv.errors import ManagerClosed
 from tierkv.manager.transfer import Priority, Transfer
-from tierkv.events import Event, EventRecorder
+from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.profile.trace import profiler_range
 
 
@@ -123,7 +123,7 @@ class Executor:
         self.inflight_bytes -= job.transfer.nbytes
         error = done.exception()
         t = job.transfer
-        self.recorder.record(Event(t.kind.value, t.src, t.dst, t.layer, t.nbytes, job.submit,
+        self.recorder.record(Event(EventKind(t.kind.value), t.src, t.dst, t.layer, t.nbytes, job.submit,
                                    job.start or job.submit, time.perf_counter(), len(t.keys),
                                    "" if error is None else type(error).__name__))
         if error is None:

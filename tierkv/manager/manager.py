@@ -38,7 +38,7 @@ from tierkv.manager.directory import Directory
 from tierkv.manager.executor import Executor
 from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for, put_handler_for
 from tierkv.policy import AdmitsCold, DescribesBlocks, EvictionPolicy, ObservesScores, implements
-from tierkv.events import Event, EventRecorder
+from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.tiers.base import Medium, Tier
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier
@@ -380,7 +380,7 @@ class TierManager:
         if self.events.enabled:
             now = time.perf_counter()
             for name, n in hits.items():
-                self.events.record(Event("hit", name, name, layer, n * self.block_bytes, now, now, now, n))
+                self.events.record(Event(EventKind.HIT, name, name, layer, n * self.block_bytes, now, now, now, n))
         return len(found) - hits.total()
 
     def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *,

@@ -42,7 +42,7 @@ from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attent
 from tierkv.model.attention import attend, block_lse, block_mass, merge_lse
 from tierkv.model.loading import LoadedModel
 from tierkv.model.sequence import KVLayout, TieredSequence
-from tierkv.events import Event
+from tierkv.events import Event, EventKind
 from tierkv.profile.trace import profiler_range
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class Engine:
                 out = self._attention(seq, index, q, k, v, scored=self.scores and len(chunk) == 1)
                 seq.append(index, k, v)
                 h = mlp_block(layer, finish_attention(layer, out, h))
-            events.record(Event("layer", "", "", index, 0, start, start, time.perf_counter()))
+            events.record(Event(EventKind.LAYER, "", "", index, 0, start, start, time.perf_counter()))
         return final_logits(self.model, h[:, -1:])[0, -1]
 
     def _attention(self, seq: TieredSequence, layer: int, q: Tensor, k: Tensor, v: Tensor, *,

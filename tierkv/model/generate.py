@@ -24,7 +24,7 @@ from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import Prompt, document_prompt, passkey_prompt
 from tierkv.model.sequence import KVLayout
 from tierkv.profile.access import AccessRecorder
-from tierkv.events import Event, EventRecorder
+from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.profile.trace import write_trace
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.sparse import SparseConfig, SparseSequence
@@ -306,7 +306,7 @@ def _access_recorder(config: RunConfig, loaded: LoadedModel, prompt_tokens: int,
 
 def _prefilled(recorder: EventRecorder, result: RunResult, start: float) -> None:
     result.ttft_s = result.prefill_s = time.perf_counter() - start
-    recorder.record(Event("prefill", "", "", None, 0, start, start, start + result.prefill_s))
+    recorder.record(Event(EventKind.PREFILL, "", "", None, 0, start, start, start + result.prefill_s))
 
 
 def _generate(engine, seq, token: int, config: RunConfig, loaded: LoadedModel, on_text, result: RunResult) -> None:
@@ -324,7 +324,7 @@ def _decode(engine: Engine | SparseEngine, seq, token: int, max_new: int, tokeni
     while len(generated) < max_new and token not in eos:
         step = time.perf_counter()
         token = int(engine.decode(seq, token).argmax())
-        recorder.record(Event("step", "", "", None, 0, step, step, time.perf_counter()))
+        recorder.record(Event(EventKind.STEP, "", "", None, 0, step, step, time.perf_counter()))
         generated.append(token)
         text = tokenizer.decode(generated, skip_special_tokens=True)
         on_text(text[len(shown):])
@@ -333,7 +333,7 @@ def _decode(engine: Engine | SparseEngine, seq, token: int, max_new: int, tokeni
     result.generated_tokens = len(generated)
     steps = len(generated) - 1
     result.decode_tokens_per_s = steps / result.decode_s if steps else 0.0
-    waited = sum(e.done - e.start for e in recorder.events[first_event:] if e.kind == "wait")
+    waited = sum(e.done - e.start for e in recorder.events[first_event:] if e.kind == EventKind.WAIT)
     result.stall_fraction = waited / result.decode_s if result.decode_s else 0.0
     return generated
 

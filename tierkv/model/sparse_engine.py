@@ -43,7 +43,7 @@ from tierkv.model.arch import apply_rope, decoder_layers, embed, final_logits, f
     project_qkv_pre, project_query_pre, rope_cos_sin
 from tierkv.model.attention import attend, merge
 from tierkv.model.loading import LoadedModel
-from tierkv.events import Event
+from tierkv.events import Event, EventKind
 from tierkv.profile.trace import profiler_range
 from tierkv.scoring import bound_scores, landmark_scores
 from tierkv.sparse.config import SparseConfig
@@ -188,7 +188,7 @@ class SparseEngine:
                 if seq.length(index) >= seq.config.dense_prefill_tokens:
                     seq.fit(index, self.rank)
                 h = mlp_block(layer, finish_attention(layer, out, h))
-            events.record(Event("layer", "", "", index, 0, start, start, time.perf_counter()))
+            events.record(Event(EventKind.LAYER, "", "", index, 0, start, start, time.perf_counter()))
         return h
 
     def _attention(self, seq: SparseSequence, layer: int, q_pre: Tensor, k_pre: Tensor, v: Tensor, pos: int,

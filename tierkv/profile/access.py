@@ -55,7 +55,7 @@ import xxhash
 
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
-from tierkv.events import Event, busy_seconds
+from tierkv.events import Event, EventKind, busy_seconds
 
 if TYPE_CHECKING:  # profile sits below the manager: no import at run time
     from tierkv.manager.manager import TierManager
@@ -358,8 +358,8 @@ class AccessRecorder:
             events = manager.events.events
         events = list(events or ())
         op_time, step_time = np.array(self._ops["time"], np.float64), np.array(self._steps["time"], np.float64)
-        layers = max([e.layer + 1 for e in events if e.kind == "layer" and e.layer is not None], default=0)
-        timed = any(e.kind in ("wait", "put", "layer") for e in events)
+        layers = max([e.layer + 1 for e in events if e.kind == EventKind.LAYER and e.layer is not None], default=0)
+        timed = any(e.kind in (EventKind.WAIT, EventKind.PUT, EventKind.LAYER) for e in events)
         if meta is None:
             meta = TraceMeta.of(manager, read_tier=self.read_tier, layers=layers, timed=timed,
                                 info=self.info | {"links": link_stats(events),
@@ -471,7 +471,7 @@ def _layer_starts(step_time: np.ndarray, layers: int, events: list[Event], origi
     starts = np.full((len(step_time), layers), math.nan)
     times = step_time.tolist()
     for e in events:
-        if e.kind == "layer" and e.layer is not None and e.layer < layers:
+        if e.kind == EventKind.LAYER and e.layer is not None and e.layer < layers:
             step = bisect_right(times, e.start - origin) - 1
             if step >= 0 and math.isnan(starts[step, e.layer]):
                 starts[step, e.layer] = e.start - origin

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierkv.errors import ConfigError
-from tierkv.events import Event
+from tierkv.events import Event, EventKind
 from tierkv.profile.summary import Summary
 
 KIND_COLORS = {"load": "#e6550d", "prefetch": "#3182bd", "demote": "#756bb1", "writeback": "#969696",
@@ -56,9 +56,9 @@ def _matplotlib():
 # -- timeline --------------------------------------------------------------
 def timeline_window(events: Sequence[Event], steps: int) -> tuple[float, float, str]:
     """(start, end, label) of ``steps`` consecutive decode steps around the slowest one."""
-    found = sorted((e for e in events if e.kind == "step"), key=lambda e: e.start)
+    found = sorted((e for e in events if e.kind == EventKind.STEP), key=lambda e: e.start)
     if not found:
-        layers = sorted((e for e in events if e.kind == "layer"), key=lambda e: e.start)[:32]
+        layers = sorted((e for e in events if e.kind == EventKind.LAYER), key=lambda e: e.start)[:32]
         spans = layers or sorted(events, key=lambda e: e.start)[:200]
         return spans[0].start, max(e.done for e in spans), "the first layers of the run (no decode steps)"
     slowest = max(range(len(found)), key=lambda i: found[i].done - found[i].start)
@@ -83,13 +83,13 @@ def _lanes(events: list[Event]) -> dict[str, list[list[Event]]]:
 def _timeline(ax, events: Sequence[Event], steps: int) -> None:
     start, end, label = timeline_window(events, steps)
     shown = [e for e in events if e.done > start and e.start < end]
-    transfers = [e for e in shown if e.kind in KIND_COLORS and e.kind != "wait"]
+    transfers = [e for e in shown if e.kind in KIND_COLORS and e.kind != EventKind.WAIT]
     rows = ["steps / layers", "stall"]
     for link, lanes in sorted(_lanes(transfers).items()):
         rows += [link if i == 0 else f"{link} #{i + 1}" for i in range(len(lanes))]
         for i, lane in enumerate(lanes):
             _bars(ax, lane, len(rows) - len(lanes) + i, start, lambda e: KIND_COLORS[e.kind])
-    _bars(ax, [e for e in shown if e.kind == "wait"], 1, start, lambda e: KIND_COLORS["wait"])
+    _bars(ax, [e for e in shown if e.kind == EventKind.WAIT], 1, start, lambda e: KIND_COLORS["wait"])
     _steps_row(ax, shown, start, _step_numbers(events))
     ax.set_yticks(range(len(rows)), rows)
     ax.set_ylim(len(rows) - 0.4, -0.85)   # room above the steps row for the step labels
@@ -111,22 +111,22 @@ def _bars(ax, events: list[Event], row: int, origin: float, color, height: float
 
 
 def _step_numbers(events: Sequence[Event]) -> dict[int, int]:
-    steps = sorted((e for e in events if e.kind == "step"), key=lambda e: e.start)
+    steps = sorted((e for e in events if e.kind == EventKind.STEP), key=lambda e: e.start)
     return {id(e): i + 1 for i, e in enumerate(steps)}
 
 
 def _steps_row(ax, shown: list[Event], origin: float, numbers: dict[int, int]) -> None:
-    layers = [e for e in shown if e.kind == "layer"]
+    layers = [e for e in shown if e.kind == EventKind.LAYER]
     _bars(ax, layers, 0, origin, lambda e: LAYER_SHADES[(e.layer or 0) % 2], height=0.55)
     for e in layers:
         if e.layer is not None and e.layer % 5 == 0:
             ax.text((e.start - origin) * 1e3, 0, str(e.layer), fontsize=7, va="center", clip_on=True)
     for e in shown:
-        if e.kind in ("step", "prefill"):
+        if e.kind in (EventKind.STEP, EventKind.PREFILL):
             x = (e.start - origin) * 1e3
             ax.broken_barh([(x, (e.done - e.start) * 1e3)], (-0.45, 0.9), facecolors="none",
                            edgecolors="black", linewidth=1.2)
-            name = f"step {numbers[id(e)]}" if e.kind == "step" else e.kind
+            name = f"step {numbers[id(e)]}" if e.kind == EventKind.STEP else e.kind
             ax.text(max(x, 0) + 1, -0.47, f"{name}: {(e.done - e.start) * 1e3:.0f} ms", fontsize=8,
                     va="bottom", clip_on=True)
 
@@ -138,7 +138,7 @@ def _patch(color: str, label: str):
 
 # -- distributions ---------------------------------------------------------
 def _cdf(ax, events: Sequence[Event], summary: Summary) -> None:
-    ms = sorted((e.done - e.start) * 1e3 for e in events if e.kind == "step")
+    ms = sorted((e.done - e.start) * 1e3 for e in events if e.kind == EventKind.STEP)
     ax.set_title("decode step latency CDF", loc="left")
     if not ms:
         ax.text(0.5, 0.5, "no decode steps", ha="center", transform=ax.transAxes)

@@ -38,14 +38,13 @@ import numpy as np
 
 from tierkv.sizes import format_size
 from tierkv.errors import ConfigError
-from tierkv.events import Event, busy_seconds
+from tierkv.events import COMPUTE_KINDS, MODELLED_KINDS, Event, EventKind, busy_seconds
 
 PHASES = ("decode", "prefill", "all")
 WAITED_ON = ("load", "prefetch", "demote")    # transfers a reader can be blocked behind
 INTO_MEMORY = ("load", "prefetch")
 UNATTRIBUTED = "unattributed"
 STORAGE_TIERS = ("nvme",)     # tiers that are not memory: a read from them brings a block into memory
-MODELLED_KINDS = ("link", "queue", "compute")   # slices a simulated CXL pool records (see the module doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +152,7 @@ class TransferIndex:
             if e.kind in INTO_MEMORY:
                 into[(e.dst, e.layer)].append(e)
                 into_any[e.dst].append(e)
-            elif e.kind == "demote":
+            elif e.kind == EventKind.DEMOTE:
                 out_of[e.src].append(e)
         self.into = {k: _Overlaps(v) for k, v in into.items()}
         self.into_any = {k: _Overlaps(v) for k, v in into_any.items()}
@@ -226,19 +225,19 @@ def summarize(events: Sequence[Event], meta: dict | None = None, *, phase: str =
     if not events:
         raise ConfigError("no events to summarize")
     meta, notes = meta or {}, []
-    if phase == "decode" and not any(e.kind == "step" for e in events):
+    if phase == "decode" and not any(e.kind == EventKind.STEP for e in events):
         notes.append("the trace has no decode steps: summarizing the whole run")
         phase = "all"
     window = _window(events, phase)
     inside = [e for e in events if window.holds(e.start)]
-    waits = [e for e in inside if e.kind == "wait"]
+    waits = [e for e in inside if e.kind == EventKind.WAIT]
     transfers = TransferIndex(events)
     charged = [(w, attribute(w, transfers)) for w in waits]
     stall = sum(w.done - w.start for w in waits)
-    steps = [e.done - e.start for e in events if e.kind == "step"]
+    steps = [e.done - e.start for e in events if e.kind == EventKind.STEP]
     reads, reuse = _reads(inside, notes)
     summary = Summary(phase, window.seconds, len(steps), _percentiles(steps),
-                      sum(e.done - e.start for e in events if e.kind == "prefill"), stall, len(waits),
+                      sum(e.done - e.start for e in events if e.kind == EventKind.PREFILL), stall, len(waits),
                       _by_link(charged, stall, window.seconds), _by_layer(waits, inside, stall),
                       _causes(charged, stall), _links(inside, meta), reads, reuse,
                       _mapping(meta, "tiers"), notes, _modelled(inside, window.seconds))
@@ -269,7 +268,7 @@ def _by_link(charged: list[tuple[Event, dict]], stall: float, phase_s: float) ->
 def _by_layer(waits: list[Event], inside: list[Event], stall: float) -> list[Share]:
     layer_s: dict[int | None, float] = defaultdict(float)
     for e in inside:
-        if e.kind == "layer":
+        if e.kind == EventKind.LAYER:
             layer_s[e.layer] += e.done - e.start
     stalled: dict[int | None, list[float]] = defaultdict(list)
     for w in waits:
@@ -296,7 +295,7 @@ def _causes(charged: list[tuple[Event, dict]], stall: float) -> list[Cause]:
 def _links(inside: list[Event], meta: dict) -> list[Link]:
     groups: dict[str, list[Event]] = defaultdict(list)
     for e in inside:
-        if e.kind not in ("wait", "step", "prefill", "layer", "hit", *MODELLED_KINDS) and e.nbytes:
+        if e.kind not in (EventKind.WAIT, EventKind.HIT, *COMPUTE_KINDS, *MODELLED_KINDS) and e.nbytes:
             groups[f"{e.src or 'new'}->{e.dst}"].append(e)
     limits = _mapping(meta, "links")
     rows = []
@@ -348,7 +347,7 @@ def _mapping(meta: dict, name: str) -> dict:
 
 
 def _reads(inside: list[Event], notes: list[str]) -> tuple[list[Source], float | None]:
-    hits = [e for e in inside if e.kind == "hit"]
+    hits = [e for e in inside if e.kind == EventKind.HIT]
     if not hits:
         notes.append("hit rates and reuse need `hit` events (blocks an acquire found in place); "
                      "this trace has none")
@@ -356,10 +355,10 @@ def _reads(inside: list[Event], notes: list[str]) -> tuple[list[Source], float |
     counts: dict[str, int] = defaultdict(int)
     for e in hits:
         counts[f"in place in {e.dst}"] += e.blocks
-    missed = sum(e.blocks for e in inside if e.kind == "wait")
+    missed = sum(e.blocks for e in inside if e.kind == EventKind.WAIT)
     loaded = 0
     for e in inside:
-        if e.kind == "load":
+        if e.kind == EventKind.LOAD:
             counts[f"loaded from {e.src}"] += e.blocks
             loaded += e.blocks
     if missed > loaded:

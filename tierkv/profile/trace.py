@@ -39,13 +39,11 @@ import torch
 
 from tierkv.device import has_cuda
 from tierkv.errors import ConfigError
-from tierkv.events import Event
+from tierkv.events import COMPUTE_KINDS, MODELLED_KINDS, Event, EventKind
 from tierkv.profile.summary import TransferIndex, attribute
 
 VERSION = 1
 PID = 1
-STEP_KINDS = ("prefill", "step", "layer")   # the caller's own work: the steps track
-MODELLED_KINDS = ("link", "queue", "compute")  # a simulated CXL pool's slices (summary.MODELLED_KINDS)
 
 
 # -- writing ---------------------------------------------------------------
@@ -75,11 +73,11 @@ def _slice(e: Event, origin: float, tid: int, blockers: TransferIndex) -> dict[s
     args: dict[str, object] = {"kind": e.kind, "src": e.src, "dst": e.dst, "layer": e.layer,
                                "bytes": e.nbytes, "blocks": e.blocks,
                                "queued_us": round((e.start - e.submit) * 1e6, 3)}
-    if e.nbytes and e.kind not in (*STEP_KINDS, "queue") and end > begin:
+    if e.nbytes and e.kind not in (*COMPUTE_KINDS, EventKind.QUEUE) and end > begin:
         args["GB/s"] = float(f"{e.nbytes / (end - begin):.4g}")   # bytes per ns = GB/s
     if e.error:
         args["error"] = e.error
-    if e.kind == "wait":
+    if e.kind == EventKind.WAIT:
         args["stall"] = True
         args["waited_for"] = _waited_for(e, blockers)
     return {"name": _label(e), "cat": _category(e), "ph": "X", "pid": PID, "tid": tid,
@@ -95,26 +93,26 @@ def _waited_for(wait: Event, blockers: TransferIndex) -> str:
 
 
 def _label(e: Event) -> str:
-    if e.kind == "layer":
+    if e.kind == EventKind.LAYER:
         return f"layer {e.layer}"
-    if e.kind == "wait":
+    if e.kind == EventKind.WAIT:
         return "stall" if e.layer is None else f"stall L{e.layer}"
     return e.kind
 
 
 def _category(e: Event) -> str:
-    if e.kind == "wait":
+    if e.kind == EventKind.WAIT:
         return "stall"
     if e.kind in MODELLED_KINDS:
         return "cxl"
-    return "compute" if e.kind in STEP_KINDS else "transfer"
+    return "compute" if e.kind in COMPUTE_KINDS else "transfer"
 
 
 def _track(e: Event) -> str:
-    if e.kind in STEP_KINDS:
+    if e.kind in COMPUTE_KINDS:
         return "steps"
-    if e.kind in ("wait", "hit"):
-        return "stall" if e.kind == "wait" else "hits"
+    if e.kind in (EventKind.WAIT, EventKind.HIT):
+        return "stall" if e.kind == EventKind.WAIT else "hits"
     if e.kind in MODELLED_KINDS:
         return f"{e.kind} {e.src}" if e.src == e.dst else f"{e.kind} {e.src or 'new'}->{e.dst}"
     return f"{e.src or 'new'}->{e.dst}"
@@ -210,7 +208,7 @@ def _event(path: Path, index: int, r: dict) -> Event:
         start = float(r["ts"]) / 1e6
         done = start + float(r["dur"]) / 1e6
         layer = None if a.get("layer") is None else int(a["layer"])
-        event = Event(str(a["kind"]), str(a.get("src", "")), str(a.get("dst", "")), layer,
+        event = Event(EventKind(a["kind"]), str(a.get("src", "")), str(a.get("dst", "")), layer,
                       int(a.get("bytes", 0)), start - float(a.get("queued_us", 0.0)) / 1e6, start, done,
                       int(a.get("blocks", 1)), str(a.get("error", "")))
     except (KeyError, TypeError, ValueError) as error:

@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from tierkv.errors import ConfigError
-from tierkv.events import Event, EventRecorder
+from tierkv.events import Event, EventKind, EventRecorder
 
 HOST = "host"   # the other end of a request that no tier names (a query, a selection)
 _OVERSLEEP_S = 2e-3   # a sleep ending this late is the timer's slack, not a slow copy
@@ -229,8 +229,8 @@ class CxlLink:
     def _record(self, t: Ticket) -> None:
         assert self.recorder is not None
         if t.queue_s > 0:
-            self.recorder.record(Event("queue", t.src, t.dst, t.layer, t.nbytes, t.submit, t.submit, t.begin))
-        self.recorder.record(Event("link", t.src, t.dst, t.layer, t.nbytes, t.submit, t.begin, t.done))
+            self.recorder.record(Event(EventKind.QUEUE, t.src, t.dst, t.layer, t.nbytes, t.submit, t.submit, t.begin))
+        self.recorder.record(Event(EventKind.LINK, t.src, t.dst, t.layer, t.nbytes, t.submit, t.begin, t.done))
 
 
 def sleep_until(deadline: float) -> None:

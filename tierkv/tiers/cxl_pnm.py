@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 
 from tierkv.errors import ConfigError
-from tierkv.events import Event, EventRecorder
+from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.scoring import landmark_scores, top_chunks
 from tierkv.tiers.cxl_link import HOST, CxlLink, Direction, LinkSpec, link_spec, sleep_until
 
@@ -259,5 +259,5 @@ class NearMemoryProcessor:
         if self.recorder is None:
             return
         if begin > submit:
-            self.recorder.record(Event("queue", self.name, self.name, layer, work.scanned, submit, submit, begin))
-        self.recorder.record(Event("compute", self.name, self.name, layer, work.scanned, submit, begin, done))
+            self.recorder.record(Event(EventKind.QUEUE, self.name, self.name, layer, work.scanned, submit, submit, begin))
+        self.recorder.record(Event(EventKind.COMPUTE, self.name, self.name, layer, work.scanned, submit, begin, done))

@@ -74,7 +74,7 @@ from tierkv.manager.executor import Executor, Job, JobState
 from tierkv.manager.manager import Lease, TierManager
 from tierkv.manager.transfer import Priority, Transfer
 from tierkv.profile.access import STEP_KINDS, AccessRecorder, AccessTrace, OpKind, TierSpec, link_bytes
-from tierkv.events import Event, EventRecorder
+from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.tiers.base import Medium
 from tierkv.tiers.cxl_link import LinkSpec, link_spec
 from tierkv.tiers.pool import BlockPool
@@ -368,7 +368,7 @@ async def _replay(trace: AccessTrace, model: TierModel, config: ReplayConfig) ->
 def _pool_seconds(events: list[Event]) -> dict[str, float]:
     seconds: dict[str, float] = defaultdict(float)
     for e in events:
-        if e.kind in ("link", "queue"):
+        if e.kind in (EventKind.LINK, EventKind.QUEUE):
             seconds[f"{e.kind} {e.src or 'new'}->{e.dst}"] += e.done - e.start
     return dict(sorted(seconds.items()))
 
@@ -650,8 +650,8 @@ class _SimExecutor(Executor):
 
     def _record_pool(self, t: Transfer, src: str, now: float, begin: float, done: float) -> None:
         if begin > now:
-            self.recorder.record(Event("queue", src, t.dst, t.layer, t.nbytes, now, now, begin, len(t.keys)))
-        self.recorder.record(Event("link", src, t.dst, t.layer, t.nbytes, now, begin, done, len(t.keys)))
+            self.recorder.record(Event(EventKind.QUEUE, src, t.dst, t.layer, t.nbytes, now, now, begin, len(t.keys)))
+        self.recorder.record(Event(EventKind.LINK, src, t.dst, t.layer, t.nbytes, now, begin, done, len(t.keys)))
 
     def _complete(self, job: Job, result: object, error: BaseException | None) -> None:
         now = asyncio.get_running_loop().time()
@@ -659,7 +659,7 @@ class _SimExecutor(Executor):
         self._running.discard(job)
         self.inflight_bytes -= job.transfer.nbytes
         t = job.transfer
-        self.recorder.record(Event(t.kind.value, t.src, t.dst, t.layer, t.nbytes, job.submit, job.start, now,
+        self.recorder.record(Event(EventKind(t.kind.value), t.src, t.dst, t.layer, t.nbytes, job.submit, job.start, now,
                                    len(t.keys), "" if error is None else type(error).__name__))
         if error is None:
             job.future.set_result(result)
