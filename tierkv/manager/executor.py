@@ -1,11 +1,20 @@
-"""Runs transfers on worker threads in priority order, with bounded bytes in flight.
+"""Runs transfers in priority order, with bounded bytes in flight, on a pluggable runner.
 
 The queue is a heap of (priority, sequence): a load a caller waits for beats
 a prefetch, which beats a write-back; equal priorities run in submit order.
-A job starts when a worker is free and the bytes in flight plus its own stay
-under the limit (one job always may run, however large). ``boost`` raises a queued job's priority
-when a caller starts waiting for it. Everything here runs on the event loop
-thread except the job bodies.
+A job starts when a runner slot is free and the bytes in flight plus its own
+stay under the limit (one job always may run, however large). ``boost`` and
+``boost_moves`` raise queued jobs' priority when a caller starts waiting for
+them. Everything here runs on the event loop thread except the job bodies.
+
+A `Runner` decides where a started job's body runs and when it is over::
+
+    Executor ──run(job, finish)──▶ Runner          ThreadRunner: a worker thread, real time
+        ▲                            │             (the replay passes one that completes at
+        └──── finish(job, result, error) on the loop      a modelled, virtual time)
+
+``Runner.clock`` stamps a job's submit and done times, so the events a run
+records and those a simulated run records share one time base each.
 """
 from __future__ import annotations
 
@@ -17,10 +26,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tierkv.errors import ManagerClosed
-from tierkv.manager.transfer import Priority, Transfer
 from tierkv.events import Event, EventKind, EventRecorder
+from tierkv.keys import BlockKey
+from tierkv.manager.transfer import Priority, Transfer
 from tierkv.profile.trace import profiler_range
 
 
@@ -41,12 +52,68 @@ class Job:
     state: JobState = JobState.QUEUED
 
 
+Finish = Callable[[Job, object, "BaseException | None"], None]
+
+
+class Runner(Protocol):
+    """Where job bodies run. ``run`` sets ``job.start`` when the body begins and calls
+    ``finish(job, result, error)`` on the event loop once it is over (``error``: what the body
+    raised). ``start`` and ``close`` bracket its life; ``close`` runs when no job is running."""
+
+    def clock(self) -> float: ...
+
+    def start(self) -> None: ...
+
+    def run(self, job: Job, finish: Finish) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ThreadRunner:
+    """Bodies run on ``threads`` worker threads ("tierkv-move"); times are ``perf_counter`` seconds."""
+
+    def __init__(self, threads: int) -> None:
+        self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    @staticmethod
+    def clock() -> float:
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="tierkv-move")
+
+    def run(self, job: Job, finish: Finish) -> None:
+        work = asyncio.get_running_loop().run_in_executor(self._pool, _timed, job)
+        work.add_done_callback(lambda done: finish(job, *_outcome(done)))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _timed(job: Job) -> object:
+    job.start = time.perf_counter()
+    t = job.transfer
+    with profiler_range(f"tierkv {t.kind.value} {t.src or 'new'}->{t.dst}"):
+        return job.body()
+
+
+def _outcome(done: asyncio.Future) -> tuple[object, BaseException | None]:
+    error = done.exception()
+    return (None, error) if error is not None else (done.result(), None)
+
+
 class Executor:
-    def __init__(self, threads: int, inflight_limit: int, recorder: EventRecorder) -> None:
+    def __init__(self, threads: int, inflight_limit: int, recorder: EventRecorder,
+                 runner: Runner | None = None) -> None:
+        """``threads`` jobs run at once, on ``runner`` (default: that many worker threads)."""
         self.inflight_limit = inflight_limit
         self.recorder = recorder
         self._threads = threads
-        self._pool: ThreadPoolExecutor | None = None
+        self._runner = runner or ThreadRunner(threads)
+        self._open = False
         self._heap: list[tuple[int, int, Job]] = []
         self._seq = itertools.count()
         self._running: set[Job] = set()
@@ -55,28 +122,32 @@ class Executor:
         self._progress = asyncio.Event()
 
     def start(self) -> None:
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="tierkv-move")
+        self._runner.start()
+        self._open = True
 
     @property
     def queued(self) -> int:
         return sum(1 for _, _, job in self._heap if job.state is JobState.QUEUED)
 
     def submit(self, transfer: Transfer, body: Callable[[], object], priority: Priority) -> asyncio.Future:
-        if self._pool is None:
+        if not self._open:
             raise ManagerClosed("executor is not running")
-        job = Job(transfer, body, priority, asyncio.get_running_loop().create_future())
-        heapq.heappush(self._heap, (priority, next(self._seq), job))
+        job = Job(transfer, body, priority, asyncio.get_running_loop().create_future(), submit=self._runner.clock())
+        self._push(job)
         self._pump()
         return job.future
 
     def boost(self, future: asyncio.Future, priority: Priority) -> None:
         """Raise the priority of the queued job behind ``future``."""
-        for _, _, job in self._heap:
-            if job.future is future and job.state is JobState.QUEUED and priority < job.priority:
-                job.priority = priority
-                heapq.heappush(self._heap, (priority, next(self._seq), job))
-                self._pump()
-                return
+        job = next((job for _, _, job in self._heap if job.future is future), None)
+        if job is not None:
+            self._raise(job, priority)
+
+    def boost_moves(self, key: BlockKey, dst: str, priority: Priority) -> None:
+        """Raise every queued job that moves ``key`` into tier ``dst`` to ``priority``."""
+        jobs = [job for _, _, job in self._heap if job.transfer.dst == dst and key in job.transfer.keys]
+        for job in dict.fromkeys(jobs):
+            self._raise(job, priority)
 
     async def progress(self) -> None:
         """Wait until some running job finishes."""
@@ -87,15 +158,24 @@ class Executor:
     def busy(self) -> bool:
         return bool(self._running) or self.queued > 0
 
+    def _push(self, job: Job) -> None:
+        heapq.heappush(self._heap, (job.priority, next(self._seq), job))
+
+    def _raise(self, job: Job, priority: Priority) -> None:
+        if job.state is JobState.QUEUED and priority < job.priority:
+            job.priority = priority
+            self._push(job)   # the old entry goes stale: _pump drops it
+            self._pump()
+
     def _pump(self) -> None:
-        while self._heap and self._pool is not None:
+        while self._heap and self._open:
             priority, _, job = self._heap[0]
             if job.state is not JobState.QUEUED or priority != job.priority:
                 heapq.heappop(self._heap)  # stale entry (boosted or aborted)
                 continue
             nbytes = job.transfer.nbytes
             if len(self._running) >= self._threads:
-                return  # the heap, not the thread pool's FIFO, decides what runs next
+                return  # the heap, not the runner's own queue, decides what runs next
             if self._running and self.inflight_bytes + nbytes > self.inflight_limit:
                 return
             heapq.heappop(self._heap)
@@ -106,28 +186,18 @@ class Executor:
         self._running.add(job)
         self.inflight_bytes += job.transfer.nbytes
         self.peak_inflight_bytes = max(self.peak_inflight_bytes, self.inflight_bytes)
-        loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self._pool, self._timed, job)
-        work.add_done_callback(lambda done: self._finish(job, done))
+        self._runner.run(job, self._finish)
 
-    @staticmethod
-    def _timed(job: Job) -> object:
-        job.start = time.perf_counter()
-        t = job.transfer
-        with profiler_range(f"tierkv {t.kind.value} {t.src or 'new'}->{t.dst}"):
-            return job.body()
-
-    def _finish(self, job: Job, done: asyncio.Future) -> None:
+    def _finish(self, job: Job, result: object, error: BaseException | None) -> None:
         job.state = JobState.DONE
         self._running.discard(job)
         self.inflight_bytes -= job.transfer.nbytes
-        error = done.exception()
         t = job.transfer
         self.recorder.record(Event(EventKind(t.kind.value), t.src, t.dst, t.layer, t.nbytes, job.submit,
-                                   job.start or job.submit, time.perf_counter(), len(t.keys),
+                                   job.start or job.submit, self._runner.clock(), len(t.keys),
                                    "" if error is None else type(error).__name__))
         if error is None:
-            job.future.set_result(done.result())
+            job.future.set_result(result)
         else:
             job.future.set_exception(error)
         self._progress.set()
@@ -142,6 +212,6 @@ class Executor:
         self._heap.clear()
         while self._running:
             await self.progress()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._open:
+            self._open = False
+            self._runner.close()

@@ -439,7 +439,7 @@ class TierManager:
             if dst in entry.arriving:
                 joined.append(entry.arriving[dst])
                 if priority is Priority.NOW:
-                    self._boost(key, dst)
+                    self._executor.boost_moves(key, dst, Priority.NOW)
                 continue
             source = next((n for n in self.order if n in entry.copies), None)
             if source is None:
@@ -533,14 +533,6 @@ class TierManager:
         else:
             done.set_exception(error)
             done.exception()  # retrieved here: callers may have gone away
-
-    def _boost(self, key: BlockKey, dst: str) -> None:
-        for future in self._executor_futures_for(key, dst):
-            self._executor.boost(future, Priority.NOW)
-
-    def _executor_futures_for(self, key: BlockKey, dst: str) -> list[asyncio.Future]:
-        return [job.future for _, _, job in self._executor._heap
-                if key in job.transfer.keys and job.transfer.dst == dst]
 
     # -- internals: room ------------------------------------------------
     async def _reserve(self, name: str, n: int) -> list[int]:

@@ -3,14 +3,14 @@
 The replay drives the real `TierManager` (placement, eviction, demotion,
 write-back, joining moves in flight, and the eviction policies under test)
 over tiers that keep no bytes, on an event loop whose clock is virtual. Only
-the manager's executor is replaced: same priority queue, same limits on
-transfers and bytes in flight, but a transfer completes when the tier model
-says, not when a worker thread finishes::
+the manager's executor runs transfers on another runner: same priority queue,
+same limits on transfers and bytes in flight, but a transfer completes when
+the tier model says, not when a worker thread finishes::
 
     trace ──▶ driver ──put / acquire / prefetch──▶ TierManager (the real one)
      (calls, compute between them)                    │ transfers
                                                       ▼
-                                        _SimExecutor ──▶ TierModel ──▶ completion at virtual t
+                                 Executor + _ModelledRunner ──▶ TierModel ──▶ completion at virtual t
 
 Time, per call (op) i of the trace::
 
@@ -56,7 +56,6 @@ recording began: it starts in the store, as a reopened NVMe store's blocks do.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import selectors
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -68,11 +67,11 @@ import torch
 
 from policies import make_policy
 from tierkv.knobs import IOKnobs
-from tierkv.errors import ConfigError, ManagerClosed, TierKVError
+from tierkv.errors import ConfigError, TierKVError
 from tierkv.keys import BlockKey
-from tierkv.manager.executor import Executor, Job, JobState
+from tierkv.manager.executor import Executor, Finish, Job
 from tierkv.manager.manager import Lease, TierManager
-from tierkv.manager.transfer import Priority, Transfer
+from tierkv.manager.transfer import Transfer
 from tierkv.profile.access import STEP_KINDS, AccessRecorder, AccessTrace, OpKind, TierSpec, link_bytes
 from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.tiers.base import Medium
@@ -392,7 +391,8 @@ def _sim_manager(trace: AccessTrace, model: TierModel, config: ReplayConfig) -> 
     for name in pools:
         model = model.with_pool(name, link_spec(config.cxl_preset))
     # The one seam replaced: transfers complete in modelled, virtual time.
-    executor = _SimExecutor(knobs.copy_threads, knobs.inflight_bytes, events, model, pools)
+    runner = _ModelledRunner(model, events, pools)
+    executor = Executor(knobs.copy_threads, knobs.inflight_bytes, events, runner)
     return TierManager(tiers, policies=policies, knobs=knobs, recorder=events, executor=executor)
 
 
@@ -593,50 +593,38 @@ class _VirtualLoop(asyncio.SelectorEventLoop):
         return self._virtual.now
 
 
-class _NoThreads:
-    def shutdown(self, wait: bool = True) -> None:
-        pass
-
-
-class _SimExecutor(Executor):
-    """The manager's executor (queue, priorities, limits) whose transfers take modelled virtual time.
+class _ModelledRunner:
+    """The executor's runner for a replay: transfers take modelled, virtual time.
 
     A body runs inline when its transfer starts (the tiers hold no bytes, so it
-    only updates indexes); its completion is scheduled for when the link model
-    says the bytes would have arrived.
+    only updates indexes); it finishes when the link model says the bytes would
+    have arrived.
     """
 
-    def __init__(self, threads: int, inflight_limit: int, recorder: EventRecorder, model: TierModel,
-                 pools: frozenset[str] = frozenset()) -> None:
-        super().__init__(threads, inflight_limit, recorder)
+    def __init__(self, model: TierModel, recorder: EventRecorder, pools: frozenset[str] = frozenset()) -> None:
         self.model = model
+        self.recorder = recorder
         self.pools = pools   # CXL pool tiers: their transfers also record queue and link slices
         self._busy_until: dict[str, float] = {}
 
+    @staticmethod
+    def clock() -> float:
+        return asyncio.get_running_loop().time()
+
     def start(self) -> None:
-        self._pool = _NoThreads()  # type: ignore[assignment]
+        pass
 
-    def submit(self, transfer: Transfer, body: Callable[[], object], priority: Priority) -> asyncio.Future:
-        if self._pool is None:
-            raise ManagerClosed("executor is not running")
+    def run(self, job: Job, finish: Finish) -> None:
         loop = asyncio.get_running_loop()
-        job = Job(transfer, body, priority, loop.create_future(), submit=loop.time())
-        heapq.heappush(self._heap, (priority, next(self._seq), job))
-        self._pump()
-        return job.future
-
-    def _launch(self, job: Job) -> None:
-        loop = asyncio.get_running_loop()
-        job.state = JobState.RUNNING
-        self._running.add(job)
-        self.inflight_bytes += job.transfer.nbytes
-        self.peak_inflight_bytes = max(self.peak_inflight_bytes, self.inflight_bytes)
         job.start = loop.time()
         try:
             result, error = job.body(), None
         except Exception as exc:  # a failed transfer, as a worker thread would report it
             result, error = None, exc
-        loop.call_at(self._done_at(job.transfer, job.start), self._complete, job, result, error)
+        loop.call_at(self._done_at(job.transfer, job.start), finish, job, result, error)
+
+    def close(self) -> None:
+        pass
 
     def _done_at(self, t: Transfer, now: float) -> float:
         src = t.src or "new"
@@ -652,21 +640,6 @@ class _SimExecutor(Executor):
         if begin > now:
             self.recorder.record(Event(EventKind.QUEUE, src, t.dst, t.layer, t.nbytes, now, now, begin, len(t.keys)))
         self.recorder.record(Event(EventKind.LINK, src, t.dst, t.layer, t.nbytes, now, begin, done, len(t.keys)))
-
-    def _complete(self, job: Job, result: object, error: BaseException | None) -> None:
-        now = asyncio.get_running_loop().time()
-        job.state = JobState.DONE
-        self._running.discard(job)
-        self.inflight_bytes -= job.transfer.nbytes
-        t = job.transfer
-        self.recorder.record(Event(EventKind(t.kind.value), t.src, t.dst, t.layer, t.nbytes, job.submit, job.start, now,
-                                   len(t.keys), "" if error is None else type(error).__name__))
-        if error is None:
-            job.future.set_result(result)
-        else:
-            job.future.set_exception(error)
-        self._progress.set()
-        self._pump()
 
 
 __all__ = ["Link", "TierModel", "Prefetch", "PREFETCHERS", "ReplayConfig", "ReplayResult", "ReplayStalled",
