@@ -252,5 +252,5 @@ async def test_a_certain_prefetch_ranks_as_used(knobs):
         await m.flush()
         (await m.acquire([key(4)], "gpu")).release()
         assert "gpu" not in m.where(key(0)) and "gpu" in m.where(key(3))
-        assert not m._cold
+        assert not m.directory.cold
         assert_quiescent(m)

@@ -1,15 +1,21 @@
-"""The directory: for every block, the slot it holds in each tier.
+"""The directory: for every block, the slot it holds in each tier, and who waits for it where.
 
 Blocks are immutable (a key names its content), so copies in several tiers
 never disagree; any copy can be dropped while another exists. ``arriving``
 holds the move in flight into a tier so that a second reader joins it
 instead of loading the block twice. ``protected`` blocks are KV a caller
 trusts tierkv with: their last copy is never dropped.
+
+Beside the entries the directory keeps two sets of (block, tier) pairs:
+``wanted`` (callers wait to pin the block there: it must not be evicted
+meanwhile) and ``cold`` (a guessed prefetch put it there and nobody has read
+it yet: its first read is no reuse). Nothing here touches a tier or a policy.
 """
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -18,6 +24,7 @@ from tierkv.keys import BlockKey
 
 
 NOTHING_ARRIVING: Mapping[str, asyncio.Future] = MappingProxyType({})
+Place = tuple[str, int]   # (tier, slot)
 
 
 @dataclass(slots=True)
@@ -46,6 +53,8 @@ class BlockEntry:
 class Directory:
     def __init__(self) -> None:
         self._entries: dict[BlockKey, BlockEntry] = {}
+        self.wanted: Counter[tuple[BlockKey, str]] = Counter()  # blocks callers wait to pin, per tier
+        self.cold: set[tuple[BlockKey, str]] = set()            # guesses inserted cold, not read yet
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -81,3 +90,47 @@ class Directory:
         entry = self._entries.get(key)
         if entry is not None and not entry.copies and not entry.arriving:
             del self._entries[key]
+
+    # -- lookups ------------------------------------------------------------
+    def tiers_of(self, key: BlockKey, order: Sequence[str]) -> list[str]:
+        """The tiers holding a copy of ``key``, in ``order``."""
+        entry = self._entries.get(key)
+        return [] if entry is None else [n for n in order if n in entry.copies]
+
+    def holds(self, key: BlockKey, names: Sequence[str]) -> bool:
+        """Some tier of ``names`` holds a copy of ``key``."""
+        entry = self._entries.get(key)
+        return entry is not None and any(n in entry.copies for n in names)
+
+    def find(self, keys: Sequence[BlockKey], names: Sequence[str]) -> list[Place | None]:
+        """Where each key can be read in place: (tier, slot) in the first of ``names`` holding it, or
+        None. The hot path of every read: one dict lookup per key and tier."""
+        get = self._entries.get
+        found: list[Place | None] = []
+        for key in keys:
+            entry = get(key)
+            place = None
+            if entry is not None:
+                copies = entry.copies
+                for name in names:
+                    slot = copies.get(name)
+                    if slot is not None:
+                        place = (name, slot)
+                        break
+            found.append(place)
+        return found
+
+    # -- readers waiting ---------------------------------------------------------
+    def want(self, items: Iterable[tuple[BlockKey, str]]) -> None:
+        """Callers wait to pin these (block, tier) pairs: keep them there until ``unwant``."""
+        self.wanted.update(items)
+
+    def unwant(self, items: Iterable[tuple[BlockKey, str]]) -> None:
+        for item in items:
+            if (left := self.wanted[item] - 1) > 0:
+                self.wanted[item] = left
+            else:
+                del self.wanted[item]
+
+    def is_wanted(self, key: BlockKey, tier: str) -> bool:
+        return bool(self.wanted.get((key, tier)))   # .get: a Counter's [] runs Python code for an absent key

@@ -1,0 +1,231 @@
+"""Moves: every copy of blocks between tiers follows one two-phase protocol::
+
+    prepare   reserve destination slots (making room may await demotions),
+              then pin the source slots -- no await between the two
+    transfer  the executor runs the handler on a worker thread
+    complete  (on the loop) commit or release destination slots, unpin
+              sources, update the directory and the eviction policies
+
+Completion runs as a callback of the transfer itself, so a caller that is
+cancelled mid-wait leaks nothing: the move still completes or rolls back.
+Budgets are slot counts in each tier's pool; nothing is ever placed without
+a reserved slot, so no tier can exceed its budget. A move is announced in the
+directory (``claim``) before it is prepared, so a second reader joins it.
+
+Making room asks the tier's eviction policy for victims (never the ones
+`placement.evictable` refuses) and demotes or drops them as
+`placement.split_victims` decides; a tier whose every slot is pinned waits up
+to ``pin_wait_s`` for a reader to unpin.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from functools import partial
+
+import torch
+
+from tierkv.errors import BlockCorrupt, BlockMissing, BudgetExceeded
+from tierkv.keys import BlockKey
+from tierkv.manager import placement
+from tierkv.manager.directory import Directory
+from tierkv.manager.executor import Executor
+from tierkv.manager.residency import Residency
+from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for, put_handler_for
+from tierkv.policy import EvictionPolicy
+from tierkv.tiers.base import Tier
+
+
+class Moves:
+    def __init__(self, tiers: Mapping[str, Tier], order: Sequence[str], policies: Mapping[str, EvictionPolicy],
+                 residency: Residency, executor: Executor) -> None:
+        self.tiers, self.order, self.policies = tiers, order, policies
+        self.residency, self.directory = residency, residency.directory
+        self.executor = executor
+        self.block_bytes = residency.block_bytes
+        self.memory_tiers = placement.memory_tiers(order, tiers)
+        self.pin_wait_s = 10.0            # how long a full tier waits for readers to unpin
+
+    # -- new blocks and write-backs ---------------------------------------
+    async def place(self, key: BlockKey, name: str, slot: int, raw: torch.Tensor, layer: int | None) -> None:
+        """Write a caller's new block into ``slot`` (reserved) of ``name``."""
+        tier = self.tiers[name]
+        transfer = Transfer(Kind.PUT, "", name, (key,), (), (slot,), self.block_bytes, layer)
+        body = partial(put_handler_for(tier.medium), transfer, raw, tier)
+        try:
+            await asyncio.shield(self.executor.submit(transfer, body, Priority.NOW))
+        except BaseException:
+            tier.pool.release(slot)
+            self.directory.forget_if_empty(key)
+            raise
+        self.residency.commit((key,), name, (slot,))
+
+    async def writeback(self, key: BlockKey, store: str, done: asyncio.Future) -> None:
+        """Copy ``key`` (claimed into ``store`` by ``done``) from the fastest memory tier holding it."""
+        entry = self.directory.get(key)
+        source = None if entry is None else placement.load_source(entry, self.memory_tiers)
+        if source is None:  # evicted meanwhile: a protected block was demoted, so it is stored
+            self._settle([key], store, done, None)
+            return
+        await self._move([key], source, store, Kind.WRITEBACK, Priority.WRITEBACK, None, done)
+
+    # -- moves ---------------------------------------------------------------
+    async def bring(self, keys: Sequence[BlockKey], dst: str, layer: int | None,
+                    priority: Priority, *, cold: bool = False) -> None:
+        """Make every key resident in ``dst`` (joining moves already in flight; ``cold``: the
+        moves this call starts insert their blocks cold)."""
+        joined: list[asyncio.Future] = []
+        by_source: dict[str, list[BlockKey]] = {}
+        for key in dict.fromkeys(keys):
+            entry = self.directory.entry(key)
+            if dst in entry.copies:
+                continue
+            if dst in entry.arriving:
+                joined.append(entry.arriving[dst])
+                if priority is Priority.NOW:
+                    self.executor.boost_moves(key, dst, Priority.NOW)
+                continue
+            source = placement.load_source(entry, self.order)
+            if source is None:
+                raise BlockMissing(f"block {key.hex()} is not stored in any tier")
+            by_source.setdefault(source, []).append(key)
+        kind = Kind.LOAD if priority is Priority.NOW else Kind.PREFETCH
+        moves = [self._move(group, src, dst, kind, priority, layer, self.claim(group, dst), cold=cold)
+                 for src, group in by_source.items()]
+        results = await asyncio.gather(*moves, *(asyncio.shield(f) for f in joined), return_exceptions=True)
+        corrupt = [k for r in results if isinstance(r, list) for k in r]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if corrupt:
+            raise BlockCorrupt(f"{len(corrupt)} block(s) failed their checksum and were dropped: "
+                               + ", ".join(k.hex()[:16] for k in corrupt[:4]))
+        if errors:
+            raise errors[0]
+
+    def claim(self, keys: Sequence[BlockKey], dst: str) -> asyncio.Future:
+        """Announce a move of ``keys`` into ``dst`` (synchronously, so later readers join it)."""
+        done = asyncio.get_running_loop().create_future()
+        for key in keys:
+            self.directory.entry(key).arrive(dst, done)
+        return done
+
+    async def _move(self, keys: list[BlockKey], src: str, dst: str, kind: Kind, priority: Priority,
+                    layer: int | None, done: asyncio.Future, *, cold: bool = False) -> list[BlockKey]:
+        """Copy ``keys`` (claimed by ``done``) from ``src`` to ``dst``; returns keys whose source was corrupt."""
+        try:
+            dst_slots = await self.reserve(dst, len(keys))
+        except BaseException as error:
+            self._settle(keys, dst, done, error)
+            raise
+        entry_of = self.directory.entry
+        copies = [entry_of(k).copies for k in keys]
+        if any(src not in c for c in copies):  # evicted from the source while we made room: the caller retries
+            for slot in dst_slots:
+                self.tiers[dst].pool.release(slot)
+            self._settle(keys, dst, done, None)
+            return []
+        src_slots, src_pool = [c[src] for c in copies], self.tiers[src].pool
+        for slot in src_slots:
+            src_pool.pin(slot)
+        wanted = self.directory.wanted.get    # .get: a Counter's [] calls Python code for every absent key
+        if any(wanted((k, dst)) for k in keys):
+            priority = Priority.NOW  # a caller started waiting while this move was prepared
+        transfer = Transfer(kind, src, dst, tuple(keys), tuple(src_slots), tuple(dst_slots),
+                            len(keys) * self.block_bytes, layer, cold=cold)
+        handler = handler_for(self.tiers[src].medium, self.tiers[dst].medium)
+        body = partial(handler, transfer, self.tiers[src], self.tiers[dst])
+        work = self.executor.submit(transfer, body, priority)
+        work.add_done_callback(lambda w: self._complete(transfer, w, done))
+        return await asyncio.shield(done)
+
+    def _complete(self, t: Transfer, work: asyncio.Future, done: asyncio.Future) -> None:
+        src_pool = self.tiers[t.src].pool
+        for slot in t.src_slots:
+            src_pool.unpin(slot)
+        error = work.exception()
+        failed = set() if error is not None else set(work.result())
+        if error is not None:
+            for slot in t.dst_slots:
+                self.tiers[t.dst].pool.release(slot)
+        else:
+            self.residency.commit(t.keys, t.dst, t.dst_slots, cold=t.cold, skip=failed)
+        self.residency.stats[t.src].bytes_out += t.nbytes
+        for key in failed:
+            self.residency.forget_copy(key, t.src)
+        if error is None and t.kind is Kind.DEMOTE:
+            for key, slot in zip(t.keys, t.src_slots):
+                if self.tiers[t.src].pool.pins(slot):
+                    self.residency.admit(t.src, (key,))  # a reader pinned it meanwhile: keep this copy
+                elif key not in failed:
+                    self.residency.remove_copy(key, t.src)  # its policy already forgot it
+        self.residency.changed.set()
+        self._settle(t.keys, t.dst, done, error, sorted(failed))
+
+    def _settle(self, keys: Sequence[BlockKey], dst: str, done: asyncio.Future,
+                error: BaseException | None, failed: list[BlockKey] | None = None) -> None:
+        get = self.directory.get
+        for key in keys:
+            entry = get(key)
+            if entry is not None:
+                entry.settle(dst, done)
+                if not entry.copies and not entry.arriving:
+                    self.directory.forget_if_empty(key)
+        if done.done():
+            return
+        if error is None:
+            done.set_result(failed or [])
+        else:
+            done.set_exception(error)
+            done.exception()  # retrieved here: callers may have gone away
+
+    # -- room ----------------------------------------------------------------
+    async def reserve(self, name: str, n: int) -> list[int]:
+        """``n`` slots of ``name``, evicting (and waiting for pins) as it must."""
+        pool = self.tiers[name].pool
+        if n > pool.capacity:
+            raise BudgetExceeded(f"tier {name}: {n} blocks requested, the budget holds {pool.capacity}")
+        while not pool.can_reserve(n):
+            await self._make_room(name, n - pool.free)
+        slots = [pool.reserve() for _ in range(n)]
+        self.residency.stats[name].peak_slots = max(self.residency.stats[name].peak_slots, pool.used)
+        return slots
+
+    async def _make_room(self, name: str, need: int) -> None:
+        guard = placement.Unevictable(name, self.directory, self.tiers, self.order)
+        victims = self.policies[name].evict(need, guard) or []
+        while len(victims) < need and (chosen := self.policies[name].evict(1, guard)):
+            victims.extend(chosen)  # fewer than ``need`` can go: take what can
+        if not victims:
+            if await self._room_may_appear(name):
+                return
+            raise BudgetExceeded(f"tier {name}: all {self.tiers[name].pool.capacity} slots are pinned or "
+                                 "hold the only copy of protected blocks; raise its budget or add a lower tier")
+        room = placement.room_below(name, self.order, self.tiers)
+        demote, drop = placement.split_victims(victims, name, self.directory, self.order, room)
+        for key in drop:
+            self.residency.remove_copy(key, name)
+            self.directory.forget_if_empty(key)
+        if demote:
+            await self._demote(demote, name)
+
+    async def _room_may_appear(self, name: str) -> bool:
+        """Wait while moves run or slots of ``name`` are pinned or reserved; False when nothing can change."""
+        pool = self.tiers[name].pool
+        if not (pool.busy_slots() or self.executor.busy):
+            return False
+        changed = self.residency.changed
+        changed.clear()
+        try:
+            await asyncio.wait_for(changed.wait(), timeout=self.pin_wait_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _demote(self, keys: list[BlockKey], name: str) -> None:
+        try:
+            below = placement.tier_below(self.order, name)
+            await self._move(keys, name, below, Kind.DEMOTE, Priority.NOW, None, self.claim(keys, below))
+        except BaseException:
+            for key in keys:  # still resident here: give them back to the policy
+                if name in self.directory.entry(key).copies:
+                    self.residency.admit(name, (key,))
+            raise

@@ -1,0 +1,115 @@
+"""Placement decisions as pure functions of the directory and the tiers: no await, no state change.
+
+The tier manager asks these and acts on the answers::
+
+    question                               answer                     rule
+    which tiers may a put use?             put_order, put_attempts    a free slot anywhere beats evicting
+    which tiers does a reader read in?     memory_tiers, in_place     a modelled pool only if nothing else
+    where does a load copy from?           load_source                the fastest tier holding the block
+    may a policy pick this block?          evictable / Unevictable    never pinned, wanted, or a last copy
+    a victim: demote it or drop it?        split_victims              keep warm copies while the tier
+                                                                      below has room; never lose the only
+                                                                      copy of a protected block
+
+Tiers are ordered fastest first; the store (NVMe) is last when there is one.
+"""
+from __future__ import annotations
+
+from collections.abc import Container, Hashable, Mapping, Sequence
+
+from tierkv.keys import BlockKey
+from tierkv.manager.directory import BlockEntry, Directory
+from tierkv.tiers.base import Medium, Tier
+
+
+# -- where blocks go --------------------------------------------------------------
+def put_order(tier: str | None, order: Sequence[str]) -> list[str]:
+    """The tiers a new block may go to: the one asked for, else every tier, fastest first."""
+    if tier is None:
+        return list(order)
+    if tier not in order:
+        raise ValueError(f"tier={tier!r}: not configured; tiers: {', '.join(order)}")
+    return [tier]
+
+
+def put_attempts(order: Sequence[str], tiers: Mapping[str, Tier]) -> list[str]:
+    """The tiers a put tries in turn: the first of ``order`` with a free slot alone (a free slot
+    anywhere beats evicting from the fastest tier), else all of ``order``, each making room."""
+    free = [n for n in order if tiers[n].pool.can_reserve()][:1]
+    return free or list(order)
+
+
+def memory_tiers(order: Sequence[str], tiers: Mapping[str, Tier]) -> list[str]:
+    """The tiers a block can be read in: all but the store."""
+    return [n for n in order if tiers[n].medium is not Medium.NVME]
+
+
+def in_place_tiers(order: Sequence[str], tiers: Mapping[str, Tier]) -> list[str]:
+    """Memory tiers a reader may use in place. A pool behind a modelled link is not one (reading its
+    views would bypass the model) unless no other memory tier exists."""
+    memory = memory_tiers(order, tiers)
+    direct = [n for n in memory if getattr(tiers[n], "reads_in_place", True)]
+    return direct or memory
+
+
+def load_source(entry: BlockEntry, order: Sequence[str]) -> str | None:
+    """The tier a move copies ``entry`` from: the first of ``order`` holding it."""
+    return next((n for n in order if n in entry.copies), None)
+
+
+def tier_below(order: Sequence[str], name: str) -> str | None:
+    index = order.index(name)
+    return order[index + 1] if index + 1 < len(order) else None
+
+
+# -- what may leave a tier ----------------------------------------------------------
+def evictable(key: BlockKey, name: str, directory: Directory, tiers: Mapping[str, Tier],
+              order: Sequence[str]) -> bool:
+    """Whether ``name``'s policy may choose ``key``: not pinned there, not wanted there by a waiting
+    reader, and not the last copy of a protected block in the last tier."""
+    entry = directory.get(key)
+    if entry is None or name not in entry.copies:
+        return True  # stale in the policy; evicting it is harmless
+    if tiers[name].pool.pins(entry.copies[name]) or directory.is_wanted(key, name):
+        return False
+    last_copy = len(entry.copies) == 1
+    return not (entry.protected and last_copy and tier_below(order, name) is None)
+
+
+class Unevictable(Container[Hashable]):
+    """The keys a tier's policy must not choose (``evict(n, protected)``), checked lazily per candidate."""
+
+    def __init__(self, name: str, directory: Directory, tiers: Mapping[str, Tier], order: Sequence[str]) -> None:
+        self._name, self._directory, self._tiers, self._order = name, directory, tiers, order
+
+    def __contains__(self, key: object) -> bool:
+        return not evictable(key, self._name, self._directory, self._tiers, self._order)  # type: ignore[arg-type]
+
+
+def room_below(name: str, order: Sequence[str], tiers: Mapping[str, Tier]) -> int:
+    """Free slots in the memory tier under ``name`` (a demotion to the store costs a write: none)."""
+    below = tier_below(order, name)
+    if below is None or tiers[below].medium is Medium.NVME:
+        return 0
+    return tiers[below].pool.free
+
+
+def split_victims(victims: Sequence[BlockKey], name: str, directory: Directory,
+                  order: Sequence[str], room: int) -> tuple[list[BlockKey], list[BlockKey]]:
+    """(demote, drop) of the blocks a policy chose to leave ``name``.
+
+    A victim moves down when it holds the only copy of a protected block, or, while the memory
+    below has ``room``, when the tier below has no copy (a warm copy is cheaper than a reload).
+    The others are dropped from ``name``: another tier holds them, or nobody needs them kept.
+    """
+    below = tier_below(order, name)
+    demote: list[BlockKey] = []
+    drop: list[BlockKey] = []
+    for key in victims:
+        entry = directory.entry(key)
+        only_copy = len(entry.copies) == 1 and entry.protected and below is not None
+        if only_copy or (len(demote) < room and below not in entry.copies):
+            demote.append(key)
+        else:
+            drop.append(key)
+    return demote, drop

@@ -1,0 +1,116 @@
+"""Residency: a block's copy made or removed in a tier's slot, pins, and what policies and stats hear.
+
+Every change of where a block lives goes through here, so the directory, the
+tiers' pools, their eviction policies and the per-tier stats never disagree::
+
+    commit        slot RESERVED -> READY, entry.copies[tier] = slot, policy.insert (or insert_cold)
+    remove_copy   entry.copies.pop(tier), the store forgets the block, slot -> FREE
+    pin / unpin   a reader holds the slot; its first read of a guessed block is no reuse
+
+All of it is synchronous and runs on the event loop between awaits; the
+orchestrator (`tierkv.manager.manager`) decides when.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from tierkv.keys import BlockKey
+from tierkv.manager.directory import Directory, Place
+from tierkv.policy import AdmitsCold, DescribesBlocks, EvictionPolicy, implements
+from tierkv.tiers.base import Medium, Tier
+
+
+@dataclass(slots=True)
+class TierStats:
+    peak_slots: int = 0
+    bytes_in: int = 0     # written into the tier
+    bytes_out: int = 0    # read out of the tier
+
+
+class Residency:
+    def __init__(self, tiers: Mapping[str, Tier], policies: Mapping[str, EvictionPolicy], directory: Directory,
+                 block_bytes: int) -> None:
+        self.tiers, self.policies, self.directory, self.block_bytes = tiers, policies, directory, block_bytes
+        self.stats = {name: TierStats() for name in tiers}
+        self.changed = asyncio.Event()   # set on every unpin and completed move: room may have appeared
+
+    def commit(self, keys: Sequence[BlockKey], name: str, slots: Sequence[int], *, cold: bool = False,
+               skip: Container[BlockKey] = ()) -> None:
+        """Make block ``keys[i]`` resident in ``slots[i]`` of ``name`` and admit it to the tier's policy
+        (this runs for every block a load brings); ``skip``: keys whose slot is released instead
+        (their source failed verification)."""
+        pool, entry_of = self.tiers[name].pool, self.directory.entry
+        added = []
+        for key, slot in zip(keys, slots):
+            entry = None if key in skip else entry_of(key)
+            if entry is None or name in entry.copies:  # failed, or already there (blocks are immutable)
+                pool.release(slot)
+                continue
+            pool.commit(slot)
+            entry.copies[name] = slot
+            added.append(key)
+        self.admit(name, added, cold=cold)
+        self.stats[name].bytes_in += len(added) * self.block_bytes
+
+    def admit(self, name: str, keys: Sequence[BlockKey], *, cold: bool = False) -> None:
+        """Tell ``name``'s policy the blocks are resident (``cold``: on a prefetch's guess), and
+        where they sit if the policy asks."""
+        policy = self.policies[name]
+        if cold and implements(policy, AdmitsCold):
+            for key in keys:
+                policy.insert_cold(key)
+            self.directory.cold.update((key, name) for key in keys)
+        else:
+            for key in keys:
+                policy.insert(key)
+        if implements(policy, DescribesBlocks):
+            get = self.directory.get
+            for key in keys:
+                if (entry := get(key)) is not None:
+                    policy.describe(key, layer=entry.layer, index=entry.index)
+
+    def remove_copy(self, key: BlockKey, name: str) -> None:
+        """Free ``key``'s slot in ``name`` (its policy is told apart, where it has not chosen it)."""
+        self.directory.cold.discard((key, name))
+        entry = self.directory.entry(key)
+        slot = entry.copies.pop(name)
+        tier = self.tiers[name]
+        if tier.medium is Medium.NVME:
+            tier.drop(key)
+        tier.pool.release(slot)
+
+    def forget_copy(self, key: BlockKey, name: str) -> None:
+        """``remove_copy``, and ``name``'s policy forgets the block too."""
+        self.remove_copy(key, name)
+        self.policies[name].remove(key)
+
+    def index_persisted(self, name: str) -> None:
+        """A reopened store's blocks: resident there, unprotected, known to its policy."""
+        tier = self.tiers[name]
+        if tier.medium is not Medium.NVME:
+            return
+        for key, slot in tier.items():
+            self.directory.add(key, protected=False).copies[name] = slot
+            self.admit(name, (key,))
+        self.stats[name].peak_slots = tier.pool.used
+
+    def pin(self, keys: Sequence[BlockKey], places: Sequence[Place],
+            fresh: Container[BlockKey] = ()) -> tuple[Place, ...]:
+        """Pin every key where ``Directory.find`` found it, and tell the policies of the use
+        (``fresh``: blocks loaded for this read, just inserted: not a reuse)."""
+        tiers, policies, cold = self.tiers, self.policies, self.directory.cold
+        for key, (name, slot) in zip(keys, places):
+            tiers[name].pool.pin(slot)
+            if (key, name) in cold:  # a guessed block's first use: no longer a guess
+                cold.discard((key, name))
+                policies[name].touch(key)
+            elif key not in fresh:
+                policies[name].touch(key)
+        return tuple(places)
+
+    def unpin(self, places: Iterable[Place]) -> None:
+        for name, slot in places:
+            self.tiers[name].pool.unpin(slot)
+        self.changed.set()
