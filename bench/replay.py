@@ -48,9 +48,12 @@ from tierkv.model.engine import Engine, EngineConfig
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sequence import KVLayout
-from tierkv.profile.access import STEP_KINDS, AccessRecorder, AccessTrace, link_bytes
+from tierkv.profile.access import AccessRecorder
+from tierkv.profile.access_trace import STEP_KINDS, AccessTrace
+from tierkv.profile.link_stats import link_bytes
 from tierkv.events import EventRecorder
-from tierkv.tune.replay import ReplayConfig, ReplayResult, TierModel, compute_gaps, replay
+from tierkv.tune.replay import ReplayConfig, ReplayResult, compute_gaps, replay
+from tierkv.tune.tier_model import TierModel
 
 TARGETS = {"bytes_prediction_error": 0.05, "stall_prediction_error": 0.25, "ranking_agreement": 1.0}
 LOWER_IS_BETTER = {"bytes_prediction_error", "stall_prediction_error"}

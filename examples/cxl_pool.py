@@ -16,7 +16,8 @@ from policies.selectors import make_selector
 from tierkv.config import TierConfig
 from tierkv.keys import BlockKey
 from tierkv.manager import TierManager
-from tierkv.profile.summary import format_summary, summarize
+from tierkv.profile.summary import summarize
+from tierkv.profile.summary_text import format_summary
 from tierkv.tiers.cxl_link import Direction
 
 BLOCK = 256 * 1024

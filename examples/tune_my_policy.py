@@ -25,8 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))  # makes my_policy importable by name
 
 from tierkv.keys import BlockKey  # noqa: E402
-from tierkv.profile.access import AccessRecorder, AccessTrace, TierSpec, TraceMeta  # noqa: E402
-from tierkv.tune.replay import TierModel  # noqa: E402
+from tierkv.profile.access import AccessRecorder  # noqa: E402
+from tierkv.profile.access_trace import AccessTrace, TierSpec, TraceMeta  # noqa: E402
+from tierkv.tune.tier_model import TierModel  # noqa: E402
 from tierkv.tune.tune import (format_table, load_tier_model, parse_grid, run_config,  # noqa: E402
                                  tune, write_run_config)
 

@@ -12,8 +12,9 @@ import torch
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
 from tierkv.manager.manager import TierManager
-from tierkv.profile.access import (ARRIVING, NOWHERE, AccessRecorder, AccessTrace, OpKind, TierSpec, TraceMeta,
-                                   device_stats, link_stats)
+from tierkv.profile.access import AccessRecorder
+from tierkv.profile.access_trace import ARRIVING, NOWHERE, AccessTrace, OpKind, TierSpec, TraceMeta
+from tierkv.profile.link_stats import device_stats, link_stats
 from tierkv.events import Event
 from tierkv.tiers.base import Medium
 from tierkv.tiers.memory import MemoryTier

@@ -11,10 +11,13 @@ from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
 from tierkv.manager.manager import TierManager
-from tierkv.profile.access import AccessRecorder, TierSpec, TraceMeta
+from tierkv.profile.access import AccessRecorder
+from tierkv.profile.access_trace import TierSpec, TraceMeta
 from tierkv.events import EventRecorder
-from tierkv.tune.replay import Link, ReplayConfig, TierModel, replay
-from tierkv.profile.summary import format_summary, summarize
+from tierkv.tune.replay import ReplayConfig, replay
+from tierkv.tune.tier_model import Link, TierModel
+from tierkv.profile.summary import summarize
+from tierkv.profile.summary_text import format_summary
 from tierkv.profile.trace import read_trace, write_trace
 from tierkv.tiers.cxl_link import LINK_PRESETS
 

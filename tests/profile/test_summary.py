@@ -11,7 +11,9 @@ from tierkv import cli
 from tierkv.errors import ConfigError
 from tierkv.profile.command import add_profile
 from tierkv.events import Event
-from tierkv.profile.summary import UNATTRIBUTED, TransferIndex, attribute, format_summary, link_limit, summarize
+from tierkv.profile.attribution import UNATTRIBUTED, TransferIndex, attribute
+from tierkv.profile.summary import link_limit, summarize
+from tierkv.profile.summary_text import format_summary
 from tierkv.profile.trace import write_trace
 
 MiB = 2**20

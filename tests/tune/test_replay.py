@@ -13,9 +13,12 @@ from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager
 from tierkv.manager.manager import TierManager
-from tierkv.profile.access import AccessRecorder, AccessTrace, OpKind, TierSpec, TraceMeta, link_bytes
-from tierkv.tune.replay import (Link, Prefetch, ReplayConfig, TierModel, compute_gaps, engine_prefetch,
-                                   next_get_prefetch, replay)
+from tierkv.profile.access import AccessRecorder
+from tierkv.profile.access_trace import AccessTrace, OpKind, TierSpec, TraceMeta
+from tierkv.profile.link_stats import link_bytes
+from tierkv.tune.prefetchers import Prefetch, engine_prefetch, next_get_prefetch
+from tierkv.tune.replay import ReplayConfig, compute_gaps, replay
+from tierkv.tune.tier_model import Link, TierModel
 from tierkv.tiers.base import Medium
 from tierkv.tiers.memory import MemoryTier
 

@@ -16,8 +16,9 @@ from policies import available
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
 from tierkv.tune import tune as tune_module
-from tierkv.profile.access import AccessRecorder, AccessTrace, TierSpec, TraceMeta
-from tierkv.tune.replay import TierModel
+from tierkv.profile.access import AccessRecorder
+from tierkv.profile.access_trace import AccessTrace, TierSpec, TraceMeta
+from tierkv.tune.tier_model import TierModel
 from tierkv.tune.tune import (ENGINE_PREFETCH, Ranked, add_tune, format_table, grid_keys, parse_grid,
                                  read_run_config, replay_config, run_config, tier_model_from_probe, tune,
                                  write_run_config)

@@ -28,7 +28,6 @@ import torch
 from tierkv.errors import BlockCorrupt, BlockMissing, BudgetExceeded
 from tierkv.keys import BlockKey
 from tierkv.manager import placement
-from tierkv.manager.directory import Directory
 from tierkv.manager.executor import Executor
 from tierkv.manager.residency import Residency
 from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for, put_handler_for

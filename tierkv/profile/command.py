@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 from tierkv.errors import ConfigError
-from tierkv.profile.summary import PHASES, format_summary, summarize
+from tierkv.profile.summary import PHASES, summarize
+from tierkv.profile.summary_text import format_summary
 from tierkv.profile.trace import read_trace
 
 

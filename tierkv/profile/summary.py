@@ -1,15 +1,11 @@
 """What a trace says to act on: step latency, where the stall came from, links against their limits.
 
 Everything is computed over one phase of the run: ``decode`` (inside the
-``step`` slices, the default), ``prefill`` or ``all``. Definitions:
+``step`` slices, the default), ``prefill`` or ``all``; `tierkv.profile.summary_text`
+writes the result as text. Definitions:
 
 stall          time a reader waited for blocks (``wait`` events).
-attribution    a wait names the tier it read into, not what it waited for. Its time is split
-               over the transfers that overlapped it, in proportion to how much of the wait each
-               tier link's transfers covered: loads and prefetches into that tier for the same
-               layer (the blocks it waited for) and demotes out of that tier (room being made).
-               A wait that names its source (``src``) is charged to that link whole; one that
-               nothing overlapped is charged to "unattributed".
+attribution    which tier links a wait was blocked behind (`tierkv.profile.attribution`).
 achieved GB/s  bytes a link moved / the time it was busy (the union of its transfers' intervals),
                next to the link's measured limit from the trace's metadata (``link_limit``).
 reads          where the blocks readers acquired came from: found in place in a memory tier
@@ -36,14 +32,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from tierkv.sizes import format_size
 from tierkv.errors import ConfigError
 from tierkv.events import COMPUTE_KINDS, MODELLED_KINDS, Event, EventKind, busy_seconds
+from tierkv.profile.attribution import INTO_MEMORY, UNATTRIBUTED, TransferIndex, attribute
 
 PHASES = ("decode", "prefill", "all")
-WAITED_ON = ("load", "prefetch", "demote")    # transfers a reader can be blocked behind
-INTO_MEMORY = ("load", "prefetch")
-UNATTRIBUTED = "unattributed"
 STORAGE_TIERS = ("nvme",)     # tiers that are not memory: a read from them brings a block into memory
 
 
@@ -138,62 +131,6 @@ class Summary:
     def as_dict(self, top: int = 5) -> dict[str, object]:
         return asdict(self) | {"stall_fraction": self.stall_fraction,
                                "top_causes": [c.describe() for c in self.causes[:top]]}
-
-
-# -- attribution -----------------------------------------------------------
-class TransferIndex:
-    """Transfers a wait may overlap, indexed by what they bring in (dst, layer) and what they evict."""
-
-    def __init__(self, events: Sequence[Event]) -> None:
-        into: dict[tuple[str, int | None], list[Event]] = defaultdict(list)
-        into_any: dict[str, list[Event]] = defaultdict(list)
-        out_of: dict[str, list[Event]] = defaultdict(list)
-        for e in events:
-            if e.kind in INTO_MEMORY:
-                into[(e.dst, e.layer)].append(e)
-                into_any[e.dst].append(e)
-            elif e.kind == EventKind.DEMOTE:
-                out_of[e.src].append(e)
-        self.into = {k: _Overlaps(v) for k, v in into.items()}
-        self.into_any = {k: _Overlaps(v) for k, v in into_any.items()}
-        self.out_of = {k: _Overlaps(v) for k, v in out_of.items()}
-
-    def blockers(self, w: Event) -> list[Event]:
-        found = _find(self.into.get((w.dst, w.layer)), w) + _find(self.out_of.get(w.dst), w)
-        return found or _find(self.into_any.get(w.dst), w)
-
-
-def _find(index: _Overlaps | None, w: Event) -> list[Event]:
-    return [] if index is None else index.find(w.start, w.done)
-
-
-class _Overlaps:
-    def __init__(self, events: list[Event]) -> None:
-        self.events = sorted(events, key=lambda e: e.start)
-        self.starts = [e.start for e in self.events]
-        self.longest = max((e.done - e.start for e in self.events), default=0.0)
-
-    def find(self, start: float, done: float) -> list[Event]:
-        hi = bisect.bisect_left(self.starts, done)
-        lo = bisect.bisect_left(self.starts, start - self.longest)
-        return [e for e in self.events[lo:hi] if e.done > start]
-
-
-def attribute(wait: Event, transfers: TransferIndex) -> dict[tuple[str, str], float]:
-    """Seconds of ``wait`` per (link, kind) it was blocked behind (see the module doc)."""
-    seconds = wait.done - wait.start
-    if wait.src:
-        return {(f"{wait.src}->{wait.dst}", "load"): seconds}
-    covered: dict[tuple[str, str], float] = {}
-    by_key: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
-    for e in transfers.blockers(wait):
-        by_key[(f"{e.src}->{e.dst}", e.kind)].append((max(e.start, wait.start), min(e.done, wait.done)))
-    for key, spans in by_key.items():
-        covered[key] = busy_seconds(spans)
-    total = sum(covered.values())
-    if total <= 0:
-        return {(UNATTRIBUTED, ""): seconds}
-    return {key: seconds * c / total for key, c in covered.items() if c > 0}
 
 
 # -- phases ----------------------------------------------------------------
@@ -376,84 +313,3 @@ def _note_gaps(s: Summary, charged: list[tuple[Event, dict]], meta: dict) -> Non
                        "tier (blocked on a pin or on the executor queue?)")
     if s.links and not _mapping(meta, "links"):
         s.notes.append("no measured link limits in the trace: GB/s is shown without its limit")
-
-
-# -- text ------------------------------------------------------------------
-def format_summary(s: Summary, title: str = "", top: int = 5) -> str:
-    lines = [f"{title}{': ' if title else ''}{s.phase} phase {s.phase_s:.2f} s; {s.steps} decode steps"]
-    if s.step_ms:
-        m = s.step_ms
-        lines.append(f"step latency  p50 {m['p50']:.1f} ms  p90 {m['p90']:.1f} ms  p99 {m['p99']:.1f} ms"
-                     f"  (mean {m['mean']:.1f}, max {m['max']:.1f})")
-    if s.prefill_s:
-        lines.append(f"prefill       {s.prefill_s:.2f} s")
-    if s.tiers:
-        lines.append("tiers         " + ", ".join(f"{name} {_tier_size(t)}" for name, t in s.tiers.items()))
-    lines.append(f"stall         {s.stall_s:.3f} s = {100 * s.stall_fraction:.1f} % of {s.phase_time}, "
-                 f"{s.waits} waits")
-    lines += _stall_tables(s, top) + _link_table(s.links) + _modelled_table(s.modelled) + _read_lines(s)
-    lines += [f"note: {n}" for n in s.notes]
-    return "\n".join(lines)
-
-
-def _tier_size(tier: object) -> str:
-    sizes = {k: v for k, v in tier.items() if isinstance(v, (int, float))} if isinstance(tier, dict) else {}
-    if "budget_bytes" not in sizes:
-        return "?"
-    peak = f" (peak {format_size(sizes['peak_bytes'])})" if "peak_bytes" in sizes else ""
-    return format_size(sizes["budget_bytes"]) + peak
-
-
-def _stall_tables(s: Summary, top: int) -> list[str]:
-    if not s.waits:
-        return []
-    shown_links = [r for r in s.by_link if r.of_stall >= 0.001]
-    lines = ["", f"{'stall by tier link':22s} {'stall s':>8s} {'of stall':>9s} {'of time':>8s} {'waits':>6s}"]
-    lines += [f"  {r.key:20s} {r.seconds:8.3f} {100 * r.of_stall:8.1f}% {100 * r.of_time:7.1f}% {r.waits:6d}"
-              for r in shown_links]
-    if len(shown_links) < len(s.by_link):
-        lines.append(f"  ({len(s.by_link) - len(shown_links)} more under 0.1 % of stall)")
-    shown = s.by_layer[:8]
-    lines += ["", f"{'stall by layer':22s} {'stall s':>8s} {'of stall':>9s} {'of layer':>8s} {'waits':>6s}"
-              + (f"   (top {len(shown)} of {len(s.by_layer)})" if len(shown) < len(s.by_layer) else "")]
-    lines += [f"  {'layer ' + r.key:20s} {r.seconds:8.3f} {100 * r.of_stall:8.1f}% {100 * r.of_time:7.1f}% "
-              f"{r.waits:6d}" for r in shown]
-    lines += ["", "top stall causes"] + [f"  {i}. {c.describe()}" for i, c in enumerate(s.causes[:top], 1)]
-    return lines
-
-
-def _link_table(links: list[Link]) -> list[str]:
-    if not links:
-        return []
-    lines = ["", f"{'link':14s} {'kinds':22s} {'moved':>10s} {'xfers':>6s} {'busy s':>7s} {'GB/s':>7s} "
-                 f"{'limit':>7s} {'of limit':>8s}"]
-    for r in links:
-        limit = f"{r.limit_gbps:7.2f} {100 * r.gbps / r.limit_gbps:7.0f}%" if r.limit_gbps else \
-            f"{'?':>7s} {'':>8s}"
-        lines.append(f"  {r.link:12s} {r.kinds:22s} {format_size(r.nbytes):>10s} {r.transfers:6d} "
-                     f"{r.busy_s:7.3f} {r.gbps:7.2f} {limit}")
-    return lines
-
-
-def _modelled_table(rows: list[Modelled]) -> list[str]:
-    if not rows:
-        return []
-    lines = ["", f"{'CXL pool (modelled)':28s} {'count':>6s} {'bytes':>10s} {'sum s':>8s} {'busy s':>8s} "
-                 f"{'of time':>8s}"]
-    for r in rows:
-        what = f"{r.kind} {r.where}" if r.kind != "compute" else f"near-memory compute {r.where}"
-        lines.append(f"  {what:26s} {r.count:6d} {format_size(r.nbytes):>10s} {r.seconds:8.3f} {r.busy_s:8.3f} "
-                     f"{100 * r.of_phase:7.1f}%")
-    return lines
-
-
-def _read_lines(s: Summary) -> list[str]:
-    if not s.reads:
-        return []
-    total = sum(r.blocks for r in s.reads)
-    lines = ["", f"reads: {total} blocks acquired"]
-    lines += [f"  {r.source:32s} {r.blocks:8d} {100 * r.share:6.1f}%" for r in s.reads]
-    if s.reuse is not None:
-        lines.append(f"cross-step reuse {100 * s.reuse:.1f} % of reads needed no block from storage "
-                     "(1 - blocks read from nvme / blocks acquired; a lower bound)")
-    return lines

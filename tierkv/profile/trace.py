@@ -40,7 +40,7 @@ import torch
 from tierkv.device import has_cuda
 from tierkv.errors import ConfigError
 from tierkv.events import COMPUTE_KINDS, MODELLED_KINDS, Event, EventKind
-from tierkv.profile.summary import TransferIndex, attribute
+from tierkv.profile.attribution import TransferIndex, attribute
 
 VERSION = 1
 PID = 1

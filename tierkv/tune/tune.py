@@ -33,8 +33,10 @@ from typing import Any
 from policies import available, make_policy
 from tierkv.sizes import format_size, parse_size
 from tierkv.errors import ConfigError, TierKVError
-from tierkv.profile.access import AccessTrace, TraceMeta
-from tierkv.tune.replay import PREFETCHERS, ReplayConfig, ReplayResult, TierModel, replay
+from tierkv.profile.access_trace import AccessTrace, TraceMeta
+from tierkv.tune.prefetchers import PREFETCHERS
+from tierkv.tune.replay import ReplayConfig, ReplayResult, replay
+from tierkv.tune.tier_model import TierModel
 
 CONFIG_FORMAT, CONFIG_VERSION = "tierkv-run-config", 1
 RUN_KEYS = ("gpu_budget", "cpu_budget", "nvme_budget", "gpu_policy", "cpu_policy", "nvme_policy", "prefetch")
