@@ -147,7 +147,7 @@ def key_errors(engine: SparseEngine, seq: SparseSequence, cache: DynamicCache, n
 
 
 def manager_for(loaded: LoadedModel, config: SparseConfig) -> BlockingTierManager:
-    page_bytes = SparseEngine.page_layout(loaded, config).page_bytes
+    page_bytes = SparseEngine.page_layout(loaded, config).block_bytes
     return BlockingTierManager.from_config(TierConfig(block_bytes=page_bytes, gpu="2GiB", cpu="64MiB"))
 
 
@@ -442,7 +442,7 @@ def add_document(report: Report, loaded: LoadedModel, runs: list[DocRun], prompt
         report.add_row(run.name, "top1_agreement", run.agreement, "share", **extra, kl_mean=run.kl,
                        next_token_accuracy=run.accuracy, s_per_step=round(run.seconds_per_step, 3),
                        tokens_read=round(run.read_tokens), pages_read=round(run.read_pages),
-                       page_bytes=SparseEngine.page_layout(loaded, run.config).page_bytes,
+                       page_bytes=SparseEngine.page_layout(loaded, run.config).block_bytes,
                        seed_s=round(run.seed_seconds, 1),
                        sparse_config=settings(run.config))
         report.add_row(run.name, "key_rel_error", round(mean(run.key_error), 4), "ratio", **extra,

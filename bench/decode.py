@@ -58,7 +58,7 @@ from tierkv.model.engine import Engine
 from tierkv.model.generate import DTYPES, RunConfig, RunResult, run
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
-from tierkv.model.sequence import KVLayout
+from tierkv.layout import BlockLayout
 from tierkv.events import EventRecorder, busy_seconds
 from sparse_rows import measure_sparse
 
@@ -165,7 +165,7 @@ class NativeDecoder:
     to the NVMe store when there is one, before decoding starts.
     """
 
-    def __init__(self, loaded: LoadedModel, ids: list[int], prefilled: DynamicCache, layout: KVLayout,
+    def __init__(self, loaded: LoadedModel, ids: list[int], prefilled: DynamicCache, layout: BlockLayout,
                  config: TierConfig, record: bool = True) -> None:
         self.recorder = EventRecorder(enabled=record)
         self.manager = BlockingTierManager.from_config(config, namespace=layout.name, recorder=self.recorder)
@@ -254,7 +254,7 @@ def measure_context(report: Report, loaded: LoadedModel, ctx: int, steps: int, w
     first, prefilled, prefill_s = prefill_hf(model, ids)
     progress(f"{ctx // K}K: transformers prefill {prefill_s:.1f} s")
     report.add_row("dynamic-cache", "prefill_s", round(prefill_s, 2), "s", context=ctx)
-    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, BLOCK_TOKENS)
+    layout = BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, BLOCK_TOKENS)
     pos, length = len(ids), len(ids) + steps + 1
     n_blocks = spec.num_layers * -(-length // BLOCK_TOKENS)
     all_kv = (n_blocks + spec.num_layers) * layout.block_bytes

@@ -47,7 +47,7 @@ from tierkv.manager import BlockingTierManager
 from tierkv.model.engine import Engine, EngineConfig
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
-from tierkv.model.sequence import KVLayout
+from tierkv.layout import BlockLayout
 from tierkv.profile.access import AccessRecorder
 from tierkv.profile.access_trace import STEP_KINDS, AccessTrace
 from tierkv.profile.link_stats import link_bytes
@@ -96,7 +96,7 @@ class Measured:
 # -- the real runs ---------------------------------------------------------------------
 def real_run(loaded: LoadedModel, policy: str, plan: Plan, ids: list[int], store: Path) -> Measured:
     spec = loaded.spec
-    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, plan.block_tokens)
+    layout = BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, plan.block_tokens)
     bb = layout.block_bytes
     config = TierConfig(block_bytes=bb, gpu=plan.gpu_slots * bb, cpu=plan.cpu_slots * bb, nvme_dir=store,
                         nvme_budget="4GiB", gpu_policy=policy, cpu_policy=policy)

@@ -71,7 +71,7 @@ class SparseDecoder:
         cfg = SparseConfig(prefetch=prefetch, attend=attend, overlap=overlap)
         layout = SparseEngine.page_layout(loaded, cfg, PAGE_DTYPE)
         self.recorder = EventRecorder()
-        tiers = TierConfig(block_bytes=layout.page_bytes, gpu=gpu, cpu=cpu, nvme_dir=store / layout.name)
+        tiers = TierConfig(block_bytes=layout.block_bytes, gpu=gpu, cpu=cpu, nvme_dir=store / layout.name)
         self.manager = BlockingTierManager.from_config(tiers, namespace=layout.name, recorder=self.recorder)
         self.engine = SparseEngine(loaded, self.manager, cfg, page_dtype=PAGE_DTYPE)
         self.seq, reused = open_sparse(self.engine, ids, run_config(len(ids), store), lambda n: None)
@@ -79,7 +79,7 @@ class SparseDecoder:
             raise RuntimeError("the sparse index was not found in the store: run the prefill first")
         if warm:    # every page read into the gpu tier before timing starts
             pages, group = self.seq.all_pages(), 2048
-            scratch = torch.empty(group, layout.page_bytes, dtype=torch.uint8)
+            scratch = torch.empty(group, layout.block_bytes, dtype=torch.uint8)
             for first in range(0, len(pages), group):
                 keys = pages[first:first + group]
                 self.manager.gather(keys, scratch[:len(keys)], "gpu")
@@ -112,7 +112,7 @@ class SparseDecoder:
                 "reuse_rate": reused / pages if pages else 0.0, "pages_read": pages,
                 "tokens_per_layer_step": (self.seq.stats.tokens - self.stats_before[2]) /
                 max(1, self.seq.stats.steps - self.stats_before[3]),
-                "page_bytes": self.engine.layout.page_bytes}
+                "page_bytes": self.engine.layout.block_bytes}
 
     def _nvme_read(self) -> int:
         stats = self.manager.manager.stats
@@ -127,7 +127,7 @@ def dynamic_from_store(loaded: LoadedModel, ids: list[int], store: Path) -> Dyna
     """A DynamicCache holding the stored sparse prefill's KV, keys rebuilt from the pages at full length."""
     cfg = SparseConfig()
     layout = SparseEngine.page_layout(loaded, cfg, PAGE_DTYPE)
-    tiers = TierConfig(block_bytes=layout.page_bytes, gpu="64MiB", cpu=0, nvme_dir=store / layout.name)
+    tiers = TierConfig(block_bytes=layout.block_bytes, gpu="64MiB", cpu=0, nvme_dir=store / layout.name)
     cache = DynamicCache(config=loaded.model.config)
     with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager, torch.inference_mode():
         engine = SparseEngine(loaded, manager, cfg, page_dtype=PAGE_DTYPE)
@@ -149,7 +149,7 @@ def ensure_prefilled(loaded: LoadedModel, ids: list[int], store: Path) -> float:
     """Sparse prefill of ``ids`` into ``store`` unless it is there already; returns its seconds (0: reused)."""
     cfg = SparseConfig()
     layout = SparseEngine.page_layout(loaded, cfg, PAGE_DTYPE)
-    tiers = TierConfig(block_bytes=layout.page_bytes, gpu="512MiB", cpu="1GiB", nvme_dir=store / layout.name)
+    tiers = TierConfig(block_bytes=layout.block_bytes, gpu="512MiB", cpu="1GiB", nvme_dir=store / layout.name)
     start = time.perf_counter()
     with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager:
         engine = SparseEngine(loaded, manager, cfg, page_dtype=PAGE_DTYPE)
@@ -168,8 +168,8 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
     print(f"{ctx // K}K sparse prefill: {'reused from the store' if not prefill_s else f'{prefill_s:.0f} s'}",
           file=sys.stderr, flush=True)
     layout = SparseEngine.page_layout(loaded, SparseConfig(), PAGE_DTYPE)
-    n_pages = len(loaded.model.model.layers) * (ctx // layout.page_tokens + 2)
-    all_pages, small = (n_pages + 64) * layout.page_bytes, int(SMALL_SHARE * n_pages) * layout.page_bytes
+    n_pages = len(loaded.model.model.layers) * (ctx // layout.tokens + 2)
+    all_pages, small = (n_pages + 64) * layout.block_bytes, int(SMALL_SHARE * n_pages) * layout.block_bytes
     builders = {
         "sparse-ram": lambda: SparseDecoder(loaded, ids, store, gpu=all_pages, cpu=0, prefetch="none", warm=True),
         "sparse-ram-chunks": lambda: SparseDecoder(loaded, ids, store, gpu=all_pages, cpu=0, prefetch="none",
@@ -185,14 +185,14 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
     }
     runs = interleave(builders, ids[-1], steps, together=False)
     threads = IOKnobs.from_env().io_threads
-    tiers = TierConfig(block_bytes=layout.page_bytes, gpu=layout.page_bytes, cpu=0, nvme_dir=store / layout.name)
+    tiers = TierConfig(block_bytes=layout.block_bytes, gpu=layout.block_bytes, cpu=0, nvme_dir=store / layout.name)
     with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager:   # the stored pages' slots
         slots = [slot for _, slot in manager.manager.store.items()]
-    rate = page_read_rate(store / layout.name / "slots.dat", layout.page_bytes, slots, threads)
+    rate = page_read_rate(store / layout.name / "slots.dat", layout.block_bytes, slots, threads)
     if rate:
         report.add_bound(f"page reads@{ctx // K}K: the store's device serves {rate / 1e3:.1f}K random "
-                         f"{layout.page_bytes // 1024} KiB O_DIRECT reads/s with {threads} threads "
-                         f"({rate * layout.page_bytes / 1e6:.0f} MB/s), measured on the stored pages in this run")
+                         f"{layout.block_bytes // 1024} KiB O_DIRECT reads/s with {threads} threads "
+                         f"({rate * layout.block_bytes / 1e6:.0f} MB/s), measured on the stored pages in this run")
     runs |= interleave({"dynamic-cache": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store),
                                                            len(ids) - 1)}, ids[-1], steps, together=False)
     add_sparse_rows(report, ctx, runs, steps, prefill_s, rate)

@@ -22,7 +22,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tierkv.config import TierConfig
 from tierkv.manager import BlockingTierManager
-from tierkv.model.sequence import KVLayout, TieredSequence
+from tierkv.layout import BlockLayout
+from tierkv.model.sequence import TieredSequence
 
 
 class TieredLayer(CacheLayerMixin):
@@ -88,7 +89,7 @@ class TieredCache(Cache):
         if self.sequence is not None:
             return
         B, Hkv, _, D = key_states.shape
-        layout = KVLayout(self.num_layers, Hkv, D, key_states.dtype, self.block_tokens, B)
+        layout = BlockLayout.kv(self.num_layers, Hkv, D, key_states.dtype, self.block_tokens, B)
         if self.manager is None:
             config = TierConfig(block_bytes=layout.block_bytes, **self._budgets)
             self.manager = BlockingTierManager.from_config(config, namespace=layout.name)

@@ -16,7 +16,7 @@ from tierkv.manager import BlockingTierManager
 from tierkv.model.engine import Engine, EngineConfig
 from tierkv.model.generate import RunConfig, run
 from tierkv.model.prompt import passkey_prompt
-from tierkv.model.sequence import KVLayout
+from tierkv.layout import BlockLayout
 
 pytestmark = pytest.mark.model
 SMALL_RUN = dict(synthetic_tokens=2300, block_tokens=128, chunk_tokens=512, max_new_tokens=8,
@@ -25,7 +25,7 @@ SMALL_RUN = dict(synthetic_tokens=2300, block_tokens=128, chunk_tokens=512, max_
 
 def layout_of(loaded, block_tokens):
     s = loaded.spec
-    return KVLayout(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, block_tokens)
+    return BlockLayout.kv(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, block_tokens)
 
 
 def greedy_native(engine, ids, n):

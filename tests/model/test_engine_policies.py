@@ -10,14 +10,14 @@ from tierkv.manager import BlockingTierManager
 from tierkv.model.arch import model_spec
 from tierkv.model.engine import Engine, EngineConfig
 from tierkv.model.loading import LoadedModel
-from tierkv.model.sequence import KVLayout
+from tierkv.layout import BlockLayout
 
 
 def _engine(gpu_policy: str, prefetch: str = "next-layer", **params):
     model = tiny_model("llama")
     loaded = LoadedModel(model, None, "tiny-llama", model_spec(model))
     s = loaded.spec
-    layout = KVLayout(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, 16)
+    layout = BlockLayout.kv(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, 16)
     config = TierConfig(block_bytes=layout.block_bytes, gpu=6 * layout.block_bytes, cpu=64 * layout.block_bytes)
     manager = BlockingTierManager.from_config(config, namespace=layout.name)
     manager.manager.policies["gpu"] = make_policy(gpu_policy, capacity=6, **params)

@@ -26,7 +26,7 @@ def loaded(kind: str) -> LoadedModel:
 def run_sparse(lm: LoadedModel, ids: list[int], cfg: SparseConfig, steps: int = 3) -> list[torch.Tensor]:
     """Prefill ids[:-steps-1], then decode the rest one token at a time: logits after each."""
     layout = SparseEngine.page_layout(lm, cfg)
-    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB",
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="256KiB",
                                                     cpu="8MiB")) as manager:
         engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
         seq = engine.new_sequence(len(ids) - steps)
@@ -37,7 +37,7 @@ def run_sparse(lm: LoadedModel, ids: list[int], cfg: SparseConfig, steps: int = 
 def decoded_sequence(lm: LoadedModel, ids: list[int], cfg: SparseConfig, steps: int) -> SparseSequence:
     """The sequence after prefilling ids[:-steps] and decoding the last ``steps`` tokens (finite logits)."""
     layout = SparseEngine.page_layout(lm, cfg)
-    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB",
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="256KiB",
                                                     cpu="8MiB")) as manager:
         engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
         seq = engine.new_sequence(len(ids))
@@ -136,7 +136,7 @@ def test_decode_widens_to_the_pages_read_at_most_twice_the_selection():
     query = torch.randn(lm.spec.num_heads, lm.spec.head_dim, generator=torch.Generator().manual_seed(9))
     free = seq.index(0).candidates.nonzero().flatten()
     layout = SparseEngine.page_layout(lm, cfg)
-    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB")) as manager:
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="256KiB")) as manager:
         engine = SparseEngine(lm, manager, cfg)
         one_page = free[free // per == int(free[0]) // per]          # the candidates of one page
         few = one_page[:max(1, len(one_page) // 2)].expand(H, -1)
@@ -166,7 +166,7 @@ def test_with_remapped_positions_the_widened_set_stays_inside_the_trained_window
     limit = (lm.spec.max_position - fixed - 1) // c
     assert 32 < limit < 64 and seq.page_chunks(0, spread).numel() > limit
     layout = SparseEngine.page_layout(lm, cfg)
-    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB")) as manager:
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="256KiB")) as manager:
         wide, shared = SparseEngine(lm, manager, cfg)._widen(seq, 0, torch.randn(lm.spec.num_heads, lm.spec.head_dim),
                                                              spread)
     assert wide.shape == (H, limit) and fixed + limit * c < lm.spec.max_position
@@ -187,7 +187,7 @@ def test_a_layer_budget_must_name_a_layer_of_the_model():
     lm = loaded("llama")
     cfg = SparseConfig(layer_budgets="99:4096", page_tokens=16)
     layout = SparseEngine.page_layout(lm, cfg)
-    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB")) as manager:
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="256KiB")) as manager:
         with pytest.raises(ConfigError, match=f"layer 99 is not in the model: it has {lm.spec.num_layers} layers"):
             SparseEngine(lm, manager, cfg)
 
@@ -235,7 +235,7 @@ def test_overlapped_decode_over_pages_on_nvme_equals_dense_attention(positions, 
         cfg = SparseConfig(budget=10_000, rank=dims, sink_tokens=sinks, window_tokens=window, page_tokens=16,
                            outlier_fraction=0.05, positions=positions, dense_prefill_tokens=100, overlap=overlap)
         layout = SparseEngine.page_layout(lm, cfg)
-        tiers = TierConfig(block_bytes=layout.page_bytes, gpu=gpu_pages * layout.page_bytes, cpu=0,
+        tiers = TierConfig(block_bytes=layout.block_bytes, gpu=gpu_pages * layout.block_bytes, cpu=0,
                            nvme_dir=tmp_path / str(overlap))
         with BlockingTierManager.from_config(tiers) as manager:
             engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
@@ -254,7 +254,7 @@ def test_a_recorded_sparse_run_marks_each_prefill_chunk_and_decode_step():
     lm, cfg = loaded("llama"), SparseConfig(budget=16, rank=8, sink_tokens=8, window_tokens=32, page_tokens=16,
                                             positions="original", dense_prefill_tokens=100)
     layout = SparseEngine.page_layout(lm, cfg)
-    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="256KiB",
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="256KiB",
                                                     cpu="8MiB")) as manager:
         recorder = AccessRecorder().attach(manager.manager)
         engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)

@@ -99,7 +99,7 @@ def test_compressed_kv_runs_and_stores_a_quarter_of_the_bytes(reference, tmp_pat
         packed.close()
     assert all(len(row) == NEW for row in got)
     assert got[0][0] == expected[0][0]                     # the first token comes from the exact prefill
-    assert packed.kv_shape.block_bytes * 3 < plain.kv_shape.block_bytes
+    assert packed.kv_layout.block_bytes * 3 < plain.kv_layout.block_bytes
 
 
 def test_stop_ends_the_block_between_steps(reference, tmp_path):

@@ -8,7 +8,8 @@ from tierkv.keys import BlockKey
 from tierkv.errors import BlockCorrupt
 from tierkv.manager import BlockingTierManager, TierManager
 from tierkv.model.sparse_engine import SparseEngine
-from tierkv.sparse import PageLayout, SparseConfig, SparseSequence
+from tierkv.layout import BlockLayout
+from tierkv.sparse import SparseConfig, SparseSequence
 
 H, D = 2, 16
 
@@ -18,20 +19,20 @@ def config(**kw) -> SparseConfig:
 
 
 def sequence(manager, cfg, rank=H * D, **kw) -> SparseSequence:
-    layout = PageLayout(cfg.page_tokens, H, D, rank, torch.float32)
+    layout = BlockLayout.page(cfg.page_tokens, H, D, rank, torch.float32)
     return SparseSequence(manager, cfg, layout, num_layers=1, dtype=torch.float32,
                           needs=frozenset({"landmarks"}), rotate=None, **kw)
 
 
 def pages_manager(cfg, rank=H * D, **budgets) -> BlockingTierManager:
-    layout = PageLayout(cfg.page_tokens, H, D, rank, torch.float32)
-    return BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes,
+    layout = BlockLayout.page(cfg.page_tokens, H, D, rank, torch.float32)
+    return BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes,
                                                       **({"gpu": "1MiB", "cpu": "1MiB"} | budgets)))
 
 
 def test_page_round_trip_is_4k_aligned():
-    layout = PageLayout(32, 3, 64, 96, torch.bfloat16)
-    assert layout.payload_bytes == 32 * (192 + 96) * 2 and layout.page_bytes % 4096 == 0
+    layout = BlockLayout.page(32, 3, 64, 96, torch.bfloat16)
+    assert layout.payload_bytes == 32 * (192 + 96) * 2 and layout.block_bytes % 4096 == 0
     v, a = torch.randn(32, 3, 64), torch.randn(32, 96)
     values, factors = layout.unpack(torch.stack([layout.pack(v, a)] * 2))
     assert torch.equal(values[1], v.bfloat16()) and torch.equal(factors[0], a.bfloat16())
@@ -104,7 +105,7 @@ def test_full_rank_rebuilt_keys_rotated_equal_the_real_post_rope_keys(tiny_loade
     cfg = SparseConfig(budget=4096, sink_tokens=8, window_tokens=16, page_tokens=16, rank=32,
                        positions="original")
     layout = SparseEngine.page_layout(tiny_loaded, cfg)
-    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="4MiB")) as manager:
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="4MiB")) as manager:
         engine = SparseEngine(tiny_loaded, manager, cfg)
         seq = engine.new_sequence(300)
         k_pre, v = torch.randn(300, 2, 16), torch.randn(300, 2, 16)
@@ -130,8 +131,8 @@ def test_cross_step_reuse_is_counted():
 
 def test_a_corrupt_page_is_an_error_and_leaves_nothing_pinned(tmp_path):
     cfg = config()
-    layout = PageLayout(cfg.page_tokens, H, D, H * D, torch.float32)
-    tiers = TierConfig(block_bytes=layout.page_bytes, gpu=layout.page_bytes * 2, cpu=0, nvme_dir=tmp_path)
+    layout = BlockLayout.page(cfg.page_tokens, H, D, H * D, torch.float32)
+    tiers = TierConfig(block_bytes=layout.block_bytes, gpu=layout.block_bytes * 2, cpu=0, nvme_dir=tmp_path)
     with BlockingTierManager.from_config(tiers) as manager:
         seq = sequence(manager, cfg, persist=True)
         seq.append(0, torch.randn(200, H, D), torch.randn(200, H, D))
@@ -141,9 +142,9 @@ def test_a_corrupt_page_is_an_error_and_leaves_nothing_pinned(tmp_path):
         assert manager.where(victim) == ["nvme"]
         slot = manager.manager.store.lookup(victim)
         with open(tmp_path / "slots.dat", "r+b") as f:     # flip a byte of the page on disk
-            f.seek(slot * layout.page_bytes + 100)
+            f.seek(slot * layout.block_bytes + 100)
             byte = f.read(1)
-            f.seek(slot * layout.page_bytes + 100)
+            f.seek(slot * layout.block_bytes + 100)
             f.write(bytes([byte[0] ^ 0xFF]))
         with pytest.raises(BlockCorrupt):
             seq.gather(0, torch.tensor([[10, 11], [0, 10]]))  # page 5 holds chunks 10-11
@@ -153,8 +154,8 @@ def test_a_corrupt_page_is_an_error_and_leaves_nothing_pinned(tmp_path):
 
 async def test_cancelled_page_fetch_leaks_nothing(tmp_path):
     cfg = config()
-    layout = PageLayout(cfg.page_tokens, H, D, H * D, torch.float32)
-    tiers = TierConfig(block_bytes=layout.page_bytes, gpu=layout.page_bytes * 64, cpu=0, nvme_dir=tmp_path)
+    layout = BlockLayout.page(cfg.page_tokens, H, D, H * D, torch.float32)
+    tiers = TierConfig(block_bytes=layout.block_bytes, gpu=layout.block_bytes * 64, cpu=0, nvme_dir=tmp_path)
     async with TierManager.from_config(tiers) as manager:
         keys = []
         for p in range(48):
@@ -179,8 +180,8 @@ async def test_cancelled_page_fetch_leaks_nothing(tmp_path):
 
 def test_a_split_gather_returns_what_is_in_place_and_brings_the_rest(tmp_path):
     cfg = config()
-    layout = PageLayout(cfg.page_tokens, H, D, H * D, torch.float32)
-    with pages_manager(cfg, gpu=8 * layout.page_bytes, cpu=0, nvme_dir=tmp_path / "s") as manager:
+    layout = BlockLayout.page(cfg.page_tokens, H, D, H * D, torch.float32)
+    with pages_manager(cfg, gpu=8 * layout.block_bytes, cpu=0, nvme_dir=tmp_path / "s") as manager:
         seq, k, v, outliers, candidates = indexed_tokens(manager, cfg)   # 11 pages: the first ones on NVMe
         chunks = torch.stack([candidates[:2], candidates[-2:]])          # the heads read different pages
         expect = [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)]

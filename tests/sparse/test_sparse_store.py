@@ -14,7 +14,7 @@ IDS = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(7)).
 
 def manager(lm, root):
     layout = SparseEngine.page_layout(lm, CFG)
-    return BlockingTierManager.from_config(TierConfig(block_bytes=layout.page_bytes, gpu="128KiB", cpu=0,
+    return BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="128KiB", cpu=0,
                                                       nvme_dir=root / layout.name))
 
 
@@ -185,8 +185,8 @@ def test_a_failed_load_leaves_the_sequence_untouched(tiny_loaded, tmp_path):
 def test_a_stored_prefill_keeps_its_name_across_releases():
     """A new setting must not rename every stored index (a 1M-token prefill takes hours): the name
     below was computed by the release that wrote the first stores. Change it only on purpose."""
-    from tierkv.sparse.pages import PageLayout
-    layout = PageLayout(32, 3, 64, 192, torch.bfloat16)
+    from tierkv.layout import BlockLayout
+    layout = BlockLayout.page(32, 3, 64, 192, torch.bfloat16)
     resolved = SparseConfig(page_tokens=32).resolve(prompt_tokens=1000, trained_tokens=8192)
     ids = list(range(999))
     key = index_id("smollm2", layout, resolved, frozenset({"landmarks"}), ids)

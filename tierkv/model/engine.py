@@ -41,7 +41,8 @@ from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attent
     project_qkv, rope_cos_sin
 from tierkv.model.attention import attend, block_lse, block_mass, merge_lse
 from tierkv.model.loading import LoadedModel
-from tierkv.model.sequence import KVLayout, TieredSequence
+from tierkv.layout import BlockLayout
+from tierkv.model.sequence import TieredSequence
 from tierkv.events import Event, EventKind
 from tierkv.profile.trace import profiler_range
 
@@ -77,7 +78,7 @@ class Engine:
         self.manager = manager
         self.config = config
         self.layers = decoder_layers(self.model)
-        self.layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype,
+        self.layout = BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype,
                                config.block_tokens)
         self.prefetch = make_prefetch(config.prefetch)
         self.scores = manager.wants_scores   # a policy ranks blocks by attention (h2o): report it
@@ -193,7 +194,7 @@ class Engine:
             group_v = torch.cat([bv for _, bv in blocks], dim=2).to(q.device)
             parts = [merge_lse([*parts, attend(q, group_k, group_v, causal=False)])]
             if scored:
-                block_lses.append(block_lse(q, group_k, self.layout.block_tokens))
+                block_lses.append(block_lse(q, group_k, self.layout.tokens))
         tail_k, tail_v = seq.tail(layer)
         if tail_k.shape[2]:
             parts.append(attend(q, tail_k.to(q.device), tail_v.to(q.device), causal=False))

@@ -22,7 +22,7 @@ from tierkv.manager import BlockingTierManager
 from tierkv.model.engine import Engine, EngineConfig
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import Prompt, document_prompt, passkey_prompt
-from tierkv.model.sequence import KVLayout
+from tierkv.layout import BlockLayout
 from tierkv.profile.access import AccessRecorder
 from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.profile.trace import write_trace
@@ -181,7 +181,7 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
 def _dense_session(config: RunConfig, loaded: LoadedModel, ids: list[int], recorder: EventRecorder,
                    result: RunResult, progress: Callable[[int], None], on_text: Callable[[str], None]) -> int:
     spec = loaded.spec
-    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, config.block_tokens)
+    layout = BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, config.block_tokens)
     with BlockingTierManager.from_config(tier_config(config, layout.block_bytes, layout.name),
                                          namespace=layout.name, recorder=recorder) as manager:
         engine = Engine(loaded, manager, EngineConfig(config.block_tokens, config.chunk_tokens, config.reuse,
@@ -205,7 +205,7 @@ def _sparse_session(config: RunConfig, loaded: LoadedModel, ids: list[int], reco
     sparse = config.sparse_config()
     page_dtype = None if config.page_dtype is None else DTYPES[config.page_dtype]
     layout = SparseEngine.page_layout(loaded, sparse, page_dtype)
-    with BlockingTierManager.from_config(tier_config(config, layout.page_bytes, layout.name),
+    with BlockingTierManager.from_config(tier_config(config, layout.block_bytes, layout.name),
                                          namespace=layout.name, recorder=recorder) as manager:
         engine = SparseEngine(loaded, manager, sparse, chunk_tokens=config.chunk_tokens, page_dtype=page_dtype)
         start = time.perf_counter()
@@ -222,7 +222,7 @@ def _sparse_session(config: RunConfig, loaded: LoadedModel, ids: list[int], reco
         result.sparse = sparse_report(engine, seq, len(ids))
         seq.release(keep=manager.manager.store is not None)
         result.tiers = tier_report(manager)
-    return layout.page_bytes
+    return layout.block_bytes
 
 
 def open_sparse(engine: SparseEngine, ids: list[int], config: RunConfig,
@@ -285,7 +285,7 @@ def sparse_report(engine: SparseEngine, seq: SparseSequence, prompt_tokens: int)
         "layer_tokens": [int(seq.chosen[layer].shape[-1]) * c.chunk_tokens for layer in sorted(seq.chosen)],
         "rank": engine.rank, "selector": c.selector,
         "prefetch": c.prefetch, "overlap": c.overlap, "positions": c.positions, "chunk_tokens": c.chunk_tokens,
-        "page_tokens": c.page_tokens, "page_bytes": engine.layout.page_bytes,
+        "page_tokens": c.page_tokens, "page_bytes": engine.layout.block_bytes,
         "dense_prefill_tokens": c.dense_prefill_tokens,
         "approximate_prefill": prompt_tokens - 1 > c.dense_prefill_tokens,
         "pages_read": stats.pages, "reuse_rate": stats.reused / stats.pages if stats.pages else 0.0,

@@ -17,74 +17,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from tierkv.device import align_up
 from tierkv.keys import BlockKey, layer_keys, prefix_keys, root_key
+from tierkv.layout import BlockLayout
 from tierkv.manager import BlockingTierManager
 from tierkv.policy import PrefetchPolicy
-
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Shape of one KV block: K and V of ``block_tokens`` tokens of one layer."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    block_tokens: int = 256
-    batch: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "batch"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
-
-    @property
-    def half_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.num_kv_heads, self.block_tokens, self.head_dim)
-
-    @property
-    def payload_bytes(self) -> int:
-        return 2 * self.batch * self.num_kv_heads * self.block_tokens * self.head_dim * self.itemsize
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def block_bytes(self) -> int:
-        return align_up(self.payload_bytes)
-
-    @property
-    def name(self) -> str:
-        return (f"kv-L{self.num_layers}-H{self.num_kv_heads}-D{self.head_dim}-T{self.block_tokens}"
-                f"-B{self.batch}-{str(self.dtype).removeprefix('torch.')}")
-
-    def pack(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """K and V ``[B, Hkv, T, D]`` -> one uint8 block of ``block_bytes``."""
-        raw = torch.zeros(self.block_bytes, dtype=torch.uint8) if out is None else out
-        k_view, v_view = self.unpack(raw)
-        k_view.copy_(k)
-        v_view.copy_(v)
-        return raw
-
-    def unpack(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block's bytes -> views K, V ``[B, Hkv, T, D]`` (no copy)."""
-        half = self.payload_bytes // 2
-        k = raw[:half].view(self.dtype).view(self.half_shape)
-        v = raw[half:2 * half].view(self.dtype).view(self.half_shape)
-        return k, v
 
 
 class TieredSequence:
     """K/V of one sequence: sealed blocks in the tiers, the newest tokens in a tail per layer."""
 
-    def __init__(self, manager: BlockingTierManager, layout: KVLayout, *, model_id: str | None = None,
+    def __init__(self, manager: BlockingTierManager, layout: BlockLayout, *, model_id: str | None = None,
                  persist: bool = False) -> None:
         self.manager = manager
         self.layout = layout
@@ -96,7 +41,7 @@ class TieredSequence:
         self._prefixes: list[BlockKey] = []   # prefix key of each full block of token_ids
         self.blocks: list[list[BlockKey]] = [[] for _ in range(layout.num_layers)]
         self.tail_len = [0] * layout.num_layers
-        shape = layout.half_shape
+        shape = layout.fields[0].shape
         self._tail = [(torch.empty(shape, dtype=layout.dtype), torch.empty(shape, dtype=layout.dtype))
                       for _ in range(layout.num_layers)]
 
@@ -113,18 +58,18 @@ class TieredSequence:
     def add_tokens(self, token_ids: Sequence[int]) -> None:
         """Record the ids of tokens about to be appended (makes block keys content addresses)."""
         self.token_ids.extend(int(t) for t in token_ids)
-        T = self.layout.block_tokens
+        T = self.layout.tokens
         done = len(self._prefixes) * T
         parent = self._prefixes[-1] if self._prefixes else self.root
         self._prefixes += prefix_keys(parent, self.token_ids[done:], T)
 
     # -- writing -----------------------------------------------------------
     def length(self, layer: int = 0) -> int:
-        return len(self.blocks[layer]) * self.layout.block_tokens + self.tail_len[layer]
+        return len(self.blocks[layer]) * self.layout.tokens + self.tail_len[layer]
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append K/V ``[B, Hkv, t, D]`` of new tokens to ``layer``; full blocks go to the tiers."""
-        T = self.layout.block_tokens
+        T = self.layout.tokens
         done = 0
         while done < k.shape[2]:
             fill = self.tail_len[layer]
@@ -161,7 +106,7 @@ class TieredSequence:
         self.manager.unprotect(dropped)
         self.blocks = [layer[:n_blocks] for layer in self.blocks]
         self.tail_len = [0] * self.layout.num_layers
-        length = n_blocks * self.layout.block_tokens
+        length = n_blocks * self.layout.tokens
         del self.token_ids[length:]
         del self._prefixes[n_blocks:]
         return length

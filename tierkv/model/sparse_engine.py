@@ -47,7 +47,7 @@ from tierkv.events import Event, EventKind
 from tierkv.profile.trace import profiler_range
 from tierkv.scoring import bound_scores, landmark_scores
 from tierkv.sparse.config import SparseConfig
-from tierkv.sparse.pages import PageLayout
+from tierkv.layout import BlockLayout
 from tierkv.sparse.sequence import Loading, SparseSequence
 
 # attend="pages": a head attends at most this many times the chunks it selected (SmolLM2: at 8K
@@ -90,7 +90,7 @@ class SparseEngine:
                               f"layers, 0 to {len(self.layers) - 1}")
         self.chunk_tokens = chunk_tokens
         self.rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
-        self.layout = PageLayout(config.page_tokens, spec.num_kv_heads, spec.head_dim, self.rank,
+        self.layout = BlockLayout.page(config.page_tokens, spec.num_kv_heads, spec.head_dim, self.rank,
                                  page_dtype or spec.dtype)
         self.selector = make_selector(config.selector)
         bind = getattr(self.selector, "bind", None)
@@ -101,10 +101,10 @@ class SparseEngine:
         self._cos = self._sin = torch.empty(0, spec.head_dim)       # RoPE table by position, grown on use
 
     @staticmethod
-    def page_layout(loaded: LoadedModel, config: SparseConfig, page_dtype: torch.dtype | None = None) -> PageLayout:
+    def page_layout(loaded: LoadedModel, config: SparseConfig, page_dtype: torch.dtype | None = None) -> BlockLayout:
         spec = loaded.spec
         rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
-        return PageLayout(config.page_tokens, spec.num_kv_heads, spec.head_dim, rank, page_dtype or spec.dtype)
+        return BlockLayout.page(config.page_tokens, spec.num_kv_heads, spec.head_dim, rank, page_dtype or spec.dtype)
 
     def resolved(self, prompt_tokens: int) -> SparseConfig:
         return self.config.resolve(prompt_tokens=prompt_tokens, trained_tokens=self.loaded.spec.max_position)

@@ -31,7 +31,9 @@ from tierkv.model.arch import decoder_layers
 from tierkv.model.loading import LoadedModel
 from tierkv.schedule.compute import GpuBatch
 from tierkv.schedule.home import HomePolicy
-from tierkv.schedule.kvstore import BlockKV, KVShape
+from tierkv.layout import BlockLayout
+from tierkv.schedule.kvstore import BlockKV
+from tierkv.schedule.quant import Group4
 from tierkv.schedule.policy import Policy
 from tierkv.schedule.runner import Runner, Trace
 from tierkv.schedule.weights import WeightStore, storage_dtype, stored_nbytes, tensor_homes
@@ -72,8 +74,8 @@ class BatchEngine:
         self.spec = spec
         self.scratch = Path(tempfile.mkdtemp(prefix="tierkv-batch-", dir=_existing(nvme_dir))) if needs_disk else None
         self._managers: list[BlockingTierManager] = []
-        self.kv_shape = KVShape(spec.num_kv_heads, spec.head_dim, spec.dtype, limits.block_tokens,
-                                policy.gpu_batch_size, policy.compress_kv)
+        self.kv_layout = BlockLayout.batch_kv(spec.num_kv_heads, spec.head_dim, spec.dtype, limits.block_tokens,
+                                              policy.gpu_batch_size, codec=Group4() if policy.compress_kv else None)
         try:
             layers = decoder_layers(loaded.model)
             self.weight_homes: set = set()
@@ -103,7 +105,7 @@ class BatchEngine:
         return self._manager(WEIGHT_BLOCK, 0, cpu, disk, "weights", self.weight_homes)
 
     def _kv_manager(self) -> BlockingTierManager:
-        bb, cells = self.kv_shape.block_bytes, self.spec.num_layers * self.policy.num_gpu_batches
+        bb, cells = self.kv_layout.block_bytes, self.spec.num_layers * self.policy.num_gpu_batches
         gpu, cpu, disk = self.policy.kv.split(self.limits.blocks_per_cell)
         staging = 2 * disk + 1 if disk else 0
         return self._manager(bb, gpu * cells * bb, (cpu * cells + staging) * bb, disk * cells * bb, "kv",
@@ -128,7 +130,7 @@ class BatchEngine:
         bs = self.policy.gpu_batch_size
         batches = [GpuBatch.from_prompts([list(p) for p in prompts[i:i + bs]], pad_id)
                    for i in range(0, len(prompts), bs)]
-        kv = BlockKV(self.kv_manager, self.kv_shape, self.spec.num_layers, [b.rows for b in batches],
+        kv = BlockKV(self.kv_manager, self.kv_layout, self.spec.num_layers, [b.rows for b in batches],
                      self.policy.kv, self.limits.blocks_per_cell, self.kv_homes)
         eos = set(eos_ids)
 

@@ -17,65 +17,27 @@ from __future__ import annotations
 
 import os
 from contextlib import ExitStack
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from tierkv.device import align_up
 from tierkv.keys import BlockKey
+from tierkv.layout import BlockLayout
 from tierkv.manager import BlockingTierManager
-from tierkv.schedule import quant
 from tierkv.schedule.policy import Placement
 
 TIER_OF_HOME = {"gpu": "gpu", "cpu": "cpu", "disk": "nvme"}
 
 
-@dataclass(frozen=True, slots=True)
-class KVShape:
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    block_tokens: int
-    rows: int                 # the largest GPU batch
-    compress: bool = False
-
-    def half_shape(self, rows: int) -> tuple[int, int, int, int]:
-        return (rows, self.num_kv_heads, self.block_tokens, self.head_dim)
-
-    def half_bytes(self, rows: int) -> int:
-        numel = rows * self.num_kv_heads * self.block_tokens * self.head_dim
-        if self.compress:
-            return quant.packed_bytes(numel)
-        return numel * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def block_bytes(self) -> int:
-        return align_up(2 * self.half_bytes(self.rows))
-
-    def pack(self, k: Tensor, v: Tensor) -> Tensor:
-        raw = torch.zeros(self.block_bytes, dtype=torch.uint8)
-        half = self.half_bytes(k.shape[0])
-        for i, x in enumerate((k, v)):
-            body = quant.pack(x) if self.compress else x.contiguous().reshape(-1).view(torch.uint8)
-            raw[i * half:(i + 1) * half].copy_(body)
-        return raw
-
-    def unpack(self, raw: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-        half, shape = self.half_bytes(rows), self.half_shape(rows)
-        if self.compress:
-            return tuple(quant.unpack(raw[i * half:(i + 1) * half], shape, self.dtype) for i in (0, 1))
-        return tuple(raw[i * half:(i + 1) * half].view(self.dtype).view(shape) for i in (0, 1))
-
-
 class BlockKV:
     """Sealed KV blocks in ``manager`` and per-cell tails, for ``rows_per_batch`` GPU batches."""
 
-    def __init__(self, manager: BlockingTierManager, shape: KVShape, num_layers: int,
+    def __init__(self, manager: BlockingTierManager, layout: BlockLayout, num_layers: int,
                  rows_per_batch: list[int], placement: Placement, blocks_per_cell: int,
                  homes: set) -> None:
-        self.manager, self.shape, self.homes = manager, shape, homes
+        self.manager, self.layout, self.homes = manager, layout, homes
         self.rows = rows_per_batch
+        self.layouts = {rows: layout.with_rows(rows) for rows in set(rows_per_batch)}
         self.split = placement.split(blocks_per_cell)
         self.run = os.urandom(8)
         cells = [(layer, b) for layer in range(num_layers) for b in range(len(rows_per_batch))]
@@ -91,7 +53,7 @@ class BlockKV:
     # -- storing ------------------------------------------------------------
     def store(self, layer: int, b: int, k: Tensor, v: Tensor) -> None:
         """Append K/V [rows, Hkv, t, D] to cell (layer, b); whole blocks go to their home tier."""
-        cell, T = (layer, b), self.shape.block_tokens
+        cell, T = (layer, b), self.layout.tokens
         tail = self.tails[cell]
         k, v = (k, v) if tail is None else (torch.cat([tail[0], k], 2), torch.cat([tail[1], v], 2))
         full = k.shape[2] // T
@@ -106,9 +68,10 @@ class BlockKV:
         home = self.home(index)
         if home != "disk":
             self.homes.add(key)
-        self.manager.put(key, self.shape.pack(k, v), tier=TIER_OF_HOME[home], layer=cell[0], index=index)
+        raw = self.layouts[k.shape[0]].pack(k, v, out=torch.zeros(self.layout.block_bytes, dtype=torch.uint8))
+        self.manager.put(key, raw, tier=TIER_OF_HOME[home], layer=cell[0], index=index)
         self.blocks[cell].append(key)
-        self.bytes_written[home] += self.shape.block_bytes
+        self.bytes_written[home] += self.layout.block_bytes
 
     # -- loading ------------------------------------------------------------
     def load(self, layer: int, b: int) -> tuple[Tensor, Tensor] | None:
@@ -122,14 +85,14 @@ class BlockKV:
             views = list(leases.enter_context(self.manager.blocks(in_memory))) if in_memory else []
             if on_disk:  # loaded into the cpu tier's staging room, read once, evictable after
                 views += leases.enter_context(self.manager.blocks(on_disk, "cpu"))
-            parts = [self.shape.unpack(raw, self.rows[b]) for raw in views]
+            parts = [self.layouts[self.rows[b]].unpack(raw) for raw in views]
             if tail is not None:
                 parts.append(tail)
             if not parts:
                 return None
             kv = torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)
         for home in homes:
-            self.bytes_read[home] += self.shape.block_bytes
+            self.bytes_read[home] += self.layout.block_bytes
         return kv
 
     def close(self) -> None:

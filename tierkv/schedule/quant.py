@@ -58,3 +58,16 @@ def relative_error(x: Tensor, group: int = GROUP) -> float:
     """``||x - unpack(pack(x))|| / ||x||``: what 4-bit storage costs on these values."""
     back = unpack(pack(x, group), tuple(x.shape), torch.float32, group)
     return float((x.float() - back).norm() / x.float().norm().clamp_min(1e-12))
+
+
+class Group4:
+    """This encoding as a `tierkv.layout.Codec`, for blocks whose fields are stored compressed."""
+
+    def nbytes(self, numel: int) -> int:
+        return packed_bytes(numel)
+
+    def encode(self, x: Tensor) -> Tensor:
+        return pack(x)
+
+    def decode(self, raw: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        return unpack(raw, shape, dtype)

@@ -38,7 +38,7 @@ from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
 from tierkv.sparse.lowrank import KeyBasis, project, reconstruct
-from tierkv.sparse.pages import PageLayout
+from tierkv.layout import BlockLayout
 
 Rotate = Callable[[Tensor, Tensor], Tensor]   # (k_pre [t, Hkv, D], positions [t]) -> keys in the scoring frame
 
@@ -129,7 +129,7 @@ class _Read:
 
 
 class _Layer:
-    def __init__(self, layer: int, config: SparseConfig, layout: PageLayout, needs: frozenset[str],
+    def __init__(self, layer: int, config: SparseConfig, layout: BlockLayout, needs: frozenset[str],
                  dtype: torch.dtype) -> None:
         H, D = layout.num_kv_heads, layout.head_dim
         self.sink_k, self.sink_v = torch.empty(0, H, D, dtype=dtype), torch.empty(0, H, D, dtype=dtype)
@@ -152,7 +152,7 @@ class _Layer:
 
 
 class SparseSequence:
-    def __init__(self, manager: BlockingTierManager, config: SparseConfig, layout: PageLayout, *,
+    def __init__(self, manager: BlockingTierManager, config: SparseConfig, layout: BlockLayout, *,
                  num_layers: int, dtype: torch.dtype, needs: frozenset[str], rotate: Rotate | None,
                  root: BlockKey | None = None, persist: bool = False) -> None:
         self.manager, self.config, self.layout = manager, config, layout
@@ -178,7 +178,7 @@ class SparseSequence:
 
     def sealed(self, layer: int) -> int:
         """First token of the window."""
-        return self.config.sink_tokens + len(self.layers[layer].pages) * self.layout.page_tokens
+        return self.config.sink_tokens + len(self.layers[layer].pages) * self.layout.tokens
 
     def index(self, layer: int) -> ChunkIndex:
         return self.layers[layer].index
@@ -227,7 +227,7 @@ class SparseSequence:
             self._seal(layer)
 
     def _seal(self, layer: int) -> None:
-        state, P = self.layers[layer], self.layout.page_tokens
+        state, P = self.layers[layer], self.layout.tokens
         if state.basis.basis is None:
             return
         n_pages = (len(state.win_k) - self.config.window_tokens) // P
@@ -255,7 +255,7 @@ class SparseSequence:
     # -- reading -------------------------------------------------------------------------
     def chunk_pages(self, chunks: Tensor) -> Tensor:
         """The pages holding ``chunks``: ascending, each once."""
-        return torch.unique(chunks // (self.layout.page_tokens // self.config.chunk_tokens))
+        return torch.unique(chunks // (self.layout.tokens // self.config.chunk_tokens))
 
     def page_chunks(self, layer: int, chunks: Tensor) -> Tensor:
         """Every indexed chunk (outliers aside) of the pages that hold ``chunks`` [Hkv, k]: [m],
@@ -264,7 +264,7 @@ class SparseSequence:
 
             page p  = chunks [p*P/c, (p+1)*P/c)        read when any head selected one of them
         """
-        per = self.layout.page_tokens // self.config.chunk_tokens
+        per = self.layout.tokens // self.config.chunk_tokens
         ids = (self.chunk_pages(chunks).unsqueeze(1) * per + torch.arange(per)).flatten()
         return ids[self.layers[layer].index.candidates[ids]]
 
@@ -317,7 +317,7 @@ class SparseSequence:
     def _loading(self, layer: int, read: _Read, rows: Tensor) -> Loading:
         """What brings the gathered rows whose page ``read`` is still loading; ``rows`` [Hkv, M]:
         each gathered token's row in the read's pages (-1: an outlier, never missing)."""
-        gathering, raw, P = read.gathering, read.raw, self.layout.page_tokens
+        gathering, raw, P = read.gathering, read.raw, self.layout.tokens
         missing = (rows >= 0) & read.loading[rows.clamp(min=0) // P]
 
         def finish() -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -353,7 +353,7 @@ class SparseSequence:
         state = self.layers[layer]
         pages = self.chunk_pages(chunks)
         self._count(state, pages)
-        raw = torch.empty(len(pages), self.layout.page_bytes, dtype=torch.uint8)
+        raw = torch.empty(len(pages), self.layout.block_bytes, dtype=torch.uint8)
         keys, step = [state.pages[p] for p in pages.tolist()], self.manager.pin_group(self.read_tier)
         # pinned at most half the fastest tier at once; split: the last group is left loading
         groups = [(first, first + step) for first in range(0, len(keys), step)]
@@ -382,7 +382,7 @@ class SparseSequence:
                  shared: bool) -> tuple[Tensor, Tensor, Tensor]:
         """Keys and values [Hkv, k*c, D] of ``chunks`` from their pages in ``raw`` (a page still
         loading is zeros there, and so are its tokens' keys), and each token's row [Hkv, k*c]."""
-        c, P, H = self.config.chunk_tokens, self.layout.page_tokens, self.layout.num_kv_heads
+        c, P, H = self.config.chunk_tokens, self.layout.tokens, self.layout.num_kv_heads
         values, factors = self.layout.unpack(raw)                   # views: [n, P, Hkv, D], [n, P, r]
         page = torch.searchsorted(pages, chunks // (P // c))                    # [Hkv, k]: page slot
         tok = (chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)           # [Hkv, k, c]: row in page

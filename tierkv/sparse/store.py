@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 
 from tierkv.keys import BlockKey
 from tierkv.sparse.config import SparseConfig
-from tierkv.sparse.pages import PageLayout
+from tierkv.layout import BlockLayout
 from tierkv.sparse.sequence import SparseSequence
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ VERSION = "2"                # 2: landmarks saved per KV head, as they lie in me
 READABLE = ("1", "2")
 
 
-def index_id(model_id: str, layout: PageLayout, config: SparseConfig, needs: frozenset[str],
+def index_id(model_id: str, layout: BlockLayout, config: SparseConfig, needs: frozenset[str],
              prompt_ids: Sequence[int]) -> BlockKey:
     settings = repr((replace(config, prefetch="none"), sorted(needs)))   # prefetch does not shape the index
     return BlockKey.of("tierkv-sparse-v1", model_id, layout.name, settings,
