@@ -5,6 +5,8 @@ import json
 import math
 import struct
 
+import xxhash
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
 from tierkv.manager.manager import TierManager
 from tierkv.profile.access import AccessRecorder
+from tierkv.profile.access_file import COLUMNS
 from tierkv.profile.access_trace import ARRIVING, NOWHERE, AccessTrace, OpKind, TierSpec, TraceMeta
 from tierkv.profile.link_stats import device_stats, link_stats
 from tierkv.events import Event
@@ -94,6 +97,52 @@ def test_blocked_time_comes_from_the_wait_and_put_events_of_each_call() -> None:
     assert trace.waited(OpKind.PUT) == pytest.approx(0.3)
 
 
+def guessed_trace() -> AccessTrace:
+    """A decode step as the sparse engine records it: layer 0 reads, guesses layer 1, layer 1 reads."""
+    clock = Clock()
+    rec = AccessRecorder(clock=clock)
+    rec.begin_step("decode", 1)
+    rec.on_acquire([key(0), key(1)], 0)
+    clock.t = 0.5
+    rec.on_guess([key(2), key(3)], 1, "speculative")
+    rec.on_guess([key(4)], 1, "other")
+    clock.t = 1.0
+    rec.on_acquire([key(2), key(5)], 1)
+    return rec.trace(meta=META)
+
+
+def test_a_guess_is_an_op_of_its_own_kind_naming_its_source() -> None:
+    trace = guessed_trace()
+    assert trace.op_kind.tolist() == [OpKind.GET, OpKind.GUESS, OpKind.GUESS, OpKind.GET]
+    assert trace.meta.sources == ("speculative", "other") and trace.op_source.tolist() == [0, 0, 1, 0]
+    assert trace.meta.engine == "sparse" and META.engine == "dense"
+    assert [(op.kind, op.layer, op.source, op.blocks.tolist()) for op in trace.ops()][1:3] == [
+        (OpKind.GUESS, 1, "speculative", [2, 3]), (OpKind.GUESS, 1, "other", [4])]
+    assert trace.guesses("speculative").tolist() == [1] and trace.guesses("nobody").tolist() == []
+    assert trace.served() == {"gpu": 0, "nvme": 0, "arriving": 0, "nowhere": 4}   # guesses are no reads
+    with pytest.raises(ValueError, match="name the prefetcher"):
+        AccessRecorder().on_guess([key(0)], 1, "")
+
+
+def test_guesses_survive_the_file(tmp_path) -> None:
+    trace = guessed_trace()
+    trace.write(tmp_path / "sparse.trace")
+    back = AccessTrace.read(tmp_path / "sparse.trace")
+    assert back == trace and back.meta.sources == ("speculative", "other")
+    assert [op.source for op in back.ops()] == ["", "speculative", "other", ""]
+
+
+def test_a_wait_after_a_guess_belongs_to_the_get_before_it() -> None:
+    clock = Clock()
+    rec = AccessRecorder(clock=clock)
+    origin = rec.origin
+    rec.on_acquire([key(0)], 0)                  # t = 0: its rest arrives while the layer guesses
+    clock.t = 0.5
+    rec.on_guess([key(1)], 1, "speculative")     # t = 0.5
+    events = [Event("wait", "", "gpu", 0, BLOCK, origin + 0.6, origin + 0.6, origin + 0.8)]
+    assert rec.trace(events=events, meta=META).op_blocked.tolist() == pytest.approx([0.8, 0.0])
+
+
 async def test_the_recorder_on_a_manager_notes_the_tier_each_block_was_in() -> None:
     gpu = MemoryTier("gpu", Medium.GPU, torch.device("cpu"), BLOCK, 2 * BLOCK)
     cpu = MemoryTier("cpu", Medium.CPU, torch.device("cpu"), BLOCK, 8 * BLOCK)
@@ -147,12 +196,35 @@ def test_the_file_is_the_documented_layout(tmp_path) -> None:
     raw = path.read_bytes()
     magic, version, header_len = struct.unpack_from("<8sII", raw)
     header = json.loads(raw[16:16 + header_len])
-    assert (magic, version, header_len % 8) == (b"TKVTRACE", 1, 0)
+    assert (magic, version, header_len % 8) == (b"TKVTRACE", 2, 0)
     assert header["format"] == "tierkv-access"
     columns = {c["name"]: c for c in header["columns"]}
     offset = 16 + header_len + sum(-(-c["count"] * np.dtype(c["dtype"]).itemsize // 8) * 8
                                    for c in header["columns"][:header["columns"].index(columns["block"])])
     assert np.frombuffer(raw, "<u4", columns["block"]["count"], offset).tolist() == [0, 1, 2, 2, 0, 3]
+    assert columns["op_source"] == {"name": "op_source", "dtype": "<u1", "count": 5}
+
+
+def version_1_file(path, trace: AccessTrace) -> None:
+    """``trace`` as version 1 laid it out: no op_source column, no meta.sources."""
+    names = ["step_kind", "step_tokens", "step_time", "op_kind", "op_step", "op_layer", "op_count", "op_time",
+             "op_blocked", "block", "where", "layer_start"]
+    chunks = [getattr(trace, n).tobytes() for n in names]
+    chunks = [c + b"\0" * (-len(c) % 8) for c in chunks]
+    meta = trace.meta.as_dict()
+    del meta["sources"]
+    header = {"format": "tierkv-access", "meta": meta, "checksum": xxhash.xxh3_64(b"".join(chunks)).hexdigest(),
+              "columns": [{"name": n, "dtype": COLUMNS[n], "count": len(getattr(trace, n))} for n in names]}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<8sII", b"TKVTRACE", 1, len(text)) + text + b"".join(chunks))
+
+
+def test_a_version_1_file_still_reads(tmp_path) -> None:
+    trace = small_trace(layers=2)
+    version_1_file(tmp_path / "old.trace", trace)
+    back = AccessTrace.read(tmp_path / "old.trace")
+    assert back == trace and back.op_source.tolist() == [0] * 5 and back.meta.sources == ()
 
 
 @pytest.fixture
@@ -172,7 +244,8 @@ def test_a_truncated_file_is_a_clear_error(trace_file, keep) -> None:
 
 @pytest.mark.parametrize("edit, message", [
     (lambda raw: b"NOTATRACE" + raw[9:], "magic"),
-    (lambda raw: raw[:8] + struct.pack("<I", 2) + raw[12:], "format version 2; this tierkv reads version 1"),
+    (lambda raw: raw[:8] + struct.pack("<I", 3) + raw[12:], "format version 3; this tierkv reads versions 1, 2"),
+    (lambda raw: raw[:8] + struct.pack("<I", 1) + raw[12:], "lists columns .* expected"),
     (lambda raw: raw + b"\0" * 8, "trailing bytes"),
     (lambda raw: raw[:-8] + bytes([raw[-8] ^ 0xFF]) + raw[-7:], "checksum"),
     (lambda raw: raw[:16] + b"\xff" + raw[17:], "not UTF-8 JSON"),
@@ -221,6 +294,9 @@ def test_columns_that_contradict_each_other_are_a_clear_error(tmp_path) -> None:
         AccessTrace(trace.meta, **broken)
     broken["where"] = np.array([ARRIVING, NOWHERE, 0, 1, 0, 1])
     assert AccessTrace(trace.meta, **broken).where.tolist()[:2] == [ARRIVING, NOWHERE]
+    broken["op_kind"] = np.array([0, 0, 0, 2, 1])
+    with pytest.raises(ConfigError, match="op_source names no source"):
+        AccessTrace(trace.meta, **broken)       # a guess, and the meta names no prefetcher
 
 
 def test_a_missing_file_is_a_clear_error(tmp_path) -> None:

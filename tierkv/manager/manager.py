@@ -45,7 +45,12 @@ _MAX_ATTEMPTS = 16  # re-loads of a block evicted before its reader could pin it
 
 
 class AccessHook(Protocol):
-    """Told of every block a caller stores or reads (see tierkv.profile.access)."""
+    """Told of every block a caller stores or reads (see tierkv.profile.access).
+
+    A hook may also take ``on_guess(keys, layer, source)``: the blocks a prefetcher (``source``, e.g.
+    "speculative") guesses ``layer`` will read, whether or not they are prefetched. The manager never
+    calls it; an engine that guesses does, where the hook has it (``getattr(hook, "on_guess", None)``).
+    """
 
     def on_put(self, key: BlockKey, layer: int | None) -> None: ...
 

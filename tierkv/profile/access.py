@@ -11,6 +11,11 @@ its file: `tierkv.profile.access_file`), which the replay simulator
 
 A call before the first ``begin_step`` belongs to step 0 (an implicit
 prefill step is added).
+
+Besides the manager, a prefetcher may tell the recorder what it guesses a
+layer will read: ``on_guess(keys, layer, source)`` (the sparse engine does,
+for its ``speculative`` guesses, whether or not it prefetches them). A guess
+is an op of kind ``guess``; the replay can issue it as a prefetch.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import time
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,11 +40,12 @@ if TYPE_CHECKING:  # profile sits below the manager: no import at run time
 
 
 class AccessRecorder:
-    """The manager's access hook: records every put and get, step by step.
+    """The manager's access hook: records every put and get, step by step, and the guesses it is told.
 
     Calls come from the manager's loop thread (``on_put``/``on_acquire``) and
-    the model's thread (``begin_step``), one at a time: each append is atomic
-    under the GIL and the caller waits for the manager between calls.
+    the model's thread (``begin_step``, ``on_guess``), one at a time: each
+    append is atomic under the GIL and the caller waits for the manager
+    between calls.
     """
 
     def __init__(self, *, read_tier: str | None = None, clock: Callable[[], float] = time.perf_counter,
@@ -51,8 +58,9 @@ class AccessRecorder:
         self._ids: dict[BlockKey, int] = {}
         self._steps = {"kind": array("B"), "tokens": array("I"), "time": array("d")}
         self._ops = {"kind": array("B"), "step": array("I"), "layer": array("i"), "count": array("I"),
-                     "time": array("d")}
+                     "time": array("d"), "source": array("B")}
         self._blocks, self._where = array("I"), array("B")
+        self._sources: dict[str, int] = {}   # prefetcher -> its index in the trace's meta.sources
 
     def attach(self, manager: TierManager) -> AccessRecorder:
         """Become ``manager.access`` (a TierManager) and note where each block is when it is used."""
@@ -72,6 +80,12 @@ class AccessRecorder:
     def on_acquire(self, keys: Sequence[BlockKey], layer: int | None) -> None:
         self._add_op(OpKind.GET, keys, layer)
 
+    def on_guess(self, keys: Sequence[BlockKey], layer: int, source: str) -> None:
+        """``source`` (a prefetcher, e.g. "speculative") guesses ``layer`` will read ``keys``."""
+        if not source:
+            raise ValueError("source='': name the prefetcher that made the guess")
+        self._add_op(OpKind.GUESS, keys, layer, self._sources.setdefault(source, len(self._sources)))
+
     # -- the result --------------------------------------------------------------
     def trace(self, manager: TierManager | None = None, events: Iterable[Event] | None = None,
               meta: TraceMeta | None = None) -> AccessTrace:
@@ -89,12 +103,15 @@ class AccessRecorder:
             meta = TraceMeta.of(manager, read_tier=self.read_tier, layers=layers, timed=timed,
                                 info=self.info | {"links": link_stats(events),
                                                   "devices": device_stats(events, self._store_names(manager))})
+        if self._sources:
+            meta = replace(meta, sources=tuple(self._sources))
         steps, ops = self._steps, self._ops  # copied: the recorder may go on recording
         return AccessTrace(
             meta, np.array(steps["kind"]), np.array(steps["tokens"]), step_time,
             np.array(ops["kind"]), np.array(ops["step"]), np.array(ops["layer"]), np.array(ops["count"]), op_time,
             _blocked(ops["kind"], op_time, events, self.origin),
-            np.array(self._blocks), np.array(self._where), _layer_starts(step_time, meta.layers, events, self.origin))
+            np.array(self._blocks), np.array(self._where), _layer_starts(step_time, meta.layers, events, self.origin),
+            np.array(ops["source"]))
 
     def save(self, path: str | Path, manager: TierManager | None = None) -> AccessTrace:
         trace = self.trace(manager)
@@ -107,7 +124,7 @@ class AccessRecorder:
         self._steps["tokens"].append(tokens)
         self._steps["time"].append(self._clock() - self.origin)
 
-    def _add_op(self, kind: OpKind, keys: Sequence[BlockKey], layer: int | None) -> None:
+    def _add_op(self, kind: OpKind, keys: Sequence[BlockKey], layer: int | None, source: int = 0) -> None:
         if not self._steps["kind"]:
             self._add_step(0, 0)  # calls before any begin_step: an implicit prefill step
         now = self._clock() - self.origin
@@ -120,6 +137,7 @@ class AccessRecorder:
         ops["layer"].append(-1 if layer is None else layer)
         ops["count"].append(len(keys))
         ops["time"].append(now)
+        ops["source"].append(source)
 
     @staticmethod
     def _store_names(manager: TierManager) -> tuple[str, ...]:
@@ -138,16 +156,18 @@ class AccessRecorder:
 def _blocked(kinds: array, op_time: np.ndarray, events: list[Event], origin: float) -> np.ndarray:
     """Per op, how long the caller waited in it: until its ``wait`` (a get) or its ``put`` transfer ended.
 
-    An event belongs to the last op that began before it; a get that found its
-    blocks resident has no wait event and blocked nothing.
+    An event belongs to the last call that began before it (guesses are no
+    calls); a get that found its blocks resident has no wait event and blocked
+    nothing.
     """
     blocked = np.zeros(len(op_time))
-    times = op_time.tolist()
+    calls = [i for i, kind in enumerate(kinds) if kind != OpKind.GUESS]
+    times = op_time[calls].tolist()
     for e in events:
         want, at = {"wait": (OpKind.GET, e.start), "put": (OpKind.PUT, e.submit)}.get(e.kind, (None, 0.0))
-        i = bisect_right(times, at - origin) - 1 if want is not None else -1
-        if i >= 0 and kinds[i] == want:
-            blocked[i] = max(blocked[i], e.done - origin - times[i])
+        j = bisect_right(times, at - origin) - 1 if want is not None else -1
+        if j >= 0 and kinds[calls[j]] == want:
+            blocked[calls[j]] = max(blocked[calls[j]], e.done - origin - times[j])
     return blocked
 
 

@@ -1,31 +1,37 @@
 """The access-trace file: named numpy columns behind a JSON header, no pickle anywhere.
 
-File format, version 1, every number little-endian::
+File format, version 2, every number little-endian::
 
     offset   bytes  field
     0        8      magic b"TKVTRACE"
-    8        4      version, uint32 (1)
+    8        4      version, uint32 (2)
     12       4      H, the header's length in bytes, uint32
     16       H      header: UTF-8 JSON, space-padded to a multiple of 8
     16 + H   ...    the columns the header lists, in its order, each zero-padded to a multiple of 8
 
     header  {"format": "tierkv-access", "meta": {block_bytes, tiers: [{name, medium, slots,
-             policy}], read_tier, persist, copy_threads, inflight_bytes, layers, timed, info},
+             policy}], read_tier, persist, copy_threads, inflight_bytes, layers, timed, info,
+             sources},
              "columns": [{"name": "op_kind", "dtype": "<u1", "count": 1234}, ...],
              "checksum": xxh3_64 hex of every column byte after the header, padding included}
 
 Columns. A call's blocks are the next ``op_count`` entries of ``block`` (CSR)::
 
     per step         step_kind u1 (0 prefill, 1 decode)  step_tokens u4  step_time f8
-    per call (op)    op_kind u1 (0 put, 1 get)  op_step u4  op_layer i4 (-1: none)  op_count u4
-                     op_time f8  op_blocked f8 (seconds the caller waited inside the call)
+    per call (op)    op_kind u1 (0 put, 1 get, 2 guess)  op_step u4  op_layer i4 (-1: none)
+                     op_count u4  op_time f8  op_blocked f8 (seconds the caller waited inside the call)
+                     op_source u1 (a guess: its index in meta.sources; 0 for puts and gets)
     per block entry  block u4 (dense id)   where u1 (index in meta.tiers of the fastest tier
                      holding the block when the call began; 254 arriving, 255 nowhere/unknown)
     per step, layer  layer_start f8 ([steps, layers] row-major; NaN: unknown)
 
     op i:  entries [start_i, start_i + op_count_i),  start = cumsum(op_count) - op_count
 
-Times are seconds since the recorder was made. What the columns mean
+A guess is no call to the manager: it names the blocks a prefetcher guessed
+layer ``op_layer`` would read (``meta.sources``: which prefetcher, e.g.
+"speculative"), recorded whether or not the run prefetched them, so that a
+replay can issue them. Version 1 files (no guesses, no ``op_source`` column,
+no ``meta.sources``) are read too. Times are seconds since the recorder was made. What the columns mean
 together is `tierkv.profile.access_trace`; this module only moves them
 between memory and a file, and says what is wrong with a file that is not one.
 """
@@ -43,7 +49,7 @@ import xxhash
 from tierkv.errors import ConfigError
 
 MAGIC = b"TKVTRACE"
-VERSION = 1
+VERSION = 2
 FORMAT = "tierkv-access"
 _PREAMBLE = struct.Struct("<8sII")
 T = TypeVar("T")
@@ -52,10 +58,12 @@ T = TypeVar("T")
 COLUMNS: dict[str, str] = {
     "step_kind": "<u1", "step_tokens": "<u4", "step_time": "<f8",
     "op_kind": "<u1", "op_step": "<u4", "op_layer": "<i4", "op_count": "<u4",
-    "op_time": "<f8", "op_blocked": "<f8",
+    "op_time": "<f8", "op_blocked": "<f8", "op_source": "<u1",
     "block": "<u4", "where": "<u1",
     "layer_start": "<f8",
 }
+# The columns of each version this module reads (a reader fills a column a version lacks).
+COLUMNS_OF: dict[int, list[str]] = {1: [n for n in COLUMNS if n != "op_source"], 2: list(COLUMNS)}
 
 
 def not_a_trace(path: str | Path, problem: str) -> ConfigError:
@@ -82,7 +90,8 @@ def write_columns(path: str | Path, meta: dict[str, Any], columns: Mapping[str, 
 
 def read_columns(path: str | Path, parse_meta: Callable[[Any], T]) -> tuple[T, dict[str, np.ndarray]]:
     """The header's meta (through ``parse_meta``, whose ConfigError names what is wrong with it) and
-    the columns of a trace file; a malformed or truncated file raises ConfigError naming it."""
+    the columns of a trace file (those its version has); a malformed or truncated file raises
+    ConfigError naming it."""
     try:
         with open(path, "rb") as f:
             return _parse(f, Path(path), parse_meta)
@@ -98,9 +107,10 @@ def _parse(f: BinaryIO, path: Path, parse_meta: Callable[[Any], T]) -> tuple[T, 
     magic, version, header_len = _PREAMBLE.unpack(head)
     if magic != MAGIC:
         raise not_a_trace(path, f"magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise not_a_trace(path, f"format version {version}; this tierkv reads version {VERSION}")
-    header = _parse_header(f.read(header_len), header_len, path)
+    if version not in COLUMNS_OF:
+        raise not_a_trace(path, f"format version {version}; this tierkv reads versions "
+                                f"{', '.join(map(str, COLUMNS_OF))}")
+    header = _parse_header(f.read(header_len), header_len, path, COLUMNS_OF[version])
     try:
         meta = parse_meta(header["meta"])
     except ConfigError as err:
@@ -124,7 +134,7 @@ def _parse(f: BinaryIO, path: Path, parse_meta: Callable[[Any], T]) -> tuple[T, 
     return meta, arrays
 
 
-def _parse_header(raw: bytes, length: int, path: Path) -> dict[str, Any]:
+def _parse_header(raw: bytes, length: int, path: Path, expected: list[str]) -> dict[str, Any]:
     if len(raw) < length:
         raise not_a_trace(path, f"truncated inside the {length}-byte header")
     try:
@@ -136,8 +146,8 @@ def _parse_header(raw: bytes, length: int, path: Path) -> dict[str, Any]:
     columns = header.get("columns")
     names = [c.get("name") for c in columns] if isinstance(columns, list) and all(
         isinstance(c, dict) for c in columns) else None
-    if names != list(COLUMNS):
-        raise not_a_trace(path, f"the header lists columns {names}, expected {list(COLUMNS)}")
+    if names != expected:
+        raise not_a_trace(path, f"the header lists columns {names}, expected {expected}")
     for column in columns:
         count = column.get("count")
         if column.get("dtype") != COLUMNS[column["name"]] or not isinstance(count, int) or count < 0:

@@ -25,11 +25,13 @@ if TYPE_CHECKING:  # profile sits below the manager: no import at run time
 ARRIVING = 254   # ``where``: no copy yet, a move into some tier is in flight
 NOWHERE = 255    # ``where``: stored nowhere, or recorded without a manager
 STEP_KINDS = ("prefill", "decode")
+ENGINES = ("dense", "sparse")   # what recorded a trace: tierkv.model.engine or tierkv.model.sparse_engine
 
 
 class OpKind(enum.IntEnum):
-    PUT = 0
-    GET = 1
+    PUT = 0     # the caller stored one block
+    GET = 1     # the caller read (acquired) a group of blocks
+    GUESS = 2   # a prefetcher guessed the layer reads these blocks (no call to the manager)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +53,9 @@ class TraceMeta:
     layers: int = 0                   # columns of layer_start
     timed: bool = False               # op_blocked and layer_start come from the run's events
     info: dict[str, Any] = field(default_factory=dict)  # free-form; a recorded run adds "links" and
-                                                        # "devices" (link_stats, device_stats)
+                                                        # "devices" (link_stats, device_stats), and may
+                                                        # say its "engine" (one of ENGINES)
+    sources: tuple[str, ...] = ()     # the prefetchers whose guesses the trace holds (op_source indexes it)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.block_bytes, int) and self.block_bytes > 0):
@@ -61,6 +65,15 @@ class TraceMeta:
         names = [t.name for t in self.tiers]
         if self.read_tier is not None and self.read_tier not in names:
             raise ConfigError(f"read_tier={self.read_tier!r}: not one of the tiers {', '.join(names)}")
+        if not (len(self.sources) < 256 and all(isinstance(n, str) and n for n in self.sources)):
+            raise ConfigError(f"sources={self.sources!r}: at most 255 prefetcher names, each non-empty")
+        if self.info.get("engine", ENGINES[0]) not in ENGINES:
+            raise ConfigError(f"info engine={self.info['engine']!r}: allowed: {', '.join(ENGINES)}")
+
+    @property
+    def engine(self) -> str:
+        """The engine that recorded the trace: as the run said, else "sparse" when it holds guesses."""
+        return self.info.get("engine") or ENGINES[bool(self.sources)]
 
     @classmethod
     def of(cls, manager: TierManager, *, read_tier: str | None = None, persist: bool | None = None,
@@ -78,12 +91,13 @@ class TraceMeta:
     def from_dict(cls, raw: dict[str, Any]) -> TraceMeta:
         raw = dict(raw)
         raw["tiers"] = tuple(TierSpec(**t) for t in raw["tiers"])
+        raw["sources"] = tuple(raw.get("sources", ()))
         return cls(**raw)
 
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One recorded call: a put of one block or a get (acquire) of a group."""
+    """One recorded call: a put of one block or a get (acquire) of a group; or a guess."""
 
     index: int
     kind: OpKind
@@ -92,6 +106,7 @@ class Op:
     blocks: np.ndarray      # dense ids
     time: float
     blocked: float
+    source: str = ""        # a guess: the prefetcher that made it
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,8 +124,11 @@ class AccessTrace:
     block: np.ndarray
     where: np.ndarray
     layer_start: np.ndarray
+    op_source: np.ndarray | None = None   # None: no guesses (zeros), as in a version 1 file
 
     def __post_init__(self) -> None:
+        if self.op_source is None:
+            object.__setattr__(self, "op_source", np.zeros(len(self.op_kind)))
         for name, dtype in COLUMNS.items():
             object.__setattr__(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
         problem = self.problem()
@@ -138,21 +156,30 @@ class AccessTrace:
     def ops(self) -> Iterator[Op]:
         start = self.op_start()
         for i in range(self.n_ops):
-            layer = int(self.op_layer[i])
-            yield Op(i, OpKind(int(self.op_kind[i])), int(self.op_step[i]), None if layer < 0 else layer,
-                     self.block[start[i]:start[i + 1]], float(self.op_time[i]), float(self.op_blocked[i]))
+            layer, kind = int(self.op_layer[i]), OpKind(int(self.op_kind[i]))
+            source = self.meta.sources[int(self.op_source[i])] if kind is OpKind.GUESS else ""
+            yield Op(i, kind, int(self.op_step[i]), None if layer < 0 else layer, self.block[start[i]:start[i + 1]],
+                     float(self.op_time[i]), float(self.op_blocked[i]), source)
+
+    def guesses(self, source: str) -> np.ndarray:
+        """Indices of the guess ops ``source`` made, in order (none when the trace holds none of it)."""
+        if source not in self.meta.sources:
+            return np.zeros(0, dtype=np.int64)
+        mine = (self.op_kind == OpKind.GUESS) & (self.op_source == self.meta.sources.index(source))
+        return np.flatnonzero(mine)
 
     def problem(self) -> str | None:
         """What is inconsistent between the columns, or None."""
         checks = (
             (len({len(getattr(self, c)) for c in ("op_kind", "op_step", "op_layer", "op_count", "op_time",
-                                                  "op_blocked")}) == 1, "op columns differ in length"),
+                                                  "op_blocked", "op_source")}) == 1, "op columns differ in length"),
             (len({len(self.step_kind), len(self.step_tokens), len(self.step_time)}) == 1,
              "step columns differ in length"),
             (len(self.block) == len(self.where), "block and where differ in length"),
             (int(self.op_count.sum(dtype=np.int64)) == len(self.block), "op_count does not add up to the blocks"),
             (len(self.layer_start) == self.n_steps * self.meta.layers, "layer_start is not steps x layers"),
-            (not len(self.op_kind) or int(self.op_kind.max()) <= OpKind.GET, "op_kind holds an unknown kind"),
+            (not len(self.op_kind) or int(self.op_kind.max()) <= OpKind.GUESS, "op_kind holds an unknown kind"),
+            (_sources_ok(self.op_kind, self.op_source, len(self.meta.sources)), "op_source names no source"),
             (not len(self.step_kind) or int(self.step_kind.max()) < len(STEP_KINDS), "step_kind holds an unknown kind"),
             (not len(self.op_step) or int(self.op_step.max()) < self.n_steps, "op_step points past the steps"),
             (not len(self.where) or _where_ok(self.where, len(self.meta.tiers)), "where names no tier"),
@@ -218,6 +245,11 @@ def _meta_of(raw: Any) -> TraceMeta:
         raise ConfigError(f"the header's meta is incomplete or has unknown fields ({err})") from None
     except ConfigError as err:
         raise ConfigError(f"the header's meta: {err}") from None
+
+
+def _sources_ok(kinds: np.ndarray, sources: np.ndarray, named: int) -> bool:
+    guesses = sources[kinds == OpKind.GUESS]
+    return not len(guesses) or int(guesses.max()) < named
 
 
 def _where_ok(where: np.ndarray, tiers: int) -> bool:
