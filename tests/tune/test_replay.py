@@ -16,7 +16,7 @@ from tierkv.manager.manager import TierManager
 from tierkv.profile.access import AccessRecorder
 from tierkv.profile.access_trace import AccessTrace, OpKind, TierSpec, TraceMeta
 from tierkv.profile.link_stats import link_bytes
-from tierkv.tune.prefetchers import Prefetch, engine_prefetch, next_get_prefetch
+from tierkv.tune.prefetchers import Prefetch, dense_prefetch
 from tierkv.tune.replay import ReplayConfig, compute_gaps, replay
 from tierkv.tune.tier_model import Link, TierModel
 from tierkv.tiers.base import Medium
@@ -181,8 +181,8 @@ def test_transfers_on_one_channel_queue_behind_each_other() -> None:
     trace = script.get(0, 1).trace()
     one = BLOCK / 1e6  # seconds per block at 0.001 GB/s
     model = TierModel({"nvme->*": Link(gbps=0.001)})
-    # next-get prefetch of block 1 is issued before block 0's load and holds the channel first
-    result = replay(trace, model, ReplayConfig(prefetch="next"))
+    # the next group's prefetch (block 1) is issued before block 0's load and holds the channel first
+    result = replay(trace, model, ReplayConfig(prefetch="next-layer"))
     assert result.trace.op_blocked.tolist() == pytest.approx([2 * one, 0.0])
     assert play(trace, "lru", model).trace.op_blocked.tolist() == pytest.approx([one, one])
 
@@ -194,7 +194,7 @@ def test_prefetch_hides_a_load_behind_the_compute_before_it() -> None:
     trace = script.trace()
     model = TierModel({"nvme->*": Link(gbps=1.0, latency_us=1000, queue_depth=2)})  # ~1 ms a load, 10 ms compute
     load = 2 * BLOCK / 1e9 + 1e-3
-    none, engine = play(trace, "lru", model, "none"), play(trace, "lru", model, "engine")
+    none, engine = play(trace, "lru", model, "none"), play(trace, "lru", model, "next-layer")
     assert none.trace.op_blocked.tolist() == pytest.approx([load] * 4)
     # layer 0 waits for its own load queued behind layer 1's prefetch; layers 1..3 arrive during compute
     assert engine.trace.op_blocked.tolist() == pytest.approx([2 * load, 0.0, 0.0, 0.0])
@@ -207,12 +207,23 @@ def test_less_compute_leaves_prefetch_less_time_to_hide_loads() -> None:
         script.get([2 * layer, 2 * layer + 1], layer=layer)
     trace = script.trace()
     model = TierModel({"nvme->*": Link(gbps=1.0, latency_us=1000, queue_depth=2)})
-    normal = replay(trace, model, ReplayConfig(prefetch="engine"))
-    faster = replay(trace, model, ReplayConfig(prefetch="engine", compute_scale=0.01))  # 0.1 ms between layers
+    normal = replay(trace, model, ReplayConfig(prefetch="next-layer"))
+    faster = replay(trace, model, ReplayConfig(prefetch="next-layer", compute_scale=0.01))  # 0.1 ms between layers
     assert faster.compute_s == pytest.approx(0.0003)
     assert faster.stall_s > normal.stall_s and faster.trace.op_blocked[2] > 0  # layer 1 came during layer 0's wait
     with pytest.raises(ConfigError, match="compute_scale=0: a factor > 0, or one per step kind"):
         ReplayConfig(compute_scale=0)
+
+
+def test_engine_is_the_old_name_of_next_layer() -> None:
+    script = Script(gpu=8, tick=0.01).step()
+    for layer in range(4):
+        script.get([2 * layer, 2 * layer + 1], layer=layer)
+    trace = script.trace()
+    model = TierModel({"nvme->*": Link(gbps=1.0, latency_us=1000, queue_depth=2)})
+    old, new = (replay(trace, model, ReplayConfig(prefetch=name)) for name in ("engine", "next-layer"))
+    assert old.prefetch == new.prefetch == "next-layer" and old.as_dict() == new.as_dict()
+    assert replay(trace, model).prefetch == "next-layer"    # a dense trace: the dense engine's default
 
 
 def test_compute_gaps_are_the_time_between_calls_minus_the_time_blocked_in_them() -> None:
@@ -222,17 +233,19 @@ def test_compute_gaps_are_the_time_between_calls_minus_the_time_blocked_in_them(
 
 
 # -- prefetchers -------------------------------------------------------------------------------
-def test_engine_prefetch_fetches_the_next_group_and_the_next_layers_first_group() -> None:
+def test_next_layer_prefetch_fetches_the_next_group_and_the_next_layers_first_group() -> None:
     script = Script().step("prefill").put(0, 1, layer=0).put(2, 3, layer=1).step()
     script.get([0], [1], layer=0).get([2], [3], layer=1)
     trace = script.trace()
-    # ops: 0..3 puts, 4,5 gets of layer 0, 6,7 gets of layer 1
-    assert sorted(engine_prefetch(trace), key=lambda p: (p.at, p.target)) == [
-        Prefetch(4, 0.0, 5), Prefetch(4, 0.0, 6), Prefetch(6, 0.0, 7)]
-    assert next_get_prefetch(trace) == [Prefetch(4, 0.0, 5), Prefetch(5, 0.0, 6), Prefetch(6, 0.0, 7)]
+    # ops: 0..3 puts, 4,5 gets of layer 0 (blocks 0, 1), 6,7 gets of layer 1 (blocks 2, 3)
+    assert sorted(dense_prefetch(trace, "next-layer"), key=lambda p: (p.at, p.target)) == [
+        Prefetch(4, 0.0, 5), Prefetch(4, 0.0, 6, (2,)), Prefetch(6, 0.0, 7)]
+    # the other policies.prefetch strategies pick layer l+1's blocks their way; the groups stay
+    assert Prefetch(4, 0.0, 6, (2, 3)) in dense_prefetch(trace, "next-layer-all")
+    assert dense_prefetch(trace, "none") == []
 
 
-def test_engine_prefetch_issues_the_next_layer_when_this_layer_began() -> None:
+def test_next_layer_prefetch_issues_the_next_layer_when_this_layer_began() -> None:
     script = Script(tick=1.0).step().get([0], layer=0).get([1], layer=1)
     trace = script.trace()
     meta = TraceMeta(BLOCK, trace.meta.tiers, layers=2)
@@ -240,7 +253,7 @@ def test_engine_prefetch_issues_the_next_layer_when_this_layer_began() -> None:
                                                                 "op_step", "op_layer", "op_count", "op_time",
                                                                 "op_blocked", "block", "where")},
                         layer_start=[-0.25, 0.75])
-    assert engine_prefetch(timed) == [Prefetch(0, 0.25, 1)]
+    assert dense_prefetch(timed) == [Prefetch(0, 0.25, 1, (1,))]
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -292,7 +305,8 @@ def test_a_bad_tier_model_is_a_clear_error(bad, message) -> None:
 
 def test_replay_settings_are_checked() -> None:
     trace = Script().step().get(0).trace()
-    with pytest.raises(ConfigError, match="prefetch='magic': allowed: none, next, engine"):
+    with pytest.raises(ConfigError, match=r"prefetch='magic': unknown; for a trace of the dense engine \(tierkv run "
+                                          r"--prefetch\): next-layer, .*; for a trace of the sparse engine"):
         ReplayConfig(prefetch="magic")
     with pytest.raises(ConfigError, match=r"tiers \['ssd'\]: not in the trace; its tiers: gpu, nvme"):
         replay(trace, FAST, ReplayConfig({"ssd": "lru"}))

@@ -19,7 +19,7 @@ from tierkv.tune import tune as tune_module
 from tierkv.profile.access import AccessRecorder
 from tierkv.profile.access_trace import AccessTrace, TierSpec, TraceMeta
 from tierkv.tune.tier_model import TierModel
-from tierkv.tune.tune import (ENGINE_PREFETCH, Ranked, add_tune, format_table, grid_keys, parse_grid,
+from tierkv.tune.tune import (Ranked, add_tune, format_table, grid_keys, parse_grid,
                                  read_run_config, replay_config, run_config, tier_model_from_probe, tune,
                                  write_run_config)
 
@@ -66,7 +66,7 @@ def model() -> TierModel:
 
 # -- the grid ---------------------------------------------------------------------
 def test_the_grid_is_every_combination_with_all_policies_by_default(trace: AccessTrace) -> None:
-    points = parse_grid(["gpu_budget=2MiB,4MiB", "prefetch=none,engine"], trace.meta)
+    points = parse_grid(["gpu_budget=2MiB,4MiB", "prefetch=none,next-layer"], trace.meta)
     assert len(points) == 4 * len(available())
     assert {"gpu_budget": "4MiB", "prefetch": "none", "policy": "arc"} in points
     named = parse_grid([], trace.meta, ["lru", "h2o"])
@@ -82,7 +82,10 @@ def test_the_grid_is_every_combination_with_all_policies_by_default(trace: Acces
     ("gpu_budget=512KiB", r"gpu_budget=512KiB: holds no block of this trace \(1.0 MiB\)"),
     ("gpu_budget=lots", "gpu_budget='lots': expected a size"),
     ("gpu_policy=mru", "policy='mru': unknown; valid names: arc, "),
-    ("prefetch=eager", "prefetch='eager': allowed: none, next, engine"),
+    ("prefetch=eager", r"prefetch='eager': unknown; for a trace of the dense engine \(tierkv run --prefetch\): "
+                       r"next-layer, next-layer-all, none, .*; for a trace of the sparse engine "
+                       r"\(tierkv run --sparse-prefetch\): none, speculative, previous-step"),
+    ("prefetch=speculative", "holds none: record it with `tierkv run --mode sparse --record-access FILE`"),
     ("policy=lru", "--grid policy: given twice"),
 ])
 def test_bad_grid_items_are_one_clear_error(trace: AccessTrace, item: str, message: str) -> None:
@@ -100,7 +103,7 @@ def test_a_point_becomes_a_replay_config(trace: AccessTrace) -> None:
                            trace.meta)
     assert dict(config.policies) == {"gpu": "arc", "cpu": "fifo"}  # "policy" leaves the store alone
     assert dict(config.slots) == {"gpu": 3} and config.prefetch == "none"
-    assert replay_config({}, trace.meta).prefetch == "engine"
+    assert replay_config({}, trace.meta).prefetch is None   # the recording engine's default
 
 
 # -- ranking ----------------------------------------------------------------------
@@ -140,24 +143,33 @@ def test_the_best_setting_is_a_run_config_tierkv_run_can_read(trace: AccessTrace
                                                               tmp_path: Path) -> None:
     ranked = tune(trace, model, parse_grid(["gpu_budget=8MiB", "prefetch=engine"], trace.meta, ["arc"]))
     config = run_config(ranked[0], trace.meta, source="t.tkv")
-    assert {k: config[k] for k in tune_module.RUN_KEYS} == {
+    written = {k: config[k] for k in tune_module.RUN_KEYS if k in config}
+    assert written == {
         "gpu_budget": "8MiB", "cpu_budget": "6MiB", "nvme_budget": "256MiB",
-        "gpu_policy": "arc", "cpu_policy": "arc", "nvme_policy": "lru", "prefetch": ENGINE_PREFETCH["engine"]}
+        "gpu_policy": "arc", "cpu_policy": "arc", "nvme_policy": "lru", "prefetch": "next-layer"}  # engine: its alias
     assert config["tuned"]["trace"] == "t.tkv" and config["tuned"]["stall_s"] == ranked[0].result.stall_s
     write_run_config(tmp_path / "best.json", config)
-    assert read_run_config(tmp_path / "best.json") == {k: config[k] for k in tune_module.RUN_KEYS}
+    assert read_run_config(tmp_path / "best.json") == written
 
 
-def test_a_replay_prefetcher_the_engine_lacks_is_left_out_of_the_config(trace: AccessTrace,
-                                                                        model: TierModel) -> None:
+def test_a_dense_trace_config_names_the_prefetch_tierkv_run_takes(trace: AccessTrace, model: TierModel) -> None:
     ranked = tune(trace, model, parse_grid(["prefetch=none"], trace.meta, ["lru"]))
     config = run_config(ranked[0], trace.meta)
-    assert "prefetch" not in config and config["tuned"]["replay_prefetch"] == "none"
+    assert config["prefetch"] == "none" and "sparse_prefetch" not in config
+    assert config["tuned"]["prefetch"] == "none"
+    default = run_config(tune(trace, model, parse_grid([], trace.meta, ["lru"]))[0], trace.meta)
+    assert default["prefetch"] == "next-layer"   # not varied: the dense engine's own default
 
 
 def test_no_successful_setting_means_no_config(trace: AccessTrace) -> None:
     with pytest.raises(ConfigError, match="no setting replayed without error"):
         run_config(Ranked({"policy": "lru"}, error="BudgetExceeded: x"), trace.meta)
+
+
+def test_a_run_config_may_name_a_sparse_prefetch(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text('{"format": "tierkv-run-config", "version": 1, "sparse_prefetch": "speculative"}')
+    assert read_run_config(path) == {"sparse_prefetch": "speculative"}
 
 
 @pytest.mark.parametrize("content,message", [
@@ -236,6 +248,18 @@ def test_tune_json_is_one_object_with_the_ranking(trace: AccessTrace, tmp_path: 
     assert [r["setting"] for r in report["ranking"]] == [{"policy": "lru"}]
     assert report["ranking"][0]["result"]["stall_s"] >= 0
     assert report["model"]["links"]["nvme->*"]["channel"] == "nvme"
+
+
+def test_prefetch_is_short_for_a_grid_of_prefetchers(trace: AccessTrace, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    trace.write(tmp_path / "run.tkv")
+    (tmp_path / "links.json").write_text(json.dumps(LINKS))
+    argv = ["tune", str(tmp_path / "run.tkv"), "--policies", "lru", "--links", str(tmp_path / "links.json"), "--json"]
+    assert _run([*argv, "--prefetch", "none,next-layer"]) == 0
+    settings = [r["setting"] for r in json.loads(capsys.readouterr().out)["ranking"]]
+    assert sorted(s["prefetch"] for s in settings) == ["next-layer", "none"]
+    with pytest.raises(ConfigError, match="--prefetch and --grid prefetch=: name the prefetchers once"):
+        _run([*argv, "--prefetch", "none", "--grid", "prefetch=next-layer"])
 
 
 def test_tune_errors_name_the_problem(trace: AccessTrace, tmp_path: Path) -> None:

@@ -13,15 +13,12 @@ transfers and bytes in flight as a run::
                                                       ▼
                                  Executor + ModelledRunner ──▶ TierModel ──▶ completion at virtual t
 
-Time, per call (op) i of the trace::
-
-    compute_i = op_time[i] - (op_time[i-1] + op_blocked[i-1])   the run's own time between calls
-    start_i   = end_{i-1} + compute_i * compute_scale[step kind]  virtual clock
-    end_i     = when the manager returns (start_i if nothing had to move)
-    stall     = sum over gets of end_i - start_i                 (puts are counted apart)
-
-Prefetches (`tierkv.tune.prefetchers`) are issued before the op they are
-planned at, as the recorded engine would have issued them.
+The driver (`tierkv.tune.driver`) plays each op at its virtual time, the
+run's own compute between ops scaled by ``compute_scale``; the stall is the
+sum over gets of the time the manager took to return (puts are counted
+apart). Prefetches (`tierkv.tune.prefetchers`, named as ``tierkv run`` names
+them for the engine that recorded the trace) are issued before the op they
+are planned at, as that engine would have issued them.
 
 A block the trace reads before it ever stores it was stored before the
 recording began: it starts in the store, as a reopened NVMe store's blocks do.
@@ -40,16 +37,16 @@ import torch
 from policies import make_policy
 from tierkv.errors import ConfigError
 from tierkv.events import Event, EventKind, EventRecorder
-from tierkv.keys import BlockKey
 from tierkv.knobs import IOKnobs
 from tierkv.manager.executor import Executor
-from tierkv.manager.manager import Lease, TierManager
+from tierkv.manager.manager import TierManager
 from tierkv.profile.access import AccessRecorder
 from tierkv.profile.access_trace import STEP_KINDS, AccessTrace, OpKind
 from tierkv.profile.link_stats import link_bytes
 from tierkv.tiers.base import Medium
 from tierkv.tiers.cxl_link import link_spec
-from tierkv.tune.prefetchers import PREFETCHERS, Prefetch
+from tierkv.tune.driver import Driver, block_key, compute_gaps
+from tierkv.tune.prefetchers import check_prefetch, plan_prefetch, resolve_prefetch
 from tierkv.tune.simulation import ModelledRunner, SimArena, SimStore, VirtualLoop
 from tierkv.tune.tier_model import TierModel
 
@@ -58,15 +55,15 @@ from tierkv.tune.tier_model import TierModel
 @dataclass(frozen=True, slots=True)
 class ReplayConfig:
     policies: Mapping[str, str] = field(default_factory=dict)  # tier -> eviction policy (default: the trace's)
-    prefetch: str = "engine"                                   # a name in PREFETCHERS
+    prefetch: str | None = None                                # a tierkv run prefetcher name (see
+                                                               # tune.prefetchers); None: the engine's default
     slots: Mapping[str, int] = field(default_factory=dict)     # tier -> budget in blocks (default: the trace's)
     compute_scale: float | Mapping[str, float] = 1.0           # the trace's compute times x this, or per step
                                                                # kind: {"prefill": x, "decode": y} (what-if)
     cxl_preset: str = "cxl2-x8"                                # prices a cxl tier the model does not name
 
     def __post_init__(self) -> None:
-        if self.prefetch not in PREFETCHERS:
-            raise ConfigError(f"prefetch={self.prefetch!r}: allowed: {', '.join(PREFETCHERS)}")
+        check_prefetch(self.prefetch)   # whether it fits the trace's engine is checked at replay
         link_spec(self.cxl_preset)  # an unknown preset fails here, naming the valid ones
         scales = self.scales()
         if set(scales) != set(STEP_KINDS) or not all(isinstance(v, int | float) and v > 0 for v in scales.values()):
@@ -115,15 +112,6 @@ class ReplayResult:
             "moved_bytes": self.moved_bytes, "stall_fraction": self.stall_fraction}
 
 
-def compute_gaps(trace: AccessTrace) -> np.ndarray:
-    """Per op, the run's own time from the end of the previous call (or the first step) to this one."""
-    if not trace.n_ops:
-        return np.zeros(0)
-    origin = trace.step_time[0] if trace.n_steps else trace.op_time[0]
-    ends = np.concatenate([[origin], (trace.op_time + trace.op_blocked)[:-1]])
-    return np.maximum(trace.op_time - ends, 0.0)
-
-
 def replay(trace: AccessTrace, model: TierModel, config: ReplayConfig = ReplayConfig()) -> ReplayResult:
     """Run the trace through a TierManager over modelled tiers; bytes, hits and stall per the model."""
     loop = VirtualLoop()
@@ -135,11 +123,13 @@ def replay(trace: AccessTrace, model: TierModel, config: ReplayConfig = ReplayCo
 
 
 async def _replay(trace: AccessTrace, model: TierModel, config: ReplayConfig) -> ReplayResult:
+    prefetch = resolve_prefetch(config.prefetch, trace.meta)
+    plan = plan_prefetch(trace, prefetch)
     manager = _sim_manager(trace, model, config)
     seen = AccessRecorder(read_tier=trace.meta.read_tier, clock=asyncio.get_running_loop().time).attach(manager)
     await manager.start()
     try:
-        driver = _Driver(trace, manager, seen, PREFETCHERS[config.prefetch](trace), config.scale_per_op(trace))
+        driver = Driver(trace, manager, seen, plan, config.scale_per_op(trace))
         blocked, end = await driver.run()
         await manager.flush()
     finally:
@@ -147,7 +137,7 @@ async def _replay(trace: AccessTrace, model: TierModel, config: ReplayConfig) ->
     sim = replace(seen.trace(manager, events=[]), op_blocked=blocked)  # the modelled waits, per op
     gets, decode = trace.op_kind == OpKind.GET, trace.step_kind[trace.op_step] == STEP_KINDS.index("decode")
     return ReplayResult(
-        {t.name: config.policies.get(t.name, t.policy) for t in trace.meta.tiers}, config.prefetch,
+        {t.name: config.policies.get(t.name, t.policy) for t in trace.meta.tiers}, prefetch,
         link_bytes(manager.events.events), sim.served(), sim.hit_rates(),
         float(blocked[gets].sum()), float(blocked[gets & decode].sum()), float(blocked[~gets].sum()),
         float((compute_gaps(trace) * config.scale_per_op(trace)).sum()), end, sim, _pool_seconds(manager.events.events))
@@ -186,10 +176,11 @@ def _sim_manager(trace: AccessTrace, model: TierModel, config: ReplayConfig) -> 
 
 
 def _seed_store(trace: AccessTrace, tiers: list[Any]) -> None:
-    """Blocks read before any put were stored before the recording: the store holds them from the start."""
+    """Blocks read (or guessed) before any put were stored before the recording: the store holds them
+    from the start."""
     first = np.unique(trace.block, return_index=True)[1]
     kinds = np.repeat(trace.op_kind, trace.op_count)[first]
-    stored_before = np.flatnonzero(kinds == OpKind.GET)
+    stored_before = np.flatnonzero(kinds != OpKind.PUT)
     if not len(stored_before):
         return
     store = next((t for t in tiers if isinstance(t, SimStore)), None)
@@ -199,76 +190,3 @@ def _seed_store(trace: AccessTrace, tiers: list[Any]) -> None:
     store.seed([block_key(int(i)) for i in stored_before])
 
 
-def block_key(block: int) -> BlockKey:
-    """The key a replay gives the trace's dense block id."""
-    return BlockKey(int(block).to_bytes(16, "little"))
-
-
-# -- the driver: the trace's calls at their virtual times ------------------------------------
-class _Driver:
-    def __init__(self, trace: AccessTrace, manager: TierManager, seen: AccessRecorder,
-                 plan: list[Prefetch], scale: np.ndarray) -> None:
-        self.trace, self.manager, self.seen, self.scale = trace, manager, seen, scale  # compute x scale, per op
-        self.keys = [block_key(i) for i in range(trace.n_blocks)]
-        self.start = trace.op_start()
-        self.plan: dict[int, list[Prefetch]] = defaultdict(list)
-        for p in sorted(plan, key=lambda p: -p.lead):
-            self.plan[p.at].append(p)
-        self.lease: Lease | None = None
-        self.steps = 0
-
-    async def run(self) -> tuple[np.ndarray, float]:
-        """Play every op; returns (seconds blocked per op, virtual end of the last op)."""
-        loop = asyncio.get_running_loop()
-        compute = compute_gaps(self.trace) * self.scale
-        blocked = np.zeros(self.trace.n_ops)
-        data = torch.zeros(self.trace.meta.block_bytes, dtype=torch.uint8)
-        end = 0.0
-        for op in self.trace.ops():
-            self._enter_step(op.step)
-            begin = end + compute[op.index]
-            for p in self.plan.get(op.index, ()):
-                await _sleep_until(loop, max(end, begin - p.lead * self.scale[op.index]))
-                self._release()
-                self.manager.prefetch(self._keys(p.target), self.trace.meta.read_tier, layer=self._layer(p.target))
-                # One step of the prefetch's task runs before the next call, as in the engine, where
-                # its callback precedes the acquire; the moves it spawns run after the acquire pinned.
-                await asyncio.sleep(0)
-            await _sleep_until(loop, begin)
-            self._release()
-            begin = loop.time()
-            if op.kind is OpKind.PUT:
-                await self.manager.put(self.keys[int(op.blocks[0])], data, layer=op.layer,
-                                       persist=self.trace.meta.persist)
-            else:
-                self.lease = await self.manager.acquire(self._keys(op.index), self.trace.meta.read_tier,
-                                                        layer=op.layer)
-            end = loop.time()
-            blocked[op.index] = end - begin
-        self._release()
-        self._enter_step(self.trace.n_steps - 1)
-        return blocked, end
-
-    def _enter_step(self, step: int) -> None:
-        while self.steps <= step:
-            self.seen.begin_step(STEP_KINDS[int(self.trace.step_kind[self.steps])],
-                                 int(self.trace.step_tokens[self.steps]))
-            self.steps += 1
-
-    def _keys(self, op: int) -> list[BlockKey]:
-        return [self.keys[i] for i in self.trace.block[self.start[op]:self.start[op + 1]].tolist()]
-
-    def _layer(self, op: int) -> int | None:
-        layer = int(self.trace.op_layer[op])
-        return None if layer < 0 else layer
-
-    def _release(self) -> None:
-        if self.lease is not None:
-            self.lease.release()
-            self.lease = None
-
-
-async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
-    """Wait in virtual time; no yield at all when ``when`` is now (a yield lets queued moves run first)."""
-    if when > loop.time():
-        await asyncio.sleep(when - loop.time())

@@ -5,8 +5,14 @@ Every point of the grid (policies x ``--grid`` values) replays the trace
 (seconds the reader waited in gets), then by bytes moved between tiers::
 
     --policies lru,arc          -> policy   on every memory tier (gpu, cpu)
-    --grid gpu_budget=64MiB,128MiB --grid prefetch=none,engine
+    --grid gpu_budget=64MiB,128MiB --prefetch none,next-layer
     = 2 x 2 x 2 = 8 replays     -> table, --json, --plot, and the best as a run config
+
+Prefetchers are named as ``tierkv run`` names them for the engine that
+recorded the trace (`tierkv.tune.prefetchers`): ``--prefetch`` names for a
+trace of the dense engine, ``--sparse-prefetch`` names (none, speculative,
+previous-step) for one of the sparse engine (``tierkv run --mode sparse``);
+``--prefetch A,B`` is short for ``--grid prefetch=A,B``.
 
 The tier model comes from ``--links FILE`` (``TierModel.from_dict`` JSON,
 given by hand) or else from `tierkv.profile.probe` (this machine, cached).
@@ -17,8 +23,12 @@ The run config (``--out``, default ``TRACE.best.json``) uses the names of
     {"format": "tierkv-run-config", "version": 1,
      "gpu_budget": "64MiB", "cpu_budget": "1GiB", "nvme_budget": "64GiB",   sizes as the flags take them
      "gpu_policy": "arc", "cpu_policy": "arc", "nvme_policy": "lru",        make_policy names
-     "prefetch": "next-layer",                                               a policies.prefetch name
+     "prefetch": "next-layer",                                               a dense trace: --prefetch's name
+     "sparse_prefetch": "speculative",                                       a sparse one: --sparse-prefetch's
      "tuned": {...}}                                                         provenance; run ignores it
+
+A dense trace's ``none`` is written as ``none``, although the engine then
+still reads one group ahead within a layer, which that replay left out.
 """
 from __future__ import annotations
 
@@ -34,15 +44,13 @@ from policies import available, make_policy
 from tierkv.sizes import format_size, parse_size
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.profile.access_trace import AccessTrace, TraceMeta
-from tierkv.tune.prefetchers import PREFETCHERS
+from tierkv.tune.prefetchers import VOCABULARIES, resolve_prefetch
 from tierkv.tune.replay import ReplayConfig, ReplayResult, replay
 from tierkv.tune.tier_model import TierModel
 
 CONFIG_FORMAT, CONFIG_VERSION = "tierkv-run-config", 1
-RUN_KEYS = ("gpu_budget", "cpu_budget", "nvme_budget", "gpu_policy", "cpu_policy", "nvme_policy", "prefetch")
-# Replay prefetchers that do exactly what a policies.prefetch strategy makes the engine do. Others
-# (the replay's "none" also stops the engine's group-ahead) have no run flag and stay out of the config.
-ENGINE_PREFETCH = {"engine": "next-layer"}
+RUN_KEYS = ("gpu_budget", "cpu_budget", "nvme_budget", "gpu_policy", "cpu_policy", "nvme_policy", "prefetch",
+            "sparse_prefetch")
 # Keys a user may expect that a recorded trace cannot vary, and why.
 FIXED_BY_TRACE = {
     "block_tokens": "the trace's blocks have a fixed size; record one trace per block size",
@@ -96,7 +104,7 @@ def _check_value(key: str, value: str, meta: TraceMeta) -> None:
     elif key.endswith("policy"):
         make_policy(value, capacity=1)   # loud: unknown names list the valid ones
     elif key == "prefetch":
-        ReplayConfig(prefetch=value)
+        resolve_prefetch(value, meta)   # names what applies to this trace's engine
 
 
 def replay_config(point: Mapping[str, str], meta: TraceMeta) -> ReplayConfig:
@@ -107,7 +115,7 @@ def replay_config(point: Mapping[str, str], meta: TraceMeta) -> ReplayConfig:
             policies[tier.name] = chosen
         if f"{tier.name}_budget" in point:
             slots[tier.name] = parse_size(point[f"{tier.name}_budget"]) // meta.block_bytes
-    return ReplayConfig(policies, point.get("prefetch", "engine"), slots)
+    return ReplayConfig(policies, point.get("prefetch"), slots)
 
 
 # -- ranking --------------------------------------------------------------------
@@ -171,9 +179,8 @@ def run_config(best: Ranked, meta: TraceMeta, *, source: str = "") -> dict[str, 
         slots = chosen.slots.get(tier.name, tier.slots)
         config[f"{tier.name}_budget"] = best.point.get(f"{tier.name}_budget") or _size_text(slots * meta.block_bytes)
         config[f"{tier.name}_policy"] = chosen.policies.get(tier.name) or _registered_name(tier.policy)
-    if chosen.prefetch in ENGINE_PREFETCH:
-        config["prefetch"] = ENGINE_PREFETCH[chosen.prefetch]
-    config["tuned"] = {"trace": source, "replay_prefetch": chosen.prefetch, **best.result.as_dict()}
+    config[VOCABULARIES[meta.engine].config_key] = best.result.prefetch   # the flag of the recording engine
+    config["tuned"] = {"trace": source, **best.result.as_dict()}
     return config
 
 
@@ -275,8 +282,10 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policies", help="eviction policies for the memory tiers, comma-separated "
                                       f"(default: all: {', '.join(available())}; 'module:Class' works too)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                   help="more values to try: <tier>_budget, <tier>_policy, prefetch "
-                        f"({', '.join(PREFETCHERS)}); repeatable")
+                   help="more values to try: <tier>_budget, <tier>_policy, prefetch; repeatable")
+    p.add_argument("--prefetch", metavar="A,B", help="prefetchers to rank, comma-separated (short for --grid "
+                   "prefetch=A,B), as tierkv run names them for the engine that recorded the trace: "
+                   + "; ".join(f"{engine} {v.flag} ({', '.join(v.names())})" for engine, v in VOCABULARIES.items()))
     p.add_argument("--links", type=Path, help="tier model JSON (link gbps, latency_us, queue_depth) "
                                               "instead of this machine's probe")
     p.add_argument("--nvme-dir", type=Path, help="where the probe measures the disk (default: the cache dir)")
@@ -293,7 +302,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top={args.top}: must be >= 1")
     trace = AccessTrace.read(args.trace)
     policies = None if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
-    points = parse_grid(args.grid, trace.meta, policies)
+    points = parse_grid(_grid_items(args.grid, args.prefetch), trace.meta, policies)
     model = load_tier_model(args.links, args.nvme_dir, refresh=args.reprobe)
     ranked = _tune_with_progress(trace, model, points, quiet=args.json)
     out = args.out or args.trace.with_suffix(".best.json")
@@ -309,6 +318,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.plot is not None:
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _grid_items(grid: list[str], prefetch: str | None) -> list[str]:
+    """``--grid`` items, with ``--prefetch A,B`` as ``prefetch=A,B``."""
+    if prefetch is None:
+        return grid
+    if any(item.partition("=")[0] == "prefetch" for item in grid):
+        raise ConfigError("--prefetch and --grid prefetch=: name the prefetchers once")
+    return [*grid, f"prefetch={prefetch}"]
 
 
 def _tune_with_progress(trace: AccessTrace, model: TierModel, points: list[Point], *, quiet: bool) -> list[Ranked]:
