@@ -187,12 +187,16 @@ def test_transfers_on_one_channel_queue_behind_each_other() -> None:
     assert play(trace, "lru", model).trace.op_blocked.tolist() == pytest.approx([one, one])
 
 
-def test_prefetch_hides_a_load_behind_the_compute_before_it() -> None:
+def layer_by_layer() -> tuple[AccessTrace, TierModel]:
+    """A decode step reading 4 layers of 2 blocks from the store, 10 ms of compute before each; ~1 ms a load."""
     script = Script(gpu=8, tick=0.01).step()
     for layer in range(4):
         script.get([2 * layer, 2 * layer + 1], layer=layer)
-    trace = script.trace()
-    model = TierModel({"nvme->*": Link(gbps=1.0, latency_us=1000, queue_depth=2)})  # ~1 ms a load, 10 ms compute
+    return script.trace(), TierModel({"nvme->*": Link(gbps=1.0, latency_us=1000, queue_depth=2)})
+
+
+def test_prefetch_hides_a_load_behind_the_compute_before_it() -> None:
+    trace, model = layer_by_layer()
     load = 2 * BLOCK / 1e9 + 1e-3
     none, engine = play(trace, "lru", model, "none"), play(trace, "lru", model, "next-layer")
     assert none.trace.op_blocked.tolist() == pytest.approx([load] * 4)
@@ -202,11 +206,7 @@ def test_prefetch_hides_a_load_behind_the_compute_before_it() -> None:
 
 
 def test_less_compute_leaves_prefetch_less_time_to_hide_loads() -> None:
-    script = Script(gpu=8, tick=0.01).step()
-    for layer in range(4):
-        script.get([2 * layer, 2 * layer + 1], layer=layer)
-    trace = script.trace()
-    model = TierModel({"nvme->*": Link(gbps=1.0, latency_us=1000, queue_depth=2)})
+    trace, model = layer_by_layer()
     normal = replay(trace, model, ReplayConfig(prefetch="next-layer"))
     faster = replay(trace, model, ReplayConfig(prefetch="next-layer", compute_scale=0.01))  # 0.1 ms between layers
     assert faster.compute_s == pytest.approx(0.0003)
@@ -216,11 +216,7 @@ def test_less_compute_leaves_prefetch_less_time_to_hide_loads() -> None:
 
 
 def test_engine_is_the_old_name_of_next_layer() -> None:
-    script = Script(gpu=8, tick=0.01).step()
-    for layer in range(4):
-        script.get([2 * layer, 2 * layer + 1], layer=layer)
-    trace = script.trace()
-    model = TierModel({"nvme->*": Link(gbps=1.0, latency_us=1000, queue_depth=2)})
+    trace, model = layer_by_layer()
     old, new = (replay(trace, model, ReplayConfig(prefetch=name)) for name in ("engine", "next-layer"))
     assert old.prefetch == new.prefetch == "next-layer" and old.as_dict() == new.as_dict()
     assert replay(trace, model).prefetch == "next-layer"    # a dense trace: the dense engine's default
