@@ -58,10 +58,11 @@ from decode import HfDecoder
 from report import Report, machine, print_grid
 from tierkv.config import TierConfig
 from tierkv.manager import BlockingTierManager
-from tierkv.model.arch import apply_rope, rope_cos_sin, unrope
+from tierkv.model.arch import rope_cos_sin
+from tierkv.ops.rope import apply_rope, unrope
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
-from tierkv.model.sparse_engine import SparseEngine
+from tierkv.model.sparse_engine import LayerProbe, SparseEngine
 from tierkv.scoring import top_chunks
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.sequence import SparseSequence
@@ -163,55 +164,47 @@ class ExactKV:
         return cls([kv.keys[0] for kv in cache.layers], [kv.values[0] for kv in cache.layers])
 
 
-class ProbedEngine(SparseEngine):
-    """The sparse engine as it is, plus a dense look at each decode attention it computes.
+class Probe:
+    """A dense look at each decode attention the sparse engine computes (its ``probe`` hook).
 
     Per layer and step: the query's softmax over every exact key of this run (its own decoded
-    tokens included), the tokens the engine attended (the positions ``_context`` returned, and
-    the new token), and the oracle: per KV head the same number of candidate chunks, chosen by
-    dense mass summed over the head's query heads (that sum maximises the mean recall reported),
-    attended as the engine attends its own choice (widened to the pages read, attend="pages").
+    tokens included), the tokens the engine attended (the context's positions, and the new
+    token), and the oracle: per KV head the same number of candidate chunks, chosen by dense mass
+    summed over the head's query heads (that sum maximises the mean recall reported), attended as
+    the engine attends its own choice (widened to the pages read, attend="pages").
     """
 
-    def __init__(self, loaded: LoadedModel, manager: BlockingTierManager, config: SparseConfig,
-                 exact: ExactKV) -> None:
-        super().__init__(loaded, manager, config)
+    def __init__(self, exact: ExactKV, layers: int) -> None:
         self.exact = exact
-        self.sums = torch.zeros(len(self.layers), len(FIGURES), dtype=torch.float64)
+        self.sums = torch.zeros(layers, len(FIGURES), dtype=torch.float64)
         self.steps = 0
-        self._attended: Tensor | None = None
+        self.engine: SparseEngine | None = None
 
-    def _context(self, seq: SparseSequence, layer: int, chunks: Tensor, **kw):
-        context = super()._context(seq, layer, chunks, **kw)
-        self._attended = context.p                                     # [Hkv, Tc]
-        return context
+    def __call__(self, p: LayerProbe) -> None:
+        if not p.decode:
+            return
+        cos, sin = self.engine.rope.at(torch.tensor([[p.pos]]))
+        self.exact.keys[p.layer][:, p.pos] = apply_rope(p.k_pre.float(), cos, sin)[0, :, 0]
+        self.exact.values[p.layer][:, p.pos] = p.v[0, :, 0]
+        self.sums[p.layer] += self._figures(p)
+        self.steps += p.layer == 0
 
-    def _attention(self, seq: SparseSequence, layer: int, q_pre: Tensor, k_pre: Tensor, v: Tensor,
-                   pos: int, context) -> Tensor:
-        out = super()._attention(seq, layer, q_pre, k_pre, v, pos, context)
-        if q_pre.shape[2] == 1:
-            cos, sin = self._rope(torch.tensor([[pos]]))
-            self.exact.keys[layer][:, pos] = apply_rope(k_pre.float(), cos, sin)[0, :, 0]
-            self.exact.values[layer][:, pos] = v[0, :, 0]
-            self.sums[layer] += self._figures(seq, layer, q_pre, out[0, :, 0].float(), pos)
-            self.steps += layer == 0
-        return out
-
-    def _figures(self, seq: SparseSequence, layer: int, q_pre: Tensor, out: Tensor, pos: int) -> Tensor:
+    def _figures(self, p: LayerProbe) -> Tensor:
         """One step of one layer: every figure of ``FIGURES``, in its order."""
+        seq, layer, pos, out = p.seq, p.layer, p.pos, p.out[0, :, 0].float()
         keys, values = self.exact.keys[layer][:, :pos + 1], self.exact.values[layer][:, :pos + 1]
         Hkv, n, D = keys.shape
-        query = self._query(seq, q_pre, pos)                            # [H, D], rotated at pos
+        query = p.query                                                 # [H, D], rotated at pos
         probs = torch.softmax(torch.einsum("hgd,htd->hgt", query.view(Hkv, -1, D), keys) / math.sqrt(D), -1)
         dense = torch.einsum("hgt,htd->hgd", probs, values)             # [Hkv, G, D]
         attended = torch.zeros(Hkv, n, dtype=torch.bool)
-        if self._attended is not None:
-            attended.scatter_(1, self._attended, True)
+        attended.scatter_(1, p.context.p, True)
         attended[:, pos] = True
         index, c = seq.index(layer), seq.config.chunk_tokens
         mass = self._region(seq, layer, probs.sum(dim=1))               # [Hkv, C, c]: summed over the group
+        selector = self.engine.selector
         best = (lambda k: None) if mass is None else (lambda k: top_chunks(mass.sum(-1), k, index.candidates))
-        picked = (lambda k: None) if mass is None else (lambda k: self.selector.select(query, index, k))
+        picked = (lambda k: None) if mass is None else (lambda k: selector.select(query, index, k))
         chosen = seq.chosen.get(layer)      # as many chunks as the engine chose (its budgets may be adaptive)
         oracle = self._choose(seq, layer, query, attended, best(0 if chosen is None else chosen.shape[-1]))
         curve = [recall(probs, self._choose(seq, layer, query, attended, choose(budget // c)))
@@ -237,8 +230,7 @@ class ProbedEngine(SparseEngine):
         mask = attended.clone()
         region = self._region(seq, layer, mask)                         # a view: writes land in mask
         region[:] = ~seq.index(layer).candidates.view(1, -1, 1)
-        if seq.config.attend == "pages":
-            chunks = self._widen(seq, layer, query, chunks)[0]
+        chunks = seq.plan.decode.scope.widen(seq, layer, query, chunks)[0]
         region.scatter_(1, chunks.unsqueeze(-1).expand(-1, -1, region.shape[-1]), True)
         return mask
 
@@ -394,7 +386,8 @@ def document_run(loaded: LoadedModel, name: str, config: SparseConfig, steps: in
                  cache: DynamicCache, exact: ExactKV, dense: Tensor, truth: Tensor) -> DocRun:
     config = replace(config, positions="original", dense_prefill_tokens=prompt)
     with manager_for(loaded, config) as manager:
-        engine = ProbedEngine(loaded, manager, config, exact)
+        probe = Probe(exact, loaded.spec.num_layers)
+        engine = probe.engine = SparseEngine(loaded, manager, config, probe=probe)
         seq, started = engine.new_sequence(prompt), time.perf_counter()
         seed(engine, seq, cache, prompt - 1)
         seeded = time.perf_counter() - started
@@ -405,7 +398,7 @@ def document_run(loaded: LoadedModel, name: str, config: SparseConfig, steps: in
         seconds = (time.perf_counter() - started) / steps
         sparse = torch.stack(logits)
         run = DocRun(name, config, steps, top1(sparse, dense[:steps]), top1(sparse, truth[:steps]),
-                     kl(dense[:steps], sparse), seconds, engine.per_layer(),
+                     kl(dense[:steps], sparse), seconds, probe.per_layer(),
                      seq.stats.tokens / max(1, seq.stats.steps), seq.stats.pages / max(1, seq.stats.steps), seeded,
                      basis_error)
         seq.release(keep=False)

@@ -139,7 +139,7 @@ def dynamic_from_store(loaded: LoadedModel, ids: list[int], store: Path) -> Dyna
             win_k, win_v = seq.window(layer)
             k = torch.cat([sink_k.float().transpose(0, 1), k_mid, win_k.float().transpose(0, 1)], dim=1)
             v = torch.cat([sink_v.float().transpose(0, 1), v_mid, win_v.float().transpose(0, 1)], dim=1)
-            k = engine._rotate_heads(k, torch.arange(k.shape[1]).expand(k.shape[0], -1))
+            k = engine.rope.rotate_heads(k, torch.arange(k.shape[1]).expand(k.shape[0], -1))
             cache.update(k.unsqueeze(0).to(loaded.spec.dtype), v.unsqueeze(0).to(loaded.spec.dtype), layer)
         seq.release(keep=True)
     return cache

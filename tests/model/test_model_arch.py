@@ -6,6 +6,7 @@ import torch
 from tinymodels import KINDS, native_logits, tiny_model
 
 from tierkv.model import arch
+from tierkv.ops import rope
 
 PROMPT = ("The tiered cache keeps hot keys and values in fast memory and moves cold blocks to "
           "pinned host memory or to disk. ") * 12
@@ -27,9 +28,9 @@ def test_unrope_inverts_apply_rope(kind):
     model = tiny_model(kind)
     cos, sin = arch.rope_cos_sin(model, torch.arange(1000, 1300))        # [1, T, D]
     k = torch.randn(1, 2, 300, cos.shape[-1])
-    rotated = arch.apply_rope(k, cos, sin)
+    rotated = rope.apply_rope(k, cos, sin)
     assert not torch.allclose(rotated, k, atol=1e-2)
-    torch.testing.assert_close(arch.unrope(rotated, cos, sin), k, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(rope.unrope(rotated, cos, sin), k, atol=2e-5, rtol=1e-5)
 
 
 def test_apply_rope_matches_transformers():
@@ -39,8 +40,8 @@ def test_apply_rope_matches_transformers():
     cos, sin = arch.rope_cos_sin(model, torch.arange(20).expand(2, 20))
     q, k = torch.randn(2, 4, 20, 16), torch.randn(2, 2, 20, 16)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
-    assert torch.equal(arch.apply_rope(q, cos, sin), want_q)
-    assert torch.equal(arch.apply_rope(k, cos, sin), want_k)
+    assert torch.equal(rope.apply_rope(q, cos, sin), want_q)
+    assert torch.equal(rope.apply_rope(k, cos, sin), want_k)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -56,7 +57,7 @@ def test_k_pre_is_k_before_rope(kind):
         raw = attn.k_norm(raw)               # transformers normalises per head before RoPE
     assert q.shape == (1, 4, 12, attn.head_dim) and v.shape == k.shape == (1, 2, 12, attn.head_dim)
     torch.testing.assert_close(k_pre, raw.transpose(1, 2))
-    torch.testing.assert_close(arch.unrope(k, cos, sin), k_pre, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rope.unrope(k, cos, sin), k_pre, atol=1e-5, rtol=1e-5)
 
 
 def test_spec_of_tiny_qwen3():

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from tierkv.model import attention
-from tierkv.model.attention import attend, merge, merge_lse
+from tierkv.ops import attention
+from tierkv.ops.attention import attend, merge, merge_lse
 
 
 def reference(q, k, v, *, causal, q_offset=0):

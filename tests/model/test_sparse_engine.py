@@ -13,6 +13,7 @@ from tierkv.model.arch import model_spec
 from tierkv.model.loading import LoadedModel
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.sparse import SparseConfig
+from tierkv.sparse.plan import WIDEN, WholePages
 from tierkv.sparse.sequence import SparseSequence
 
 from tinymodels import native_logits, tiny_model
@@ -125,7 +126,6 @@ def test_decode_widens_to_the_pages_read_at_most_twice_the_selection():
     """attend="pages": a head attends the indexed chunks of the pages its layer read, all of them
     (the same for every head) while they are at most twice its own; past that its own chunks plus
     the best-scored others, from those pages only."""
-    from tierkv.model.sparse_engine import WIDEN
     lm = loaded("llama")
     ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(8)).tolist()
     cfg = SparseConfig(budget=32, rank=32, sink_tokens=8, window_tokens=32, page_tokens=32,
@@ -140,13 +140,13 @@ def test_decode_widens_to_the_pages_read_at_most_twice_the_selection():
         engine = SparseEngine(lm, manager, cfg)
         one_page = free[free // per == int(free[0]) // per]          # the candidates of one page
         few = one_page[:max(1, len(one_page) // 2)].expand(H, -1)
-        wide, shared = engine._widen(seq, 0, query, few)
+        wide, shared = WholePages().widen(seq, 0, query, few)
         assert shared and wide.shape[1] <= WIDEN * few.shape[1]
         assert all(row.tolist() == one_page.tolist() for row in wide)
         spread = torch.stack([free[h::per + 1][:3] for h in range(H)])  # chunks on many pages
         read = set(seq.page_chunks(0, spread).tolist())
         assert len(read) > WIDEN * spread.shape[1]
-        wide, shared = engine._widen(seq, 0, query, spread)
+        wide, shared = WholePages().widen(seq, 0, query, spread)
         assert not shared and wide.shape == (H, WIDEN * spread.shape[1])
         for h in range(H):
             assert set(spread[h].tolist()) <= set(wide[h].tolist()) <= read
@@ -165,10 +165,7 @@ def test_with_remapped_positions_the_widened_set_stays_inside_the_trained_window
     fixed = cfg.sink_tokens + cfg.window_tokens + len(seq.index(0).outliers) * c
     limit = (lm.spec.max_position - fixed - 1) // c
     assert 32 < limit < 64 and seq.page_chunks(0, spread).numel() > limit
-    layout = SparseEngine.page_layout(lm, cfg)
-    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="256KiB")) as manager:
-        wide, shared = SparseEngine(lm, manager, cfg)._widen(seq, 0, torch.randn(lm.spec.num_heads, lm.spec.head_dim),
-                                                             spread)
+    wide, shared = WholePages().widen(seq, 0, torch.randn(lm.spec.num_heads, lm.spec.head_dim), spread)
     assert wide.shape == (H, limit) and fixed + limit * c < lm.spec.max_position
 
 

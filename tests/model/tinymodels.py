@@ -5,7 +5,7 @@ import torch
 from torch import Tensor, nn
 
 from tierkv.model import arch
-from tierkv.model.attention import attend, merge
+from tierkv.ops.attention import attend, merge
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,

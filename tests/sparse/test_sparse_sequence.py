@@ -21,7 +21,7 @@ def config(**kw) -> SparseConfig:
 def sequence(manager, cfg, rank=H * D, **kw) -> SparseSequence:
     layout = BlockLayout.page(cfg.page_tokens, H, D, rank, torch.float32)
     return SparseSequence(manager, cfg, layout, num_layers=1, dtype=torch.float32,
-                          needs=frozenset({"landmarks"}), rotate=None, **kw)
+                          needs=frozenset({"landmarks"}), **kw)
 
 
 def pages_manager(cfg, rank=H * D, **budgets) -> BlockingTierManager:
@@ -101,7 +101,8 @@ def test_whole_pages_give_every_head_every_indexed_chunk_of_the_pages_read():
 
 
 def test_full_rank_rebuilt_keys_rotated_equal_the_real_post_rope_keys(tiny_loaded):
-    from tierkv.model.arch import apply_rope, rope_cos_sin
+    from tierkv.model.arch import rope_cos_sin
+    from tierkv.ops.rope import apply_rope
     cfg = SparseConfig(budget=4096, sink_tokens=8, window_tokens=16, page_tokens=16, rank=32,
                        positions="original")
     layout = SparseEngine.page_layout(tiny_loaded, cfg)
@@ -112,7 +113,7 @@ def test_full_rank_rebuilt_keys_rotated_equal_the_real_post_rope_keys(tiny_loade
         seq.append(0, k_pre, v)
         seq.fit(0, 32)
         k_mid, _, pos = seq.gather(0, torch.arange(0, 30).expand(2, -1))
-        rebuilt = engine._rotate_heads(k_mid, pos)                            # [Hkv, T, D]
+        rebuilt = engine.rope.rotate_heads(k_mid, pos)                            # [Hkv, T, D]
         cos, sin = rope_cos_sin(tiny_loaded.model, torch.arange(300))
         real = apply_rope(k_pre.transpose(0, 1).unsqueeze(0), cos, sin)[0]    # [Hkv, 300, D]
         assert torch.allclose(rebuilt, real[:, pos[0]], atol=1e-4)

@@ -354,7 +354,7 @@ def tiny_engine_run(tmp_path, policy: str):
     from tierkv.model.arch import model_spec
     from tierkv.model.engine import Engine, EngineConfig
     from tierkv.model.loading import LoadedModel
-    from tierkv.model.sequence import KVLayout
+    from tierkv.layout import BlockLayout
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -363,7 +363,7 @@ def tiny_engine_run(tmp_path, policy: str):
     model = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
     loaded = LoadedModel(model, None, "tiny-llama", model_spec(model))
     spec = loaded.spec
-    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, 16)
+    layout = BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, 16)
     tiers = TierConfig(block_bytes=layout.block_bytes, gpu=6 * layout.block_bytes, cpu=8 * layout.block_bytes,
                        nvme_dir=tmp_path / policy, gpu_policy=policy, cpu_policy=policy)
     with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager:

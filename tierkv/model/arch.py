@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from tierkv.errors import ConfigError
+from tierkv.ops.rope import apply_rope
 
 # transformers `model_type` -> what it is; every one runs through the functions below.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -107,28 +108,6 @@ def rope_cos_sin(model: nn.Module, positions: Tensor) -> tuple[Tensor, Tensor]:
         positions = positions.unsqueeze(0)
     probe = torch.empty(0, dtype=model.dtype, device=positions.device)  # only dtype/device matter
     return model.model.rotary_emb(probe, positions)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, T, D], cos/sin [B, T, D] -> x rotated (transformers' rotate-half convention)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                 # [B, 1, T, D]
-    return x * cos + _rotate_half(x) * sin
-
-
-def unrope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Inverse of ``apply_rope``: the pre-RoPE keys, exact up to fp error.
-
-    Each pair (x1, x2) was turned by the matrix [[c, -s], [s, c]]; its inverse is the transpose
-    divided by c^2 + s^2 (1 for plain RoPE, attention_scaling^2 for yarn-style variants).
-    """
-    xf = x.float()                                                # fp32: bf16 would add error
-    cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # [B, 1, T, D]
-    return ((xf * cos - _rotate_half(xf) * sin) / (cos * cos + sin * sin)).to(x.dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def project_qkv(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -14,7 +14,7 @@ merged by log-sum-exp (online softmax), then causally to itself::
 
 Decode runs the same step on one token. Keys are stored after RoPE; the
 pre-RoPE keys that sparse selection needs are recovered exactly with
-``arch.unrope`` from the block's positions.
+``tierkv.ops.rope.unrope`` from the block's positions.
 
 Prefill once, decode many: blocks are content addresses of the token prefix,
 so a later run over the same document finds them in the NVMe store and
@@ -39,7 +39,7 @@ from tierkv.errors import BlockMissing, ConfigError
 from tierkv.manager import BlockingTierManager
 from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attention, mlp_block, \
     project_qkv, rope_cos_sin
-from tierkv.model.attention import attend, block_lse, block_mass, merge_lse
+from tierkv.ops.attention import attend, block_lse, block_mass, merge_lse
 from tierkv.model.loading import LoadedModel
 from tierkv.layout import BlockLayout
 from tierkv.model.sequence import TieredSequence

@@ -11,7 +11,7 @@ A query in column ``c`` sees the keys of columns ``pad <= s <= c``. Pad queries 
 own column (their output is never read: no real query sees a pad key), so no row is fully masked.
 Rows are independent, so each row computes what it would compute alone (up to float rounding).
 
-Attention folds each KV head's ``G`` query heads into the query length (``tierkv.model.attention``
+Attention folds each KV head's ``G`` query heads into the query length (``tierkv.ops.attention``
 explains why): ``q [B, H, T, D] -> [B, Hkv, G*T, D]``.
 """
 from __future__ import annotations

@@ -77,7 +77,7 @@ class SparseConfig:
     allocation: str = field(default="uniform", repr=False)
     # a decode step reads whole pages (all KV heads, page_tokens tokens) for the chunks each head
     # selected; "pages": each head attends more of those pages, up to twice its own selection (more
-    # of the dense mass at no extra read; SparseEngine._widen), "chunks": each head only its own
+    # of the dense mass at no extra read; tierkv.sparse.plan.WholePages), "chunks": each head only its own
     # chunks. Decode-only, out of the repr
     attend: str = field(default="pages", repr=False)
     # decode: attend to the pages in place while the rest load, then to those (merged exactly);

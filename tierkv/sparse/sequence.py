@@ -38,10 +38,8 @@ from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
 from tierkv.sparse.lowrank import KeyBasis, project, reconstruct
+from tierkv.sparse.plan import StepPlan
 from tierkv.layout import BlockLayout
-
-Rotate = Callable[[Tensor, Tensor], Tensor]   # (k_pre [t, Hkv, D], positions [t]) -> keys in the scoring frame
-
 
 class _Fifo:
     """Rows [t, Hkv, D] appended at the back, taken from the front."""
@@ -153,10 +151,12 @@ class _Layer:
 
 class SparseSequence:
     def __init__(self, manager: BlockingTierManager, config: SparseConfig, layout: BlockLayout, *,
-                 num_layers: int, dtype: torch.dtype, needs: frozenset[str], rotate: Rotate | None,
+                 num_layers: int, dtype: torch.dtype, needs: frozenset[str], plan: StepPlan | None = None,
                  root: BlockKey | None = None, persist: bool = False) -> None:
         self.manager, self.config, self.layout = manager, config, layout
-        self.rotate = rotate                     # None: scoring frame = pre-RoPE keys (remapped positions)
+        self.plan = plan                         # the step's strategies (tierkv.sparse.plan); None: no model
+        # sealed keys into the frame chunks are scored in (None: pre-RoPE, as remapped positions score)
+        self.rotate = None if plan is None else plan.positions.rotate
         self.root = root or BlockKey.of("private-sparse", os.urandom(16))
         self.persist = persist
         self.read_tier: str | None = None
@@ -405,10 +405,14 @@ class SparseSequence:
         """Start loading the pages of ``chunks``, a guess at ``layer``'s selection: they enter the
         tier cold. None when they exceed one gather group (half the tier): the layer would read in
         groups, and each group's loads would evict the cold pages of the next."""
-        state = self.layers[layer]
-        keys = [state.pages[p] for p in self.chunk_pages(chunks).tolist() if p < len(state.pages)]
+        keys = self.page_keys(layer, chunks)
         if keys and len(keys) <= self.manager.pin_group(self.read_tier):
             self.manager.prefetch(keys, self.read_tier, layer=layer, guess=True)
+
+    def page_keys(self, layer: int, chunks: Tensor) -> list[BlockKey]:
+        """The keys of the stored pages that hold ``chunks`` [Hkv, k] of ``layer``."""
+        pages = self.layers[layer].pages
+        return [pages[p] for p in self.chunk_pages(chunks).tolist() if p < len(pages)]
 
     def memory_bytes(self) -> int:
         """Bytes this sequence holds outside the tiers: sinks, windows, bases, chunk indexes."""

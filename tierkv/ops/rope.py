@@ -1,0 +1,74 @@
+"""Rotary position embedding (transformers' rotate-half convention), and a table of it by position.
+
+``RopeTable`` keeps cos/sin (float32) for positions 0..n-1 of one model, made by the model's own
+rotary embedding (so scaled variants match) and grown on use: a step over compact or real
+positions reads rows of it instead of recomputing them::
+
+    table = RopeTable(lambda positions: rope_cos_sin(model, positions), head_dim)
+    cos, sin = table.span(start, n)           [1, n, D]   views, no gather
+    cos, sin = table.at(positions)            [*positions.shape, D]
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, D], cos/sin [B, T, D] -> x rotated (transformers' rotate-half convention)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                 # [B, 1, T, D]
+    return x * cos + _rotate_half(x) * sin
+
+
+def unrope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Inverse of ``apply_rope``: the pre-RoPE keys, exact up to fp error.
+
+    Each pair (x1, x2) was turned by the matrix [[c, -s], [s, c]]; its inverse is the transpose
+    divided by c^2 + s^2 (1 for plain RoPE, attention_scaling^2 for yarn-style variants).
+    """
+    xf = x.float()                                                # fp32: bf16 would add error
+    cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # [B, 1, T, D]
+    return ((xf * cos - _rotate_half(xf) * sin) / (cos * cos + sin * sin)).to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RopeTable:
+    """cos, sin (float32) by position, from ``make(positions [n]) -> (cos, sin) [1, n, D]``."""
+
+    def __init__(self, make: Callable[[Tensor], tuple[Tensor, Tensor]], head_dim: int) -> None:
+        self._make = make
+        self._cos = self._sin = torch.empty(0, head_dim)
+
+    def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [*positions.shape, D]."""
+        self._grow(int(positions.max()) + 1 if positions.numel() else 0)
+        return self._cos[positions], self._sin[positions]
+
+    def span(self, start: int, n: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [1, n, D] of positions start .. start+n-1: views of the table."""
+        self._grow(start + n)
+        return self._cos[start:start + n].unsqueeze(0), self._sin[start:start + n].unsqueeze(0)
+
+    def rotate_heads(self, k_pre: Tensor, positions: Tensor) -> Tensor:
+        """k_pre [Hkv, T, D] rotated to per-head positions [Hkv, T] (float32)."""
+        if positions.shape[0] > 1 and torch.equal(positions[1:], positions[:1].expand(positions.shape[0] - 1, -1)):
+            positions = positions[:1]                                # the same for every head: one table
+        cos, sin = self.at(positions)                                # [Hkv or 1, T, D]
+        return apply_rope(k_pre.unsqueeze(1).float(), cos, sin).squeeze(1)
+
+    def rotate_tokens(self, k_pre: Tensor, positions: Tensor) -> Tensor:
+        """k_pre [t, Hkv, D] at positions [t] -> keys after RoPE [t, Hkv, D] (float32)."""
+        cos, sin = self.at(positions.unsqueeze(0))                   # [1, t, D]
+        return apply_rope(k_pre.transpose(0, 1).unsqueeze(0).float(), cos, sin)[0].transpose(0, 1)
+
+    def _grow(self, top: int) -> None:
+        if top > self._cos.shape[0]:
+            size = max(top, 2 * self._cos.shape[0], 4096)
+            cos, sin = self._make(torch.arange(size))
+            self._cos, self._sin = cos[0].float(), sin[0].float()

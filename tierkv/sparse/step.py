@@ -1,0 +1,108 @@
+"""One layer's sparse attention: what it attends besides the new tokens, and the attention itself.
+
+Per layer and forward pass, after the chunks are chosen (``tierkv.sparse.plan``)::
+
+    context  = sinks | pages of the chunks (keys = A B) + outliers | window     pre-RoPE, token order
+    RoPE     at the real positions, or compact ones 0 .. |context|-1 then the queries
+    out      = merge(attend(q, context), attend(q, new tokens, causal))
+
+``gather_context`` reads the pages through the sequence; ``attend_layer``
+is a pure function of its inputs. With a split read (overlap), the tokens of
+pages still loading are masked out of the first pass and attended once they
+arrive; the parts merge exactly (log-sum-exp), and each token keeps its
+position either way::
+
+    pass 1   sinks | chunks in place + outliers | window     while the rest load
+    pass 2   chunks of the pages that arrived               (per KV head: their counts differ)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tierkv.ops.attention import attend, merge
+from tierkv.ops.rope import RopeTable, apply_rope
+from tierkv.sparse.plan import Positions
+from tierkv.sparse.sequence import Loading, SparseSequence
+
+
+@dataclass(slots=True)
+class Context:
+    """What a layer attends to besides the new tokens: pre-RoPE K, V [Hkv, Tc, D] and real positions
+    [Hkv, Tc] of sinks | gathered chunks + outliers | window. With ``loading``, the gathered rows
+    (``first`` on, real positions ``p_mid`` [Hkv, M]) of pages still loading are zeros in ``k``, ``v``."""
+    k: Tensor
+    v: Tensor
+    p: Tensor
+    loading: Loading | None = None
+    first: int = 0
+    p_mid: Tensor | None = None
+
+    def mask(self) -> Tensor | None:
+        """-inf for the tokens still loading, per KV head [1, Hkv, 1, Tc] (None: nothing is)."""
+        if self.loading is None:
+            return None
+        H, Tc = self.p.shape
+        mask = torch.zeros(H, Tc)
+        mask[:, self.first:self.first + self.p_mid.shape[1]].masked_fill_(self.loading.missing, -math.inf)
+        return mask.view(1, H, 1, Tc)
+
+    def abandon(self) -> None:
+        """An error before the late pages were attended: they are released when they arrive."""
+        if self.loading is not None:
+            self.loading.abandon()
+
+
+def gather_context(seq: SparseSequence, layer: int, chunks: Tensor, *, shared: bool = False,
+                   split: bool = False) -> Context:
+    """Sinks | ``chunks`` [Hkv, k] + outliers | window of ``layer`` (``shared``: every head has the
+    same chunks; ``split``: pages not in place are still loading when this returns)."""
+    H = seq.layout.num_kv_heads
+    k_mid, v_mid, p_mid, loading = seq.gather_split(layer, chunks, shared=shared) if split else \
+        (*seq.gather(layer, chunks, shared=shared), None)
+    sink_k, sink_v = seq.sinks(layer)
+    win_k, win_v = seq.window(layer)
+    if loading is not None and not (sink_k.shape[0] or win_k.shape[0]):
+        at, valid, k_new, v_new = loading.finish()      # nothing to attend meanwhile: a head could
+        heads = torch.arange(H).unsqueeze(1).expand_as(at)   # be left with no key at all
+        k_mid[heads[valid], at[valid]], v_mid[heads[valid], at[valid]] = k_new[valid], v_new[valid]
+        loading = None
+    start = seq.length(layer) - win_k.shape[0]
+    k = torch.cat([sink_k.float().transpose(0, 1), k_mid, win_k.float().transpose(0, 1)], dim=1)
+    v = torch.cat([sink_v.float().transpose(0, 1), v_mid, win_v.float().transpose(0, 1)], dim=1)
+    p = torch.cat([torch.arange(sink_k.shape[0]).expand(H, -1), p_mid,
+                   torch.arange(start, start + win_k.shape[0]).expand(H, -1)], dim=1)
+    return Context(k, v, p, loading, sink_k.shape[0], p_mid)
+
+
+def attend_layer(q_pre: Tensor, k_pre: Tensor, v: Tensor, pos: int, context: Context, positions: Positions,
+                 rope: RopeTable) -> Tensor:
+    """Attention output [1, H, T, D] of the new tokens (q_pre [1, H, T, D], k_pre and v [1, Hkv, T, D],
+    the first at position ``pos``) over ``context`` and, causally, over themselves."""
+    T, Tc = q_pre.shape[2], context.k.shape[1]
+    cos, sin = rope.span(positions.query_start(Tc, pos), T)
+    q, k_new = apply_rope(q_pre, cos.to(q_pre.dtype), sin.to(q_pre.dtype)), \
+        apply_rope(k_pre, cos.to(k_pre.dtype), sin.to(k_pre.dtype))
+    parts = [attend(q, k_new, v, causal=True)]
+    if Tc:
+        k_ctx = positions.context_keys(context.k, context.p).to(q.dtype)
+        parts.append(attend(q, k_ctx, context.v.to(q.dtype).unsqueeze(0), causal=False, mask=context.mask()))
+    if context.loading is not None:
+        parts.append(_arrived(q, context, positions, rope))
+    return merge(parts)
+
+
+def _arrived(q: Tensor, context: Context, positions: Positions, rope: RopeTable) -> tuple[Tensor, Tensor]:
+    """Attention of ``q`` [1, H, T, D] over the tokens that ``context.loading`` brought: (out, lse)."""
+    at, valid, k, v = context.loading.finish()                          # [Hkv, m], [Hkv, m, D]
+    k = rope.rotate_heads(k, positions.late_positions(context.first, context.p_mid, at)).to(q.dtype).unsqueeze(0)
+    none = ~valid.any(dim=1)                    # heads with nothing missing keep one padding key
+    mask = torch.zeros(valid.shape).masked_fill_(~valid, -math.inf)
+    mask[none, 0] = 0.0
+    out, lse = attend(q, k, v.to(q.dtype).unsqueeze(0), causal=False, mask=mask.view(1, *valid.shape[:1], 1, -1))
+    if none.any():                              # ... which then drops out of the merge
+        lse[:, none.repeat_interleave(q.shape[1] // valid.shape[0])] = -math.inf
+    return out, lse
