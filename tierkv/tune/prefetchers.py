@@ -192,10 +192,7 @@ def resolve_prefetch(name: str | None, meta: TraceMeta) -> str:
     if resolved == SPECULATIVE and SPECULATIVE not in meta.sources:
         raise ConfigError(f"prefetch={name!r} replays the guesses a sparse run records, and this trace holds "
                           "none: record it with `tierkv run --mode sparse --record-access FILE`")
-    if resolved in vocab.names():
-        return resolved
-    if vocab.custom and ":" in resolved:
-        make_prefetch(resolved)
+    if resolved in vocab.names() or (vocab.custom and ":" in resolved):   # check_prefetch loaded a custom one
         return resolved
     raise ConfigError(f"prefetch={name!r}: not one of the {meta.engine} engine's, which recorded this trace; "
                       f"its prefetchers (tierkv run {vocab.flag}): {', '.join(vocab.names())}")
