@@ -5,7 +5,10 @@ layer's read of the pages it selected, then (while it computes) its guess at lay
 """
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -124,3 +127,27 @@ def test_a_prefetcher_of_the_other_engine_is_a_clear_error(trace, name: str, mes
         replay(made, DISK, ReplayConfig(prefetch=name))
     with pytest.raises(ConfigError, match=message):
         parse_grid([f"prefetch={name}"], made.meta, ["lru"])
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_recorded_sparse_run_ranks_its_speculative_guesses(tmp_path) -> None:
+    """tierkv run --mode sparse records the engine's guesses; tierkv tune replays them against none."""
+    def tierkv(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tierkv.cli", *args], capture_output=True, text=True, timeout=300)
+
+    trace, links = tmp_path / "sparse.tkv", tmp_path / "links.json"
+    links.write_text(json.dumps(DISK.as_dict()))
+    ran = tierkv("run", "--mode", "sparse", "--synthetic-tokens", "1200", "--max-new-tokens", "4",
+                 "--sparse-budget", "256", "--nvme-dir", str(tmp_path / "store"), "--gpu-budget", "4MiB",
+                 "--cpu-budget", "4MiB", "--record-access", str(trace), "--json")
+    assert ran.returncode == 0, ran.stderr
+    recorded = AccessTrace.read(trace)
+    assert recorded.meta.engine == "sparse" and len(recorded.guesses("speculative")) > 0
+    tuned = tierkv("tune", str(trace), "--prefetch", "speculative,none", "--policies", "lru", "--links", str(links),
+                   "--json", "--out", str(tmp_path / "best.json"))
+    assert tuned.returncode == 0, tuned.stderr
+    ranking = [(r["setting"]["prefetch"], r["result"]["stall_s"]) for r in json.loads(tuned.stdout)["ranking"]]
+    assert [name for name, _ in ranking] == ["speculative", "none"] and ranking[0][1] < ranking[1][1]
+    best = json.loads((tmp_path / "best.json").read_text())
+    assert best["sparse_prefetch"] == "speculative" and "prefetch" not in best
