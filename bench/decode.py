@@ -55,7 +55,8 @@ from tierkv.device import host_buffer
 from tierkv.hf import TieredCache
 from tierkv.manager import BlockingTierManager
 from tierkv.model.engine import Engine
-from tierkv.model.generate import DTYPES, RunConfig, RunResult, run
+from tierkv.model.generate import RunResult, run
+from tierkv.model.settings import DTYPES, RunConfig
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
 from tierkv.layout import BlockLayout
@@ -328,7 +329,7 @@ def add_context_ratios(report: Report, ctx: int, runs: dict[str, Decoded]) -> No
 
 # -- prefill once, decode many -----------------------------------------------------------
 def measure_reuse(report: Report, loaded: LoadedModel, ctx: int, dtype: str, workdir: Path) -> None:
-    config = RunConfig(synthetic_tokens=ctx, nvme_dir=workdir / f"reuse-{ctx}", max_new_tokens=4, dtype=dtype)
+    config = RunConfig.of(synthetic_tokens=ctx, nvme_dir=workdir / f"reuse-{ctx}", max_new_tokens=4, dtype=dtype)
     (first, first_cpu), (second, second_cpu) = _timed_run(config, loaded), _timed_run(config, loaded)
     same = second.text == first.text
     progress(f"{ctx // K}K: tierkv run ttft {first.ttft_s:.1f} s, then {second.ttft_s:.1f} s")

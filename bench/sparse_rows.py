@@ -45,7 +45,8 @@ from report import Report
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager
-from tierkv.model.generate import RunConfig, open_sparse
+from tierkv.model.generate import open_sparse
+from tierkv.model.settings import RunConfig
 from tierkv.model.loading import LoadedModel
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sparse_engine import SparseEngine
@@ -55,12 +56,12 @@ from tierkv.sparse import SparseConfig
 K = 1024
 SMALL_SHARE = 0.10     # of the pages, per memory tier, in the nvme rows
 MAX_WARMUP_STEPS = 24
-PAGE_DTYPE = torch.bfloat16
+PAGE_DTYPE = "bfloat16"
 DEPTH = 0.3            # the same prompt as bench/scale.py's first 128K depth: one prefill serves both
 
 
 def run_config(ctx: int, store: Path) -> RunConfig:
-    return RunConfig(synthetic_tokens=ctx, depth=DEPTH, nvme_dir=store, page_dtype="bfloat16", mode="sparse")
+    return RunConfig.of(synthetic_tokens=ctx, depth=DEPTH, nvme_dir=store, mode="sparse")
 
 
 class SparseDecoder:
@@ -68,12 +69,12 @@ class SparseDecoder:
                  prefetch: str, warm: bool, attend: str = "pages", fill: bool = False, overlap: bool = False) -> None:
         """``warm``: every page read into the gpu tier first; ``fill``: the steps until the memory
         tiers are full are untimed (``warming``); ``overlap``: SparseConfig.overlap."""
-        cfg = SparseConfig(prefetch=prefetch, attend=attend, overlap=overlap)
-        layout = SparseEngine.page_layout(loaded, cfg, PAGE_DTYPE)
+        cfg = SparseConfig(prefetch=prefetch, attend=attend, overlap=overlap, page_dtype=PAGE_DTYPE)
+        layout = SparseEngine.page_layout(loaded, cfg)
         self.recorder = EventRecorder()
         tiers = TierConfig(block_bytes=layout.block_bytes, gpu=gpu, cpu=cpu, nvme_dir=store / layout.name)
         self.manager = BlockingTierManager.from_config(tiers, namespace=layout.name, recorder=self.recorder)
-        self.engine = SparseEngine(loaded, self.manager, cfg, page_dtype=PAGE_DTYPE)
+        self.engine = SparseEngine(loaded, self.manager, cfg)
         self.seq, reused = open_sparse(self.engine, ids, run_config(len(ids), store), lambda n: None)
         if not reused:
             raise RuntimeError("the sparse index was not found in the store: run the prefill first")
@@ -125,12 +126,12 @@ class SparseDecoder:
 
 def dynamic_from_store(loaded: LoadedModel, ids: list[int], store: Path) -> DynamicCache:
     """A DynamicCache holding the stored sparse prefill's KV, keys rebuilt from the pages at full length."""
-    cfg = SparseConfig()
-    layout = SparseEngine.page_layout(loaded, cfg, PAGE_DTYPE)
+    cfg = SparseConfig(page_dtype=PAGE_DTYPE)
+    layout = SparseEngine.page_layout(loaded, cfg)
     tiers = TierConfig(block_bytes=layout.block_bytes, gpu="64MiB", cpu=0, nvme_dir=store / layout.name)
     cache = DynamicCache(config=loaded.model.config)
     with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager, torch.inference_mode():
-        engine = SparseEngine(loaded, manager, cfg, page_dtype=PAGE_DTYPE)
+        engine = SparseEngine(loaded, manager, cfg)
         seq, _ = open_sparse(engine, ids, run_config(len(ids), store), lambda n: None)
         for layer in range(len(engine.layers)):
             chunks = seq.index(layer).candidates.nonzero().flatten().expand(layout.num_kv_heads, -1)
@@ -147,12 +148,12 @@ def dynamic_from_store(loaded: LoadedModel, ids: list[int], store: Path) -> Dyna
 
 def ensure_prefilled(loaded: LoadedModel, ids: list[int], store: Path) -> float:
     """Sparse prefill of ``ids`` into ``store`` unless it is there already; returns its seconds (0: reused)."""
-    cfg = SparseConfig()
-    layout = SparseEngine.page_layout(loaded, cfg, PAGE_DTYPE)
+    cfg = SparseConfig(page_dtype=PAGE_DTYPE)
+    layout = SparseEngine.page_layout(loaded, cfg)
     tiers = TierConfig(block_bytes=layout.block_bytes, gpu="512MiB", cpu="1GiB", nvme_dir=store / layout.name)
     start = time.perf_counter()
     with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager:
-        engine = SparseEngine(loaded, manager, cfg, page_dtype=PAGE_DTYPE)
+        engine = SparseEngine(loaded, manager, cfg)
         seq, reused = open_sparse(engine, ids, run_config(len(ids), store), lambda n: None)
         manager.flush()
         seq.release(keep=True)
@@ -167,7 +168,7 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
     prefill_s = ensure_prefilled(loaded, ids, store)
     print(f"{ctx // K}K sparse prefill: {'reused from the store' if not prefill_s else f'{prefill_s:.0f} s'}",
           file=sys.stderr, flush=True)
-    layout = SparseEngine.page_layout(loaded, SparseConfig(), PAGE_DTYPE)
+    layout = SparseEngine.page_layout(loaded, SparseConfig(page_dtype=PAGE_DTYPE))
     n_pages = len(loaded.model.model.layers) * (ctx // layout.tokens + 2)
     all_pages, small = (n_pages + 64) * layout.block_bytes, int(SMALL_SHARE * n_pages) * layout.block_bytes
     builders = {

@@ -10,12 +10,13 @@ second one loads the stored index and starts decoding at once.
 import tempfile
 import time
 
-from tierkv.model.generate import RunConfig, run
+from tierkv.model.generate import run
+from tierkv.model.settings import RunConfig
 from tierkv.model.loading import load_model
 
 loaded = load_model("smollm2")
 with tempfile.TemporaryDirectory() as store:
-    config = RunConfig(synthetic_tokens=12_000, mode="sparse", max_new_tokens=10, gpu_budget="16MiB",
+    config = RunConfig.of(synthetic_tokens=12_000, mode="sparse", max_new_tokens=10, gpu_budget="16MiB",
                        cpu_budget="32MiB", nvme_dir=store, page_dtype="bfloat16")
     for attempt in ("first", "second"):
         start = time.perf_counter()

@@ -31,7 +31,7 @@ def test_info_text(capsys):
 @pytest.mark.parametrize("args,message", [
     (["info", "--bogus"], "unrecognized arguments: --bogus"),
     (["nonsense"], "invalid choice: 'nonsense'"),
-    (["run"], "one of the arguments --doc --synthetic-tokens is required"),
+    (["run"], "give exactly one of --doc FILE or --synthetic-tokens N"),
     (["run", "--synthetic-tokens", "x"], "invalid int value: 'x'"),
     (["run", "--synthetic-tokens", "100", "--cpu-budget", "lots"], "cpu_budget='lots'"),
     (["run", "--synthetic-tokens", "100", "--mode", "fast"], "invalid choice: 'fast' (choose from 'auto', 'dense', 'sparse')"),
@@ -42,11 +42,11 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--rank", "500", "--mode", "sparse"], "rank=500: at most the key dimensions"),
     (["run", "--synthetic-tokens", "100", "--cxl-budget", "lots"], "cxl_budget='lots'"),
     (["run", "--synthetic-tokens", "100", "--chunk-tokens", "1000"], "must be a multiple of block_tokens=256"),
-    (["run", "--synthetic-tokens", "100", "--dtype", "int8"], "dtype='int8'"),
+    (["run", "--synthetic-tokens", "100", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["run", "--synthetic-tokens", "100", "--mode", "dense", "--sparse-overlap"],
      "--sparse-overlap: sparse-mode settings, but --mode dense"),
     (["run", "--synthetic-tokens", "100", "--mode", "dense", "--layer-budget", "0:4096", "--rank", "64"],
-     "--layer-budget, --rank: sparse-mode settings, but --mode dense attends to every stored key"),
+     "--rank, --layer-budgets: sparse-mode settings, but --mode dense attends to every stored key"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert main(args) == 2

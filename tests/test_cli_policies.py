@@ -18,9 +18,24 @@ def test_run_config_file_then_flags(tmp_path, monkeypatch):
         "gpu_budget": "64MiB", "cpu_policy": "arc", "prefetch": "next-layer-all", "tuned": {"x": 1}}))
     with pytest.raises(SystemExit):
         main(["run", "--synthetic-tokens", "100", "--config", str(tmp_path / "best.json"), "--cpu-budget", "2GiB"])
-    c = seen["c"]
-    assert (c.gpu_budget, c.cpu_budget, c.nvme_budget) == ("64MiB", "2GiB", "64GiB")
-    assert (c.gpu_policy, c.cpu_policy, c.prefetch) == ("lru", "arc", "next-layer-all")
+    tiers, engine = seen["c"].tiers, seen["c"].engine
+    assert (tiers.gpu_budget, tiers.cpu_budget, tiers.nvme_budget) == ("64MiB", "2GiB", "64GiB")
+    assert (tiers.gpu_policy, tiers.cpu_policy, engine.prefetch) == ("lru", "arc", "next-layer-all")
+
+
+def test_a_sparse_run_config_file_sets_the_sparse_prefetcher(tmp_path, monkeypatch):
+    seen = {}
+
+    def run(config, **kw):
+        seen["c"] = config
+        raise SystemExit(0)
+
+    monkeypatch.setattr("tierkv.model.generate.run", run)
+    (tmp_path / "best.json").write_text(json.dumps({"format": "tierkv-run-config", "version": 1,
+                                                    "sparse_prefetch": "speculative"}))
+    with pytest.raises(SystemExit):
+        main(["run", "--synthetic-tokens", "100", "--mode", "sparse", "--config", str(tmp_path / "best.json")])
+    assert seen["c"].sparse.prefetch == "speculative" and seen["c"].engine.prefetch == "next-layer"
 
 
 @pytest.mark.parametrize("args,message", [

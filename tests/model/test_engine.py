@@ -1,11 +1,9 @@
 """The native loop: chunked prefill over spilled KV, dense decode, reuse and recovery."""
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +12,8 @@ from transformers import DynamicCache
 from tierkv.config import TierConfig
 from tierkv.manager import BlockingTierManager
 from tierkv.model.engine import Engine, EngineConfig
-from tierkv.model.generate import RunConfig, run
+from tierkv.model.generate import run
+from tierkv.model.settings import RunConfig
 from tierkv.model.prompt import passkey_prompt
 from tierkv.layout import BlockLayout
 
@@ -72,7 +71,7 @@ def test_lost_blocks_mid_decode_are_recomputed(smollm2):
 
 
 def test_second_run_reuses_the_stored_prefix_with_identical_output(smollm2, tmp_path):
-    config = RunConfig(nvme_dir=tmp_path / "store", **SMALL_RUN)
+    config = RunConfig.of(nvme_dir=tmp_path / "store", **SMALL_RUN)
     first = run(config, loaded=smollm2)
     second = run(config, loaded=smollm2)
     assert first.reused_prompt_tokens == 0
@@ -82,7 +81,7 @@ def test_second_run_reuses_the_stored_prefix_with_identical_output(smollm2, tmp_
 
 
 def test_corrupt_store_is_recomputed_not_served(smollm2, tmp_path):
-    config = RunConfig(nvme_dir=tmp_path / "store", **SMALL_RUN)
+    config = RunConfig.of(nvme_dir=tmp_path / "store", **SMALL_RUN)
     clean = run(config, loaded=smollm2)
     slots = next((tmp_path / "store").rglob("slots.dat"))
     with open(slots, "r+b") as f:  # flip bytes inside several stored blocks

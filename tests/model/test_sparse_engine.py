@@ -106,8 +106,9 @@ def test_a_prefetcher_changes_what_loads_not_the_logits(prefetch):
 
 @pytest.mark.model
 def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tmp_path):
-    from tierkv.model.generate import RunConfig, run
-    config = RunConfig(synthetic_tokens=1200, max_new_tokens=6, mode="sparse", sparse_budget=256,
+    from tierkv.model.generate import run
+    from tierkv.model.settings import RunConfig
+    config = RunConfig.of(synthetic_tokens=1200, max_new_tokens=6, mode="sparse", sparse_budget=256,
                        gpu_budget="4MiB", cpu_budget="8MiB", nvme_dir=tmp_path, page_dtype="bfloat16")
     first = run(config, loaded=smollm2)
     second = run(config, loaded=smollm2)
@@ -117,7 +118,7 @@ def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tm
     assert first.sparse["budget_tokens"] == 256 and first.sparse["pages_read"] > 0
     assert first.sparse["attend"] == "pages"
     assert first.tiers["nvme"]["bytes_written"] > 0
-    overlapped = run(replace(config, sparse_overlap=True), loaded=smollm2)     # a decode-only setting:
+    overlapped = run(config.updated(sparse_overlap=True), loaded=smollm2)     # a decode-only setting:
     assert overlapped.reused_prompt_tokens == 1199 and overlapped.found          # the stored index serves it
     assert overlapped.sparse["overlap"] and not first.sparse["overlap"]
 
@@ -135,22 +136,19 @@ def test_decode_widens_to_the_pages_read_at_most_twice_the_selection():
     H, per = lm.spec.num_kv_heads, cfg.page_tokens // cfg.chunk_tokens
     query = torch.randn(lm.spec.num_heads, lm.spec.head_dim, generator=torch.Generator().manual_seed(9))
     free = seq.index(0).candidates.nonzero().flatten()
-    layout = SparseEngine.page_layout(lm, cfg)
-    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="256KiB")) as manager:
-        engine = SparseEngine(lm, manager, cfg)
-        one_page = free[free // per == int(free[0]) // per]          # the candidates of one page
-        few = one_page[:max(1, len(one_page) // 2)].expand(H, -1)
-        wide, shared = WholePages().widen(seq, 0, query, few)
-        assert shared and wide.shape[1] <= WIDEN * few.shape[1]
-        assert all(row.tolist() == one_page.tolist() for row in wide)
-        spread = torch.stack([free[h::per + 1][:3] for h in range(H)])  # chunks on many pages
-        read = set(seq.page_chunks(0, spread).tolist())
-        assert len(read) > WIDEN * spread.shape[1]
-        wide, shared = WholePages().widen(seq, 0, query, spread)
-        assert not shared and wide.shape == (H, WIDEN * spread.shape[1])
-        for h in range(H):
-            assert set(spread[h].tolist()) <= set(wide[h].tolist()) <= read
-            assert wide[h].tolist() == sorted(wide[h].tolist())
+    one_page = free[free // per == int(free[0]) // per]          # the candidates of one page
+    few = one_page[:max(1, len(one_page) // 2)].expand(H, -1)
+    wide, shared = WholePages().widen(seq, 0, query, few)
+    assert shared and wide.shape[1] <= WIDEN * few.shape[1]
+    assert all(row.tolist() == one_page.tolist() for row in wide)
+    spread = torch.stack([free[h::per + 1][:3] for h in range(H)])  # chunks on many pages
+    read = set(seq.page_chunks(0, spread).tolist())
+    assert len(read) > WIDEN * spread.shape[1]
+    wide, shared = WholePages().widen(seq, 0, query, spread)
+    assert not shared and wide.shape == (H, WIDEN * spread.shape[1])
+    for h in range(H):
+        assert set(spread[h].tolist()) <= set(wide[h].tolist()) <= read
+        assert wide[h].tolist() == sorted(wide[h].tolist())
 
 
 def test_with_remapped_positions_the_widened_set_stays_inside_the_trained_window():

@@ -69,15 +69,17 @@ def test_an_index_whose_pages_are_gone_is_not_reused(tiny_loaded, tmp_path):
     assert reopen(tiny_loaded, tmp_path, path, key) is None
 
 
-def test_the_id_names_prompt_and_settings_but_not_prefetch(tiny_loaded):
+def test_the_id_names_prompt_and_the_settings_that_shape_the_index_only(tiny_loaded):
     layout = SparseEngine.page_layout(tiny_loaded, CFG)
     base = index_id("m", layout, CFG, frozenset({"landmarks"}), IDS)
-    for field, value in (("prefetch", "none"), ("prefetch", "speculative"), ("attend", "chunks")):
+    for field, value in (("prefetch", "none"), ("prefetch", "speculative"), ("attend", "chunks"), ("budget", 128),
+                         ("overlap", True), ("allocation", "adaptive")):
         assert base == index_id("m", layout, SparseConfig(**{**_fields(CFG), field: value}),
                                 frozenset({"landmarks"}), IDS)
     assert base != index_id("m", layout, CFG, frozenset({"landmarks"}), IDS[:-1])
-    assert base != index_id("m", layout, SparseConfig(**{**_fields(CFG), "budget": 128}),
-                            frozenset({"landmarks"}), IDS)
+    for field, value in (("prefill_budget", 128), ("window_tokens", 64), ("selector", "quest")):
+        assert base != index_id("m", layout, SparseConfig(**{**_fields(CFG), field: value}),
+                                frozenset({"landmarks"}), IDS)
 
 
 def _fields(cfg):
@@ -91,14 +93,15 @@ class Stop(Exception):
 def run_open(lm, root, *, stop_after=None, checkpoint_s=1e-9):
     """open_sparse on IDS with the store under ``root`` (a checkpoint after every chunk); with
     ``stop_after``, the run is stopped once that many tokens are prefilled. Returns (reused, logits)."""
-    from tierkv.model.generate import RunConfig, open_sparse
+    from tierkv.model.generate import open_sparse
+    from tierkv.model.settings import RunConfig
     done = [0]
 
     def progress(n):
         done[0] += n
         if stop_after is not None and done[0] >= stop_after:
             raise Stop
-    config = RunConfig(synthetic_tokens=len(IDS), nvme_dir=root, checkpoint_s=checkpoint_s)
+    config = RunConfig.of(synthetic_tokens=len(IDS), nvme_dir=root, checkpoint_every=checkpoint_s)
     with manager(lm, root) as mgr:
         engine = SparseEngine(lm, mgr, CFG, chunk_tokens=64)
         seq, reused = open_sparse(engine, IDS, config, progress)
@@ -184,12 +187,13 @@ def test_a_failed_load_leaves_the_sequence_untouched(tiny_loaded, tmp_path):
 
 def test_a_stored_prefill_keeps_its_name_across_releases():
     """A new setting must not rename every stored index (a 1M-token prefill takes hours): the name
-    below was computed by the release that wrote the first stores. Change it only on purpose."""
+    below was computed when the name came to list the settings that shape an index explicitly
+    (``INDEX_FIELDS``). Change it only on purpose."""
     from tierkv.layout import BlockLayout
     layout = BlockLayout.page(32, 3, 64, 192, torch.bfloat16)
     resolved = SparseConfig(page_tokens=32).resolve(prompt_tokens=1000, trained_tokens=8192)
     ids = list(range(999))
     key = index_id("smollm2", layout, resolved, frozenset({"landmarks"}), ids)
-    assert key.hex() == "387252c13acda7a572dd6d711c4de173"
+    assert key.hex() == "227433018fa57448e74207ae1d759be0"
     wider = SparseConfig(page_tokens=32, layer_budgets="0:6144").resolve(prompt_tokens=1000, trained_tokens=8192)
     assert index_id("smollm2", layout, wider, frozenset({"landmarks"}), ids) == key   # decode-only setting

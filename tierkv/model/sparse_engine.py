@@ -79,8 +79,7 @@ class LayerProbe:
 
 class SparseEngine:
     def __init__(self, loaded: LoadedModel, manager: BlockingTierManager, config: SparseConfig, *,
-                 chunk_tokens: int = 1024, page_dtype: torch.dtype | None = None,
-                 probe: Callable[[LayerProbe], None] | None = None) -> None:
+                 chunk_tokens: int = 1024, probe: Callable[[LayerProbe], None] | None = None) -> None:
         spec = loaded.spec
         self.loaded, self.model, self.manager, self.config = loaded, loaded.model, manager, config
         self.layers = decoder_layers(self.model)
@@ -90,7 +89,7 @@ class SparseEngine:
                               f"layers, 0 to {len(self.layers) - 1}")
         self.chunk_tokens = chunk_tokens
         self.rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
-        self.layout = self.page_layout(loaded, config, page_dtype)
+        self.layout = self.page_layout(loaded, config)
         self.selector = make_selector(config.selector)
         bind = getattr(self.selector, "bind", None)
         if bind is not None:          # a selector that runs at a tier (near-memory) finds it here
@@ -101,10 +100,12 @@ class SparseEngine:
         self.probe = probe
 
     @staticmethod
-    def page_layout(loaded: LoadedModel, config: SparseConfig, page_dtype: torch.dtype | None = None) -> BlockLayout:
+    def page_layout(loaded: LoadedModel, config: SparseConfig) -> BlockLayout:
+        """Pages of ``config.page_tokens`` tokens in ``config.page_dtype`` (None: the model's dtype)."""
         spec = loaded.spec
         rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
-        return BlockLayout.page(config.page_tokens, spec.num_kv_heads, spec.head_dim, rank, page_dtype or spec.dtype)
+        dtype = spec.dtype if config.page_dtype is None else getattr(torch, config.page_dtype)
+        return BlockLayout.page(config.page_tokens, spec.num_kv_heads, spec.head_dim, rank, dtype)
 
     def resolved(self, prompt_tokens: int) -> SparseConfig:
         return self.config.resolve(prompt_tokens=prompt_tokens, trained_tokens=self.loaded.spec.max_position)

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from tierkv.errors import ConfigError
+from tierkv.flags import setting
 
 POSITIONS = ("auto", "original", "remap")
+PAGE_DTYPES = ("float32", "bfloat16", "float16")
+# The fields that shape a stored index (tierkv.sparse.store): what is kept in memory and in the
+# pages, and how a sparse prefill computed it. The rest only steer decode and may differ between
+# the run that stored an index and the runs that read it.
+INDEX_FIELDS = ("prefill_budget", "rank", "chunk_tokens", "page_tokens", "page_dtype", "sink_tokens",
+                "window_tokens", "outlier_fraction", "max_outlier_tokens", "selector", "positions",
+                "dense_prefill_tokens")
 ALLOCATIONS = ("uniform", "adaptive")   # tierkv.sparse.allocation
 ATTENDS = ("pages", "chunks")           # what a decode step attends of what it read
 
@@ -60,33 +68,55 @@ def parse_layer_budgets(value: str | Mapping[int, int | float] | tuple = ()) -> 
 
 @dataclass(frozen=True, slots=True)
 class SparseConfig:
-    budget: int | float = 2048      # selected tokens per KV head per step, or a share of the context
-    prefill_budget: int | float = 1024   # the same for each sparse prefill chunk (its mean query selects)
-    rank: int | None = None         # low-rank keys; None: full up to 256 key dims, else 160 per 1024 (>= 128)
+    """Settings of sparse mode; the fields with help are ``tierkv run`` flags (see ``tierkv.flags``)."""
+
+    budget: int | float = setting(2048, "selected tokens per KV head and step: a count or a share like 2%",
+                                  flag="--sparse-budget", metavar="N|P%")
+    prefill_budget: int | float = setting(1024, "the same for each chunk of a sparse prefill", metavar="N|P%")
+    rank: int | None = setting(None, "rank of the low-rank keys (default: full up to 256 key dimensions, else "
+                                     "160 per 1024, at least 128)", metavar="R")
     chunk_tokens: int = 8           # tokens summarised by one landmark
-    page_tokens: int = 16           # tokens per stored page (the read unit: values + key factors)
+    page_tokens: int = setting(16, "tokens per stored page, a multiple of 8 (32 past ~500K tokens halves the "
+                                   "~0.8 KiB of bookkeeping the tier manager keeps per page)", metavar="N")
+    page_dtype: str | None = setting(None, "dtype of the stored values and key factors (default: the model's "
+                                           "--dtype)", choices=PAGE_DTYPES)
     sink_tokens: int = 16           # first tokens, always attended, kept exact
     window_tokens: int = 512        # newest tokens, always attended, kept exact
     outlier_fraction: float = 0.01  # chunks kept exact because their landmark describes them worst
     max_outlier_tokens: int = 512   # cap, so remapped positions stay inside the trained window
-    # decode budgets of single layers ("0:6144"); left out of the repr, which names a stored index
-    # (tierkv.sparse.store.index_id): they do not shape it, and stored prefills keep their names
-    layer_budgets: tuple[tuple[int, int | float], ...] = field(default=(), repr=False)
+    # decode budgets of single layers ("0:6144")
+    layer_budgets: tuple[tuple[int, int | float], ...] = setting(
+        (), "decode budgets of single layers, like 0:6144 (layer 0 attends broadly: at 16K its best 2048 tokens "
+            "hold 60% of its attention)", aliases=("--layer-budget",), metavar="L:N[;L:N]", kind=str)
     # decode budgets the same in every layer, or moved between layers at an unchanged total as
-    # estimated from the landmarks (tierkv.sparse.allocation); decode-only, so out of the repr too
-    allocation: str = field(default="uniform", repr=False)
+    # estimated from the landmarks (tierkv.sparse.allocation)
+    allocation: str = setting("uniform", "uniform: every layer the same budget; adaptive: move it between layers "
+                                         "at the same total, by coverage estimated from the landmarks (it raised "
+                                         "coverage but lowered agreement with dense on SmolLM2 at 8K)",
+                              flag="--layer-allocation", choices=ALLOCATIONS)
     # a decode step reads whole pages (all KV heads, page_tokens tokens) for the chunks each head
     # selected; "pages": each head attends more of those pages, up to twice its own selection (more
-    # of the dense mass at no extra read; tierkv.sparse.plan.WholePages), "chunks": each head only its own
-    # chunks. Decode-only, out of the repr
-    attend: str = field(default="pages", repr=False)
+    # of the dense mass at no extra read; tierkv.sparse.plan.WholePages), "chunks": each head only its
+    # own chunks
+    attend: str = setting("pages", "pages: each KV head also attends other chunks of the pages its step read, up "
+                                   "to twice its own selection (no extra read, more of the attention covered); "
+                                   "chunks: each head only the chunks it selected",
+                          flag="--sparse-attend", choices=ATTENDS)
     # decode: attend to the pages in place while the rest load, then to those (merged exactly);
     # hides the loads where compute has its own device, costs CPU where it shares the cores
-    overlap: bool = field(default=False, repr=False)
-    selector: str = "shadowkv"      # a policies.selectors name
-    prefetch: str = "none"   # a policies.selectors sparse-prefetch name (a guess costs more than it hides on CPU)
-    positions: str = "auto"         # original | remap (RoPE at compact positions) | auto
-    dense_prefill_tokens: int | None = None  # exact prefill up to here; None: auto (see resolve)
+    overlap: bool = setting(False, "decode: attend to the pages already in memory while the rest load from "
+                                   "NVMe, then to those (an exact merge); hides the loads where compute has cores "
+                                   "of its own, costs throughput where it shares them", flag="--sparse-overlap")
+    selector: str = setting("shadowkv", "chunk selector: shadowkv (landmarks), quest (page bounds), near-memory "
+                                        "(scored in a simulated CXL pool), or module:Class", metavar="NAME")
+    prefetch: str = setting("none", "what to load for layer l+1 during layer l: none (on a CPU a guess costs "
+                                    "more than it hides), speculative, previous-step", flag="--sparse-prefetch",
+                            metavar="NAME")
+    positions: str = setting("auto", "RoPE positions of attended keys: remap = compact positions inside the "
+                                     "trained window (auto: past it), original = real positions", choices=POSITIONS)
+    dense_prefill_tokens: int | None = setting(
+        None, "prefill exactly up to N tokens, sparsely after (default: the whole prompt within the trained "
+              "window, half the window past it)", metavar="N")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budget", parse_budget(self.budget))
@@ -114,11 +144,17 @@ class SparseConfig:
             raise ConfigError(f"attend={self.attend!r}: allowed: {', '.join(ATTENDS)}")
         if self.positions not in POSITIONS:
             raise ConfigError(f"positions={self.positions!r}: allowed: {', '.join(POSITIONS)}")
+        if self.page_dtype not in (*PAGE_DTYPES, None):
+            raise ConfigError(f"page_dtype={self.page_dtype!r}: allowed: {', '.join(PAGE_DTYPES)}")
         if self.dense_prefill_tokens is not None and self.dense_prefill_tokens < 0:
             raise ConfigError(f"dense_prefill_tokens={self.dense_prefill_tokens}: must be >= 0")
         from policies.selectors import make_selector, make_sparse_prefetch
         make_selector(self.selector)          # unknown names list the valid ones
         make_sparse_prefetch(self.prefetch)
+
+    def identity(self) -> tuple:
+        """The settings that shape a stored index, as (name, value) pairs (``INDEX_FIELDS``)."""
+        return tuple((name, getattr(self, name)) for name in INDEX_FIELDS)
 
     def budget_tokens(self, context: int, *, prefill: bool = False, layer: int | None = None) -> int:
         """Selected tokens per KV head for a context of ``context`` tokens (whole chunks); a decode

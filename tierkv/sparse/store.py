@@ -4,7 +4,7 @@ Pages go to the NVMe store like any block; what lives in memory (per layer:
 sinks, window, key basis, chunk summaries, outliers) is written to one
 safetensors file named by the index id, a hash of everything that shaped it::
 
-    id   = H("tierkv-sparse-v1" | model id | page layout | resolved sparse settings | prompt ids)
+    id   = H("tierkv-sparse-v1" | model id | page layout | sparse settings that shape it | prompt ids)
     file = <dir>/<id>.safetensors          tensors "L<layer>.<name>" (landmarks one per KV head:
                                            "L<layer>.landmarks.h<j>"); metadata: tokens, pages per
                                            layer, prefill seconds, the xxh3-64 of every tensor's bytes
@@ -28,7 +28,6 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +48,7 @@ READABLE = ("1", "2")
 
 def index_id(model_id: str, layout: BlockLayout, config: SparseConfig, needs: frozenset[str],
              prompt_ids: Sequence[int]) -> BlockKey:
-    settings = repr((replace(config, prefetch="none"), sorted(needs)))   # prefetch does not shape the index
+    settings = repr((config.identity(), sorted(needs)))      # only what shapes the index (INDEX_FIELDS)
     return BlockKey.of("tierkv-sparse-v1", model_id, layout.name, settings,
                        np.asarray(prompt_ids, dtype=np.int64).tobytes())
 

