@@ -3,39 +3,32 @@ import json
 
 import pytest
 
-from tierkv.cli import main
+from tierkv.cli import build_parser, main, run_config
 
 
-def test_run_config_file_then_flags(tmp_path, monkeypatch):
-    seen = {}
+def settings_of(*argv: str):
+    """The RunConfig ``tierkv run ARGV`` would run with."""
+    return run_config(build_parser().parse_args(["run", *argv]))[0]
 
-    def run(config, **kw):
-        seen["c"] = config
-        raise SystemExit(0)
 
-    monkeypatch.setattr("tierkv.model.generate.run", run)
-    (tmp_path / "best.json").write_text(json.dumps({"format": "tierkv-run-config", "version": 1,
-        "gpu_budget": "64MiB", "cpu_policy": "arc", "prefetch": "next-layer-all", "tuned": {"x": 1}}))
-    with pytest.raises(SystemExit):
-        main(["run", "--synthetic-tokens", "100", "--config", str(tmp_path / "best.json"), "--cpu-budget", "2GiB"])
-    tiers, engine = seen["c"].tiers, seen["c"].engine
+def write_config(path, **values) -> str:
+    path.write_text(json.dumps({"format": "tierkv-run-config", "version": 1, **values}))
+    return str(path)
+
+
+def test_run_config_file_then_flags(tmp_path):
+    best = write_config(tmp_path / "best.json", gpu_budget="64MiB", cpu_policy="arc", prefetch="next-layer-all",
+                        tuned={"x": 1})
+    config = settings_of("--synthetic-tokens", "100", "--config", best, "--cpu-budget", "2GiB")
+    tiers, engine = config.tiers, config.engine
     assert (tiers.gpu_budget, tiers.cpu_budget, tiers.nvme_budget) == ("64MiB", "2GiB", "64GiB")
     assert (tiers.gpu_policy, tiers.cpu_policy, engine.prefetch) == ("lru", "arc", "next-layer-all")
 
 
-def test_a_sparse_run_config_file_sets_the_sparse_prefetcher(tmp_path, monkeypatch):
-    seen = {}
-
-    def run(config, **kw):
-        seen["c"] = config
-        raise SystemExit(0)
-
-    monkeypatch.setattr("tierkv.model.generate.run", run)
-    (tmp_path / "best.json").write_text(json.dumps({"format": "tierkv-run-config", "version": 1,
-                                                    "sparse_prefetch": "speculative"}))
-    with pytest.raises(SystemExit):
-        main(["run", "--synthetic-tokens", "100", "--mode", "sparse", "--config", str(tmp_path / "best.json")])
-    assert seen["c"].sparse.prefetch == "speculative" and seen["c"].engine.prefetch == "next-layer"
+def test_a_sparse_run_config_file_sets_the_sparse_prefetcher(tmp_path):
+    best = write_config(tmp_path / "best.json", sparse_prefetch="speculative")
+    config = settings_of("--synthetic-tokens", "100", "--mode", "sparse", "--config", best)
+    assert config.sparse.prefetch == "speculative" and config.engine.prefetch == "next-layer"
 
 
 @pytest.mark.parametrize("args,message", [

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tierkv.device import has_cuda
 from tierkv.manager import BlockingTierManager
-from tierkv.model.engine import Engine, EngineConfig
+from tierkv.model.engine import Engine
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import Prompt, document_prompt, passkey_prompt
 from tierkv.model.settings import RunConfig
@@ -87,9 +87,7 @@ def _dense_session(config: RunConfig, loaded: LoadedModel, ids: list[int], recor
     layout = BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, config.engine.block_tokens)
     with BlockingTierManager.from_config(config.tiers.tier_config(layout.block_bytes, layout.name),
                                          namespace=layout.name, recorder=recorder) as manager:
-        settings = config.engine
-        engine = Engine(loaded, manager, EngineConfig(settings.block_tokens, settings.chunk_tokens, settings.reuse,
-                                                      prefetch=settings.prefetch))
+        engine = Engine(loaded, manager, config.engine.dense_engine())
         seq = engine.new_sequence()
         access = _access_recorder(config, loaded, len(ids), seq.read_tier, manager)
         start = time.perf_counter()

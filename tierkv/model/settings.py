@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from policies import make_policy
-from policies.prefetch import make_prefetch
 from tierkv.config import TierConfig
 from tierkv.errors import ConfigError
 from tierkv.flags import build, nest, setting
+from tierkv.model.engine import EngineConfig
 from tierkv.sizes import parse_size
 from tierkv.sparse import SparseConfig
 
@@ -101,15 +101,13 @@ class EngineSettings:
             raise ConfigError(f"mode={self.mode!r}: allowed: {', '.join(MODES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
-        for name in ("block_tokens", "chunk_tokens"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
-        if self.chunk_tokens % self.block_tokens:
-            raise ConfigError(f"chunk_tokens={self.chunk_tokens}: must be a multiple of "
-                              f"block_tokens={self.block_tokens}")
         if not self.checkpoint_every >= 0:
             raise ConfigError(f"checkpoint_every={self.checkpoint_every}: must be >= 0 seconds (0: no checkpoints)")
-        make_prefetch(self.prefetch)  # unknown names list the valid ones
+        self.dense_engine()    # validates blocks, chunks and the prefetch name
+
+    def dense_engine(self) -> EngineConfig:
+        """The dense engine's settings."""
+        return EngineConfig(self.block_tokens, self.chunk_tokens, self.reuse, prefetch=self.prefetch)
 
     @property
     def torch_dtype(self) -> torch.dtype:
