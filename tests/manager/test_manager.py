@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tierkv.errors import BlockMissing, BudgetExceeded, ManagerClosed
-from tierkv.manager import Priority, TierManager
+from tierkv.manager import TierManager
 from tierkv.tiers.base import Medium
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier

@@ -25,7 +25,6 @@ from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
 from tierkv.manager.manager import Lease, TierManager
-from tierkv.manager.transfer import Priority
 from tierkv.events import EventRecorder
 
 T = TypeVar("T")

@@ -75,11 +75,13 @@ def document_prompt(tokenizer, path: Path, question: str | None = None) -> Promp
         raise ConfigError(f"--doc {path}: is a directory; give a text file") from None
     if not text.strip():
         raise ConfigError(f"--doc {path}: the file is empty")
-    content = f"{text}\n\n{question or DEFAULT_QUESTION}"
-    messages = [{"role": "user", "content": content}]
+    return Prompt(chat_ids(tokenizer, [{"role": "user", "content": f"{text}\n\n{question or DEFAULT_QUESTION}"}]))
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` in the model's chat template, ready for the assistant's turn (plain
+    text, the messages' contents joined, for a tokenizer without a template)."""
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(content)["input_ids"]
-    return Prompt(list(ids))
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"])

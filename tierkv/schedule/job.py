@@ -24,7 +24,7 @@ import torch
 from tierkv.errors import ConfigError
 from tierkv.model.arch import decoder_layers
 from tierkv.model.loading import LoadedModel, load_model
-from tierkv.model.prompt import DEFAULT_QUESTION
+from tierkv.model.prompt import DEFAULT_QUESTION, chat_ids
 from tierkv.schedule.cost import Budgets, ModelShape, Workload, predict
 from tierkv.schedule.documents import Document, OutputLog, read_inputs
 from tierkv.schedule.engine import BLOCK_TOKENS, BatchEngine, EngineLimits
@@ -119,16 +119,11 @@ def _prompt(tokenizer, doc: Document, config: JobConfig) -> _Prompt | str:
         return doc.error
     if not doc.text.strip():
         return "empty document"
-    messages = [{"role": "user", "content": f"{doc.text}\n\n{config.instruction}"}]
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(messages[0]["content"])["input_ids"]
+    ids = chat_ids(tokenizer, [{"role": "user", "content": f"{doc.text}\n\n{config.instruction}"}])
     if len(ids) > config.max_prompt_tokens:
         return (f"too long: {len(ids)} prompt tokens, the limit is {config.max_prompt_tokens} "
                 f"(--max-prompt-tokens)")
-    return _Prompt(doc, list(ids))
+    return _Prompt(doc, ids)
 
 
 def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], out: OutputLog,
