@@ -33,7 +33,7 @@ def tiers(gpu: int = 2, cpu: int = 4, nvme: int = 8) -> dict[str, PlainTier]:
 
 def store(directory: Directory, tiers: dict[str, PlainTier], i: int, *where: str, protected: bool = False) -> BlockKey:
     """Block ``i`` resident (a committed slot) in each tier of ``where``."""
-    entry = directory.add(key(i), protected=protected)
+    entry = directory.add(key(i), hold=protected)
     for name in where:
         slot = tiers[name].pool.reserve()
         tiers[name].pool.commit(slot)

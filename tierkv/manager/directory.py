@@ -3,8 +3,13 @@
 Blocks are immutable (a key names its content), so copies in several tiers
 never disagree; any copy can be dropped while another exists. ``arriving``
 holds the move in flight into a tier so that a second reader joins it
-instead of loading the block twice. ``protected`` blocks are KV a caller
-trusts tierkv with: their last copy is never dropped.
+instead of loading the block twice. ``holders`` counts the sequences that
+hold a block (KV a caller trusts tierkv with): while it is held its last copy
+is never dropped, and a sequence that lets go of a block shared with another
+one (a forked branch, a reused prefix) frees only what nobody else holds::
+
+    seq A  [b0 b1 b2]          b0, b1: holders 2     fork shares every block
+    seq B  [b0 b1 b3]          b2, b3: holders 1     A released: b2 freed, b0 b1 b3 stay
 
 Beside the entries the directory keeps two sets of (block, tier) pairs:
 ``wanted`` (callers wait to pin the block there: it must not be evicted
@@ -31,11 +36,15 @@ Place = tuple[str, int]   # (tier, slot)
 class BlockEntry:
     """One per stored block (a million for a 1M-token prompt in 32-token pages: keep it small)."""
     key: BlockKey
-    protected: bool
+    holders: int = 0            # sequences holding the block; 0: evictable cache
     layer: int | None = None
     index: int | None = None    # block position within its layer (0 = first tokens), when the caller says
     copies: dict[str, int] = field(default_factory=dict)              # tier -> READY slot
     arriving: Mapping[str, asyncio.Future] = field(default_factory=lambda: NOTHING_ARRIVING)  # tier -> move in flight
+
+    @property
+    def protected(self) -> bool:
+        return self.holders > 0
 
     def arrive(self, tier: str, done: asyncio.Future) -> None:
         if not self.arriving:
@@ -74,12 +83,13 @@ class Directory:
             raise BlockMissing(f"block {key.hex()} is not stored in any tier")
         return entry
 
-    def add(self, key: BlockKey, *, protected: bool, layer: int | None = None,
+    def add(self, key: BlockKey, *, hold: bool, layer: int | None = None,
             index: int | None = None) -> BlockEntry:
+        """The entry of ``key``, made if new; ``hold``: one more holder."""
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = BlockEntry(key, protected, layer, index)
-        entry.protected |= protected
+            entry = self._entries[key] = BlockEntry(key, 0, layer, index)
+        entry.holders += hold
         if layer is not None:
             entry.layer = layer
         if index is not None:

@@ -197,7 +197,8 @@ class TierManager:
         """Store a new block (exactly ``block_bytes``) in ``tier`` (default: the fastest with room).
 
         A key names its content: putting a key that is already stored only
-        marks it protected. ``persist`` also writes it back to the NVMe store.
+        adds a holder (``protect``: the caller holds the block until it ``drop``s
+        or ``unprotect``s it). ``persist`` also writes it back to the NVMe store.
         ``layer`` and ``index`` (the block's position in its layer) are hints
         for policies that rank by position (see tierkv.policy).
         """
@@ -205,7 +206,7 @@ class TierManager:
         raw = _as_bytes(data, self.block_bytes)
         if self.access is not None:
             self.access.on_put(key, layer)
-        entry = self.directory.add(key, protected=protect, layer=layer, index=index)
+        entry = self.directory.add(key, hold=protect, layer=layer, index=index)
         if entry.copies or entry.arriving:
             return
         order = placement.put_order(tier, self.order)
@@ -243,27 +244,33 @@ class TierManager:
             raise errors[0]
 
     def protect(self, keys: Iterable[BlockKey]) -> bool:
-        """Keep these stored blocks (a reused prefix) for the caller; False if any is gone."""
+        """The caller holds these stored blocks too (a reused prefix, a fork); False, holding none,
+        if any is gone."""
         entries = [self.directory.get(k) for k in keys]
         if any(e is None or not (e.copies or e.arriving) for e in entries):
             return False
         for entry in entries:
-            entry.protected = True
+            entry.holders += 1
         return True
 
     def unprotect(self, keys: Iterable[BlockKey]) -> None:
-        """The caller no longer needs these blocks kept: they become evictable cache."""
+        """The caller lets go of these blocks; one that nobody holds any more becomes evictable cache."""
         for key in keys:
             entry = self.directory.get(key)
-            if entry is not None:
-                entry.protected = False
+            if entry is not None and entry.holders:
+                entry.holders -= 1
 
     async def drop(self, keys: Iterable[BlockKey]) -> None:
-        """Remove blocks from every tier (the NVMe store included)."""
+        """The caller lets go of these blocks; one that nobody else holds is removed from every tier
+        (the NVMe store included)."""
         for key in keys:
             entry = self.directory.get(key)
             if entry is None:
                 continue
+            if entry.holders:
+                entry.holders -= 1
+            if entry.holders:
+                continue           # another sequence still holds it
             if entry.arriving:
                 await asyncio.gather(*entry.arriving.values(), return_exceptions=True)
             for name in list(entry.copies):

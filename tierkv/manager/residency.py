@@ -87,12 +87,12 @@ class Residency:
         self.policies[name].remove(key)
 
     def index_persisted(self, name: str) -> None:
-        """A reopened store's blocks: resident there, unprotected, known to its policy."""
+        """A reopened store's blocks: resident there, held by nobody, known to its policy."""
         tier = self.tiers[name]
         if tier.medium is not Medium.NVME:
             return
         for key, slot in tier.items():
-            self.directory.add(key, protected=False).copies[name] = slot
+            self.directory.add(key, hold=False).copies[name] = slot
             self.admit(name, (key,))
         self.stats[name].peak_slots = tier.pool.used
 
