@@ -254,3 +254,19 @@ async def test_a_certain_prefetch_ranks_as_used(knobs):
         assert "gpu" not in m.where(key(0)) and "gpu" in m.where(key(3))
         assert not m.directory.cold
         assert_quiescent(m)
+
+
+async def test_a_block_two_sequences_hold_is_freed_when_the_last_lets_go(knobs):
+    async with TierManager(two_tiers(), knobs=knobs) as m:
+        await m.put(key(1), block(1))              # sequence A holds it
+        await m.put(key(1), block(1))              # sequence B seals the same content: one copy, two holders
+        await m.put(key(2), block(2))
+        assert m.protect([key(2)]) and not m.protect([key(2), key(9)])   # all or none
+        assert m.tiers["gpu"].pool.used == 2 and m.directory.get(key(1)).holders == 2
+        await m.drop([key(1)])                     # A lets go: B still holds it
+        assert m.where(key(1)) == ["gpu"] and m.directory.get(key(1)).protected
+        await m.drop([key(1)])                     # B lets go: freed
+        assert m.where(key(1)) == [] and m.tiers["gpu"].pool.used == 1
+        m.unprotect([key(2)])
+        assert m.directory.get(key(2)).holders == 1
+        assert_quiescent(m)
