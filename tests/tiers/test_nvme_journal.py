@@ -113,3 +113,45 @@ def test_append_encoded_takes_whole_records_only(tmp_path: Path) -> None:
     log.close()
     state = Journal(tmp_path / "index.log").state
     assert sorted((e.slot, e.checksum) for _, e in state.index.items()) == [(1, 11), (2, 22)]
+
+
+def drop_at(i: int, slot: int) -> bytes:
+    return Record(Op.DROP_AT, k(i), slot).encode()
+
+
+def test_drop_at_drops_the_key_only_from_that_slot() -> None:
+    state, _ = replay(put(0, 5) + drop_at(0, 4))
+    assert state.index.get(k(0)).slot == 5
+    state, _ = replay(put(0, 5) + drop_at(0, 5) + put(1, 5) + drop_at(0, 5))
+    assert state.index.get(k(0)) is None and state.index.get(k(1)).slot == 5
+
+
+def test_tail_returns_what_any_opener_appended_since_the_last_look(tmp_path: Path) -> None:
+    path = tmp_path / "index.log"
+    first = Journal(path)
+    first.append([Record(Op.PUT, k(0), 0, 1)])
+    second = Journal(path, repair=False)   # opened beside the first: sees its record by replay
+    assert [key for key, _ in second.state.index.items()] == [k(0)]
+    assert second.tail() == []
+    first.append([Record(Op.PUT, k(1), 1, 2), Record(Op.DROP_AT, k(0), 0)])
+    second.append([Record(Op.PUT, k(2), 2, 3)])   # at the real end, after the first's records
+    assert [(op, digest, slot) for op, digest, slot, _ in second.tail()] == [
+        (Op.PUT, k(1).digest, 1), (Op.DROP_AT, k(0).digest, 0), (Op.PUT, k(2).digest, 2)]
+    assert [digest for _, digest, _, _ in first.tail()] == [k(i).digest for i in (0, 1, 0, 2)]  # its own too
+    first.close(), second.close()
+    assert sorted(e.slot for _, e in Journal(path).state.index.items()) == [1, 2]
+
+
+def test_an_append_cuts_a_record_torn_by_a_writer_that_died(tmp_path: Path) -> None:
+    path = tmp_path / "index.log"
+    log = Journal(path, repair=False)
+    log.append([Record(Op.PUT, k(0), 0, 1)])
+    with open(path, "ab") as f:   # another process killed mid-append
+        f.write(put(9, 9)[:RECORD_BYTES // 3])
+    assert [digest for _, digest, _, _ in log.tail()] == [k(0).digest]   # not the half record
+    log.append([Record(Op.PUT, k(1), 1, 1)])
+    assert path.stat().st_size == 2 * RECORD_BYTES == log.size
+    assert [digest for _, digest, _, _ in log.tail()] == [k(1).digest]
+    log.close()
+    state = Journal(path).state
+    assert (state.damaged, state.cut_bytes, len(state.index)) == (0, 0, 2)

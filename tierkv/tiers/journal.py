@@ -9,36 +9,52 @@ is no header, so a file of ``n`` whole records is always ``48 * n`` bytes::
             |"TKVJ"|u8  | 0x00 | u64 LE  | BlockKey.digest | u64 LE   | 0x00  | u32  |
             +------+----+------+---------+-----------------+----------+-------+------+
     op: 1 = PUT (key now lives in slot, its bytes hash to checksum: xxh3_64)
-        2 = DROP (key is gone; slot and checksum are 0)
+        2 = DROP (key is gone wherever it lives; slot and checksum are 0): written
+            by stores that only one process opened, still replayed
+        3 = DROP_AT (key is gone from slot, if it lives there; checksum is 0)
     crc: zlib.crc32 of bytes 0..43
 
 Replay applies records in order; the last PUT for a slot owns it, so a key
 whose slot was taken over by a later PUT disappears even if its DROP record
 was lost. A record whose magic, op or CRC is wrong is skipped; everything
-after the last good record (a torn append, garbage) is cut off, so appends
-always continue a valid prefix. Skipping a damaged record is safe because a
+after the last good record (a torn append, garbage) is cut off by an opener
+alone with the store, so appends continue a valid prefix. Skipping a damaged record is safe because a
 read also checks the block's checksum: a resurrected or stale entry can make
 a block fail, never serve wrong bytes.
 
 Appends are batched (one ``pwrite`` per batch; a batch of PUTs is packed by
 one struct call per 64 records, see `encode_puts`) and never fsync'd here; a
 failed append is truncated away, so the file is always a valid prefix.
+
+Several processes share one journal (see tierkv.tiers.nvme_share)::
+
+    append    flock LOCK_EX on index.log; cut a partial record a process killed
+              mid-append left at the end; pwrite at the real end; unlock
+    tail      flock LOCK_SH; read the whole records appended since the last look
+    repair    cut a torn tail, compact (`rewrite`): only an opener alone with the store
+
+Every record lands on the 48-byte grid, so a record torn by a dead writer is
+cut before anything follows it, and whole records that fail their checks stay
+skipped wherever they are. A process journals only the slots it owns: a PUT
+when it writes one, a DROP_AT when it drops the block in it.
 """
 from __future__ import annotations
 
 import enum
+import fcntl
 import functools
 import logging
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from tierkv.keys import KEY_BYTES, BlockKey
+from tierkv.tiers.nvme_io import flocked, fsync_dir, open_private
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +72,10 @@ _LAYOUT = np.dtype({"names": ["magic", "op", "slot", "checksum", "crc"],
 class Op(enum.IntEnum):
     PUT = 1
     DROP = 2
+    DROP_AT = 3
+
+
+Row = tuple[int, bytes, int, int]   # a good record: op, key digest, slot, checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,37 +125,50 @@ class Index:
     builds no BlockKey objects.
     """
 
-    __slots__ = ("_entries", "_owner")
+    __slots__ = ("_entries", "_holder")
 
     def __init__(self) -> None:
         self._entries: dict[bytes, Entry] = {}
-        self._owner: dict[int, bytes] = {}
+        self._holder: dict[int, bytes] = {}
 
-    def get(self, key: BlockKey) -> Entry | None:
+    def get(self, key: BlockKey | bytes) -> Entry | None:
         return self._entries.get(key)   # a BlockKey hashes and compares as its digest
+
+    def holder(self, slot: int) -> bytes | None:
+        """The digest of the key that lives in ``slot``, if any."""
+        return self._holder.get(slot)
 
     def items(self) -> list[tuple[BlockKey, Entry]]:
         return [(BlockKey(digest), entry) for digest, entry in self._entries.items()]
 
     def slots(self) -> list[int]:
-        return list(self._owner)
+        return list(self._holder)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, digest: bytes, slot: int, checksum: int) -> None:
         self.drop(digest)
-        evicted = self._owner.pop(slot, None)
+        evicted = self._holder.pop(slot, None)
         if evicted is not None:
             del self._entries[evicted]
         self._entries[digest] = Entry(slot, checksum)
-        self._owner[slot] = digest
+        self._holder[slot] = digest
 
-    def drop(self, digest: bytes) -> bool:
-        old = self._entries.pop(digest, None)
-        if old is not None:
-            del self._owner[old.slot]
-        return old is not None
+    def drop(self, digest: bytes, slot: int | None = None) -> bool:
+        """Forget the key (only if it lives in ``slot``, when given); whether it was there."""
+        old = self._entries.get(digest)
+        if old is None or (slot is not None and old.slot != slot):
+            return False
+        del self._entries[digest]
+        del self._holder[old.slot]
+        return True
+
+    def apply(self, op: int, digest: bytes, slot: int, checksum: int) -> None:
+        if op == Op.PUT:
+            self.put(digest, slot, checksum)
+        else:
+            self.drop(digest, slot if op == Op.DROP_AT else None)
 
 
 @dataclass(slots=True)
@@ -154,48 +187,61 @@ class Replay:
 
 
 def replay(raw: bytes) -> tuple[Replay, int]:
-    """Apply the records in ``raw``; returns the state and the length of the valid prefix.
+    """Apply the records in ``raw``; returns the state and the length of the valid prefix."""
+    good, _ = check(raw)
+    valid = int(good[-1]) + 1 if len(good) else 0
+    state = Replay(records=len(good), damaged=valid - len(good), cut_bytes=len(raw) - valid * RECORD_BYTES)
+    apply = state.index.apply
+    for op, digest, slot, checksum in rows(raw, good):
+        apply(op, digest, slot, checksum)
+    return state, valid * RECORD_BYTES
 
-    Records are checked all at once (numpy over the fixed layout); only the good
-    ones reach the Python loop that rebuilds the index.
-    """
+
+def check(raw: bytes) -> tuple[np.ndarray, int]:
+    """The positions of the good records among the whole ones in ``raw``, and how many whole ones
+    there are. All are checked at once (numpy over the fixed layout)."""
     n = len(raw) // RECORD_BYTES
     table = np.frombuffer(raw, _LAYOUT, count=n) if n else np.empty(0, _LAYOUT)
     view = memoryview(raw)
     crcs = np.fromiter((zlib.crc32(view[i:i + _BODY.size]) for i in range(0, n * RECORD_BYTES, RECORD_BYTES)),
                        np.uint32, count=n)
-    ok = (table["crc"] == crcs) & (table["magic"] == MAGIC) & np.isin(table["op"], (Op.PUT, Op.DROP))
-    good = np.flatnonzero(ok)
-    valid = int(good[-1]) + 1 if len(good) else 0
-    state = Replay(records=len(good), damaged=valid - len(good), cut_bytes=len(raw) - valid * RECORD_BYTES)
-    rows = table[good]
-    for i, op, slot, checksum in zip(good.tolist(), rows["op"].tolist(), rows["slot"].tolist(),
-                                     rows["checksum"].tolist()):
-        digest = raw[i * RECORD_BYTES + _KEY_AT:i * RECORD_BYTES + _KEY_AT + KEY_BYTES]
-        if op == Op.PUT:
-            state.index.put(digest, slot, checksum)
-        else:
-            state.index.drop(digest)
-    return state, valid * RECORD_BYTES
+    ok = (table["crc"] == crcs) & (table["magic"] == MAGIC) & np.isin(table["op"], list(Op))
+    return np.flatnonzero(ok), n
+
+
+def rows(raw: bytes, good: np.ndarray) -> Iterator[Row]:
+    """The records at positions ``good`` of ``raw``, in order."""
+    table = np.frombuffer(raw, _LAYOUT, count=len(raw) // RECORD_BYTES)[good]
+    for i, op, slot, checksum in zip(good.tolist(), table["op"].tolist(), table["slot"].tolist(),
+                                     table["checksum"].tolist()):
+        yield op, raw[i * RECORD_BYTES + _KEY_AT:i * RECORD_BYTES + _KEY_AT + KEY_BYTES], slot, checksum
 
 
 class Journal:
-    """``index.log``: replay on open, batched appends, compaction by rewrite."""
+    """``index.log``: replay on open, batched appends at the real end, `tail`, compaction by rewrite.
 
-    def __init__(self, path: Path) -> None:
+    ``repair``: the opener has the store to itself, so it may cut a torn tail here and `rewrite`
+    later; a process that shares the store leaves both to such an opener.
+    """
+
+    def __init__(self, path: Path, *, repair: bool = True) -> None:
         self.path = path
-        self._fd = _open_private(path)
-        raw = _read_all(self._fd)
-        self.state, self._end = replay(raw)
-        if self.state.cut_bytes:
-            log.warning("%s: cut %d bytes of torn or damaged tail", path, self.state.cut_bytes)
-            os.ftruncate(self._fd, self._end)
-            os.fsync(self._fd)
+        self._fd = open_private(path)
+        with flocked(self._fd, fcntl.LOCK_EX if repair else fcntl.LOCK_SH):
+            raw = _read(self._fd, 0, os.fstat(self._fd).st_size)
+            self.state, valid = replay(raw)
+            if repair and self.state.cut_bytes:
+                log.warning("%s: cut %d bytes of torn or damaged tail", path, self.state.cut_bytes)
+                os.ftruncate(self._fd, valid)
+                os.fsync(self._fd)
+        self._seen = valid if repair else len(raw) // RECORD_BYTES * RECORD_BYTES
+        self._end = self._seen
         if self.state.damaged:
             log.warning("%s: skipped %d damaged record(s)", path, self.state.damaged)
 
     @property
     def size(self) -> int:
+        """The end of the file as this process last saw it (replay, its own appends)."""
         return self._end
 
     def append(self, records: Iterable[Record]) -> None:
@@ -208,10 +254,25 @@ class Journal:
             raise ValueError(f"{len(data)} bytes: not whole {RECORD_BYTES}-byte records")
         self._append(data)
 
+    def tail(self) -> list[Row]:
+        """The good records appended (by any process, this one too) since the last `tail` or open.
+
+        One fstat when nothing is new; the read happens under a shared flock, so it never sees
+        half of an append."""
+        if os.fstat(self._fd).st_size < self._seen + RECORD_BYTES:
+            return []
+        with flocked(self._fd, fcntl.LOCK_SH):
+            end = os.fstat(self._fd).st_size // RECORD_BYTES * RECORD_BYTES
+            raw = _read(self._fd, self._seen, end)
+        self._seen = end
+        good, _ = check(raw)
+        return list(rows(raw, good))
+
     def rewrite(self, index: Index) -> None:
-        """Replace the file with one PUT per live entry (write new, fsync, rename)."""
+        """Replace the file with one PUT per live entry (write new, fsync, rename). Only for an
+        opener alone with the store: another process would go on appending to the old file."""
         tmp = self.path.with_name(self.path.name + ".compact")
-        fd = _open_private(tmp, truncate=True)
+        fd = open_private(tmp, os.O_TRUNC)
         try:
             data = b"".join(Record(Op.PUT, key, e.slot, e.checksum).encode() for key, e in index.items())
             view = memoryview(data)
@@ -225,7 +286,7 @@ class Journal:
         os.replace(tmp, self.path)
         fsync_dir(self.path.parent)
         os.close(self._fd)
-        self._fd, self._end = fd, len(data)
+        self._fd, self._seen, self._end = fd, len(data), len(data)
 
     def fsync(self) -> None:
         os.fsync(self._fd)
@@ -236,38 +297,34 @@ class Journal:
             self._fd = -1
 
     def _append(self, data: bytes) -> None:
-        written = 0
-        try:
-            while written < len(data):
-                written += os.pwrite(self._fd, data[written:], self._end + written)
-        except BaseException:
-            os.ftruncate(self._fd, self._end)
-            raise
-        self._end += len(data)
+        with flocked(self._fd, fcntl.LOCK_EX):
+            end = self._whole_end()
+            written = 0
+            try:
+                while written < len(data):
+                    written += os.pwrite(self._fd, data[written:], end + written)
+            except BaseException:
+                os.ftruncate(self._fd, end)
+                raise
+        self._end = end + len(data)
+
+    def _whole_end(self) -> int:
+        """The real end of the file (another process may have appended), on the record grid: the
+        bytes of a record torn by a process killed mid-append are cut (caller holds LOCK_EX)."""
+        size = os.fstat(self._fd).st_size
+        torn = size % RECORD_BYTES
+        if torn:
+            log.warning("%s: cut %d bytes of a record torn by a writer that died", self.path, torn)
+            os.ftruncate(self._fd, size - torn)
+        return size - torn
 
 
-def _open_private(path: Path, truncate: bool = False) -> int:
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
-    fd = os.open(path, flags, 0o600)
-    os.fchmod(fd, 0o600)
-    return fd
-
-
-def _read_all(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    chunks, offset = [], 0
-    while offset < size:
-        chunk = os.pread(fd, size - offset, offset)
+def _read(fd: int, start: int, end: int) -> bytes:
+    chunks, offset = [], start
+    while offset < end:
+        chunk = os.pread(fd, end - offset, offset)
         if not chunk:
             break
         chunks.append(chunk)
         offset += len(chunk)
     return b"".join(chunks)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

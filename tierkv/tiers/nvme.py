@@ -62,8 +62,8 @@ from tierkv.device import ALIGN
 from tierkv.errors import ConfigError, DiskFullError, StoreLocked
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
-from tierkv.tiers.journal import Journal, Op, Record, encode_puts, fsync_dir
-from tierkv.tiers.nvme_io import BACKENDS, Buffer, choose_backend
+from tierkv.tiers.journal import Journal, Op, Record, encode_puts
+from tierkv.tiers.nvme_io import BACKENDS, Buffer, choose_backend, fsync_dir
 from tierkv.tiers.nvme_striped import URGENT, StripedIO
 from tierkv.tiers.pool import BlockPool
 

@@ -21,11 +21,13 @@ Batches of blocks run on these files through `tierkv.tiers.nvme_striped`.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,10 +54,30 @@ class BlockFile(Protocol):
     def close(self) -> None: ...
 
 
-def _open_private(path: Path, extra_flags: int = 0) -> int:
+def open_private(path: Path, extra_flags: int = 0) -> int:
+    """Open (creating) a store file readable by this user only, whatever the umask."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | extra_flags, 0o600)
     os.fchmod(fd, 0o600)
     return fd
+
+
+@contextlib.contextmanager
+def flocked(fd: int, mode: int) -> Iterator[None]:
+    """Hold ``fd``'s flock in ``mode`` (LOCK_SH, LOCK_EX) for the block."""
+    fcntl.flock(fd, mode)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new name in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class BufferedFile:
@@ -66,7 +88,7 @@ class BufferedFile:
     _flags = 0
 
     def __init__(self, path: Path) -> None:
-        self.fd = _open_private(path, self._flags)
+        self.fd = open_private(path, self._flags)
 
     def pwritev(self, bufs: Sequence[Buffer], offset: int) -> None:
         views = list(bufs)
@@ -119,7 +141,7 @@ class KvikioFile:
     def __init__(self, path: Path) -> None:
         import kvikio  # lazy: only reached when a CUDA driver loads
 
-        self.fd = _open_private(path)
+        self.fd = open_private(path)
         self._file = kvikio.CuFile(path, "r+")
 
     def pwritev(self, bufs: Sequence[Buffer], offset: int) -> None:
