@@ -72,7 +72,7 @@ class BlockPool:
         if not self.can_reserve():
             raise BudgetExceeded(f"block pool full ({self.capacity} slots)")
         slot = heapq.heappop(self._freed) if self._freed else self._take_new()
-        self._slots[slot] = _Slot(SlotState.RESERVED)
+        self._track(slot, SlotState.RESERVED)
         return slot
 
     def restore(self, slots: list[int]) -> None:
@@ -106,10 +106,18 @@ class BlockPool:
             raise ValueError(f"slot={slot}: already free")
         if record.pins:
             raise ValueError(f"slot={slot}: still pinned {record.pins} time(s)")
+        self._forget(slot)
+
+    # -- internals -------------------------------------------------------
+    def _track(self, slot: int, state: SlotState) -> None:
+        """Keep a record for ``slot`` (a subclass that counts records hooks in here)."""
+        self._slots[slot] = _Slot(state)
+
+    def _forget(self, slot: int) -> None:
+        """Drop ``slot``'s record: it is free to reserve again."""
         del self._slots[slot]
         heapq.heappush(self._freed, slot)
 
-    # -- internals -------------------------------------------------------
     def _take_new(self) -> int:
         slot = self._next
         self._next += 1
