@@ -34,7 +34,12 @@ class DiskFullError(TierKVError, OSError):
 
 
 class StoreLocked(TierKVError):
-    """Another process holds the NVMe store open."""
+    """Another process holds the NVMe store exclusively (a tierkv that cannot share stores)."""
+
+
+class StoreUnusable(ConfigError):
+    """The NVMe store's directory cannot be used as it is (permissions, no flock, a removed owner
+    file); the message says what to change."""
 
 
 class ManagerClosed(TierKVError, RuntimeError):

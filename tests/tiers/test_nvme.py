@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import stat
@@ -231,6 +232,7 @@ def test_journal_enospc_is_truncated_back_and_reported(store: Path, monkeypatch:
     with NvmeTier(store, BB, 16 * BB) as tier:
         put(tier, [0])
         size = (store / "index.log").stat().st_size
+        slots = [tier.pool.reserve() for _ in range(3)]  # claims are written before the disk fills
         real = os.pwrite
 
         def half_then_full(fd, data, offset):
@@ -240,7 +242,7 @@ def test_journal_enospc_is_truncated_back_and_reported(store: Path, monkeypatch:
 
         monkeypatch.setattr(journal.os, "pwrite", half_then_full)
         with pytest.raises(DiskFullError) as info:
-            put(tier, [1, 2, 3])
+            tier.write([(key(i), slot, expected(key(i))) for i, slot in zip([1, 2, 3], slots)])
         monkeypatch.undo()
         assert str(store) in str(info.value) and info.value.errno == errno.ENOSPC
         assert (store / "index.log").stat().st_size == size
@@ -287,28 +289,51 @@ def test_store_directory_is_0700_and_files_0600_whatever_the_umask(store: Path) 
     try:
         with NvmeTier(store, BB, 8 * BB) as tier:
             put(tier, [0])
+            owners = list((store / "owners").iterdir())
+            assert len(owners) == 1 and stat.S_IMODE(owners[0].stat().st_mode) == 0o600
     finally:
         os.umask(old)
     assert stat.S_IMODE(store.stat().st_mode) == 0o700
     names = sorted(p.name for p in store.iterdir())
-    assert names == ["index.log", "lock", "slots.dat", "store.json"]
+    assert names == ["claims", "index.log", "lock", "owners", "slots.dat", "store.json"]
+    assert list((store / "owners").iterdir()) == []  # removed on close
     for p in store.iterdir():
-        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+        assert stat.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), p
 
 
-def test_second_opener_gets_store_locked(store: Path) -> None:
-    # flock is per open file description: a second open in this process conflicts like another process
-    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
-             "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
-             "except BlockingIOError: print('held')")
-    other_process = lambda: subprocess.run([sys.executable, "-c", probe, str(store / "lock")],  # noqa: E731
-                                           capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-    with NvmeTier(store, BB, 8 * BB):
-        with pytest.raises(StoreLocked, match=f"{store}.*pid {os.getpid()}"):
-            NvmeTier(store, BB, 8 * BB)
-        assert other_process() == "held"
-    assert other_process() == "free"
+def _flock_probe(path: Path, mode: str) -> str:
+    """Whether another process can take ``path``'s flock in ``mode`` ("LOCK_EX" or "LOCK_SH") now."""
+    probe = (f"import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
+             f"try: fcntl.flock(fd, fcntl.{mode} | fcntl.LOCK_NB); print('free')\n"
+             f"except BlockingIOError: print('held')")
+    return subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True,
+                          timeout=30, check=True).stdout.strip()
+
+
+def test_a_second_opener_shares_the_store(store: Path) -> None:
+    # flock is per open file description: a second open in this process counts as another process
+    with NvmeTier(store, BB, 8 * BB) as first, NvmeTier(store, BB, 8 * BB) as second:
+        assert (_flock_probe(store / "lock", "LOCK_EX"), _flock_probe(store / "lock", "LOCK_SH")) == ("held", "free")
+        placed = put(first, [0, 1])
+        assert second.lookup(key(0)) is None
+        changes = second.refresh()
+        assert sorted(changes.added) == sorted(placed.items()) and changes.removed == []
+        assert read_back(second, placed)[0] == []
+        assert second.refresh().added == []   # nothing new: nothing twice
+    assert _flock_probe(store / "lock", "LOCK_EX") == "free"
+
+
+def test_a_process_holding_the_store_exclusively_makes_an_opener_raise_store_locked(store: Path) -> None:
     NvmeTier(store, BB, 8 * BB).close()
+    fd = os.open(store / "lock", os.O_RDWR)  # what a tierkv from before shared stores holds
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.pwrite(fd, b"4711\n", 0)
+        with pytest.raises(StoreLocked, match=f"{store}.*pid 4711"):
+            NvmeTier(store, BB, 8 * BB)
+    finally:
+        os.close(fd)
+    NvmeTier(store, BB, 8 * BB).close()  # the failed open left nothing held
 
 
 def test_manifest_mismatch_is_a_config_error(store: Path) -> None:

@@ -1,37 +1,47 @@
-"""The NVMe tier: a persistent, crash-safe, content-addressed block store.
+"""The NVMe tier: a persistent, crash-safe, content-addressed block store that processes share.
 
 A store is one directory (0700; every file 0600)::
 
     DIR/
       store.json   manifest: {"format": "tierkv-nvme", "version": 1, "block_bytes",
-                   "namespace", "created"}; reopening with another block_bytes or
+                   "namespace", "created"}; opening with another block_bytes or
                    namespace is a ConfigError
       slots.dat    slot i at offset i * block_bytes; grown with fallocate (doubling, at
                    least 64 MiB a step, exactly what is needed when that does not fit,
-                   never past the budget)
-      index.log    journal of 48-byte PUT/DROP records (see tierkv.tiers.journal)
-      lock         flock'ed while open: a second opener gets StoreLocked
+                   never past the budget), by one process at a time
+      index.log    journal of 48-byte PUT/DROP_AT records (see tierkv.tiers.journal)
+      lock, claims, owners/
+                   who has the store open and which slots each process owns
+                   (see tierkv.tiers.nvme_share)
 
     slots.dat  |  slot 0  |  slot 1  |  slot 2  | ... |  slot n-1  |   n = budget // block_bytes
                0          B          2B         3B               (n)B  B = block_bytes
-    index.log  | PUT k7 @0 c | PUT k3 @2 c | DROP k7 | PUT k9 @0 c | ...   (c = xxh3_64 of the bytes)
+    index.log  | PUT k7 @0 c | PUT k3 @2 c | DROP_AT k7 @0 | PUT k9 @0 c | ...   (c = xxh3_64 of the bytes)
 
-Write order makes a block visible only after its bytes are written: data to
-``slots.dat`` first (the I/O workers write while the calling thread takes the
-checksums and encodes the records, see tierkv.tiers.nvme_striped), then one
-batched append of PUT records to ``index.log`` once every byte is written,
-then the in-memory index. A crash at any point leaves the journal a valid
-prefix (replay cuts a torn tail) and every visible entry either holds the
-right bytes or fails its checksum on read; nothing wrong is ever served.
-Nothing is fsync'd until `NvmeTier.flush` (or close): a process crash loses
-nothing written, a power loss may lose the newest blocks but never serves
-them wrong.
+Several processes may have a store open at once: each reads every block, and
+writes only into slots of the extents it claimed (tierkv.tiers.nvme_share), so
+writes never meet. Write order makes a block visible only after its bytes are
+written: data to ``slots.dat`` first (the I/O workers write while the calling
+thread takes the checksums and encodes the records, see
+tierkv.tiers.nvme_striped), then one batched append of PUT records at the end
+of ``index.log`` once every byte is written, then this process's index. Other
+processes see the block when they next `refresh` (a cheap look at the journal's
+tail, see tierkv.tiers.nvme_view). A crash at any point leaves the journal a
+valid prefix and every visible entry either holds the right bytes or fails its
+checksum on read; a slot dropped and rewritten by its owner while another
+process reads it fails that read too: nothing wrong is ever served. Nothing is
+fsync'd until `NvmeTier.flush` (or close): a killed process loses nothing it
+wrote, a power loss may lose the newest blocks but never serves them wrong.
 
-Open replays the journal, hides entries whose slot lies past the budget or
-past the end of ``slots.dat`` (a DROP is journaled for them), compacts the
-journal when it is mostly garbage, and marks every visible slot READY in
-`pool`. The pool is the manager's: `write` expects RESERVED slots and
-changes no state; `drop` leaves the slot for the caller to release.
+Open replays the journal and marks every visible slot READY in `pool` (a
+`SharedPool`, see tierkv.tiers.nvme_pool). An opener alone with the store also
+drops entries past the budget or past the end of ``slots.dat`` (journaling a
+DROP_AT for each), cuts a torn tail and compacts the journal when it is mostly
+garbage; beside other processes, it hides such entries here only. The pool is
+the manager's: `write` expects RESERVED slots of this process's extents and
+changes no state; `drop` leaves the slot for the caller to release; `refresh`
+adds READY records for blocks other processes wrote, so it runs on the pool's
+thread too.
 
 A `write` batch is all or nothing: on any error (ENOSPC becomes DiskFullError,
 naming the directory and the bytes needed) none of its blocks becomes visible.
@@ -43,12 +53,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
-import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -59,18 +66,18 @@ from tierkv.knobs import IOKnobs
 
 from tierkv.sizes import format_size
 from tierkv.device import ALIGN
-from tierkv.errors import ConfigError, DiskFullError, StoreLocked
+from tierkv.errors import ConfigError, DiskFullError, StoreUnusable
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
 from tierkv.tiers.journal import Journal, Op, Record, encode_puts
-from tierkv.tiers.nvme_io import BACKENDS, Buffer, choose_backend, fsync_dir
+from tierkv.tiers.nvme_io import BACKENDS, Buffer, choose_backend
+from tierkv.tiers.nvme_pool import SharedPool
+from tierkv.tiers.nvme_share import Membership
 from tierkv.tiers.nvme_striped import URGENT, StripedIO
-from tierkv.tiers.pool import BlockPool
+from tierkv.tiers.nvme_view import Changes, SharedView
 
 log = logging.getLogger(__name__)
 
-FORMAT = "tierkv-nvme"
-VERSION = 1
 GROW_MIN = 64 * 1024**2
 COMPACT_MIN_GARBAGE = 4096  # compact when garbage records exceed this and the live ones
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -88,31 +95,38 @@ class NvmeTier:
         self.directory = Path(directory)
         self.block_bytes = block_bytes
         self.namespace = namespace
-        self.pool = BlockPool(budget_bytes // block_bytes)
+        self._capacity = budget_bytes // block_bytes
         self._lock = threading.Lock()
         self._closed = True
-        _make_private_dir(self.directory)
-        self._lock_fd = _acquire_lock(self.directory / "lock")
-        try:
-            _check_manifest(self.directory, block_bytes, namespace)
-            if backend == "auto":  # TIERKV_NVME_BACKEND overrides only the automatic choice
-                backend = IOKnobs.from_env().nvme_backend
-            self.backend = choose_backend(backend, self.directory, block_bytes)
-            self._file = BACKENDS[self.backend](self.directory / "slots.dat")
-            self._data_size = os.fstat(self._file.fd).st_size
-            self._journal = Journal(self.directory / "index.log")
-            self._index = self._journal.state.index
-            self._io = StripedIO(self._file, block_bytes, io_threads)
-            self._recover()
-        except BaseException:
-            self._release_files()
-            raise
+        with _permission_named(self.directory):
+            self._share = Membership(self.directory)
+            try:
+                with self._share.claims.locked():  # the gate: one opener at a time
+                    self._open(backend, io_threads)
+            except BaseException:
+                self._release_files()
+                raise
         self._closed = False
+
+    def _open(self, backend: str, io_threads: int) -> None:
+        self._share.join(self._capacity, self.block_bytes, self.namespace)
+        if backend == "auto":  # TIERKV_NVME_BACKEND overrides only the automatic choice
+            backend = IOKnobs.from_env().nvme_backend
+        self.backend = choose_backend(backend, self.directory, self.block_bytes)
+        self._file = BACKENDS[self.backend](self.directory / "slots.dat")
+        self._data_size = os.fstat(self._file.fd).st_size
+        self._journal = Journal(self.directory / "index.log", repair=self._share.alone)
+        self._index = self._journal.state.index
+        self._io = StripedIO(self._file, self.block_bytes, io_threads)
+        self.pool = SharedPool(self._capacity, self._share.claims, self._share.owner.id)
+        self._recover()
+        self._view = SharedView(self._index, self.pool)
+        self._share.settle()
 
     # -- queries -----------------------------------------------------------
     @property
     def budget_bytes(self) -> int:
-        return self.pool.capacity * self.block_bytes
+        return self._capacity * self.block_bytes
 
     def lookup(self, key: BlockKey) -> int | None:
         entry = self._index.get(key)
@@ -139,8 +153,8 @@ class NvmeTier:
         self._check_slots(slots)
         bufs = [self._buffer(tensor) for _, _, tensor in items]
         misaligned = set() if aligned else self._misaligned(tensor for _, _, tensor in items)
-        with self._lock:
-            self._grow_to((max(slots) + 1) * self.block_bytes)
+        self._share.owner.check()
+        self._grow_to((max(slots) + 1) * self.block_bytes)
         digests = [key.digest for key, _, _ in items]
         with self._disk_full_raised(len(items) * self.block_bytes):
             job = self._io.start_write(slots, bufs, misaligned, priority=priority)
@@ -181,16 +195,35 @@ class NvmeTier:
         return [key for key, _, _ in items if key in failed]
 
     def drop(self, key: BlockKey) -> None:
-        """Forget ``key`` (journal DROP + index); the caller then releases its pool slot."""
+        """Forget ``key``; the caller then releases its pool slot. A block in this process's slots
+        is gone for every process (journal DROP_AT); one in an unclaimed extent too, once this process
+        has claimed the extent; one in another live process's slot is forgotten here only."""
         self._check_open()
         with self._lock:
-            if self._index.get(key) is None:
+            entry = self._index.get(key)
+            if entry is None:
                 return
             self._index.drop(key.digest)
+            if not self.pool.claim_extent_of(entry.slot):
+                return
             try:
-                self._journal.append([Record(Op.DROP, key)])
+                self._journal.append([Record(Op.DROP_AT, key, entry.slot)])
             except OSError as exc:  # safe: a stale entry fails its checksum, or its slot's next PUT evicts it
                 log.warning("%s: DROP of %s not journaled: %s", self.directory, key, exc)
+
+    def forget(self, key: BlockKey, slot: int) -> None:
+        """Stop showing here the block another process wrote in ``slot`` (nothing is journaled);
+        the caller then releases the slot. For a manager that holds or writes its own copy."""
+        with self._lock:
+            self._index.drop(key.digest, slot)
+
+    def refresh(self) -> Changes:
+        """Take in what other processes journaled since the last look: the blocks that became
+        visible and those that are gone, as (key, slot). One fstat when nothing changed. It adds
+        READY records to `pool`, so it runs on the thread that uses the pool."""
+        self._check_open()
+        with self._lock:
+            return self._view.apply(self._journal.tail())
 
     # -- lifecycle -----------------------------------------------------------
     def flush(self) -> None:
@@ -201,6 +234,7 @@ class NvmeTier:
             self._journal.fsync()
 
     def close(self) -> None:
+        """Flush, then leave the store: this process's extents become unclaimed (its blocks stay)."""
         if self._closed:
             return
         try:
@@ -218,34 +252,48 @@ class NvmeTier:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._index)} blocks"
         return (f"NvmeTier({str(self.directory)!r}, backend={getattr(self, 'backend', None)!r}, "
-                f"block_bytes={self.block_bytes}, slots={self.pool.capacity}, {state})")
+                f"block_bytes={self.block_bytes}, slots={self._capacity}, {state})")
 
     # -- internals -----------------------------------------------------------
     def _recover(self) -> None:
-        """Hide entries the data cannot back, compact if worthwhile, mark visible slots READY."""
-        state = self._journal.state
-        whole_slots = min(self.pool.capacity, self._data_size // self.block_bytes)
-        lost = [key for key, entry in self._index.items() if entry.slot >= whole_slots]
+        """Hide entries the data cannot back; alone with the store, journal that and compact if
+        worthwhile. Then mark the visible slots READY."""
+        whole_slots = min(self._capacity, self._data_size // self.block_bytes)
+        lost = [(key, entry.slot) for key, entry in self._index.items() if entry.slot >= whole_slots]
         if lost:
-            log.warning("%s: %d block(s) lie past the budget or past the end of slots.dat; dropped",
-                        self.directory, len(lost))
-            for key in lost:
+            log.warning("%s: %d block(s) lie past the budget or past the end of slots.dat; %s", self.directory,
+                        len(lost), "dropped" if self._share.alone else "hidden from this process")
+            for key, _ in lost:
                 self._index.drop(key.digest)
-        garbage = state.garbage + len(lost)
-        try:
-            if state.damaged or garbage > max(COMPACT_MIN_GARBAGE, len(self._index)):
-                self._journal.rewrite(self._index)
-            elif lost:
-                self._journal.append(Record(Op.DROP, key) for key in lost)
-        except OSError as exc:  # e.g. a full disk: the store still opens, checksums still guard reads
-            log.warning("%s: could not compact or update the journal: %s", self.directory, exc)
+        if self._share.alone:
+            self._repair([Record(Op.DROP_AT, key, slot) for key, slot in lost])
         self.pool.restore(self._index.slots())
 
+    def _repair(self, drops: list[Record]) -> None:
+        """Journal ``drops``, or compact the journal if it is mostly garbage (only when alone)."""
+        state = self._journal.state
+        try:
+            if state.damaged or state.garbage + len(drops) > max(COMPACT_MIN_GARBAGE, len(self._index)):
+                self._journal.rewrite(self._index)
+            elif drops:
+                self._journal.append(drops)
+        except OSError as exc:  # e.g. a full disk: the store still opens, checksums still guard reads
+            log.warning("%s: could not compact or update the journal: %s", self.directory, exc)
+
     def _grow_to(self, end: int) -> None:
-        """Make slots.dat at least ``end`` bytes long (caller holds the lock)."""
-        current = self._data_size
-        if end <= current:
+        """Make slots.dat at least ``end`` bytes long. One process grows it at a time (under the
+        claims lock), from its real size: another may have grown it, and only a failed growth
+        of this one is ever cut back."""
+        if end <= self._data_size:
             return
+        with self._share.claims.locked():
+            current = os.fstat(self._file.fd).st_size
+            self._data_size = max(self._data_size, current)
+            if end > current:
+                self._data_size = self._allocate(current, end)
+
+    def _allocate(self, current: int, end: int) -> int:
+        """fallocate from ``current`` to a good size of at least ``end``; the new size."""
         target = min(self.budget_bytes, max(end, 2 * current, current + GROW_MIN))
         for size in dict.fromkeys((target, end)):
             try:
@@ -255,8 +303,7 @@ class NvmeTier:
                 if exc.errno not in _DISK_FULL:
                     raise
                 continue
-            self._data_size = size
-            return
+            return size
         raise self._disk_full(end - current)
 
     def _buffer(self, tensor: torch.Tensor | np.ndarray) -> Buffer:
@@ -293,9 +340,13 @@ class NvmeTier:
     def _check_slots(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots):
             raise ValueError("write: the same slot appears twice in one batch")
-        bad = [s for s in slots if not 0 <= s < self.pool.capacity]
+        bad = [s for s in slots if not 0 <= s < self._capacity]
         if bad:
-            raise ValueError(f"write: slot(s) {bad[:5]} outside 0..{self.pool.capacity - 1}")
+            raise ValueError(f"write: slot(s) {bad[:5]} outside 0..{self._capacity - 1}")
+        foreign = [s for s in slots if not self.pool.owns(s)]
+        if foreign:
+            raise ValueError(f"write: slot(s) {foreign[:5]} are not in this process's extents; "
+                             f"write into slots reserved from tier.pool")
 
     @contextlib.contextmanager
     def _disk_full_raised(self, needed: int) -> Iterator[None]:
@@ -323,10 +374,19 @@ class NvmeTier:
                 if hasattr(self, part):
                     getattr(self, part).close()
         finally:
-            os.close(self._lock_fd)  # releases the flock
+            self._share.leave(self.pool.give_back() if hasattr(self, "pool") else [])
 
 
-# -- directory, lock, manifest --------------------------------------------
+@contextlib.contextmanager
+def _permission_named(directory: Path) -> Iterator[None]:
+    try:
+        yield
+    except PermissionError as exc:
+        raise StoreUnusable(f"NVMe store {directory}: no permission for {exc.filename} ({exc.strerror}); "
+                            f"the store must belong to this user (it is created 0700, files 0600): "
+                            f"fix its owner or mode, or use another directory") from None
+
+
 def _validate(block_bytes: int, budget_bytes: int, io_threads: int) -> None:
     if block_bytes <= 0:
         raise ConfigError(f"block_bytes={block_bytes}: must be > 0")
@@ -334,66 +394,6 @@ def _validate(block_bytes: int, budget_bytes: int, io_threads: int) -> None:
         raise ConfigError(f"budget_bytes={budget_bytes}: must hold at least one block (block_bytes={block_bytes})")
     if io_threads <= 0:
         raise ConfigError(f"io_threads={io_threads}: must be > 0")
-
-
-def _make_private_dir(directory: Path) -> None:
-    if not directory.exists():
-        directory.mkdir(mode=0o700, parents=True)
-        os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask
-
-
-def _acquire_lock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    os.fchmod(fd, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise StoreLocked(f"NVMe store {path.parent} is open elsewhere (pid {holder}); "
-                          f"close it there or use another directory") from None
-    with contextlib.suppress(OSError):  # the pid only helps the message above; a full disk may refuse it
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _check_manifest(directory: Path, block_bytes: int, namespace: str) -> None:
-    path = directory / "store.json"
-    if not path.exists():
-        found = [name for name in ("slots.dat", "index.log") if (directory / name).exists()]
-        if found:
-            raise ConfigError(f"NVMe store {directory}: has {', '.join(found)} but no store.json; "
-                              f"not a tierkv store, or a damaged one")
-        _write_manifest(path, block_bytes, namespace)
-        return
-    try:
-        manifest = json.loads(path.read_text())
-        stored = (manifest["format"], manifest["version"], manifest["block_bytes"], manifest["namespace"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"NVMe store {directory}: unreadable store.json ({exc})") from None
-    if stored[:2] != (FORMAT, VERSION):
-        raise ConfigError(f"NVMe store {directory}: format {stored[0]!r} v{stored[1]}; "
-                          f"this tierkv reads {FORMAT!r} v{VERSION}")
-    if stored[2:] != (block_bytes, namespace):
-        raise ConfigError(f"NVMe store {directory} holds block_bytes={stored[2]}, namespace={stored[3]!r}; "
-                          f"asked for block_bytes={block_bytes}, namespace={namespace!r}: "
-                          f"open it with those values or use another directory")
-
-
-def _write_manifest(path: Path, block_bytes: int, namespace: str) -> None:
-    manifest = {"format": FORMAT, "version": VERSION, "block_bytes": block_bytes, "namespace": namespace,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, (json.dumps(manifest, indent=2) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def _address(block: torch.Tensor | np.ndarray) -> int:

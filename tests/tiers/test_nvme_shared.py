@@ -1,0 +1,309 @@
+"""One NVMe store, several openers: in this process (flock counts each open as a process) and in real
+processes: each reads what the others wrote, writers never meet in a slot, a
+reader never gets another block's bytes while a writer drops and rewrites, a killed writer's slots
+come back."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import nvme_worker
+import pytest
+import torch
+from nvme_worker import key
+
+from tierkv.errors import BudgetExceeded, StoreUnusable
+from tierkv.keys import BlockKey
+from tierkv.tiers import journal, nvme, nvme_share
+from tierkv.tiers.journal import RECORD_BYTES, Op
+from tierkv.tiers.nvme import NvmeTier
+
+WORKER = Path(nvme_worker.__file__)
+BB = 16 * 1024
+TIMEOUT_S = 60
+
+
+class Proc:
+    """A worker process (tests/tiers/nvme_worker.py) driven one JSON command at a time."""
+
+    def __init__(self, *args: str) -> None:
+        self.popen = subprocess.Popen([sys.executable, str(WORKER), *args], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+
+    def send(self, op: str, **kw: object) -> None:
+        self.popen.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.popen.stdin.flush()
+
+    def line(self) -> str:
+        """The next line it prints; a worker that hangs is killed after TIMEOUT_S."""
+        watchdog = threading.Timer(TIMEOUT_S, self.popen.kill)
+        watchdog.start()
+        try:
+            line = self.popen.stdout.readline()
+        finally:
+            watchdog.cancel()
+        assert line, f"worker exited with {self.popen.poll()}"
+        return line
+
+    def reply(self) -> dict:
+        reply = json.loads(self.line())
+        assert "error" not in reply, reply["error"]
+        return reply
+
+    def call(self, op: str, **kw: object) -> dict:
+        self.send(op, **kw)
+        return self.reply()
+
+    def stop(self) -> None:
+        self.popen.kill()
+        self.popen.wait(timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    """Two worker processes for the module: starting one (importing torch) takes seconds."""
+    procs = [Proc(), Proc()]
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+@pytest.fixture
+def pair(workers, tmp_path: Path):
+    """Both workers with ``tmp_path / "store"`` open (64 slots); closed again after the test."""
+    store = tmp_path / "store"
+    for proc in workers:
+        proc.call("open", path=str(store), block_bytes=BB, slots=64)
+    yield store, workers
+    for proc in workers:
+        proc.call("close")
+
+
+def expected(k: BlockKey) -> np.ndarray:
+    return nvme_worker.expected(k, BB)
+
+
+def put(tier: NvmeTier, tag: str, ids: range) -> dict[BlockKey, int]:
+    """Reserve, write and commit blocks ``ids`` of ``tag`` in this process; key -> slot."""
+    keys = [key(tag, i) for i in ids]
+    slots = [tier.pool.reserve() for _ in keys]
+    nvme_worker.write_blocks(tier, keys, slots)
+    return dict(zip(keys, slots))
+
+
+def verify(tier: NvmeTier) -> tuple[int, int]:
+    """(visible, wrong) in this process."""
+    served, _, wrong = nvme_worker.read_blocks(tier, tier.items())
+    return served, wrong
+
+
+def journal_history(store: Path) -> tuple[dict[int, set[str]], int]:
+    """Which tags' PUTs each slot saw, and how many records failed their checks, over the whole journal."""
+    raw = (store / "index.log").read_bytes()
+    assert len(raw) % RECORD_BYTES == 0
+    good, whole = journal.check(raw)
+    tags = {key(tag, i).digest: tag for tag in "AB" for i in range(4096)}
+    writers: dict[int, set[str]] = defaultdict(set)
+    for op, digest, slot, _ in journal.rows(raw, good):
+        if op == Op.PUT:
+            writers[slot].add(tags.get(digest, "?"))
+    return writers, whole - len(good)
+
+
+# -- two openers in this process (flock is per open file description: each counts as a process) --------
+def test_refresh_reports_blocks_added_and_gone_and_a_rewritten_slot_waits_for_its_release(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as a, NvmeTier(store, BB, 8 * BB) as b:
+        slot = put(a, "A", range(1))[key("A", 0)]
+        assert b.refresh().added == [(key("A", 0), slot)]
+        a.drop(key("A", 0))
+        a.pool.release(slot)
+        assert put(a, "A", range(1, 2)) == {key("A", 1): slot}   # the same slot, other bytes
+        changes = b.refresh()
+        assert (changes.added, changes.removed) == ([], [(key("A", 0), slot)])
+        assert b.read([(key("A", 0), slot, torch.empty(BB, dtype=torch.uint8))]) == [key("A", 0)]
+        b.pool.release(slot)   # what the manager does with a block gone
+        assert b.refresh().added == [(key("A", 1), slot)]
+        assert verify(b) == (1, 0)
+
+
+def test_a_key_moved_to_another_slot_comes_in_after_its_old_copy_goes(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as a, NvmeTier(store, BB, 8 * BB) as b, NvmeTier(store, BB, 8 * BB) as c:
+        old = put(a, "A", range(1))[key("A", 0)]
+        b.refresh()
+        a.drop(key("A", 0))
+        new = put(c, "A", range(1))[key("A", 0)]   # the same block, written again by another process
+        changes = b.refresh()
+        assert (changes.added, changes.removed) == ([], [(key("A", 0), old)])
+        b.pool.release(old)
+        assert b.refresh().added == [(key("A", 0), new)]
+        assert verify(b) == (1, 0)
+
+
+def test_dropping_another_live_process_block_forgets_it_here_only(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as a, NvmeTier(store, BB, 8 * BB) as b:
+        slot = put(a, "A", range(1))[key("A", 0)]
+        b.refresh()
+        size = (store / "index.log").stat().st_size
+        b.drop(key("A", 0))
+        b.pool.release(slot)
+        assert b.lookup(key("A", 0)) is None and a.lookup(key("A", 0)) == slot
+        assert (store / "index.log").stat().st_size == size   # nothing journaled
+        assert not b.pool.can_reserve(8)   # and the slot did not become b's
+    with NvmeTier(store, BB, 8 * BB) as later:
+        assert verify(later) == (1, 0)
+
+
+def test_exclusive_steps_wait_for_an_opener_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvme, "COMPACT_MIN_GARBAGE", 8)
+    store, log = tmp_path / "store", tmp_path / "store" / "index.log"
+    with NvmeTier(store, BB, 32 * BB) as a:
+        put(a, "A", range(20))
+        for i in range(15):
+            a.drop(key("A", i))
+        with open(log, "ab") as f:   # half a record: a writer killed mid-append
+            f.write(journal.Record(Op.PUT, key("A", 99), 7, 1).encode()[:20])
+        with NvmeTier(store, BB, 32 * BB) as b:   # shared: neither cut nor compacted
+            assert log.stat().st_size == 35 * RECORD_BYTES + 20
+            assert verify(b) == (5, 0)
+            put(a, "A", range(20, 21))   # the next append cuts the torn bytes first
+            assert log.stat().st_size == 36 * RECORD_BYTES
+            b.refresh()
+            assert verify(b) == (6, 0)
+        with NvmeTier(store, BB, 16 * BB) as smaller:   # a smaller budget beside a: hidden here, not dropped
+            assert len(smaller) < 6 and log.stat().st_size == 36 * RECORD_BYTES
+    with NvmeTier(store, BB, 32 * BB) as alone:
+        assert log.stat().st_size == 6 * RECORD_BYTES   # compacted
+        assert verify(alone) == (6, 0)
+
+
+def test_extents_are_first_come_and_come_back_with_their_blocks_on_close(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as b:
+        with NvmeTier(store, BB, 8 * BB) as a:
+            placed = put(a, "A", range(8))   # a claims every extent
+            b.refresh()
+            with pytest.raises(BudgetExceeded, match=f"pid\\(s\\) {os.getpid()}"):
+                b.pool.reserve()
+            assert verify(b) == (8, 0)   # b still reads them
+        assert not b.pool.can_reserve()   # a closed: its extents are free to claim, but full
+        b.drop(key("A", 3))   # so b claims that extent to drop a block of it
+        b.pool.release(placed[key("A", 3)])
+        assert put(b, "B", range(1)) == {key("B", 0): placed[key("A", 3)]}
+        assert verify(b) == (8, 0)
+
+
+def test_an_owner_file_removed_by_hand_stops_writes(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        slot = tier.pool.reserve()
+        for owner in (store / "owners").iterdir():
+            owner.unlink()
+        with pytest.raises(StoreUnusable, match="owner file"):
+            tier.write([(key("A", 0), slot, torch.from_numpy(expected(key("A", 0))))])
+
+
+def test_a_file_system_without_flock_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_flock(fd: int, mode: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(nvme_share.fcntl, "flock", no_flock)
+    with pytest.raises(StoreUnusable, match="does not support flock.*local file system"):
+        NvmeTier(tmp_path / "store", BB, 8 * BB)
+
+
+def test_a_directory_without_permission_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(directory: Path) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(directory))
+
+    monkeypatch.setattr(nvme_share, "make_private_dir", refused)
+    with pytest.raises(StoreUnusable, match="no permission for .*store.*fix its owner or mode"):
+        NvmeTier(tmp_path / "store", BB, 8 * BB)
+
+
+# -- real processes -------------------------------------------------------------------------------
+def test_two_processes_read_each_others_blocks(pair) -> None:
+    _, (a, b) = pair
+    a.send("write", tag="A", first=0, count=20)
+    b.send("write", tag="B", first=0, count=20)
+    placed_a, placed_b = a.reply()["placed"], b.reply()["placed"]
+    assert not set(placed_a.values()) & set(placed_b.values())  # never one slot for both
+    a.call("flush")
+    b.call("flush")
+    everything = sorted([*placed_a, *placed_b])
+    for proc in (a, b):
+        seen = proc.call("verify")
+        assert (seen["served"], seen["failed"], seen["wrong"]) == (40, 0, 0)
+        assert seen["keys"] == everything
+
+
+def test_concurrent_writers_never_share_a_slot(workers, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    a, b = workers
+    for proc in workers:
+        proc.call("open", path=str(store), block_bytes=BB, slots=1024)
+    a.send("write", tag="A", first=0, count=300, batch=3)
+    b.send("write", tag="B", first=0, count=300, batch=5)
+    a.reply(), b.reply()
+    with NvmeTier(store, BB, 1024 * BB) as third:   # a third process, while both still have it open
+        assert verify(third) == (600, 0)
+    for proc in workers:
+        proc.call("close")
+    writers, damaged = journal_history(store)
+    assert damaged == 0
+    assert all(len(tags) == 1 for tags in writers.values()), {s: t for s, t in writers.items() if len(t) > 1}
+    assert {tag for tags in writers.values() for tag in tags} == {"A", "B"}
+    with NvmeTier(store, BB, 1024 * BB) as later:  # alone now: reopened, every block intact
+        assert verify(later) == (600, 0)
+
+
+def test_reader_never_gets_wrong_bytes_while_a_writer_drops_and_rewrites(workers, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    writer, reader = workers
+    writer.call("open", path=str(store), block_bytes=BB, slots=32)
+    reader.call("open", path=str(store), block_bytes=BB, slots=32)
+    writer.call("write", tag="A", first=0, count=32)
+    reader.send("read_loop", seconds=2.0, refresh_every=4)
+    writer.send("write", tag="A", first=32, count=1200, batch=4, churn=True)  # every slot rewritten ~37 times
+    reads, _ = reader.reply(), writer.reply()
+    assert reads["wrong"] == 0
+    assert reads["served"] >= 200, reads
+    assert reads["failed"] > 0, reads   # the rewrites did race the reads
+    final = reader.call("verify")
+    assert (final["visible"], final["failed"], final["wrong"]) == (32, 0, 0)
+    for proc in workers:
+        proc.call("close")
+
+
+def test_killed_writer_leaves_a_consistent_store_and_its_slots_come_back(workers, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    survivor = workers[0]
+    survivor.call("open", path=str(store), block_bytes=BB, slots=32)
+    killed = Proc("spill", str(store), str(BB), "32", "B")
+    try:
+        for _ in range(40):   # 160 blocks through 32 slots, then SIGKILL mid-batch
+            killed.line()
+        os.kill(killed.popen.pid, signal.SIGKILL)
+    finally:
+        killed.stop()
+    seen = survivor.call("verify")
+    assert seen["wrong"] == 0 and seen["served"] >= 28, seen   # at most the batch in flight is missing
+    with NvmeTier(store, BB, 32 * BB) as other:   # another opener beside the survivor
+        assert verify(other) == (seen["served"], 0)
+    survivor.call("write", tag="A", first=0, count=64, churn=True)   # needs the dead writer's extents
+    survivor.call("flush")
+    with NvmeTier(store, BB, 32 * BB) as later:
+        visible, wrong = verify(later)
+        assert (visible, wrong) == (32, 0)
+        assert {k for k, _ in later.items()} == {key("A", i) for i in range(32, 64)}  # every slot is the survivor's
+    survivor.call("close")

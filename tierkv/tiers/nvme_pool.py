@@ -1,0 +1,163 @@
+"""The NVMe store's slots as one process sees them: its own extents, and the blocks of others.
+
+A `SharedPool` is the tier's `BlockPool` (the manager reserves, commits, pins
+and releases through it as for any tier), with slots split by who owns their
+extent (tierkv.tiers.nvme_share)::
+
+    extent     0              1              2              3
+    claims     this process   pid 4711       unclaimed      unclaimed
+    records    R R . W        R . . R        R . . .        . . . .       R READY, W RESERVED, . none
+               own            foreign        foreign        -
+    reserve    free own slots only (1 here); with none left, claim the lowest unclaimed extent
+               that has a free slot (2) and adopt it: its blocks become this process's own
+    release    an own slot becomes free to reuse; a foreign one is only forgotten here
+    free       free own slots + free slots of unclaimed extents (1 + 3 + 4 here)
+
+Records of foreign slots are blocks another process wrote that this one may
+read; `add_ready` makes one visible (see tierkv.tiers.nvme_view). Every method
+runs on the thread that uses the pool (the manager's loop), but `owns`, a set
+lookup the I/O workers ask too; the claims file is the only thing shared with
+other processes, read and written under its lock.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter
+
+from tierkv.errors import BudgetExceeded, StoreUnusable
+from tierkv.tiers.nvme_share import Claims
+from tierkv.tiers.pool import BlockPool, SlotState
+
+REAP_EVERY_S = 1.0   # a process with no free slot tries a claim at each reserve; it checks owners this often
+
+
+class SharedPool(BlockPool):
+    """``capacity`` slots of a shared store, of which this process (``owner``) writes its own extents'.
+    Made at open, under the claims lock."""
+
+    def __init__(self, capacity: int, claims: Claims, owner: int) -> None:
+        super().__init__(capacity)
+        self._claims, self._owner = claims, owner
+        self._extent = claims.extent_slots
+        self._own: set[int] = set()
+        self._unclaimed: set[int] = set()   # as the claims table said at the last look
+        self._records: Counter[int] = Counter()   # records per extent
+        self._reaped = -math.inf
+        self._look(claims.read())
+
+    # -- queries ---------------------------------------------------------
+    @property
+    def extents(self) -> int:
+        return -(-self.capacity // self._extent)
+
+    def owns(self, slot: int) -> bool:
+        return slot // self._extent in self._own
+
+    @property
+    def free(self) -> int:
+        return len(self._freed) + sum(self._size(x) - self._records[x] for x in self._unclaimed)
+
+    def can_reserve(self, n: int = 1) -> bool:
+        """Whether ``n`` slots can be reserved now, claiming extents until they can, so that the
+        `reserve` calls that follow cannot fail."""
+        while len(self._freed) < n:
+            if not self._claim():
+                return False
+        return True
+
+    # -- transitions -----------------------------------------------------
+    def reserve(self) -> int:
+        if not self.can_reserve():
+            others = [o for o in self._claims.read() if o != self._owner]
+            raise BudgetExceeded(f"NVMe store {self._claims.owners.parent}: all {self.capacity} slots of the "
+                                 f"budget are in use: {len(self._own)} extent(s) by this process, the rest by "
+                                 f"pid(s) {', '.join(self._claims.pids(others)) or 'none'}")
+        return super().reserve()
+
+    def restore(self, slots: list[int]) -> None:
+        """Mark these slots READY (blocks visible at open; no extent is this process's yet)."""
+        if self._slots:
+            raise ValueError("restore needs a pool that has not been used yet")
+        bad = [s for s in slots if not 0 <= s < self.capacity]
+        if bad:
+            raise ValueError(f"slot={bad[0]}: outside 0..{self.capacity - 1}")
+        for slot in slots:
+            self._track(slot, SlotState.READY)
+
+    def add_ready(self, slot: int) -> None:
+        """A block another process wrote in ``slot`` is now visible here."""
+        if self.owns(slot) or slot in self._slots:
+            raise ValueError(f"slot={slot}: is this process's or already in use")
+        self._track(slot, SlotState.READY)
+
+    def claim_extent_of(self, slot: int) -> bool:
+        """Make ``slot``'s extent this process's if nobody holds it; whether it is this process's now."""
+        extent = slot // self._extent
+        if extent in self._own:
+            return True
+        with self._claims.locked():
+            self._look(self._claims.read())
+            if extent not in self._unclaimed:
+                return False
+            self._claims.write(extent, self._owner)
+        self._adopt(extent)
+        return True
+
+    def give_back(self) -> list[int]:
+        """Stop owning every extent (the store is closing); the extents to unclaim."""
+        extents = sorted(self._own)
+        self._own.clear()
+        self._freed.clear()
+        return extents
+
+    # -- internals -------------------------------------------------------
+    def _claim(self) -> bool:
+        """Claim the lowest unclaimed extent with a free slot, reaping dead owners if there is none."""
+        with self._claims.locked():
+            table = self._claims.read()
+            self._look(table)
+            extent = self._pick()
+            if extent is None and time.monotonic() - self._reaped >= REAP_EVERY_S:
+                self._reaped = time.monotonic()
+                self._claims.reap(table, self._owner)
+                self._look(table)
+                extent = self._pick()
+            if extent is None:
+                return False
+            self._claims.write(extent, self._owner)
+        self._adopt(extent)
+        return True
+
+    def _look(self, table: list[int]) -> None:
+        mine = {x for x, owner in enumerate(table) if owner == self._owner}
+        if not self._own <= mine:
+            raise StoreUnusable(f"NVMe store {self._claims.owners.parent}: extents {sorted(self._own - mine)} of "
+                                f"this process were unclaimed by another (was its owner file removed?); "
+                                f"close and reopen the store")
+        self._unclaimed = {x for x in range(self.extents) if x >= len(table) or table[x] == 0}
+
+    def _pick(self) -> int | None:
+        return min((x for x in self._unclaimed if self._records[x] < self._size(x)), default=None)
+
+    def _adopt(self, extent: int) -> None:
+        self._own.add(extent)
+        self._unclaimed.discard(extent)
+        first = extent * self._extent
+        for slot in range(first, first + self._size(extent)):
+            if slot not in self._slots:
+                heapq.heappush(self._freed, slot)
+
+    def _size(self, extent: int) -> int:
+        return min(self._extent, self.capacity - extent * self._extent)
+
+    def _track(self, slot: int, state: SlotState) -> None:
+        super()._track(slot, state)
+        self._records[slot // self._extent] += 1
+
+    def _forget(self, slot: int) -> None:
+        del self._slots[slot]
+        self._records[slot // self._extent] -= 1
+        if self.owns(slot):
+            heapq.heappush(self._freed, slot)
