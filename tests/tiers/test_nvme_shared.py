@@ -1,5 +1,5 @@
-"""One NVMe store, several openers: in this process (flock counts each open as a process) and in real
-processes: each reads what the others wrote, writers never meet in a slot, a
+"""One NVMe store, several openers: in this process (flock counts each open as a process), through the
+manager, and in real processes: each reads what the others wrote, writers never meet in a slot, a
 reader never gets another block's bytes while a writer drops and rewrites, a killed writer's slots
 come back."""
 from __future__ import annotations
@@ -22,7 +22,9 @@ from nvme_worker import key
 
 from tierkv.errors import BudgetExceeded, StoreUnusable
 from tierkv.keys import BlockKey
+from tierkv.manager import TierManager
 from tierkv.tiers import journal, nvme, nvme_share
+from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.journal import RECORD_BYTES, Op
 from tierkv.tiers.nvme import NvmeTier
 
@@ -229,6 +231,23 @@ def test_a_directory_without_permission_is_named(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(nvme_share, "make_private_dir", refused)
     with pytest.raises(StoreUnusable, match="no permission for .*store.*fix its owner or mode"):
         NvmeTier(tmp_path / "store", BB, 8 * BB)
+
+
+async def test_a_manager_finds_blocks_another_process_stored_and_forgets_dropped_ones(tmp_path: Path) -> None:
+    def tiers() -> list:
+        return [CpuTier(BB, 4 * BB), NvmeTier(tmp_path / "store", BB, 64 * BB)]
+
+    blocks = {key("M", i): torch.from_numpy(expected(key("M", i))) for i in range(6)}
+    async with TierManager(tiers()) as first, TierManager(tiers()) as second:
+        for k, data in blocks.items():
+            await first.put(k, data, persist=True)
+        await first.flush()
+        assert second.contains(key("M", 0))   # a miss looks at the store
+        lease = await second.acquire(list(blocks)[1:5], "cpu")
+        assert all(torch.equal(view, blocks[k]) for k, view in zip(lease.keys, lease.views))
+        lease.release()
+        await first.drop([key("M", 5)])
+        assert second.refresh() and not second.contains(key("M", 5))
 
 
 # -- real processes -------------------------------------------------------------------------------

@@ -170,7 +170,15 @@ class TierManager:
 
     def contains(self, key: BlockKey) -> bool:
         entry = self.directory.get(key)
+        if (entry is None or not entry.copies) and self.refresh():
+            entry = self.directory.get(key)
         return entry is not None and bool(entry.copies)
+
+    def refresh(self) -> bool:
+        """Take in blocks other processes stored in (or dropped from) a shared NVMe store; whether
+        anything changed. Called on a lookup that misses; cheap when nothing did."""
+        store = self.store
+        return store is not None and self._residency.refresh_store(store.name)
 
     def where(self, key: BlockKey) -> list[str]:
         return self.directory.tiers_of(key, self.order)
@@ -247,6 +255,8 @@ class TierManager:
         """The caller holds these stored blocks too (a reused prefix, a fork); False, holding none,
         if any is gone."""
         entries = [self.directory.get(k) for k in keys]
+        if any(e is None or not (e.copies or e.arriving) for e in entries) and self.refresh():
+            entries = [self.directory.get(k) for k in keys]
         if any(e is None or not (e.copies or e.arriving) for e in entries):
             return False
         for entry in entries:
@@ -298,6 +308,8 @@ class TierManager:
         not_in_place = self._record_hits(found, layer)
         if not not_in_place:   # all in place: pinned with no await, nothing can evict them meanwhile
             return Lease(tuple(keys), self._residency.pin(keys, found), self.tiers, self._unpin)
+        if any(k not in self.directory for k in keys):
+            self.refresh()   # another process may have stored them
         wanted = [(k, target) for k in keys]
         self.directory.want(wanted)  # blocks in (or arriving into) the target stay there until pinned
         loaded: set[BlockKey] = set()

@@ -96,6 +96,33 @@ class Residency:
             self.admit(name, (key,))
         self.stats[name].peak_slots = tier.pool.used
 
+    def refresh_store(self, name: str) -> bool:
+        """Take in the blocks other processes stored in (or dropped from) the shared store ``name``
+        since the last look; whether anything changed. A block gone there is forgotten here unless a
+        reader holds it (that read fails its checksum); one this process holds or writes itself
+        keeps this process's copy. A second look takes in the blocks written into the slots the
+        first one let go of."""
+        tier, changed = self.tiers[name], False
+        for _ in range(2):   # the second look only if the first let go of slots
+            changes = tier.refresh()
+            for key, slot in changes.removed:
+                entry = self.directory.get(key)
+                if entry is not None and entry.copies.get(name) == slot and not tier.pool.pins(slot):
+                    self.forget_copy(key, name)
+                    self.directory.forget_if_empty(key)
+            for key, slot in changes.added:
+                entry = self.directory.add(key, hold=False)
+                if name in entry.copies or name in entry.arriving:
+                    tier.forget(key, slot)
+                    tier.pool.release(slot)
+                    continue
+                entry.copies[name] = slot
+                self.admit(name, (key,))
+            changed |= bool(changes)
+            if not changes.removed:
+                break
+        return changed
+
     def pin(self, keys: Sequence[BlockKey], places: Sequence[Place],
             fresh: Container[BlockKey] = ()) -> tuple[Place, ...]:
         """Pin every key where ``Directory.find`` found it, and tell the policies of the use

@@ -33,6 +33,7 @@ from tierkv.manager.executor import Finish, Job
 from tierkv.manager.transfer import Transfer
 from tierkv.profile.access_trace import TierSpec
 from tierkv.tiers.base import Medium
+from tierkv.tiers.nvme_view import Changes
 from tierkv.tiers.pool import BlockPool
 from tierkv.tune.tier_model import TierModel
 
@@ -115,6 +116,10 @@ class SimStore:
 
     def drop(self, key: BlockKey) -> None:
         self._index.pop(key, None)
+
+    def refresh(self) -> Changes:
+        """Nothing changes behind a replay's back: no other process shares a simulated store."""
+        return Changes()
 
     def flush(self) -> None:
         pass
