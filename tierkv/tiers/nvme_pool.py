@@ -9,7 +9,8 @@ extent (tierkv.tiers.nvme_share)::
     records    R R . W        R . . R        R . . .        . . . .       R READY, W RESERVED, . none
                own            foreign        foreign        -
     reserve    free own slots only (1 here); with none left, claim the lowest unclaimed extent
-               that has a free slot (2) and adopt it: its blocks become this process's own
+               that has a free slot (2) and adopt it: its blocks become this process's own;
+               at most an equal share of the extents among the processes that have the store open
     release    an own slot becomes free to reuse; a foreign one is only forgotten here
     free       free own slots + free slots of unclaimed extents (1 + 3 + 4 here)
 
@@ -71,9 +72,10 @@ class SharedPool(BlockPool):
     def reserve(self) -> int:
         if not self.can_reserve():
             others = [o for o in self._claims.read() if o != self._owner]
-            raise BudgetExceeded(f"NVMe store {self._claims.owners.parent}: all {self.capacity} slots of the "
-                                 f"budget are in use: {len(self._own)} extent(s) by this process, the rest by "
-                                 f"pid(s) {', '.join(self._claims.pids(others)) or 'none'}")
+            raise BudgetExceeded(f"NVMe store {self._claims.owners.parent}: no free slot for this process: it "
+                                 f"holds {len(self._own)} of {self.extents} extents of slots (at most "
+                                 f"{self._share()} while {self._claims.openers()} processes have the store open), "
+                                 f"others are held by pid(s) {', '.join(self._claims.pids(others)) or 'none'}")
         return super().reserve()
 
     def restore(self, slots: list[int]) -> None:
@@ -99,7 +101,7 @@ class SharedPool(BlockPool):
             return True
         with self._claims.locked():
             self._look(self._claims.read())
-            if extent not in self._unclaimed:
+            if extent not in self._unclaimed or len(self._own) >= self._share():
                 return False
             self._claims.write(extent, self._owner)
         self._adopt(extent)
@@ -139,7 +141,14 @@ class SharedPool(BlockPool):
         self._unclaimed = {x for x in range(self.extents) if x >= len(table) or table[x] == 0}
 
     def _pick(self) -> int | None:
+        """The lowest unclaimed extent with a free slot, while this process holds less than its share."""
+        if len(self._own) >= self._share():
+            return None
         return min((x for x in self._unclaimed if self._records[x] < self._size(x)), default=None)
+
+    def _share(self) -> int:
+        """The extents a process may hold: an equal part among the processes that have the store open."""
+        return -(-self.extents // max(1, self._claims.openers()))
 
     def _adopt(self, extent: int) -> None:
         self._own.add(extent)

@@ -28,7 +28,9 @@ by its checksum, so a slot rewritten under a reader fails, never serves wrong
 bytes. Claims, all under the claims lock:
 
     claim      the lowest unclaimed extent that has a free slot, when the process has no
-               free slot of its own; to drop a block in an unclaimed extent, it claims it first
+               free slot of its own, while it holds less than an equal share of the extents
+               among the processes that have the store open; to drop a block in an unclaimed
+               extent, it claims it first (within the same share)
     adopt      a claimed extent's blocks stay visible: they become the claimer's own
     reap       at open, and when a claim finds nothing: the extents of dead owners become
                unclaimed (their blocks stay) and their owner files are removed
@@ -39,11 +41,14 @@ back at the next open or at the first claim that finds no free extent.
 
 The budget is the store's: ``slots.dat`` never grows past the budget of the
 process that grows it, and each process claims only extents below its own
-budget (give every process the same one). Extents go first come, first served:
-a process keeps what it claimed until it closes, and reuses its own slots
-(its manager evicts its own blocks) once no extent is left. A process that
-finds every extent held by live processes writes nothing to the store: its
-writes there raise BudgetExceeded naming them, while it still reads their blocks.
+budget (give every process the same one). Extents are claimed as they are
+needed, first come, first served, each process up to an equal share among
+those that have the store open at the time (all of it when it is alone). A
+process keeps what it claimed until it closes, and reuses its own slots (its
+manager evicts its own blocks) once it may claim no more. Nothing is taken
+back from a live process: one that opens a store already filled by another
+writes nothing to it until that one closes (its writes there raise
+BudgetExceeded naming the holders), while it reads every block.
 """
 from __future__ import annotations
 
@@ -152,6 +157,10 @@ class Claims:
             if owner in dead:
                 table[extent] = 0
                 self.write(extent, 0)
+
+    def openers(self) -> int:
+        """How many processes have the store open (owner files; a dead one's until it is reaped)."""
+        return len(_owner_ids(self.owners))
 
     def pids(self, owners: Iterable[int]) -> list[str]:
         """The pids the owner files of ``owners`` name (for messages)."""
