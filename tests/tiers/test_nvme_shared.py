@@ -252,6 +252,7 @@ async def test_a_manager_finds_blocks_another_process_stored_and_forgets_dropped
         lease.release()
         await first.drop([key("M", 5)])
         assert second.refresh() and not second.contains(key("M", 5))
+    assert not second.contains(key("M", 5)) and not second.refresh()   # closed: no look at the store
 
 
 # -- real processes -------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ class TierManager:
         """Take in blocks other processes stored in (or dropped from) a shared NVMe store; whether
         anything changed. Called on a lookup that misses; cheap when nothing did."""
         store = self.store
-        return store is not None and self._residency.refresh_store(store.name)
+        return store is not None and self._state == "running" and self._residency.refresh_store(store.name)
 
     def where(self, key: BlockKey) -> list[str]:
         return self.directory.tiers_of(key, self.order)
