@@ -20,7 +20,9 @@ A store is one directory (0700; every file 0600)::
 
 Several processes may have a store open at once: each reads every block, and
 writes only into slots of the extents it claimed (tierkv.tiers.nvme_share), so
-writes never meet. Write order makes a block visible only after its bytes are
+writes never meet. The budget caps the store as a whole: each process claims
+extents as it needs them, up to an equal share among the processes that have
+the store open, and keeps them until it closes (see tierkv.tiers.nvme_share). Write order makes a block visible only after its bytes are
 written: data to ``slots.dat`` first (the I/O workers write while the calling
 thread takes the checksums and encodes the records, see
 tierkv.tiers.nvme_striped), then one batched append of PUT records at the end
@@ -256,8 +258,7 @@ class NvmeTier:
 
     # -- internals -----------------------------------------------------------
     def _recover(self) -> None:
-        """Hide entries the data cannot back; alone with the store, journal that and compact if
-        worthwhile. Then mark the visible slots READY."""
+        """Hide entries the data cannot back (alone: journal it, compact); mark visible slots READY."""
         whole_slots = min(self._capacity, self._data_size // self.block_bytes)
         lost = [(key, entry.slot) for key, entry in self._index.items() if entry.slot >= whole_slots]
         if lost:
@@ -281,9 +282,8 @@ class NvmeTier:
             log.warning("%s: could not compact or update the journal: %s", self.directory, exc)
 
     def _grow_to(self, end: int) -> None:
-        """Make slots.dat at least ``end`` bytes long. One process grows it at a time (under the
-        claims lock), from its real size: another may have grown it, and only a failed growth
-        of this one is ever cut back."""
+        """Make slots.dat at least ``end`` bytes long. One process at a time (under the claims lock)
+        grows it from its real size, which another may have grown: only a failed growth is cut back."""
         if end <= self._data_size:
             return
         with self._share.claims.locked():
