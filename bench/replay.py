@@ -189,10 +189,10 @@ def add_ratios(report: Report, runs: list[Measured], predictions: list[ReplayRes
                                         [(p.moved_bytes, p.stall_s) for p in predictions])
     report.add_ratio("bytes_prediction_error" + suffix, round(bytes_err, 4), TARGETS["bytes_prediction_error"],
                      "worst |replayed / measured - 1| of bytes moved between tiers over the policies "
-                     f"(lower is better: the target is a ceiling){how}")
+                     f"(lower is better: the target is a ceiling){how}", ceiling=True)
     report.add_ratio("stall_prediction_error" + suffix, round(stall_err, 4), TARGETS["stall_prediction_error"],
                      "worst |modelled / measured - 1| of stall (time acquire waited) over the policies "
-                     f"(lower is better: the target is a ceiling){how}")
+                     f"(lower is better: the target is a ceiling){how}", ceiling=True)
     report.add_ratio("ranking_agreement" + suffix, round(agreement, 3), TARGETS["ranking_agreement"],
                      f"share of policy pairs ranked alike by (bytes moved, then stall), replayed vs measured; "
                      f"{ties} pair(s) tied in the measurement (bytes within {TIES[0]:.0%}, stall within "

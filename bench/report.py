@@ -92,11 +92,14 @@ class Ratio:
     value: float
     target: float | None
     meaning: str
+    ceiling: bool = False     # the target is a most (an error, an overhead, a share of time waited)
 
     @property
     def verdict(self) -> str:
         if self.target is None:
             return "info"
+        if self.ceiling:
+            return "ok" if self.value <= self.target else "ABOVE"
         return "ok" if self.value >= self.target else "BELOW"
 
 
@@ -115,8 +118,9 @@ class Report:
         self.rows.append(row)
         return row
 
-    def add_ratio(self, name: str, value: float, target: float | None, meaning: str) -> Ratio:
-        ratio = Ratio(name, value, target, meaning)
+    def add_ratio(self, name: str, value: float, target: float | None, meaning: str, *,
+                  ceiling: bool = False) -> Ratio:
+        ratio = Ratio(name, value, target, meaning, ceiling)
         self.ratios.append(ratio)
         return ratio
 

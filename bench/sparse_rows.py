@@ -45,8 +45,7 @@ from report import Report
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager
-from tierkv.model.generate import open_sparse
-from tierkv.model.settings import RunConfig
+from tierkv.session.prefill import shelf_of, sparse_state
 from tierkv.model.loading import LoadedModel
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sparse_engine import SparseEngine
@@ -60,10 +59,6 @@ PAGE_DTYPE = "bfloat16"
 DEPTH = 0.3            # the same prompt as bench/scale.py's first 128K depth: one prefill serves both
 
 
-def run_config(ctx: int, store: Path) -> RunConfig:
-    return RunConfig.of(synthetic_tokens=ctx, depth=DEPTH, nvme_dir=store, mode="sparse")
-
-
 class SparseDecoder:
     def __init__(self, loaded: LoadedModel, ids: list[int], store: Path, *, gpu: int, cpu: int,
                  prefetch: str, warm: bool, attend: str = "pages", fill: bool = False, overlap: bool = False) -> None:
@@ -75,7 +70,8 @@ class SparseDecoder:
         tiers = TierConfig(block_bytes=layout.block_bytes, gpu=gpu, cpu=cpu, nvme_dir=store / layout.name)
         self.manager = BlockingTierManager.from_config(tiers, namespace=layout.name, recorder=self.recorder)
         self.engine = SparseEngine(loaded, self.manager, cfg)
-        self.seq, reused = open_sparse(self.engine, ids, run_config(len(ids), store), lambda n: None)
+        opened = sparse_state(self.engine, ids[:-1], shelf_of(self.engine, store))
+        self.seq, reused = opened.state.seq, opened.reused
         if not reused:
             raise RuntimeError("the sparse index was not found in the store: run the prefill first")
         if warm:    # every page read into the gpu tier before timing starts
@@ -132,7 +128,7 @@ def dynamic_from_store(loaded: LoadedModel, ids: list[int], store: Path) -> Dyna
     cache = DynamicCache(config=loaded.model.config)
     with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager, torch.inference_mode():
         engine = SparseEngine(loaded, manager, cfg)
-        seq, _ = open_sparse(engine, ids, run_config(len(ids), store), lambda n: None)
+        seq = sparse_state(engine, ids[:-1], shelf_of(engine, store)).state.seq
         for layer in range(len(engine.layers)):
             chunks = seq.index(layer).candidates.nonzero().flatten().expand(layout.num_kv_heads, -1)
             k_mid, v_mid, _ = seq.gather(layer, chunks)           # every chunk: candidates + outliers
@@ -154,7 +150,8 @@ def ensure_prefilled(loaded: LoadedModel, ids: list[int], store: Path) -> float:
     start = time.perf_counter()
     with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager:
         engine = SparseEngine(loaded, manager, cfg)
-        seq, reused = open_sparse(engine, ids, run_config(len(ids), store), lambda n: None)
+        opened = sparse_state(engine, ids[:-1], shelf_of(engine, store))
+        seq, reused = opened.state.seq, opened.reused
         manager.flush()
         seq.release(keep=True)
     return 0.0 if reused else time.perf_counter() - start

@@ -10,7 +10,7 @@ second one loads the stored index and starts decoding at once.
 import tempfile
 import time
 
-from tierkv.model.generate import run
+from tierkv.session.run import run
 from tierkv.model.settings import RunConfig
 from tierkv.model.loading import load_model
 

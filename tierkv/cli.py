@@ -30,6 +30,8 @@ from tierkv.flags import add_flags, build, given, given_flags, nest
 from tierkv.profile.command import add_profile
 from tierkv.tune.tune import add_tune
 from tierkv.schedule.command import add_batch
+from tierkv.serve.command import add_serve
+from tierkv.session.chat import add_chat
 
 
 class UsageError(TierKVError):
@@ -160,7 +162,7 @@ def run_config(args: argparse.Namespace):
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from tierkv.model.generate import run
+    from tierkv.session.run import run
     config, sparse_given = run_config(args)
     bars: list[tqdm] = []
 
@@ -175,8 +177,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.json:
             print(piece, end="", flush=True)
 
+    def on_question(i: int, question: str) -> None:
+        if not args.json and len(config.prompt.questions) > 1:
+            print(f"{chr(10) if i else ''}[{i + 1}] {question}", flush=True)
+
     try:
-        result = run(config, on_text=on_text, on_prefill=on_prefill)
+        result = run(config, on_text=on_text, on_prefill=on_prefill, on_question=on_question)
     finally:
         for bar in bars:
             bar.close()
@@ -193,7 +199,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _print_run_summary(r, config) -> None:
     print(f"\nprompt {r.prompt_tokens} tokens (KV {format_size(r.kv_bytes)}), reused {r.reused_prompt_tokens}; "
-          f"prefill {r.prefill_s:.1f} s, first token after {r.ttft_s:.1f} s")
+          f"document read in {r.prefill_s:.1f} s, first token after {r.ttft_s:.1f} s")
+    for i, a in enumerate(r.answers[1:], 2):
+        print(f"question {i}: prompt {a['prompt_tokens']} tokens, reused {a['reused_prompt_tokens']}, "
+              f"first token after {a['ttft_s']:.2f} s")
     print(f"decode {r.generated_tokens} tokens at {r.decode_tokens_per_s:.2f} tok/s, "
           f"stall {100 * r.stall_fraction:.1f} % of decode time")
     if r.mode == "sparse":
@@ -226,7 +235,8 @@ def _print_sparse_summary(s: dict) -> None:
               f"(an approximation; --dense-prefill-tokens N prefills more exactly, at quadratic cost)")
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run, add_profile, add_tune, add_batch]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run, add_chat, add_serve, add_profile,
+                                                                add_tune, add_batch]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ TIERKV_CACHE_DIR           ~/.cache/tierkv  converted models (GGUF -> safetensor
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field, fields
 
 from tierkv.errors import ConfigError
@@ -62,3 +63,9 @@ class IOKnobs:
             inflight_bytes=parse_size(env.get("TIERKV_INFLIGHT_BYTES", defaults["inflight_bytes"]),
                                       "TIERKV_INFLIGHT_BYTES"),
         )
+
+
+def cache_dir() -> Path:
+    """Where tierkv keeps what it can rebuild: converted models, probe and calibration results,
+    chat history (``TIERKV_CACHE_DIR``, default ~/.cache/tierkv)."""
+    return Path(os.environ.get("TIERKV_CACHE_DIR") or Path.home() / ".cache" / "tierkv").expanduser()

@@ -44,7 +44,7 @@ def write_gguf_header(path: Path, architecture: str) -> Path:
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv(loading.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 

@@ -106,7 +106,7 @@ def test_a_prefetcher_changes_what_loads_not_the_logits(prefetch):
 
 @pytest.mark.model
 def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tmp_path):
-    from tierkv.model.generate import run
+    from tierkv.session.run import run
     from tierkv.model.settings import RunConfig
     config = RunConfig.of(synthetic_tokens=1200, max_new_tokens=6, mode="sparse", sparse_budget=256,
                        gpu_budget="4MiB", cpu_budget="8MiB", nvme_dir=tmp_path, page_dtype="bfloat16")

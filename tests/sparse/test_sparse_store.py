@@ -5,7 +5,7 @@ from tierkv.config import TierConfig
 from tierkv.manager import BlockingTierManager
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.sparse import SparseConfig
-from tierkv.sparse.store import index_id, index_path, load_index, save_index
+from tierkv.sparse.store import Shelf, identity_key, index_id, load_index, save_index
 
 CFG = SparseConfig(budget=64, sink_tokens=8, window_tokens=32, page_tokens=16, outlier_fraction=0.05,
                    positions="original", dense_prefill_tokens=128)
@@ -22,11 +22,11 @@ def prefilled(lm, root):
     """Prefill IDS[:-1] into a store under ``root``; returns (index file, logits of the next step)."""
     with manager(lm, root) as mgr:
         engine = SparseEngine(lm, mgr, CFG, chunk_tokens=64)
-        key = index_id(lm.model_id, engine.layout, engine.resolved(len(IDS)), engine.needs, IDS[:-1])
+        shelf = Shelf(root / "indexes", identity_key(lm.model_id, engine.layout, CFG, engine.needs))
+        key, path = shelf.key(IDS[:-1]), shelf.path(IDS[:-1])
         seq = engine.new_sequence(len(IDS), root=key, persist=True)
         engine.prefill(seq, IDS[:-1])
         mgr.flush()
-        path = index_path(root / "indexes", key)
         save_index(seq, path)
         logits = engine.decode(seq, IDS[-1])
         seq.release(keep=True)
@@ -93,18 +93,18 @@ class Stop(Exception):
 def run_open(lm, root, *, stop_after=None, checkpoint_s=1e-9):
     """open_sparse on IDS with the store under ``root`` (a checkpoint after every chunk); with
     ``stop_after``, the run is stopped once that many tokens are prefilled. Returns (reused, logits)."""
-    from tierkv.model.generate import open_sparse
-    from tierkv.model.settings import RunConfig
+    from tierkv.session.prefill import shelf_of, sparse_state
     done = [0]
 
     def progress(n):
         done[0] += n
         if stop_after is not None and done[0] >= stop_after:
             raise Stop
-    config = RunConfig.of(synthetic_tokens=len(IDS), nvme_dir=root, checkpoint_every=checkpoint_s)
     with manager(lm, root) as mgr:
         engine = SparseEngine(lm, mgr, CFG, chunk_tokens=64)
-        seq, reused = open_sparse(engine, IDS, config, progress)
+        opened = sparse_state(engine, IDS[:-1], shelf_of(engine, root), checkpoint_every=checkpoint_s,
+                              progress=progress)
+        seq, reused = opened.state.seq, max(opened.reused, opened.resumed)
         logits = engine.decode(seq, IDS[-1])
         seq.release(keep=True)
     return reused, logits
@@ -187,13 +187,13 @@ def test_a_failed_load_leaves_the_sequence_untouched(tiny_loaded, tmp_path):
 
 def test_a_stored_prefill_keeps_its_name_across_releases():
     """A new setting must not rename every stored index (a 1M-token prefill takes hours): the name
-    below was computed when the name came to list the settings that shape an index explicitly
-    (``INDEX_FIELDS``). Change it only on purpose."""
+    below was computed when an index came to be named by the tokens it covers, under the settings
+    that shape it (``INDEX_FIELDS``, as given: resolving them depends on the tokens only). Change
+    it only on purpose."""
     from tierkv.layout import BlockLayout
     layout = BlockLayout.page(32, 3, 64, 192, torch.bfloat16)
-    resolved = SparseConfig(page_tokens=32).resolve(prompt_tokens=1000, trained_tokens=8192)
     ids = list(range(999))
-    key = index_id("smollm2", layout, resolved, frozenset({"landmarks"}), ids)
-    assert key.hex() == "227433018fa57448e74207ae1d759be0"
-    wider = SparseConfig(page_tokens=32, layer_budgets="0:6144").resolve(prompt_tokens=1000, trained_tokens=8192)
+    key = index_id("smollm2", layout, SparseConfig(page_tokens=32), frozenset({"landmarks"}), ids)
+    assert key.hex() == "ed535171e7be1d68f24ff66e5ecf7047"
+    wider = SparseConfig(page_tokens=32, layer_budgets="0:6144")
     assert index_id("smollm2", layout, wider, frozenset({"landmarks"}), ids) == key   # decode-only setting

@@ -226,6 +226,10 @@ class BlockingTierManager:
     def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` run on the loop thread (a consistent look at the manager's state)."""
+        return self._call(fn, *args)
+
     def _call(self, fn: Any, *args: Any) -> Any:
         async def call() -> Any:
             return fn(*args)

@@ -17,15 +17,16 @@ pre-RoPE keys that sparse selection needs are recovered exactly with
 ``tierkv.ops.rope.unrope`` from the block's positions.
 
 Prefill once, decode many: blocks are content addresses of the token prefix,
-so a later run over the same document finds them in the NVMe store and
-starts at the last whole chunk they cover (a resumed run then computes
-exactly the chunks a clean run computes). A block that is lost or fails its
+so a later run over the same document finds them in the NVMe store (or a
+sequence of the same process in its memory tiers) and starts after the last
+whole block they cover. A block that is lost or fails its
 checksum is never served: the loop rewinds to the chunk that produced it and
 recomputes from there.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,10 +83,13 @@ class Engine:
                                config.block_tokens)
         self.prefetch = make_prefetch(config.prefetch)
         self.scores = manager.wants_scores   # a policy ranks blocks by attention (h2o): report it
+        # reuse=False: blocks of earlier runs are not found (another root), those of this engine's
+        # own sequences are (a reused document, a fork)
+        self._salt = "" if config.reuse else "/" + os.urandom(8).hex()
 
     def new_sequence(self) -> TieredSequence:
         persist = self.manager.manager.store is not None
-        seq = TieredSequence(self.manager, self.layout, model_id=self.loaded.model_id, persist=persist)
+        seq = TieredSequence(self.manager, self.layout, model_id=self.loaded.model_id + self._salt, persist=persist)
         seq.read_tier = "gpu" if has_cuda() else None
         return seq
 
@@ -97,25 +101,24 @@ class Engine:
         if not ids:
             raise ValueError("the prompt is empty")
         seq.add_tokens(ids)
-        reused = self._reuse(seq, len(ids)) if self.config.reuse else 0
+        reused = self._reuse(seq, len(ids))
         if progress and reused:
             progress(reused)
         return self._extend(seq, reused, progress), reused
 
     def _reuse(self, seq: TieredSequence, n_prompt: int) -> int:
-        """Adopt stored blocks of the longest stored prefix, cut to a whole chunk; returns its tokens."""
-        T, C = self.config.block_tokens, self.config.chunk_tokens
-        usable = (n_prompt - 1) // C * C // T     # at least one token is left to compute
+        """Adopt the stored blocks of the longest stored prefix; returns its tokens. The rest is
+        computed from there on the usual chunk grid (the first chunk ends at the next multiple of
+        chunk_tokens), so a reused prompt computes the tokens a fresh one would, in the same chunks
+        past that point."""
+        usable = (n_prompt - 1) // self.config.block_tokens     # at least one token is left to compute
         found = 0
         while found < usable and self.manager.protect(self._layer_keys(seq, found)):
             found += 1
-        whole = found * T // C * C // T
-        for index in range(whole, found):          # found, but past the last whole chunk
-            self.manager.unprotect(self._layer_keys(seq, index))
-        for index in range(whole):
+        for index in range(found):
             for layer, key in enumerate(self._layer_keys(seq, index)):
                 seq.adopt(layer, key)
-        return whole * T
+        return found * self.config.block_tokens
 
     def _layer_keys(self, seq: TieredSequence, index: int) -> list:
         return [seq.block_key(layer, index) for layer in range(self.layout.num_layers)]
@@ -150,6 +153,14 @@ class Engine:
         seq.truncate(boundary // T)
         seq.add_tokens(ids[boundary:])
         return boundary
+
+    @torch.inference_mode()
+    def extend(self, seq: TieredSequence, ids: Sequence[int], progress: Callable[[int], None] | None = None
+               ) -> Tensor:
+        """Compute ``ids`` after what ``seq`` holds; returns the logits [vocab] that follow them."""
+        start = len(seq.token_ids)
+        seq.add_tokens(ids)
+        return self._extend(seq, start, progress)
 
     # -- decode ----------------------------------------------------------------
     @torch.inference_mode()

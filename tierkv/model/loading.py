@@ -34,12 +34,12 @@ from typing import Any, BinaryIO
 import torch
 import xxhash
 
+from tierkv.knobs import cache_dir
 from tierkv.errors import ConfigError
 from tierkv.model.arch import ModelSpec, check_architecture, model_spec
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "TIERKV_CACHE_DIR"
 MANIFEST = "manifest.json"
 _HASH_CHUNK = 16 * 1024**2
 
@@ -125,7 +125,7 @@ def _file_digest(path: str, size: int, mtime_ns: int) -> str:
 # --- GGUF conversion cache ----------------------------------------------------------------------
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tierkv").expanduser()
+    return cache_dir()
 
 
 def cached_gguf(gguf: Path, digest: str) -> Path:

@@ -1,4 +1,4 @@
-"""Prompts for ``tierkv run``: a document with a question, or a synthetic passkey haystack.
+"""Prompts: a document and questions in the model's chat template, or a synthetic passkey haystack.
 
 The synthetic haystack is the classic one: a repeated filler, a passkey
 planted at a chosen depth, and a plain completion prompt. SmolLM2 at ~6K
@@ -65,8 +65,8 @@ def _real_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
-def document_prompt(tokenizer, path: Path, question: str | None = None) -> Prompt:
-    """A document and a question, chat-formatted with the model's template (question last)."""
+def read_document(path: Path) -> str:
+    """A text file's content; an error a user can fix names the file and the problem."""
     try:
         text = Path(path).read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
@@ -75,13 +75,14 @@ def document_prompt(tokenizer, path: Path, question: str | None = None) -> Promp
         raise ConfigError(f"--doc {path}: is a directory; give a text file") from None
     if not text.strip():
         raise ConfigError(f"--doc {path}: the file is empty")
-    return Prompt(chat_ids(tokenizer, [{"role": "user", "content": f"{text}\n\n{question or DEFAULT_QUESTION}"}]))
+    return text
 
 
-def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of ``messages`` in the model's chat template, ready for the assistant's turn (plain
-    text, the messages' contents joined, for a tokenizer without a template)."""
+def chat_ids(tokenizer, messages: list[dict[str, str]], *, generation: bool = True) -> list[int]:
+    """Token ids of ``messages`` in the model's chat template (``generation``: ready for the
+    assistant's turn); for a tokenizer without a template, the contents joined as plain text."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return list(tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"])
+    text = "\n\n".join(m["content"] for m in messages) + ("\n\n" if generation and messages else "")
+    return list(tokenizer(text)["input_ids"]) if text else []

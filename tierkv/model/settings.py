@@ -8,6 +8,8 @@ settings class whose fields are also the command line's flags (``tierkv.flags``)
       sparse  SparseConfig       sparse mode (tierkv.sparse.config)
       output  OutputSettings     tokens to generate, traces
 
+    SessionConfig: tiers, engine, sparse (what ``tierkv serve`` and ``tierkv chat`` take)
+
 ``RunConfig.of(**flat)`` builds one from flag names (``RunConfig.of(synthetic_tokens=4096,
 gpu_budget="64MiB", sparse_budget="2%")``); every default is the field's.
 """
@@ -38,7 +40,9 @@ class PromptSettings:
                                    exclusive="source")
     synthetic_tokens: int | None = setting(None, "a reproducible N-token haystack with a planted passkey, and "
                                                  "ask for it", metavar="N", exclusive="source")
-    question: str | None = setting(None, "question asked after --doc (default: summarize)", metavar="TEXT")
+    questions: tuple[str, ...] = setting(help="a question about --doc; repeat it to ask several, each after the "
+                                              "first reusing the document (default: summarize)", flag="--question",
+                                         metavar="TEXT", factory=tuple)
     depth: float = setting(0.5, "passkey depth in [0, 1]")
     seed: int = setting(0, "passkey seed")
     filler: str = setting("repeat", "haystack filler", choices=FILLERS)
@@ -134,28 +138,45 @@ class OutputSettings:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
 
 
+class _Flat:
+    """Built from values named as the command line's flags (``gpu_budget=...``, ``sparse_budget=...``)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, **flat: Any) -> Any:
+        return build(cls, _nested(cls, flat))
+
+    def updated(self, **flat: Any) -> Any:
+        """This config with the values named as the flags changed."""
+        return replace(self, **{group: replace(getattr(self, group), **values)
+                                for group, values in _nested(type(self), flat).items()})
+
+
 @dataclass(frozen=True, slots=True)
-class RunConfig:
+class SessionConfig(_Flat):
+    """What a session (``tierkv.session``) runs with: the tiers, the engine, sparse mode."""
+
+    tiers: TierSettings = setting(title="tiers", factory=TierSettings)
+    engine: EngineSettings = setting(title="engine", factory=EngineSettings)
+    sparse: SparseConfig = setting(title="sparse mode", factory=SparseConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig(_Flat):
     prompt: PromptSettings = setting(title="input", factory=lambda: PromptSettings(synthetic_tokens=4096))
     tiers: TierSettings = setting(title="tiers", factory=TierSettings)
     engine: EngineSettings = setting(title="engine", factory=EngineSettings)
     sparse: SparseConfig = setting(title="sparse mode", factory=SparseConfig)
     output: OutputSettings = setting(title="output", factory=OutputSettings)
 
-    @classmethod
-    def of(cls, **flat: Any) -> RunConfig:
-        """A config from values named as the flags are (``synthetic_tokens=...``, ``sparse_budget=...``)."""
-        return build(cls, _nested(flat))
-
-    def updated(self, **flat: Any) -> RunConfig:
-        """This config with the values named as the flags are changed."""
-        return replace(self, **{group: replace(getattr(self, group), **values)
-                                for group, values in _nested(flat).items()})
+    def session(self) -> SessionConfig:
+        return SessionConfig(self.tiers, self.engine, self.sparse)
 
 
-def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+def _nested(cls: type, flat: dict[str, Any]) -> dict[str, Any]:
     try:
-        return nest(RunConfig, flat)
+        return nest(cls, flat)
     except KeyError as unknown:
         raise ConfigError(f"unknown settings: {unknown.args[0]}; allowed: the names of tierkv run's flags, "
                           "like gpu_budget or sparse_budget") from None

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from tierkv.device import ALIGN, has_cuda
+from tierkv.knobs import cache_dir
 
 VERSION = 1
-CACHE_ENV = "TIERKV_CACHE_DIR"
 CACHE_FILE = "probe.json"
 SMALL = ALIGN   # the request whose latency is measured
 
@@ -81,9 +81,8 @@ def measure_links(nvme_dir: Path | None, *, quick: bool = True) -> dict[str, obj
             "nvme_dir": None if nvme_dir is None else str(nvme_dir), "links": links}
 
 
-def cache_path(cache_dir: Path | None = None) -> Path:
-    root = cache_dir or Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tierkv")
-    return Path(root).expanduser() / CACHE_FILE
+def cache_path(root: Path | None = None) -> Path:
+    return Path(root or cache_dir()).expanduser() / CACHE_FILE
 
 
 def link_lines(result: dict[str, object]) -> list[str]:

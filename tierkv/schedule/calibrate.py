@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tierkv.knobs import cache_dir
 from tierkv.model import arch
 from tierkv.schedule import quant
 from tierkv.schedule.compute import GpuBatch, attend, keep_mask, layer_forward
 from tierkv.schedule.cost import Machine, ModelShape
 from tierkv.schedule.policy import WEIGHT_DTYPES
 
-CACHE_ENV = "TIERKV_CACHE_DIR"
 CACHE_FILE = "batch-calibration.json"
 VERSION = 4   # 2: attention timed directly, prefill priced over the full query x key product; 3: convert;
 #               4: medians, not minima
@@ -174,9 +174,8 @@ def _interpolate(table: list) -> Callable[[int], float]:
 
 
 # -- the cache ------------------------------------------------------------------
-def cache_path(cache_dir: Path | None = None) -> Path:
-    root = cache_dir or Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tierkv")
-    return Path(root).expanduser() / CACHE_FILE
+def cache_path(root: Path | None = None) -> Path:
+    return Path(root or cache_dir()).expanduser() / CACHE_FILE
 
 
 def _read(path: Path) -> dict:

@@ -36,11 +36,24 @@ class _Growing:
         shape = list(tail)
         shape.insert(axis, 64)
         self.data, self.axis, self.n = torch.empty(shape, dtype=dtype), axis, 0
+        self.owned = True          # False: ``data`` is shared with a fork; copied before a write
+
+    def fork(self) -> _Growing:
+        """A branch sharing this storage; whichever of the two writes next copies it first."""
+        twin = object.__new__(_Growing)
+        twin.data, twin.axis, twin.n = self.data, self.axis, self.n
+        self.owned = twin.owned = False
+        return twin
+
+    def own(self) -> None:
+        """Make ``data`` this branch's own before writing into it."""
+        if not self.owned:
+            self.resize(self.capacity)
 
     def extend(self, rows: Tensor) -> None:
         need = self.n + rows.shape[0]
-        if need > self.capacity:
-            self.resize(max(need, self.capacity * 5 // 4))
+        if need > self.capacity or not self.owned:
+            self.resize(max(need, self.capacity * 5 // 4 if need > self.capacity else self.capacity))
         self.data.narrow(self.axis, self.n, rows.shape[0]).copy_(rows.movedim(0, self.axis))
         self.n = need
 
@@ -52,13 +65,14 @@ class _Growing:
             raise ValueError(f"rows of shape {tuple(data.shape)} do not fit storage {tuple(self.data.shape)} "
                              f"(rows along dimension {self.axis})")
         self.data, self.n = data.to(self.data.dtype).contiguous(), data.shape[self.axis]
+        self.owned = True
 
     def resize(self, rows: int) -> None:
         shape = list(self.data.shape)
         shape[self.axis] = max(rows, self.n)
         grown = torch.empty(shape, dtype=self.data.dtype)
         grown.narrow(self.axis, 0, self.n).copy_(self.data.narrow(self.axis, 0, self.n))
-        self.data = grown
+        self.data, self.owned = grown, True
 
     @property
     def capacity(self) -> int:
@@ -87,9 +101,21 @@ class ChunkIndex:
         self.outliers: dict[int, tuple[float, Tensor, Tensor]] = {}   # chunk -> (score, k_pre, v)
         self._exact: tuple[Tensor, Tensor, Tensor] | None = None
 
+    def fork(self) -> ChunkIndex:
+        """A branch of this index: summaries shared until either side grows them, outliers its own."""
+        twin = object.__new__(ChunkIndex)
+        twin.layer, twin.chunk_tokens = self.layer, self.chunk_tokens
+        for name in ("_landmarks", "_lo", "_hi", "_candidates"):
+            grow = getattr(self, name)
+            setattr(twin, name, None if grow is None else grow.fork())
+        twin.outliers, twin._exact = dict(self.outliers), self._exact
+        return twin
+
     def reserve(self, chunks: int) -> None:
+        """Room for ``chunks`` (a long prompt's, known up front); a branch's shared summaries are left
+        as they are: they are copied, with room to grow, when the branch first extends them."""
         for grow in (self._landmarks, self._lo, self._hi, self._candidates):
-            if grow is not None and grow.capacity < chunks:
+            if grow is not None and grow.owned and grow.capacity < chunks:
                 grow.resize(chunks)
 
     # -- the ChunkView a selector reads ------------------------------------------
@@ -135,6 +161,7 @@ class ChunkIndex:
         old = list(self.outliers)
         pool = torch.cat([torch.tensor([self.outliers[i][0] for i in old]), scores])
         keep = set(pool.topk(min(target, pool.numel()), largest=False).indices.tolist())
+        self._candidates.own()
         for rank, chunk in enumerate(old):
             if rank not in keep:
                 del self.outliers[chunk]

@@ -42,6 +42,12 @@ class KeyBasis:
         self.basis = top.T.contiguous().float()
         return self.basis
 
+    def copy(self) -> KeyBasis:
+        twin = KeyBasis(self.gram.shape[0])
+        twin.gram.copy_(self.gram)
+        twin.basis, twin.energy_kept = self.basis, self.energy_kept
+        return twin
+
     @property
     def rank(self) -> int:
         return 0 if self.basis is None else self.basis.shape[0]

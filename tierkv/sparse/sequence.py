@@ -24,56 +24,25 @@ brings the rest (``SparseConfig.overlap``).
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from tierkv.errors import BlockMissing
 from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager
 from tierkv.manager.blocking import Gathering
 from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
-from tierkv.sparse.lowrank import KeyBasis, project, reconstruct
+from tierkv.sparse.layer_state import LayerState
+from tierkv.sparse.lowrank import project, reconstruct
 from tierkv.sparse.plan import StepPlan
 from tierkv.layout import BlockLayout
-
-class _Fifo:
-    """Rows [t, Hkv, D] appended at the back, taken from the front."""
-
-    def __init__(self, shape: tuple[int, int], dtype: torch.dtype) -> None:
-        self.data = torch.empty(1024, *shape, dtype=dtype)
-        self.head = self.tail = 0
-
-    def __len__(self) -> int:
-        return self.tail - self.head
-
-    def push(self, rows: Tensor) -> None:
-        if self.tail + rows.shape[0] > self.data.shape[0]:
-            live = self.data[self.head:self.tail]
-            size = max(self.data.shape[0], 2 * (len(self) + rows.shape[0]))
-            self.data = torch.cat([live, torch.empty(size - len(live), *self.data.shape[1:],
-                                                     dtype=self.data.dtype)])
-            self.head, self.tail = 0, len(live)
-        self.data[self.tail:self.tail + rows.shape[0]] = rows
-        self.tail += rows.shape[0]
-
-    def pop(self, n: int) -> Tensor:
-        rows = self.data[self.head:self.head + n].clone()
-        self.head += n
-        if self.head > self.data.shape[0] // 2:   # give back what the taken front held
-            live = self.data[self.head:self.tail]
-            self.data = torch.cat([live, torch.empty(max(1024, len(live)), *self.data.shape[1:],
-                                                     dtype=self.data.dtype)])
-            self.head, self.tail = 0, len(live)
-        return rows
-
-    def rows(self) -> Tensor:
-        return self.data[self.head:self.tail]
-
 
 class Loading:
     """The chunk tokens of a ``gather_split`` whose pages were still loading when it returned::
@@ -126,29 +95,6 @@ class _Read:
     loading: Tensor | None = None      # [pages] bool: still loading into raw
 
 
-class _Layer:
-    def __init__(self, layer: int, config: SparseConfig, layout: BlockLayout, needs: frozenset[str],
-                 dtype: torch.dtype) -> None:
-        H, D = layout.num_kv_heads, layout.head_dim
-        self.sink_k, self.sink_v = torch.empty(0, H, D, dtype=dtype), torch.empty(0, H, D, dtype=dtype)
-        self.win_k, self.win_v = _Fifo((H, D), dtype), _Fifo((H, D), dtype)
-        self.basis = KeyBasis(H * D)
-        # summaries in the pages' dtype (landmarks of 1M tokens: 1.5 GiB in bf16), scored in float32
-        self.index = ChunkIndex(layer, H, D, chunk_tokens=config.chunk_tokens, needs=needs, dtype=layout.dtype)
-        self.pages: list[BlockKey] = []
-        self.previous = torch.empty(0, dtype=torch.long)   # pages read by the last step
-        self.length = 0
-        self._head_basis: Tensor | None = None
-
-    def head_basis(self) -> Tensor:
-        """The basis split per KV head: [Hkv, r, D] (keys of head h = A @ B[:, h*D:(h+1)*D])."""
-        if self._head_basis is None:
-            basis = self.basis.basis                                   # [r, Hkv*D]
-            heads = self.sink_k.shape[1]
-            self._head_basis = basis.view(basis.shape[0], heads, -1).transpose(0, 1).contiguous()
-        return self._head_basis
-
-
 class SparseSequence:
     def __init__(self, manager: BlockingTierManager, config: SparseConfig, layout: BlockLayout, *,
                  num_layers: int, dtype: torch.dtype, needs: frozenset[str], plan: StepPlan | None = None,
@@ -167,10 +113,29 @@ class SparseSequence:
         self.allocation = Allocation()           # decode budgets per layer (tierkv.sparse.allocation)
         self.resumed_tokens = 0                  # prompt tokens a stopped prefill had saved
         self.prefill_s = 0.0                     # seconds of prefill behind the state, all runs
+        self.document_tokens = 0                 # tokens of the stored prefix state this one started from
 
-    def new_layer(self, layer: int) -> _Layer:
+    def fork(self) -> SparseSequence:
+        """A branch of the same tokens: it holds every page too (a stored document stays whole while
+        its branches come and go), shares what never changes, and keys the pages it seals under a
+        private root, so two branches never see each other's tokens (``LayerState.fork``)."""
+        if not self.manager.protect(self.all_pages()):
+            raise BlockMissing("a page of the sequence to fork is no longer stored")
+        twin = copy.copy(self)
+        twin.layers = [state.fork() for state in self.layers]
+        twin.root, twin.persist = BlockKey.of("private-sparse", os.urandom(16)), False
+        twin.stats, twin.chosen = ReadStats(), dict(self.chosen)
+        twin.allocation = replace(self.allocation, shares=dict(self.allocation.shares), curves={}, uniform={})
+        return twin
+
+    def detach(self) -> None:
+        """From now on the pages this sequence seals are its own (a private root, not stored for reuse):
+        it goes past the state it was loaded or prefilled as."""
+        self.root, self.persist = BlockKey.of("private-sparse", os.urandom(16)), False
+
+    def new_layer(self, layer: int) -> LayerState:
         """An empty state for ``layer`` (a stored index is read into fresh ones, then swapped in)."""
-        return _Layer(layer, self.config, self.layout, *self._layer_args)
+        return LayerState(layer, self.config, self.layout, *self._layer_args)
 
     # -- regions ------------------------------------------------------------------
     def length(self, layer: int) -> int:
@@ -378,7 +343,7 @@ class SparseSequence:
             raise
         return _Read(k_sel, v_sel, rows, raw, gathering, loading)
 
-    def _rebuild(self, state: _Layer, chunks: Tensor, pages: Tensor, raw: Tensor,
+    def _rebuild(self, state: LayerState, chunks: Tensor, pages: Tensor, raw: Tensor,
                  shared: bool) -> tuple[Tensor, Tensor, Tensor]:
         """Keys and values [Hkv, k*c, D] of ``chunks`` from their pages in ``raw`` (a page still
         loading is zeros there, and so are its tokens' keys), and each token's row [Hkv, k*c]."""
@@ -395,7 +360,7 @@ class SparseSequence:
         v_sel = values[page, tok, torch.arange(H).unsqueeze(1)].float()         # [Hkv, k*c, D]
         return k_sel, v_sel, rows
 
-    def _count(self, state: _Layer, pages: Tensor) -> None:
+    def _count(self, state: LayerState, pages: Tensor) -> None:
         self.stats.steps += 1
         self.stats.pages += pages.numel()
         self.stats.reused += int(torch.isin(pages, state.previous).sum())

@@ -2,13 +2,15 @@
 
 Pages go to the NVMe store like any block; what lives in memory (per layer:
 sinks, window, key basis, chunk summaries, outliers) is written to one
-safetensors file named by the index id, a hash of everything that shaped it::
+safetensors file named by the tokens it covers (``Shelf``)::
 
-    id   = H("tierkv-sparse-v1" | model id | page layout | sparse settings that shape it | prompt ids)
-    file = <dir>/<id>.safetensors          tensors "L<layer>.<name>" (landmarks one per KV head:
+    identity = H("tierkv-sparse-v2" | model id | page layout | sparse settings that shape it)
+    id       = H(identity | token ids covered)
+    file     = <dir>/<identity[:16]>-<tokens>-<id>.safetensors
+                                           tensors "L<layer>.<name>" (landmarks one per KV head:
                                            "L<layer>.landmarks.h<j>"); metadata: tokens, pages per
                                            layer, prefill seconds, the xxh3-64 of every tensor's bytes
-    partial = <dir>/<id>.partial.safetensors   the same, part way through the prefill (a checkpoint)
+    partial  = the same name ending .partial.safetensors: part way through the prefill (a checkpoint)
     page = H(id | "page" | layer | p)      (SparseSequence.page_key)
 
 Loading checks every checksum and that every page is still stored; any
@@ -28,6 +30,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,19 +49,57 @@ VERSION = "2"                # 2: landmarks saved per KV head, as they lie in me
 READABLE = ("1", "2")
 
 
-def index_id(model_id: str, layout: BlockLayout, config: SparseConfig, needs: frozenset[str],
-             prompt_ids: Sequence[int]) -> BlockKey:
+def identity_key(model_id: str, layout: BlockLayout, config: SparseConfig, needs: frozenset[str]) -> BlockKey:
+    """What every index stored for this model, page layout and settings (as given, before ``resolve``,
+    which depends only on the tokens covered) has in common."""
     settings = repr((config.identity(), sorted(needs)))      # only what shapes the index (INDEX_FIELDS)
-    return BlockKey.of("tierkv-sparse-v1", model_id, layout.name, settings,
-                       np.asarray(prompt_ids, dtype=np.int64).tobytes())
+    return BlockKey.of("tierkv-sparse-v2", model_id, layout.name, settings)
 
 
-def index_path(directory: Path, key: BlockKey) -> Path:
-    return Path(directory) / f"{key.hex()}.safetensors"
+def index_id(model_id: str, layout: BlockLayout, config: SparseConfig, needs: frozenset[str],
+             ids: Sequence[int]) -> BlockKey:
+    """The name of the state that covers exactly ``ids``."""
+    return Shelf(Path(), identity_key(model_id, layout, config, needs)).key(ids)
 
 
-def checkpoint_path(directory: Path, key: BlockKey) -> Path:
-    return Path(directory) / f"{key.hex()}.partial.safetensors"
+@dataclass(frozen=True, slots=True)
+class Shelf:
+    """The stored indexes of one identity in a directory, each named by the tokens it covers::
+
+        <identity[:16]>-<tokens>-<id>.safetensors            id = H(identity | token ids)
+        <identity[:16]>-<tokens>-<id>.partial.safetensors    a checkpoint of a prefill under way
+
+    A prompt that starts with the tokens of a stored index reuses it (``longest``): a document read
+    once serves every question asked after it."""
+
+    directory: Path
+    identity: BlockKey
+
+    def key(self, ids: Sequence[int]) -> BlockKey:
+        return BlockKey.of(self.identity.digest, np.asarray(ids, dtype=np.int64).tobytes())
+
+    def path(self, ids: Sequence[int]) -> Path:
+        return self.directory / f"{self._stem(ids)}.safetensors"
+
+    def checkpoint(self, ids: Sequence[int]) -> Path:
+        return self.directory / f"{self._stem(ids)}.partial.safetensors"
+
+    def longest(self, ids: Sequence[int], *, at_most: int) -> int:
+        """The most tokens of ``ids`` (at most ``at_most``) a stored index covers; 0 for none."""
+        prefix, best = self.identity.hex()[:16] + "-", 0
+        if not self.directory.is_dir():
+            return 0
+        for path in self.directory.glob(f"{prefix}*.safetensors"):
+            parts = path.name.split(".")[0].split("-")
+            if len(parts) != 3 or not parts[1].isdigit() or path.name.endswith(".partial.safetensors"):
+                continue
+            n = int(parts[1])
+            if best < n <= min(at_most, len(ids)) and parts[2] == self.key(ids[:n]).hex():
+                best = n
+        return best
+
+    def _stem(self, ids: Sequence[int]) -> str:
+        return f"{self.identity.hex()[:16]}-{len(ids)}-{self.key(ids).hex()}"
 
 
 def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0) -> None:

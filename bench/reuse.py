@@ -1,0 +1,171 @@
+"""Prefill once, ask many times: how long does a second question over a stored document take?
+
+Per (mode, context): a real-text document (CPython's own documentation, ``pydoc_data``) of about
+CTX tokens, SmolLM2, an NVMe store in a scratch directory::
+
+    session     read the document (prefilled and stored: the first prefill), ask Q1, ask Q2, Q2 again
+    server      tierkv serve on the same store: Q1 (the document found stored), then Q2 twice, streamed;
+                TTFT measured by the client, to the first content chunk
+
+    ttft_question_vs_prefill@CTX   TTFT of Q2 in the session / (the document's prefill + Q1's TTFT)
+    serve_overhead@CTX             server TTFT of Q2 / the session's TTFT of Q2 (both with the document
+                                   held in memory; the better of two tries each)
+
+    python bench/reuse.py --quick --out bench/out/reuse-quick.json     dense 4K, sparse 12K
+    python bench/reuse.py --out bench/out/reuse.json                   dense 8K, sparse 32K
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from report import Report, machine
+from tierkv.model.loading import load_model
+from tierkv.model.settings import SessionConfig
+from tierkv.session import Session
+
+QUESTIONS = ("What is this document about?", "Name one keyword the document explains.")
+BUDGETS = dict(gpu_budget="256MiB", cpu_budget="1GiB")
+TARGETS = {"ttft_question_vs_prefill@32K": 0.02, "serve_overhead": 1.1}
+
+
+def document(tokenizer, n_tokens: int) -> str:
+    """About ``n_tokens`` tokens of English reference text, cut at a paragraph."""
+    from pydoc_data.topics import topics
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
+    return tokenizer.decode(ids)
+
+
+def in_process(loaded, text: str, mode: str, store: Path) -> dict[str, float]:
+    config = SessionConfig.of(model="smollm2", mode=mode, nvme_dir=store, **BUDGETS)
+    with Session(config, loaded=loaded) as session:
+        tokens = session.read(text)
+        first = session.ask(QUESTIONS[0], max_new_tokens=8)
+        seconds = [session.ask(QUESTIONS[1], max_new_tokens=8) for _ in range(2)]
+    return {"document_tokens": tokens, "prefill_s": session.document_s, "ttft_first_s": first.ttft_s,
+            "ttft_second_s": min(a.ttft_s for a in seconds), "reused_second": seconds[0].reused_tokens,
+            "prompt_second": seconds[0].prompt_tokens}
+
+
+def through_server(text: str, mode: str, store: Path) -> dict[str, float]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tierkv.cli", "serve", "--port", str(port), "--mode", mode,
+           "--nvme-dir", str(store), *(f"--{k.replace('_', '-')}={v}" for k, v in BUDGETS.items())]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = _wait(server, port)
+        first = _ttft(url, text, QUESTIONS[0])
+        seconds = [_ttft(url, text, QUESTIONS[1]) for _ in range(2)]
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=120)
+    return {"ttft_first_s": first[0], "ttft_second_s": min(s for s, _ in seconds), "cached_second": seconds[0][1]}
+
+
+def _ttft(url: str, text: str, question: str) -> tuple[float, int]:
+    body = {"model": "smollm2", "stream": True, "max_tokens": 8, "temperature": 0,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": text}, {"role": "user", "content": question}]}
+    start, first, cached = time.perf_counter(), None, 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return first if first is not None else time.perf_counter() - start, cached
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(server: subprocess.Popen, port: int) -> str:
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"tierkv serve exited: {server.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise SystemExit("tierkv serve did not start")
+
+
+def measure(report: Report, loaded, mode: str, ctx: int, scratch: Path) -> None:
+    label = f"{ctx // 1024}K"
+    text, store = document(loaded.tokenizer, ctx), scratch / f"{mode}-{label}"
+    progress(f"{mode} {label}: session")
+    s = in_process(loaded, text, mode, store)
+    progress(f"{mode} {label}: server")
+    h = through_server(text, mode, store)
+    config = f"{mode}@{label}"
+    report.add_row(config, "document_prefill_s", round(s["prefill_s"], 2), "s", tokens=s["document_tokens"])
+    report.add_row(config, "ttft_first_question_s", round(s["ttft_first_s"], 3), "s")
+    report.add_row(config, "ttft_second_question_s", round(s["ttft_second_s"], 3), "s",
+                   reused=s["reused_second"], prompt=s["prompt_second"])
+    report.add_row(f"serve {config}", "ttft_first_question_s", round(h["ttft_first_s"], 3), "s")
+    report.add_row(f"serve {config}", "ttft_second_question_s", round(h["ttft_second_s"], 3), "s",
+                   reused=h["cached_second"])
+    name = f"ttft_question_vs_prefill@{label}"
+    report.add_ratio(name, round(s["ttft_second_s"] / (s["prefill_s"] + s["ttft_first_s"]), 4), TARGETS.get(name),
+                     f"{mode}: TTFT of a second question / the document's first prefill and first TTFT, same "
+                     "run", ceiling=True)
+    report.add_ratio(f"serve_overhead@{label}", round(h["ttft_second_s"] / s["ttft_second_s"], 3),
+                     TARGETS["serve_overhead"], f"{mode}: the server's TTFT of the second question, measured by "
+                     "an HTTP client / the session's, same document held in memory", ceiling=True)
+    report.add_bound(f"{config}: the second question computes {s['prompt_second'] - s['reused_second']} of its "
+                     f"{s['prompt_second']} prompt tokens (dense: the document's partial last block and the "
+                     "question; sparse: the question), then one decode step")
+
+
+def progress(text: str) -> None:
+    print(f"[reuse] {text}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> Report:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="dense 4K and sparse 12K (about 10 minutes on 2 cores)")
+    p.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
+    p.add_argument("--dense", default=None, help="dense contexts in K tokens (default 8; quick 4)")
+    p.add_argument("--sparse", default=None, help="sparse contexts in K tokens (default 32; quick 12)")
+    args = p.parse_args(argv)
+    dense = [int(x) * 1024 for x in (args.dense or ("4" if args.quick else "8")).split(",") if x]
+    sparse = [int(x) * 1024 for x in (args.sparse or ("12" if args.quick else "32")).split(",") if x]
+    start, scratch = time.perf_counter(), Path(tempfile.mkdtemp(prefix="tierkv-bench-reuse-"))
+    report = Report("reuse", args.quick, machine(scratch))
+    try:
+        loaded = load_model("smollm2")
+        for mode, contexts in (("dense", dense), ("sparse", sparse)):
+            for ctx in contexts:
+                measure(report, loaded, mode, ctx, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    report.add_bound(f"load: 1-min load average {os.getloadavg()[0]:.2f} at the end on {os.cpu_count()} CPUs")
+    report.seconds = round(time.perf_counter() - start, 1)
+    report.print_table()
+    if args.out:
+        report.write_json(args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""A real ``tierkv serve`` process on a free local port, talked to over HTTP."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+API_KEY = "test-key"
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=30).json()
+
+    def idle(self, timeout: float = 120) -> dict:
+        """/health once the worker has nothing to do."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.health()
+            if not state["busy"] and state["queue"] == 0:
+                return state
+            time.sleep(0.2)
+        raise AssertionError("the server stayed busy")
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGINT)
+        return self.process.wait(timeout=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path: Path, *args: str, key: str | None = API_KEY) -> Server:
+    port, log = free_port(), tmp_path / f"serve-{time.monotonic_ns()}.log"
+    cmd = [sys.executable, "-m", "tierkv.cli", "serve", "--port", str(port), *args]
+    if key is not None:
+        cmd += ["--api-key", key]
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    server, deadline = Server(f"http://127.0.0.1:{port}", process, log), time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"tierkv serve exited {process.returncode}: {log.read_text()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    process.kill()
+    raise AssertionError(f"tierkv serve did not start: {log.read_text()}")

@@ -1,0 +1,115 @@
+"""``tierkv serve`` through real clients: the openai package and raw HTTP, a real server process."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from servers import API_KEY
+
+pytestmark = pytest.mark.model
+DOC = ("Alice met Bob in Paris in 1999. They founded a bakery called Blue Oven on Rue Cler. "
+       "The bakery became famous for its rye bread. In 2010 they opened a second shop in Lyon.\n") * 12
+SMALL = ["--gpu-budget", "8MiB", "--cpu-budget", "16MiB"]
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def ask(c: openai.OpenAI, question: str, *, model: str = "smollm2", doc: str = DOC, **kw):
+    return c.chat.completions.create(model=model, messages=[{"role": "user", "content": doc},
+                                                            {"role": "user", "content": question}],
+                                     max_tokens=kw.pop("max_tokens", 8), temperature=0, **kw)
+
+
+def test_chat_stream_completion_and_reuse_across_requests_and_restarts(launch, tmp_path):
+    store = str(tmp_path / "store")
+    server = launch("--nvme-dir", store, *SMALL)
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == ["smollm2"]
+    first = ask(c, "Who founded the bakery?")
+    second = ask(c, "Where was the second shop?")
+    assert first.choices[0].message.content and first.usage.completion_tokens == 8
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and second.usage.prompt_tokens - cached < 300          # only the question computed
+    pieces = [chunk for chunk in ask(c, "What bread is it famous for?", stream=True,
+                                     stream_options={"include_usage": True})]
+    text = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+    assert text and pieces[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert pieces[-2].choices[0].finish_reason in ("stop", "length")
+    done = c.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert done.choices[0].text and done.usage.completion_tokens <= 4
+    assert server.stop() == 0
+    again = launch("--nvme-dir", store, *SMALL)                              # a restart finds the document
+    after = ask(client(again), "Where was the second shop?")
+    assert after.usage.prompt_tokens_details.cached_tokens >= cached
+    assert after.choices[0].message.content == second.choices[0].message.content
+
+
+def test_a_sparse_document_past_the_trained_window_is_prefilled_once(launch, tmp_path, tiny_model_dir):
+    """The tiny model's window is 512 tokens: this 1.5K-token document runs sparse (mode auto)."""
+    server = launch("--model", str(tiny_model_dir), "--served-name", "tiny", "--nvme-dir", str(tmp_path / "s"),
+                    "--chunk-tokens", "256", "--sparse-budget", "128", *SMALL)
+    c = client(server)
+    doc = DOC * 2
+    first = ask(c, "Who founded the bakery?", model="tiny", doc=doc)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert first.usage.prompt_tokens > 512
+    second = ask(c, "Where was the second shop?", model="tiny", doc=doc)
+    assert second.usage.prompt_tokens - second.usage.prompt_tokens_details.cached_tokens < 40
+    assert server.stop() == 0
+    again = launch("--model", str(tiny_model_dir), "--served-name", "tiny", "--nvme-dir", str(tmp_path / "s"),
+                   "--chunk-tokens", "256", "--sparse-budget", "128", *SMALL)
+    third = ask(client(again), "Where was the second shop?", model="tiny", doc=doc)
+    assert third.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens_details.cached_tokens
+    assert third.choices[0].message.content == second.choices[0].message.content
+    assert "tierkv_prefix_cache_hit_tokens_total" in metrics
+
+
+def test_a_client_that_hangs_up_mid_stream_leaves_nothing_pinned(launch, tmp_path):
+    server = launch("--nvme-dir", str(tmp_path / "store"), *SMALL)
+    ask(client(server), "Who founded the bakery?")                   # the document's state is held from here
+    held = server.idle()["held_blocks"]
+    body = {"model": "smollm2", "stream": True, "max_tokens": 200, "temperature": 0,
+            "messages": [{"role": "user", "content": DOC}, {"role": "user", "content": "Tell me everything."}]}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=300,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data:") for line in got)
+    state = server.idle()
+    assert state["pinned_blocks"] == 0 and state["held_blocks"] == held
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "tierkv_cancelled_total 1.0" in metrics and "tierkv_pinned_blocks 0.0" in metrics
+
+
+def test_bad_requests_get_openai_errors_and_the_server_lives_on(launch, tmp_path):
+    server = launch("--nvme-dir", str(tmp_path / "store"), "--max-body-bytes", "64KiB", "--max-prompt-tokens", "600",
+                    *SMALL)
+    url, key = f"{server.url}/v1/chat/completions", {"Authorization": f"Bearer {API_KEY}"}
+    cases = [
+        (httpx.post(url, json={"model": "smollm2", "messages": []}), 401, "API key"),
+        (httpx.post(url, content=b"{not json", headers=key | {"content-type": "application/json"}), 400, "JSON"),
+        (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "wat": 1},
+                    headers=key), 400, "unknown field 'wat'"),
+        (httpx.post(url, json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, headers=key),
+         404, "not served"),
+        (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "robot", "content": "hi"}]}, headers=key),
+         400, "role"),
+        (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "n": 2},
+                    headers=key), 400, "n=1"),
+        (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": "x" * 70000}]},
+                    headers=key), 413, "at most 65536 bytes"),
+        (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": DOC * 2}]},
+                    headers=key, timeout=120), 400, "at most 600"),
+    ]
+    for response, status, words in cases:
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert words in error["message"] and set(error) == {"message", "type", "param", "code"}
+    ok = httpx.post(url, json={"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                    headers=key, timeout=120)
+    assert ok.status_code == 200 and json.loads(ok.text)["usage"]["completion_tokens"] <= 2

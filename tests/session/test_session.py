@@ -1,0 +1,131 @@
+"""Sessions: a document read once serves many questions, each seeing only its own turn; stored
+states are found again by a new session; cancelled answers leak nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierkv.errors import ConfigError, TierKVError
+from tierkv.model.arch import model_spec
+from tierkv.model.loading import LoadedModel
+from tierkv.model.settings import SessionConfig
+from tierkv.session import Session
+
+from tinymodels import tiny_model
+
+DOC = ("Alice met Bob in Paris in 1999. They founded a bakery called Blue Oven on Rue Cler. "
+       "The bakery became famous for its rye bread. In 2010 they opened a second shop in Lyon.\n") * 12
+SMALL = dict(gpu_budget="2MiB", cpu_budget="4MiB")
+
+
+def smollm2_session(smollm2, tmp_path, **settings) -> Session:
+    return Session.open("smollm2", loaded=smollm2, nvme_dir=tmp_path / "store", **SMALL, **settings)
+
+
+def assert_only_documents_held(session: Session) -> None:
+    """Nothing pinned in any tier; every held block belongs to a state the session keeps."""
+    for backend in session.backends.values():
+        mgr = backend.manager.manager
+        assert all(mgr.tiers[name].pool.busy_slots() == 0 for name in mgr.order)
+        assert not mgr.directory.wanted
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_each_question_sees_the_document_and_only_its_own_turn(smollm2, tmp_path, mode):
+    with smollm2_session(smollm2, tmp_path / "one", mode=mode) as session:
+        doc_tokens = session.read(DOC)
+        first = session.ask("Who founded the bakery?", max_new_tokens=12)
+        second = session.ask("In which city was the second shop?", max_new_tokens=12)
+        assert second.reused_tokens >= doc_tokens - 256 and second.prompt_tokens - second.reused_tokens < 300
+        assert_only_documents_held(session)
+    with smollm2_session(smollm2, tmp_path / "two", mode=mode) as fresh:
+        fresh.read(DOC)
+        alone = fresh.ask("In which city was the second shop?", max_new_tokens=12)
+    assert second.text == alone.text and first.text != second.text       # the first question left no trace
+    assert second.tokens == alone.tokens
+
+
+@pytest.mark.model
+def test_a_new_session_finds_the_stored_document(smollm2, tmp_path):
+    with smollm2_session(smollm2, tmp_path, mode="sparse") as session:
+        n = session.read(DOC)
+        assert session.document_reused == 0
+        before = session.ask("Who founded the bakery?", max_new_tokens=8)
+    with smollm2_session(smollm2, tmp_path, mode="sparse") as again:      # a new process would do the same
+        again.read(DOC)
+        assert again.document_reused == n
+        after = again.ask("Who founded the bakery?", max_new_tokens=8)
+    assert after.tokens == before.tokens
+
+
+@pytest.mark.model
+def test_a_fork_branches_the_conversation(smollm2, tmp_path):
+    with smollm2_session(smollm2, tmp_path, mode="dense") as session:
+        session.read(DOC)
+        branch = session.fork()
+        a = branch.ask("Who founded the bakery?", max_new_tokens=8)
+        b = session.ask("Who founded the bakery?", max_new_tokens=8)
+        assert a.tokens == b.tokens
+        branch.close()
+        assert session.ask("Where is Blue Oven?", max_new_tokens=4).generated_tokens >= 1   # the parent lives on
+
+
+@pytest.mark.model
+def test_a_stream_closed_midway_lets_go_of_its_state(smollm2, tmp_path):
+    with smollm2_session(smollm2, tmp_path, mode="sparse") as session:
+        session.read(DOC)
+        stream = session.ask("Tell me everything about the bakery.", stream=True, max_new_tokens=64)
+        pieces = [next(iter(stream)) for _ in range(3)]
+        stream.close()
+        assert pieces and stream.answer.generated_tokens < 64
+        assert_only_documents_held(session)
+        held = session.backends["sparse"].manager.manager.directory
+        assert sum(e.holders for e in held) == len(session.document.seq.all_pages())
+
+
+@pytest.mark.model
+def test_sampling_is_repeatable_with_a_seed_and_stops_at_a_stop_string(smollm2, tmp_path):
+    with smollm2_session(smollm2, tmp_path, mode="dense") as session:
+        session.read(DOC)
+        one = session.ask("Describe the bakery.", max_new_tokens=10, temperature=0.9, seed=3)
+        two = session.ask("Describe the bakery.", max_new_tokens=10, temperature=0.9, seed=3)
+        assert one.tokens == two.tokens
+        greedy = session.ask("Describe the bakery.", max_new_tokens=20)
+        word = greedy.text.split()[2]
+        cut = session.ask("Describe the bakery.", max_new_tokens=20, stop=(word,))
+        assert cut.finish_reason == "stop" and word not in cut.text and greedy.text.startswith(cut.text)
+
+
+def test_bad_requests_are_clear_errors(tmp_path):
+    lm = tiny_loaded()
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=lm) as session:
+        with pytest.raises(TierKVError, match="read a document first"):
+            session.ask("?")
+        with pytest.raises(ConfigError, match="temperature"):
+            session.complete([1, 2, 3], temperature=-1)
+        with pytest.raises(ConfigError, match="messages\\[0\\]"):
+            session.chat([{"role": "robot", "content": "hi"}])
+    with pytest.raises(TierKVError, match="closed"):
+        session.complete([1, 2])
+
+
+def tiny_loaded() -> LoadedModel:
+    model = tiny_model("llama")                           # trained window 512 tokens, no tokenizer
+    return LoadedModel(model, None, "tiny-llama", model_spec(model))
+
+
+def test_past_the_trained_window_a_second_prompt_reuses_the_stored_sparse_index(tmp_path):
+    lm = tiny_loaded()
+    ids = torch.randint(0, 128, (1400,), generator=torch.Generator().manual_seed(1)).tolist()
+    settings = dict(nvme_dir=tmp_path, gpu_budget="1MiB", cpu_budget="2MiB", mode="auto", chunk_tokens=256,
+                    sparse_budget=128, page_tokens=16)
+    with Session(SessionConfig.of(**settings), loaded=lm) as session:
+        session.read_ids(ids)
+        first = session.complete([*ids, 5, 6, 7], max_new_tokens=4)
+        assert session.last_mode == "sparse" and first.reused_tokens == len(ids)
+    with Session(SessionConfig.of(**settings), loaded=lm) as again:        # a new session: found stored
+        second = again.complete([*ids, 9, 10], max_new_tokens=4)
+        assert second.reused_tokens == len(ids)                   # the stored document; 9 and 10 computed
+        third = again.complete([*ids, 5, 6, 7], max_new_tokens=4)
+        assert third.tokens == first.tokens                       # no trace of the second prompt

@@ -1,0 +1,299 @@
+"""The HTTP API: OpenAI's chat and text completions over one session, plus health and metrics.
+
+    GET  /v1/models               the one model served
+    POST /v1/chat/completions     messages -> reply; stream=true: server-sent events, then [DONE]
+    POST /v1/completions          prompt -> continuation (no chat template)
+    GET  /health                  {"status": "ok", queue, busy, pinned_blocks, held_blocks}
+    GET  /metrics                 Prometheus text (tierkv.serve.metrics)
+
+Every request runs on the worker (``tierkv.serve.worker``) from the longest stored prefix of its
+prompt; ``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens that served.
+With an API key, /v1/* wants ``Authorization: Bearer KEY`` (401 without). Bodies over the
+limit are a 413, malformed ones a 400, both in OpenAI's error format; nothing a client sends
+shows it a traceback or stops the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException
+
+from tierkv.errors import ConfigError, TierKVError
+from tierkv.session import Answer
+from tierkv.session.session import PromptTooLong
+from tierkv.serve.metrics import Metrics
+from tierkv.serve.protocol import ChatRequest, CompletionRequest, error_body
+from tierkv.serve.worker import Job, QueueFull, Worker
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, kind=kind, param=param, code=code)
+
+
+def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = 8 << 20, default_tokens: int = 256, max_new_tokens: int = 4096) -> FastAPI:
+    app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+    limits = dict(default_tokens=default_tokens, most_tokens=max_new_tokens)
+
+    app.add_middleware(Guard, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body, status_code=error.status)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
+        return JSONResponse(_too_large(max_body_bytes).body, status_code=413)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "the body is not valid JSON"
+        elif first.get("type") == "extra_forbidden":
+            message = f"unknown field {where!r}"
+        return JSONResponse(error_body(f"{message}" + (f" ({where})" if where else ""), param=where),
+                            status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(error.detail), code=str(error.status_code)), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(error_body("internal error; the server's log has the details", kind="server_error"),
+                            status_code=500)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "tierkv"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        _check_model(body.model, model_name)
+        job = _job("chat", body.chat_messages(), body, limits)
+        return await _answer(job, body, worker, model_name, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        _check_model(body.model, model_name)
+        job = _job("completion", body.prompt, body, dict(limits, default_tokens=16))
+        return await _answer(job, body, worker, model_name, chat=False)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        pinned, held = await asyncio.to_thread(_pool_figures, worker)
+        return {"status": "ok", "model": model_name, "queue": worker.jobs.qsize(), "busy": worker.busy,
+                "pinned_blocks": pinned, "held_blocks": held}
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        await asyncio.to_thread(metrics.refresh, worker.session)
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _pool_figures(worker: Worker) -> tuple[int, int]:
+    backends = list(worker.session.backends.values())
+    return sum(b.pinned_blocks() for b in backends), sum(b.held_blocks() for b in backends)
+
+
+class BodyTooLarge(Exception):
+    """A body that went past the limit while it was read (one sent without a length)."""
+
+
+class Guard:
+    """Size limit, API key and per-request metrics, before anything else sees a request (plain
+    ASGI, so a streamed response still sees its client hang up)."""
+
+    def __init__(self, app: Any, *, metrics: Metrics, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.metrics, self.api_key, self.limit = app, metrics, api_key, max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, start, status = scope["path"], time.perf_counter(), [500]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            self._check(path, headers)
+        except ApiError as error:
+            await JSONResponse(error.body, status_code=error.status)(scope, receive, sending)
+        else:
+            await self.app(scope, self._counted(receive), sending)
+        finally:
+            self.metrics.requests.labels(path, str(status[0])).inc()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+
+    def _check(self, path: str, headers: dict[str, str]) -> None:
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            raise _too_large(self.limit)
+        if self.api_key is not None and path.startswith("/v1/") and \
+                headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           kind="authentication_error", code="invalid_api_key")
+
+    def _counted(self, receive: Any) -> Any:
+        seen = [0]
+
+        async def counted() -> dict:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.limit:
+                    raise BodyTooLarge()
+            return message
+        return counted
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server takes: at most {limit} bytes "
+                         "(tierkv serve --max-body-bytes)", code="request_too_large")
+
+
+def _check_model(asked: str, served: str) -> None:
+    if asked != served:
+        raise ApiError(404, f"model {asked!r} is not served here; this server serves {served!r}",
+                       param="model", code="model_not_found")
+
+
+def _job(kind: str, prompt: Any, body: ChatRequest | CompletionRequest, limits: dict[str, int]) -> Job:
+    try:
+        sampling = body.sampling(limits["default_tokens"], limits["most_tokens"])
+    except (ValueError, ConfigError) as error:
+        raise ApiError(400, str(error), param="max_tokens") from None
+    return Job(kind, prompt, sampling, asyncio.get_running_loop())
+
+
+async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worker, model: str, *,
+                  chat: bool) -> Any:
+    try:
+        worker.submit(job)
+    except QueueFull as error:
+        raise ApiError(503, str(error), kind="server_error", code="server_busy") from None
+    reply = _Reply(model, chat)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventSourceResponse(_events(job, reply, include_usage), ping=15)
+    text = []
+    try:
+        async for kind, value in _results(job):
+            if kind == "text":
+                text.append(value)
+            else:
+                return reply.whole("".join(text), value)
+    finally:
+        job.cancel()            # a client that hung up, or an error: stop the work, let go of its state
+
+
+async def _results(job: Job) -> AsyncIterator[tuple[str, Any]]:
+    while True:
+        kind, value = await job.events.get()
+        if kind == "error":
+            raise _as_api_error(value)
+        yield kind, value
+        if kind == "done":
+            return
+
+
+async def _events(job: Job, reply: _Reply, include_usage: bool) -> AsyncIterator[dict[str, str]]:
+    """The SSE events of a streamed answer. A client that disconnects cancels this generator, and
+    with it the work on the worker."""
+    try:
+        if reply.chat:
+            yield {"data": json.dumps(reply.first())}
+        async for kind, value in _results(job):
+            if kind == "text":
+                yield {"data": json.dumps(reply.piece(value))}
+            else:
+                yield {"data": json.dumps(reply.last(value))}
+                if include_usage:
+                    yield {"data": json.dumps(reply.usage_chunk(value))}
+        yield {"data": "[DONE]"}
+    except ApiError as error:
+        yield {"data": json.dumps(error.body)}
+    finally:
+        job.cancel()
+
+
+def _as_api_error(error: BaseException) -> ApiError:
+    if isinstance(error, PromptTooLong):
+        return ApiError(400, str(error), param="messages", code="context_length_exceeded")
+    if isinstance(error, ConfigError):
+        return ApiError(400, str(error))
+    if isinstance(error, TierKVError):
+        return ApiError(500, str(error), kind="server_error")
+    return ApiError(500, "internal error; the server's log has the details", kind="server_error")
+
+
+class _Reply:
+    """OpenAI's response objects for one answer (whole, or as stream chunks)."""
+
+    def __init__(self, model: str, chat: bool) -> None:
+        self.model, self.chat = model, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _choice(self, text: str | None, finish: str | None, *, delta: bool, role: bool = False) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        content = {"role": "assistant"} if role or not delta else {}
+        if text is not None:
+            content["content"] = text
+        return {"index": 0, ("delta" if delta else "message"): content, "finish_reason": finish}
+
+    def whole(self, text: str, answer: Answer) -> dict[str, Any]:
+        body = self._envelope(self.object, [self._choice(text, _finish(answer), delta=False)])
+        return body | {"usage": usage(answer)}
+
+    def first(self) -> dict[str, Any]:
+        chunk = "chat.completion.chunk" if self.chat else self.object
+        return self._envelope(chunk, [self._choice("", None, delta=True, role=True)])
+
+    def piece(self, text: str) -> dict[str, Any]:
+        chunk = "chat.completion.chunk" if self.chat else self.object
+        return self._envelope(chunk, [self._choice(text, None, delta=True)])
+
+    def last(self, answer: Answer) -> dict[str, Any]:
+        chunk = "chat.completion.chunk" if self.chat else self.object
+        return self._envelope(chunk, [self._choice(None, _finish(answer), delta=True)])
+
+    def usage_chunk(self, answer: Answer) -> dict[str, Any]:
+        chunk = "chat.completion.chunk" if self.chat else self.object
+        return self._envelope(chunk, []) | {"usage": usage(answer)}
+
+
+def usage(answer: Answer) -> dict[str, Any]:
+    return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.generated_tokens,
+            "total_tokens": answer.prompt_tokens + answer.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": answer.reused_tokens}}
+
+
+def _finish(answer: Answer) -> str:
+    return "stop" if answer.finish_reason == "stop" else "length"

@@ -1,0 +1,78 @@
+"""``tierkv serve``: an OpenAI-compatible HTTP server over one model and its tiered KV.
+
+    tierkv serve --nvme-dir /mnt/nvme/kv --gpu-budget 2GiB --port 8000 [--api-key KEY]
+
+It binds 127.0.0.1 unless told otherwise (``--host 0.0.0.0`` exposes it: give it an
+``--api-key`` then). Prompts whose start is stored (a document asked about before, by this
+server or any earlier run on the same store) are not computed again.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+
+from tierkv.errors import ConfigError
+from tierkv.flags import add_flags, build, given, setting
+from tierkv.model.settings import SessionConfig
+from tierkv.sizes import parse_size
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface; give --api-key then)")
+    port: int = setting(8000, "TCP port")
+    api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' (default: no key)",
+                                  metavar="KEY")
+    served_name: str | None = setting(None, "the model's name in the API (default: --model's)", metavar="NAME")
+    max_queue: int = setting(16, "requests that may wait for the one running; more get a 503", metavar="N")
+    max_prompt_tokens: int = setting(1 << 20, "longest prompt taken, in tokens (longer: a 400)", metavar="N")
+    max_new_tokens: int = setting(4096, "most tokens one answer may ask for (max_tokens)", metavar="N")
+    max_body_bytes: str | int = setting("16MiB", "largest request body taken (larger: a 413)", metavar="SIZE")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port={self.port}: must be 1..65535")
+        for name in ("max_queue", "max_prompt_tokens", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        object.__setattr__(self, "max_body_bytes", parse_size(self.max_body_bytes, "max_body_bytes"))
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions)",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics "
+                                   "for one model. A prompt's stored prefix (a document asked about before) is "
+                                   "reused, across requests and restarts.")
+    add_flags(p, ServeSettings)
+    add_flags(p, SessionConfig)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tierkv.serve.app import create_app
+    from tierkv.serve.metrics import Metrics
+    from tierkv.serve.worker import Worker
+    from tierkv.session import Session
+    settings, config = build(ServeSettings, given(args, ServeSettings)), build(SessionConfig, given(args, SessionConfig))
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        print(f"tierkv serve: warning: listening on {settings.host} without --api-key: anyone who can reach it "
+              "can use it", file=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    print(f"tierkv serve: loading {config.engine.model} ...", file=sys.stderr, flush=True)
+    session = Session(config, max_prompt_tokens=settings.max_prompt_tokens)
+    metrics = Metrics()
+    worker = Worker(session, metrics, max_queue=settings.max_queue).start()
+    name = settings.served_name or config.engine.model
+    app = create_app(worker, metrics, model_name=name, api_key=settings.api_key,
+                     max_body_bytes=settings.max_body_bytes, max_new_tokens=settings.max_new_tokens)
+    print(f"tierkv serve: {name} on http://{settings.host}:{settings.port}/v1", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    finally:
+        worker.stop()
+        session.close()
+    return 0

@@ -1,0 +1,124 @@
+"""The one thread that runs requests, in arrival order, on the server's session.
+
+One request runs at a time: a decode step keeps every core busy (attention and the weights
+stream through the same caches), the engines step one sequence at a time, and the tiers'
+budgets are the server's as a whole; a second request interleaved token by token would slow
+both without finishing either sooner. Others wait in a bounded queue (a full queue is a 503)::
+
+    HTTP handler (event loop)            worker thread
+    submit(job) ──queue──▶               session.chat / complete, stream=True
+    await job.events  ◀──call_soon_threadsafe──  ("text", piece) ... ("done", answer) | ("error", exc)
+    client hung up: job.cancel() ──▶     stops before the next token; the answer's state is let go
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierkv.errors import TierKVError
+from tierkv.session import Answer, Sampling, Session
+from tierkv.serve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(TierKVError):
+    """The server has as many requests waiting as it accepts."""
+
+
+@dataclass(eq=False)
+class Job:
+    kind: str                              # chat | completion
+    prompt: Any                            # messages, or a prompt (text or token ids)
+    sampling: Sampling
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def emit(self, kind: str, value: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+class Worker:
+    def __init__(self, session: Session, metrics: Metrics, *, max_queue: int = 16) -> None:
+        self.session, self.metrics = session, metrics
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.busy = False
+        self._thread = threading.Thread(target=self._run, name="tierkv-serve", daemon=True)
+
+    def start(self) -> Worker:
+        self._thread.start()
+        return self
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"{self.jobs.maxsize} requests are waiting already (tierkv serve --max-queue); "
+                            "try again later") from None
+        self.metrics.queued.set(self.jobs.qsize())
+
+    def stop(self) -> None:
+        """Finish the request running, drop the waiting ones (their clients get an error), stop."""
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit("error", TierKVError("the server is shutting down"))
+        self.jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self.metrics.queued.set(self.jobs.qsize())
+            if job.cancelled.is_set():
+                continue                     # its client left while it waited
+            self.busy = True
+            try:
+                self._serve(job)
+            except Exception as error:       # the job's error goes to its client; the server goes on
+                if not isinstance(error, TierKVError):
+                    log.exception("request failed")
+                job.emit("error", error)
+            finally:
+                self.busy = False
+
+    def _serve(self, job: Job) -> None:
+        stream = self._start(job)
+        answer: Answer = stream.answer
+        try:
+            for piece in stream:
+                if job.cancelled.is_set():
+                    break
+                job.emit("text", piece)
+        finally:
+            stream.close()                   # a cancelled answer lets go of its state here
+        try:
+            self.metrics.answered(answer, time.perf_counter() - job.submitted, self.session)
+        except Exception:                    # figures are not worth an answer
+            log.exception("metrics not updated")
+        if job.cancelled.is_set():
+            self.metrics.cancelled.inc()
+        else:
+            job.emit("done", answer)
+
+    def _start(self, job: Job):
+        args = dict(stream=True, **_sampling_args(job.sampling))
+        if job.kind == "chat":
+            return self.session.chat(job.prompt, **args)
+        return self.session.complete(job.prompt, **args)
+
+
+def _sampling_args(sampling: Sampling) -> dict[str, Any]:
+    return {name: getattr(sampling, name) for name in Sampling.__dataclass_fields__}

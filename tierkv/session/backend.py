@@ -1,0 +1,146 @@
+"""One mode's machinery in a session: the tier manager (its own store, one per block layout), the
+engine, and how it makes, reports and empties states.
+
+    dense    blocks of block_tokens tokens, content addressed     store  <nvme_dir>/kv-L...
+    sparse   pages, plus an index per stored prefix               store  <nvme_dir>/sparse-P...
+                                                                  shelf  <nvme_dir>/sparse-indexes
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tierkv.device import has_cuda
+from tierkv.events import EventRecorder
+from tierkv.layout import BlockLayout
+from tierkv.manager import BlockingTierManager
+from tierkv.model.engine import Engine
+from tierkv.model.loading import LoadedModel
+from tierkv.model.settings import SessionConfig
+from tierkv.model.sparse_engine import SparseEngine
+from tierkv.profile.access import AccessRecorder
+from tierkv.session.prefill import shelf_of, sparse_state
+from tierkv.session.state import DenseState, KVState, Progress, SparseState
+from tierkv.sparse.store import Shelf
+
+
+@dataclass(slots=True)
+class Backend:
+    mode: str
+    config: SessionConfig
+    loaded: LoadedModel
+    layout: BlockLayout
+    manager: BlockingTierManager
+    engine: Engine | SparseEngine
+    shelf: Shelf | None = None
+    access: AccessRecorder | None = None
+    eos: set[int] = field(default_factory=set)
+
+    @property
+    def events(self) -> EventRecorder:
+        return self.manager.manager.events
+
+    def empty(self, prompt_tokens: int) -> KVState:
+        """A state of no tokens, for a prompt of ``prompt_tokens`` (sparse settings resolve by it)."""
+        if self.mode == "dense":
+            return DenseState(self.engine)
+        seq = self.engine.new_sequence(prompt_tokens)
+        seq.detach()
+        return SparseState(self.engine, seq, [])
+
+    def state_of(self, ids: Sequence[int], progress: Progress | None = None) -> tuple[KVState, int]:
+        """The state covering ``ids``, found stored where it can be, and the tokens found."""
+        if self.mode == "dense":
+            state = DenseState(self.engine)
+            state.absorb(list(ids), progress)
+            return state, state.reused
+        settings = self.config.engine
+        opened = sparse_state(self.engine, list(ids), self.shelf, reuse=settings.reuse,
+                              checkpoint_every=settings.checkpoint_every, progress=progress)
+        opened.state.seq.document_tokens = len(ids)
+        return opened.state, opened.reused
+
+    def report(self, state: KVState) -> dict[str, object]:
+        """What the sparse step did for ``state`` (empty in dense mode)."""
+        if not isinstance(state, SparseState):
+            return {}
+        return sparse_report(self.engine, state.seq)
+
+    def tier_report(self) -> dict[str, dict[str, object]]:
+        mgr = self.manager.manager
+        return {name: {"budget_bytes": mgr.tiers[name].budget_bytes,
+                       "peak_bytes": mgr.stats[name].peak_slots * mgr.block_bytes,
+                       "final_bytes": mgr.used_bytes(name), "bytes_read": mgr.stats[name].bytes_out,
+                       "bytes_written": mgr.stats[name].bytes_in, "backend": _backend_name(mgr.tiers[name])}
+                for name in mgr.order}
+
+    def pinned_blocks(self) -> int:
+        """Blocks pinned or reserved in any tier now (0 once nothing reads or moves)."""
+        mgr = self.manager.manager
+        return self.manager.call(lambda: sum(mgr.tiers[name].pool.busy_slots() for name in mgr.order))
+
+    def held_blocks(self) -> int:
+        """Blocks some state holds (documents and conversations the session keeps)."""
+        mgr = self.manager.manager
+        return self.manager.call(lambda: sum(1 for entry in mgr.directory if entry.holders))
+
+    def close(self) -> None:
+        self.manager.flush()
+        self.manager.close()
+
+
+def open_backend(mode: str, config: SessionConfig, loaded: LoadedModel, *, record_access: bool = False) -> Backend:
+    spec = loaded.spec
+    if mode == "dense":
+        layout = BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype,
+                                config.engine.block_tokens)
+    else:
+        layout = SparseEngine.page_layout(loaded, config.sparse)
+    manager = BlockingTierManager.from_config(config.tiers.tier_config(layout.block_bytes, layout.name),
+                                              namespace=layout.name, recorder=EventRecorder())
+    try:
+        engine = Engine(loaded, manager, config.engine.dense_engine()) if mode == "dense" else \
+            SparseEngine(loaded, manager, config.sparse, chunk_tokens=config.engine.chunk_tokens)
+    except BaseException:
+        manager.close()
+        raise
+    access = None
+    if record_access:
+        read_tier = "gpu" if has_cuda() else None
+        access = AccessRecorder(read_tier=read_tier, info={"model": loaded.model_id, "engine": mode}
+                                ).attach(manager.manager)
+    shelf = shelf_of(engine, config.tiers.nvme_dir) if mode == "sparse" else None
+    return Backend(mode, config, loaded, layout, manager, engine, shelf, access, eos_ids(loaded))
+
+
+def eos_ids(loaded: LoadedModel) -> set[int]:
+    configured = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    ids = configured if isinstance(configured, list) else [configured]
+    from_tokenizer = getattr(loaded.tokenizer, "eos_token_id", None)
+    return {i for i in [from_tokenizer, *ids] if i is not None}
+
+
+def sparse_report(engine: SparseEngine, seq) -> dict[str, object]:
+    c, stats = seq.config, seq.stats
+    return {
+        "budget_tokens": c.budget_tokens(seq.length(0)), "allocation": c.allocation, "attend": c.attend,
+        "layer_tokens": [int(seq.chosen[layer].shape[-1]) * c.chunk_tokens for layer in sorted(seq.chosen)],
+        "rank": engine.rank, "selector": c.selector,
+        "prefetch": c.prefetch, "overlap": c.overlap, "positions": c.positions, "chunk_tokens": c.chunk_tokens,
+        "page_tokens": c.page_tokens, "page_bytes": engine.layout.block_bytes,
+        "dense_prefill_tokens": c.dense_prefill_tokens,
+        "approximate_prefill": seq.document_tokens > c.dense_prefill_tokens,
+        "pages_read": stats.pages, "reuse_rate": stats.reused / stats.pages if stats.pages else 0.0,
+        "tokens_per_layer_step": stats.tokens / stats.steps if stats.steps else 0.0,
+        "key_energy_kept": min(layer.basis.energy_kept for layer in seq.layers),
+        "index_bytes": seq.memory_bytes(),
+        "resumed_prefill_tokens": seq.resumed_tokens, "prefill_s_all_runs": round(seq.prefill_s, 1),
+    }
+
+
+def _backend_name(tier) -> str:
+    if hasattr(tier, "backend"):
+        return tier.backend
+    if tier.name == "gpu":
+        return "cuda" if tier.device.type == "cuda" else "host memory (no CUDA)"
+    return "pinned host memory" if has_cuda() else "host memory"

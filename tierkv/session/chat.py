@@ -1,0 +1,118 @@
+"""``tierkv chat --doc FILE``: a conversation in the terminal about a document read once.
+
+    > Who wrote it?                 answers stream as they are generated
+    > /stats                        the last answer: prompt, reused tokens, first token, tok/s, stall; tiers
+    > /reset                        a new conversation about the same document (nothing recomputed)
+    > /quit                         (or Ctrl-D)
+
+Each turn goes on from the state the previous one left (the document, the questions and
+answers so far), so only the new question is computed. History is kept in
+``$TIERKV_CACHE_DIR/chat_history`` (arrow keys recall earlier questions).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tierkv.flags import add_flags, build, given
+from tierkv.knobs import cache_dir
+from tierkv.model.prompt import read_document
+from tierkv.model.settings import SessionConfig
+from tierkv.sizes import format_size
+from tierkv.session.generation import Answer
+from tierkv.session.session import Session
+
+HELP = "commands: /stats (the last answer and the tiers), /reset (a new conversation), /quit"
+
+
+def add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="talk about a document in the terminal; it is read once",
+                       description="Read a document once (or find it stored), then answer question after "
+                                   f"question, each turn reusing the last. {HELP}.")
+    p.add_argument("--doc", type=Path, help="the document (a text file); without it, a plain chat")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens per answer at most (256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above: sampled")
+    add_flags(p, SessionConfig)
+    p.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    config = build(SessionConfig, given(args, SessionConfig))
+    text = read_document(args.doc) if args.doc is not None else None
+    _history()
+    print(f"loading {config.engine.model} ...", file=sys.stderr, flush=True)
+    with Session(config) as session:
+        if text is not None:
+            print(f"reading {args.doc} ...", file=sys.stderr, flush=True)
+            tokens = session.read(text)
+            print(f"{tokens} tokens ({session.document_reused} found stored) in {session.document_s:.1f} s. {HELP}",
+                  file=sys.stderr)
+        _converse(session, text, dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature))
+    return 0
+
+
+def _converse(session: Session, text: str | None, sampling: dict) -> None:
+    start = [{"role": "user", "content": text}] if text is not None else []
+    messages, last = list(start), None
+    while (line := _ask()) is not None:
+        if line in ("/quit", "/exit"):
+            break
+        if line == "/reset":
+            messages = list(start)
+            print("(a new conversation)")
+        elif line == "/stats":
+            _stats(session, last)
+        elif line.startswith("/"):
+            print(HELP)
+        elif line.strip():
+            messages.append({"role": "user", "content": line})
+            stream = session.chat(messages, stream=True, **sampling)
+            for piece in stream:
+                print(piece, end="", flush=True)
+            print()
+            last = stream.answer
+            messages.append({"role": "assistant", "content": last.text})
+
+
+def _ask() -> str | None:
+    try:
+        return input("> ")
+    except EOFError:
+        print()
+        return None
+
+
+def _stats(session: Session, answer: Answer | None) -> None:
+    if answer is None:
+        print("nothing asked yet")
+        return
+    print(f"prompt {answer.prompt_tokens} tokens, {answer.reused_tokens} reused; first token after "
+          f"{answer.ttft_s:.2f} s; {answer.generated_tokens} tokens at {answer.decode_tokens_per_s:.2f} tok/s, "
+          f"stall {100 * answer.stall_fraction:.1f} %")
+    for mode, backend in session.backends.items():
+        for tier, row in backend.tier_report().items():
+            print(f"  {mode:6s} {tier:5s} {format_size(row['final_bytes']):>10s} of {format_size(row['budget_bytes'])}")
+
+
+def _history() -> None:
+    """Arrow keys recall earlier questions, across runs (where readline exists)."""
+    try:
+        import atexit
+        import readline
+    except ImportError:
+        return
+    path = cache_dir() / "chat_history"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    atexit.register(lambda: _save_history(readline, path))
+
+
+def _save_history(readline, path: Path) -> None:
+    try:
+        readline.write_history_file(path)
+    except OSError:
+        pass

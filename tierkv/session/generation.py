@@ -1,0 +1,149 @@
+"""Generating an answer from a state: sampling, stop strings, streamed text, and what it cost.
+
+    logits = state.extend(prompt tokens)          time to first token ends here
+    loop:  token = sampler(logits)                greedy at temperature 0, else top-p sampling
+           stop at EOS, a stop string, max_new_tokens, or when cancelled
+           text piece out (streamed)              held back while it could be the start of a stop string
+           logits = state.step(token)
+
+The text is decoded from all tokens so far and streamed as the difference, so a
+character made of several tokens comes out whole.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from tierkv.errors import ConfigError
+from tierkv.events import Event, EventKind, EventRecorder
+from tierkv.session.state import KVState
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How tokens are chosen: greedy at ``temperature`` 0, else softmax(logits / temperature) cut to
+    the smallest set of tokens holding ``top_p`` of the mass; ``seed`` makes sampling repeatable."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if not 0 <= self.temperature <= 100:
+            raise ConfigError(f"temperature={self.temperature}: must be between 0 and 100")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop: an empty stop string would stop at once")
+
+    def sampler(self) -> Callable[[Tensor], int]:
+        if self.temperature == 0:
+            return lambda logits: int(logits.argmax())
+        generator = torch.Generator()
+        generator.manual_seed(self.seed if self.seed is not None else int(time.time_ns()) & 0xFFFFFFFF)
+        return lambda logits: _sample(logits, self.temperature, self.top_p, generator)
+
+
+def _sample(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p          # the first token always stays
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(slots=True)
+class Answer:
+    """One answer and what it cost."""
+
+    text: str = ""
+    prompt_tokens: int = 0
+    reused_tokens: int = 0              # prompt tokens served from stored KV
+    generated_tokens: int = 0
+    ttft_s: float = 0.0                 # from the request to the first token's logits
+    decode_s: float = 0.0
+    stall_s: float = 0.0                # decode time spent waiting on tier loads
+    finish_reason: str = "length"       # stop (EOS or a stop string), length, or cancelled
+    tokens: list[int] = field(default_factory=list)
+    computed_from: int | None = None    # the first prompt position computed for this answer (None: none yet)
+    report: dict[str, object] = field(default_factory=dict)   # what the sparse step did (sparse mode)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if steps > 0 and self.decode_s else 0.0
+
+    @property
+    def stall_fraction(self) -> float:
+        return self.stall_s / self.decode_s if self.decode_s else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        out = {name: getattr(self, name) for name in self.__slots__ if name not in ("tokens", "computed_from")}
+        return out | {"decode_tokens_per_s": self.decode_tokens_per_s, "stall_fraction": self.stall_fraction}
+
+
+def generate(state: KVState, logits: Tensor, answer: Answer, sampling: Sampling, *, tokenizer, eos: set[int],
+             events: EventRecorder, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
+    """Text pieces of the answer that follows ``logits``; fills ``answer`` as it goes."""
+    choose, shown, start = sampling.sampler(), "", time.perf_counter()
+    first_event = len(events.events)
+    try:
+        while True:
+            token = choose(logits)
+            answer.tokens.append(token)
+            answer.generated_tokens += 1
+            text, stop = _cut(_text(tokenizer, answer.tokens), sampling.stop)
+            if token in eos or stop:
+                answer.finish_reason = "stop"
+            safe = text if stop or token in eos else _held_back(text, sampling.stop)
+            if len(safe) > len(shown):
+                yield safe[len(shown):]
+                shown = safe
+            answer.text = text
+            if answer.finish_reason == "stop" or answer.generated_tokens >= sampling.max_new_tokens:
+                break
+            if cancelled():
+                answer.finish_reason = "cancelled"
+                break
+            step = time.perf_counter()
+            logits = state.step(token)
+            events.record(Event(EventKind.STEP, "", "", None, 0, step, step, time.perf_counter()))
+    except GeneratorExit:                  # the reader went away (a closed stream, a client that hung up)
+        answer.finish_reason = "cancelled"
+        raise
+    finally:
+        answer.decode_s = time.perf_counter() - start
+        answer.stall_s = sum(e.done - e.start for e in events.events[first_event:] if e.kind == EventKind.WAIT)
+    if len(answer.text) > len(shown):
+        yield answer.text[len(shown):]
+
+
+def _text(tokenizer, tokens: list[int]) -> str:
+    """The text of ``tokens`` (none for a model without a tokenizer: its answers are token ids)."""
+    return "" if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _cut(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to the first stop string, and whether there was one."""
+    at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text, False) if at < 0 else (text[:at], True)
+
+
+def _held_back(text: str, stops: Sequence[str]) -> str:
+    """``text`` without a tail that could still grow into a stop string."""
+    keep = len(text)
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                keep = min(keep, len(text) - n)
+                break
+    return text[:keep]

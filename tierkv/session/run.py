@@ -1,0 +1,127 @@
+"""One ``tierkv run``: a session reads the document (or a synthetic passkey haystack), answers each
+question, and reports what it cost: times, reuse, stall share, and per tier its budget, peak and
+final bytes, bytes read and written, and the backend that moved them.
+
+    read     the document's prefix state: found stored (reused) or prefilled, and stored
+    ask      each question on a fork of it: only the question's tokens are computed
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tierkv.errors import ConfigError
+from tierkv.events import Event, EventKind
+from tierkv.model.loading import LoadedModel
+from tierkv.model.prompt import DEFAULT_QUESTION, passkey_prompt, read_document
+from tierkv.model.settings import RunConfig
+from tierkv.profile.trace import write_trace
+from tierkv.session.generation import Answer
+from tierkv.session.session import Session
+
+
+@dataclass(slots=True)
+class RunResult:
+    text: str = ""                      # the first answer
+    prompt_tokens: int = 0              # of the first question's prompt
+    document_tokens: int = 0
+    generated_tokens: int = 0           # all answers
+    prefill_s: float = 0.0              # reading the document
+    ttft_s: float = 0.0                 # from the start to the first answer's first token
+    decode_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    stall_fraction: float = 0.0
+    reused_prompt_tokens: int = 0       # of the first question's prompt, found stored
+    mode: str = "dense"
+    kv_bytes: int = 0
+    answers: list[dict[str, object]] = field(default_factory=list)   # one per question
+    sparse: dict[str, object] = field(default_factory=dict)
+    answer: str | None = None           # the planted passkey of a synthetic prompt
+    found: bool | None = None
+    tiers: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
+        on_prefill: Callable[[int, int], None] = lambda done, total: None,
+        on_question: Callable[[int, str], None] = lambda i, q: None,
+        loaded: LoadedModel | None = None) -> RunResult:
+    """``on_text``: each piece of an answer as it comes; ``on_question(i, question)`` before the
+    i-th answer; ``on_prefill(done, total)``: prefill progress in tokens."""
+    p = config.prompt
+    if p.synthetic_tokens is not None and p.questions:
+        raise ConfigError("--question asks about --doc; a synthetic prompt asks for its passkey")
+    out = config.output
+    with Session(config.session(), loaded=loaded, keep_events=out.trace is not None,
+                 record_access=out.record_access is not None) as session:
+        tokenizer, start = session.loaded.tokenizer, time.perf_counter()
+        prompt = passkey_prompt(tokenizer, p.synthetic_tokens, depth=p.depth, seed=p.seed, filler=p.filler) \
+            if p.synthetic_tokens is not None else None
+        result = RunResult(answer=None if prompt is None else prompt.answer)
+        done = [0]
+
+        def progress(n: int) -> None:
+            done[0] += n
+            on_prefill(done[0], result.document_tokens)
+
+        if prompt is None:
+            text = read_document(p.doc)
+            result.document_tokens = len(session.document_ids(text))
+            session.read(text, progress=progress)
+        else:
+            result.document_tokens = len(prompt.ids) - 1
+            session.read_ids(prompt.ids[:-1], progress=progress)
+        result.prefill_s = session.document_s
+        read_at = start + (time.perf_counter() - start - session.document_s)
+        prefill_event = Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, read_at + result.prefill_s)
+        questions = list(p.questions or [DEFAULT_QUESTION]) if prompt is None else [None]
+        for i, question in enumerate(questions):
+            on_question(i, question or "")
+            stream = session.ask(question, stream=True, max_new_tokens=out.max_new_tokens) if prompt is None \
+                else session.complete(prompt.ids, stream=True, max_new_tokens=out.max_new_tokens)
+            for piece in stream:
+                on_text(piece)
+            _add_answer(result, question, stream.answer, start if i == 0 else None, session.document_reused)
+        backend = session.backends[session.last_mode]
+        backend.events.record(prefill_event)
+        _summarise(result, backend, session)
+        if prompt is not None:
+            result.found = prompt.answer in result.text
+        backend.manager.flush()
+        if out.record_access is not None:
+            backend.access.save(out.record_access, backend.manager.manager)
+        if out.trace is not None:
+            events = backend.events
+            write_trace(out.trace, events.events, events.origin,
+                        meta={"block_bytes": backend.layout.block_bytes, "tiers": result.tiers})
+    return result
+
+
+def _add_answer(result: RunResult, question: str | None, answer: Answer, start: float | None,
+                document_reused: int) -> None:
+    entry = {"question": question, "text": answer.text, "prompt_tokens": answer.prompt_tokens,
+             "reused_prompt_tokens": answer.reused_tokens, "ttft_s": answer.ttft_s,
+             "generated_tokens": answer.generated_tokens, "decode_tokens_per_s": answer.decode_tokens_per_s,
+             "stall_fraction": answer.stall_fraction, "finish_reason": answer.finish_reason}
+    if start is not None:      # the first answer waited for the document, which earlier runs may have stored
+        result.text, result.prompt_tokens = answer.text, answer.prompt_tokens
+        result.reused_prompt_tokens = entry["reused_prompt_tokens"] = document_reused
+        result.ttft_s = entry["ttft_s"] = result.prefill_s + answer.ttft_s
+    result.answers.append(entry)
+    result.generated_tokens += answer.generated_tokens
+    result.decode_s += answer.decode_s
+    result.stall_fraction += answer.stall_s       # seconds until _summarise divides
+    result.sparse = answer.report
+
+
+def _summarise(result: RunResult, backend, session: Session) -> None:
+    steps = result.generated_tokens - len(result.answers)
+    result.decode_tokens_per_s = steps / result.decode_s if steps > 0 and result.decode_s else 0.0
+    result.stall_fraction = result.stall_fraction / result.decode_s if result.decode_s else 0.0
+    result.mode = backend.mode
+    spec = session.loaded.spec
+    result.kv_bytes = (result.prompt_tokens + result.generated_tokens) * spec.kv_bytes_per_token
+    result.tiers = backend.tier_report()

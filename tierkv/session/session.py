@@ -1,0 +1,267 @@
+"""A session: read a long document once, then ask, chat and complete over it as often as you like.
+
+    with Session.open("smollm2", nvme_dir="/mnt/nvme/kv", gpu_budget="2GiB") as s:
+        s.read("report.txt")                       # prefilled once, or found stored by an earlier run
+        print(s.ask("What are the three main findings?").text)
+        for piece in s.ask("Who wrote it?", stream=True):
+            print(piece, end="")
+        branch = s.fork()                          # the same document, a conversation of its own
+
+Every request renders its prompt with the model's chat template and runs from the longest
+state it can reuse: one this session holds (the document, recent conversations) or, with an
+NVMe store, one any earlier run stored. The document is the first user message, each
+question a later one: a template renders earlier messages the same whatever follows them, so
+the document's tokens are a prefix of every question's prompt::
+
+    prompt   [system][user: document .....................][user: question][assistant: ...
+    state    [system][user: document .....................]      reused, never changed
+    computed                                                [user: question]  then the answer
+
+Dense mode reuses whole stored blocks; sparse mode the stored index of the prefix. The mode
+is chosen per prompt (``EngineSettings.mode``: auto is sparse past the trained window).
+A session is not thread-safe: one request at a time (``tierkv serve`` queues them).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tierkv.errors import ConfigError, TierKVError
+from tierkv.model.loading import LoadedModel, load_model
+from tierkv.model.prompt import chat_ids, read_document
+from tierkv.model.settings import SessionConfig
+from tierkv.session.backend import Backend, open_backend
+from tierkv.session.generation import Answer, Sampling, generate
+from tierkv.session.state import KVState, Progress
+
+Message = dict[str, str]
+
+
+class PromptTooLong(ConfigError):
+    """A prompt longer than the session takes (``Session(max_prompt_tokens=...)``)."""
+
+
+class Stream:
+    """The text pieces of an answer as they are generated; ``answer`` is complete once the stream
+    is exhausted. ``close()`` (or leaving it unfinished and dropping it) stops the generation and
+    lets go of what it held."""
+
+    def __init__(self, pieces: Iterator[str], answer: Answer) -> None:
+        self._pieces, self.answer = pieces, answer
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        self._pieces.close()
+
+
+class Session:
+    def __init__(self, config: SessionConfig = SessionConfig(), *, loaded: LoadedModel | None = None,
+                 keep_events: bool = False, record_access: bool = False, max_states: int = 4,
+                 max_prompt_tokens: int | None = None) -> None:
+        """``keep_events``: keep every transfer event for a trace (else each answer's are dropped
+        after it); ``max_states``: conversation states kept for their next turn;
+        ``max_prompt_tokens``: longer prompts are refused (PromptTooLong) before any work."""
+        self.max_prompt_tokens = max_prompt_tokens
+        self.config = config
+        self.loaded = loaded or load_model(config.engine.model, dtype=config.engine.torch_dtype)
+        self.keep_events, self.record_access, self.max_states = keep_events, record_access, max_states
+        self.backends: dict[str, Backend] = {}
+        self.document: KVState | None = None            # what read() took in
+        self.document_reused = 0
+        self.document_s = 0.0
+        self._states: list[KVState] = []                # conversations, newest last
+        self.last_mode = ""                             # the mode of the last answer
+        self._messages: list[Message] = []              # the document's messages
+        self.closed = self._forked = False
+
+    @classmethod
+    def open(cls, model: str = "smollm2", *, loaded: LoadedModel | None = None, **settings: Any) -> Session:
+        """A session over ``model``; ``settings`` named as ``tierkv run``'s flags (``nvme_dir``,
+        ``gpu_budget``, ``cpu_budget``, ``mode``, ``dtype``, ``sparse_budget``, ...)."""
+        return cls(SessionConfig.of(model=model, **settings), loaded=loaded)
+
+    # -- documents ----------------------------------------------------------------------------------
+    def read(self, document: str | Path, *, progress: Progress | None = None) -> int:
+        """Take in a document (a path, or the text itself): prefilled, or found stored. Later
+        questions are asked about it. Returns its tokens."""
+        text = read_document(document) if isinstance(document, Path) else document
+        if not text.strip():
+            raise ConfigError("the document is empty")
+        self._messages = [{"role": "user", "content": text}]
+        return self.read_ids(self.document_ids(text), progress=progress)
+
+    def document_ids(self, text: str) -> list[int]:
+        """The tokens ``read(text)`` takes in: the document as the first user message."""
+        return chat_ids(self.loaded.tokenizer, [{"role": "user", "content": text}], generation=False)
+
+    def read_ids(self, ids: Sequence[int], *, progress: Progress | None = None) -> int:
+        """``read`` for token ids (a prompt built by hand)."""
+        self._check_open()
+        start = time.perf_counter()
+        if self.document is not None:
+            self.document.release()
+        self.document, self.document_reused = self._prefix_state(list(ids), progress)
+        self.document_s = time.perf_counter() - start
+        return len(ids)
+
+    # -- asking -------------------------------------------------------------------------------------
+    def ask(self, question: str, *, stream: bool = False, **sampling: Any) -> Answer | Stream:
+        """A question about the document ``read`` took in, seeing nothing asked before."""
+        if self.document is None or not self._messages:
+            raise TierKVError("read a document first: session.read(path_or_text)")
+        return self._chat([*self._messages, {"role": "user", "content": question}], stream, sampling, keep=False)
+
+    def chat(self, messages: Sequence[Message], *, stream: bool = False, **sampling: Any) -> Answer | Stream:
+        """The assistant's reply to ``messages`` (OpenAI-style dicts with role and content). The
+        state after the reply is kept a while, so a next turn that repeats these messages and the
+        reply goes on from it."""
+        return self._chat(messages, stream, sampling, keep=True)
+
+    def _chat(self, messages: Sequence[Message], stream: bool, sampling: dict[str, Any], *,
+              keep: bool) -> Answer | Stream:
+        _check_messages(messages)
+        tokenizer = self.loaded.tokenizer
+        ids = chat_ids(tokenizer, list(messages))
+        prefix = chat_ids(tokenizer, list(messages[:-1]), generation=False) if len(messages) > 1 else []
+        return self._respond(ids, prefix, Sampling(**sampling), stream, keep=keep)
+
+    def complete(self, prompt: str | Sequence[int], *, stream: bool = False, **sampling: Any) -> Answer | Stream:
+        """The continuation of a plain prompt (no chat template): text, or token ids."""
+        ids = list(prompt) if not isinstance(prompt, str) else \
+            self.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ConfigError("the prompt is empty")
+        return self._respond(ids, ids[:-1], Sampling(**sampling), stream, keep=False)
+
+    def fork(self) -> Session:
+        """A session over the same model, tiers and document, whose questions and conversations are
+        its own from here on."""
+        self._check_open()
+        twin = Session.__new__(Session)
+        twin.__dict__.update(self.__dict__)
+        twin.document = None if self.document is None else self.document.fork()
+        twin._states, twin._messages, twin._forked = [], list(self._messages), True
+        return twin
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let go of every state; the backends close with the session that opened them (not a fork)."""
+        if self.closed:
+            return
+        self.closed = True
+        for state in [*self._states, *([self.document] if self.document is not None else [])]:
+            state.release()
+        self._states, self.document = [], None
+        if not self._forked:
+            for backend in self.backends.values():
+                backend.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def backend(self, mode: str) -> Backend:
+        """The engine and tiers of ``mode`` (dense, sparse), made on first use."""
+        self._check_open()
+        if mode not in self.backends:
+            self.backends[mode] = open_backend(mode, self.config, self.loaded, record_access=self.record_access)
+        return self.backends[mode]
+
+    # -- the request path -----------------------------------------------------------------------------------
+    def _respond(self, ids: list[int], prefix: list[int], sampling: Sampling, stream: bool,
+                 keep: bool) -> Answer | Stream:
+        self._check_open()
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            raise PromptTooLong(f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are taken "
+                                "(tierkv serve --max-prompt-tokens)")
+        start = time.perf_counter()
+        answer = Answer(prompt_tokens=len(ids))
+        state, covered = self._branch(ids, prefix, answer)
+        self.last_mode = state.mode
+        try:
+            logits = state.extend(ids[covered:])
+        except BaseException:
+            state.release()
+            raise
+        first = state.computed_from if answer.computed_from is None else min(answer.computed_from, state.computed_from)
+        answer.reused_tokens = first          # prompt tokens whose KV this answer did not compute
+        answer.ttft_s = time.perf_counter() - start
+        backend = self.backend(state.mode)
+        pieces = self._finish(state, generate(state, logits, answer, sampling, tokenizer=self.loaded.tokenizer,
+                                              eos=backend.eos, events=backend.events), answer, keep)
+        if stream:
+            return Stream(pieces, answer)
+        for _ in pieces:
+            pass
+        return answer
+
+    def _finish(self, state: KVState, pieces: Iterator[str], answer: Answer, keep: bool) -> Iterator[str]:
+        """``pieces``, then: the state kept for the conversation's next turn, or let go."""
+        try:
+            yield from pieces
+        finally:
+            backend = self.backend(state.mode)
+            answer.report = backend.report(state)
+            if keep and answer.finish_reason != "cancelled":
+                self._keep(state)
+            else:
+                state.release()
+            if not self.keep_events:
+                backend.events.clear()
+
+    def _branch(self, ids: list[int], prefix: list[int], answer: Answer) -> tuple[KVState, int]:
+        """A fork of the longest state whose tokens start ``ids`` (the document's prefix state made
+        first when it is longer), and how many tokens of ``ids`` it covers."""
+        mode = self.config.engine.resolve_mode(len(ids), self.loaded.spec.max_position)
+        held = [s for s in self._held() if s.mode == mode and len(s.tokens) < len(ids)
+                and ids[:len(s.tokens)] == s.tokens]
+        best = max(held, key=lambda s: len(s.tokens), default=None)
+        if prefix and ids[:len(prefix)] == prefix and (best is None or len(best.tokens) < len(prefix)):
+            state, reused = self._prefix_state(prefix, None, mode)
+            answer.computed_from = reused
+            self._keep(state)
+            best = state
+        if best is None:
+            return self.backend(mode).empty(len(ids)), 0
+        return best.fork(), len(best.tokens)
+
+    def _prefix_state(self, ids: list[int], progress: Progress | None,
+                      mode: str | None = None) -> tuple[KVState, int]:
+        mode = mode or self.config.engine.resolve_mode(len(ids) + 1, self.loaded.spec.max_position)
+        backend = self.backend(mode)
+        backend.events.enabled = self.keep_events    # a 1M-token prefill makes millions of transfer events
+        try:
+            return backend.state_of(ids, progress)
+        finally:
+            backend.events.enabled = True
+
+    def _held(self) -> list[KVState]:
+        return [*([self.document] if self.document is not None else []), *self._states]
+
+    def _keep(self, state: KVState) -> None:
+        self._states.append(state)
+        while len(self._states) > self.max_states:
+            self._states.pop(0).release()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TierKVError("the session is closed")
+
+
+def _check_messages(messages: Sequence[Message]) -> None:
+    if not messages:
+        raise ConfigError("messages: at least one message is needed")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or \
+                not isinstance(m.get("content"), str):
+            raise ConfigError(f"messages[{i}]: expected {{'role': 'system'|'user'|'assistant', 'content': "
+                              f"text}}, got {m!r}")

@@ -1,0 +1,123 @@
+"""A prefilled token prefix held in the tiers, ready to be extended: the state a session reuses.
+
+A state covers ``tokens`` (a document, a conversation so far). Asking something
+of it never changes it: a question is asked of a ``fork``, which shares what the
+state holds and keeps what it adds to itself::
+
+    document state  [doc ........................]          held while the session lives
+      fork + extend [doc ........................][q1 a1]    released after the answer
+      fork + extend [doc ........................][q2 a2]    never sees q1 or a1
+
+``DenseState``: blocks are content addresses of the token prefix, so a fork is a
+new sequence that finds every whole block of the parent by content and
+recomputes only the parent's partial last block (under ``block_tokens``).
+``SparseState``: a fork shares the parent's pages and index (``SparseSequence.fork``)
+and recomputes nothing; its own pages are private to it.
+
+``extend(ids)`` computes ``ids`` after ``tokens`` and returns the logits that follow
+them; ``absorb(ids)`` computes them when no logits are needed (a document); ``step``
+is one decode step.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from tierkv.model.engine import Engine
+from tierkv.model.sequence import TieredSequence
+from tierkv.model.sparse_engine import SparseEngine
+from tierkv.sparse.sequence import SparseSequence
+
+Progress = Callable[[int], None]      # called with the number of tokens just computed
+
+
+class KVState(Protocol):
+    tokens: list[int]
+    mode: str
+    computed_from: int     # the first position the last ``extend`` computed (before it: found stored)
+
+    def fork(self) -> KVState: ...
+
+    def absorb(self, ids: Sequence[int], progress: Progress | None = None) -> None: ...
+
+    def extend(self, ids: Sequence[int], progress: Progress | None = None) -> Tensor: ...
+
+    def step(self, token: int) -> Tensor: ...
+
+    def release(self) -> None: ...
+
+
+class DenseState:
+    mode = "dense"
+
+    def __init__(self, engine: Engine, *, pending: Sequence[int] = ()) -> None:
+        """``pending``: tokens the state covers but has not computed yet (a fork's parent's): the
+        first extension finds their whole blocks by content and recomputes the rest."""
+        self.engine = engine
+        self.seq: TieredSequence = engine.new_sequence()
+        self.pending = list(pending)
+        self.reused = 0                    # tokens of the last extension found stored
+        self.computed_from = 0             # the first position the last extension computed
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.token_ids + self.pending
+
+    def fork(self) -> DenseState:
+        return DenseState(self.engine, pending=self.tokens)
+
+    def absorb(self, ids: Sequence[int], progress: Progress | None = None) -> None:
+        self.extend(ids, progress)
+
+    def extend(self, ids: Sequence[int], progress: Progress | None = None) -> Tensor:
+        if not ids:
+            raise ValueError("nothing to extend the state with")
+        if not self.seq.token_ids:                     # reuse whatever the store holds of the prefix
+            everything = [*self.pending, *ids]
+            logits, self.reused = self.engine.prefill(self.seq, everything, progress)
+            self.pending, self.computed_from = [], self.reused
+            return logits
+        self.reused, self.computed_from = 0, len(self.seq.token_ids)
+        return self.engine.extend(self.seq, ids, progress)
+
+    def step(self, token: int) -> Tensor:
+        return self.engine.decode(self.seq, token)
+
+    def release(self) -> None:
+        self.seq.release(keep=self.engine.manager.manager.store is not None)
+
+
+class SparseState:
+    mode = "sparse"
+
+    def __init__(self, engine: SparseEngine, seq: SparseSequence, tokens: Sequence[int]) -> None:
+        self.engine, self.seq, self.tokens = engine, seq, list(tokens)
+        self.computed_from = 0             # the first position the last extension computed
+
+    def fork(self) -> SparseState:
+        return SparseState(self.engine, self.seq.fork(), self.tokens)
+
+    def absorb(self, ids: Sequence[int], progress: Progress | None = None) -> None:
+        self.tokens += ids
+        self.engine.prefill(self.seq, self.tokens, progress)
+
+    @torch.inference_mode()
+    def extend(self, ids: Sequence[int], progress: Progress | None = None) -> Tensor:
+        if not ids:
+            raise ValueError("nothing to extend the state with")
+        self.computed_from = len(self.tokens)
+        self.absorb(ids[:-1], progress)
+        logits = self.step(ids[-1])
+        if progress:
+            progress(1)
+        return logits
+
+    def step(self, token: int) -> Tensor:
+        self.tokens.append(token)
+        return self.engine.decode(self.seq, token)
+
+    def release(self) -> None:
+        self.seq.release(keep=self.engine.manager.manager.store is not None)

@@ -1,0 +1,98 @@
+"""One layer's state under sparse attention, and how a branch of it shares the parent's.
+
+A fork (``LayerState.fork``) is a new branch of the same tokens: what only grows or
+never changes after the key basis is fitted is shared, what a branch changes in place is
+its own::
+
+    shared       sinks, basis (once fitted), page keys so far, the index's summaries
+                 (copied when the branch first extends them: ChunkIndex.fork)
+    own copy     window (a FIFO the next tokens push into), Gram matrix (before the fit),
+                 outlier set, page key list (the new pages are the branch's)
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tierkv.keys import BlockKey
+from tierkv.layout import BlockLayout
+from tierkv.sparse.config import SparseConfig
+from tierkv.sparse.index import ChunkIndex
+from tierkv.sparse.lowrank import KeyBasis
+
+
+class _Fifo:
+    """Rows [t, Hkv, D] appended at the back, taken from the front."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        self.data = torch.empty(1024, *shape, dtype=dtype)
+        self.head = self.tail = 0
+
+    def __len__(self) -> int:
+        return self.tail - self.head
+
+    def push(self, rows: Tensor) -> None:
+        if self.tail + rows.shape[0] > self.data.shape[0]:
+            live = self.data[self.head:self.tail]
+            size = max(self.data.shape[0], 2 * (len(self) + rows.shape[0]))
+            self.data = torch.cat([live, torch.empty(size - len(live), *self.data.shape[1:],
+                                                     dtype=self.data.dtype)])
+            self.head, self.tail = 0, len(live)
+        self.data[self.tail:self.tail + rows.shape[0]] = rows
+        self.tail += rows.shape[0]
+
+    def pop(self, n: int) -> Tensor:
+        rows = self.data[self.head:self.head + n].clone()
+        self.head += n
+        if self.head > self.data.shape[0] // 2:   # give back what the taken front held
+            live = self.data[self.head:self.tail]
+            self.data = torch.cat([live, torch.empty(max(1024, len(live)), *self.data.shape[1:],
+                                                     dtype=self.data.dtype)])
+            self.head, self.tail = 0, len(live)
+        return rows
+
+    def rows(self) -> Tensor:
+        return self.data[self.head:self.tail]
+
+    def copy(self) -> _Fifo:
+        twin = _Fifo(tuple(self.data.shape[1:]), self.data.dtype)
+        twin.push(self.rows())
+        return twin
+
+
+class LayerState:
+    """One layer of a sparse sequence: sinks, window, key basis, chunk index and page keys."""
+
+    def __init__(self, layer: int, config: SparseConfig, layout: BlockLayout, needs: frozenset[str],
+                 dtype: torch.dtype) -> None:
+        H, D = layout.num_kv_heads, layout.head_dim
+        self.sink_k, self.sink_v = torch.empty(0, H, D, dtype=dtype), torch.empty(0, H, D, dtype=dtype)
+        self.win_k, self.win_v = _Fifo((H, D), dtype), _Fifo((H, D), dtype)
+        self.basis = KeyBasis(H * D)
+        # summaries in the pages' dtype (landmarks of 1M tokens: 1.5 GiB in bf16), scored in float32
+        self.index = ChunkIndex(layer, H, D, chunk_tokens=config.chunk_tokens, needs=needs, dtype=layout.dtype)
+        self.pages: list[BlockKey] = []
+        self.previous = torch.empty(0, dtype=torch.long)   # pages read by the last step
+        self.length = 0
+        self._head_basis: Tensor | None = None
+
+    def head_basis(self) -> Tensor:
+        """The basis split per KV head: [Hkv, r, D] (keys of head h = A @ B[:, h*D:(h+1)*D])."""
+        if self._head_basis is None:
+            basis = self.basis.basis                                   # [r, Hkv*D]
+            heads = self.sink_k.shape[1]
+            self._head_basis = basis.view(basis.shape[0], heads, -1).transpose(0, 1).contiguous()
+        return self._head_basis
+
+    def fork(self) -> LayerState:
+        """A branch of this layer (see the module notes)."""
+        twin = object.__new__(LayerState)
+        twin.sink_k, twin.sink_v = self.sink_k, self.sink_v
+        twin.win_k, twin.win_v = self.win_k.copy(), self.win_v.copy()
+        twin.basis = self.basis if self.basis.basis is not None else self.basis.copy()
+        twin.index = self.index.fork()
+        twin.pages = list(self.pages)
+        twin.previous, twin.length, twin._head_basis = self.previous, self.length, self._head_basis
+        return twin
+
+
