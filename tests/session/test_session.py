@@ -15,7 +15,7 @@ from tinymodels import tiny_model
 
 DOC = ("Alice met Bob in Paris in 1999. They founded a bakery called Blue Oven on Rue Cler. "
        "The bakery became famous for its rye bread. In 2010 they opened a second shop in Lyon.\n") * 12
-SMALL = dict(gpu_budget="2MiB", cpu_budget="4MiB")
+SMALL = dict(gpu_budget="32MiB", cpu_budget="32MiB")   # spilling is the tiers' tests; these test reuse
 
 
 def smollm2_session(smollm2, tmp_path, **settings) -> Session:

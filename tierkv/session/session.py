@@ -226,13 +226,26 @@ class Session:
                 and ids[:len(s.tokens)] == s.tokens]
         best = max(held, key=lambda s: len(s.tokens), default=None)
         if prefix and ids[:len(prefix)] == prefix and (best is None or len(best.tokens) < len(prefix)):
-            state, reused = self._prefix_state(prefix, None, mode)
-            answer.computed_from = reused
-            self._keep(state)
-            best = state
+            best = self._grown(best, prefix, mode, answer)
+            self._keep(best)
         if best is None:
             return self.backend(mode).empty(len(ids)), 0
         return best.fork(), len(best.tokens)
+
+    def _grown(self, best: KVState | None, prefix: list[int], mode: str, answer: Answer) -> KVState:
+        """The state of ``prefix``: ``best`` (a held state it starts with) grown to it, or found
+        stored / prefilled."""
+        if best is None:
+            state, answer.computed_from = self._prefix_state(prefix, None, mode)
+            return state
+        state = best.fork()
+        try:
+            state.absorb(prefix[len(best.tokens):])
+        except BaseException:
+            state.release()
+            raise
+        answer.computed_from = state.computed_from
+        return state
 
     def _prefix_state(self, ids: list[int], progress: Progress | None,
                       mode: str | None = None) -> tuple[KVState, int]:

@@ -101,6 +101,7 @@ class SparseState:
         return SparseState(self.engine, self.seq.fork(), self.tokens)
 
     def absorb(self, ids: Sequence[int], progress: Progress | None = None) -> None:
+        self.computed_from = len(self.tokens)
         self.tokens += ids
         self.engine.prefill(self.seq, self.tokens, progress)
 
@@ -108,7 +109,6 @@ class SparseState:
     def extend(self, ids: Sequence[int], progress: Progress | None = None) -> Tensor:
         if not ids:
             raise ValueError("nothing to extend the state with")
-        self.computed_from = len(self.tokens)
         self.absorb(ids[:-1], progress)
         logits = self.step(ids[-1])
         if progress:
