@@ -113,3 +113,22 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(launch, tmp_path
     ok = httpx.post(url, json={"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
                     headers=key, timeout=120)
     assert ok.status_code == 200 and json.loads(ok.text)["usage"]["completion_tokens"] <= 2
+
+
+def test_a_run_beside_the_server_shares_its_store(launch, tmp_path):
+    """Two processes on one store: `tierkv run` finds the document the server stored, and both answer alike."""
+    import subprocess
+    import sys
+    store = tmp_path / "store"
+    server = launch("--nvme-dir", str(store), *SMALL)
+    served = ask(client(server), "Where was the second shop?")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC)
+    done = subprocess.run([sys.executable, "-m", "tierkv.cli", "run", "--doc", str(doc), "--question",
+                           "Where was the second shop?", "--max-new-tokens", "8", "--nvme-dir", str(store),
+                           *SMALL, "--json"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["reused_prompt_tokens"] > 0                      # found what the server stored
+    assert result["text"] == served.choices[0].message.content
+    assert server.idle()["pinned_blocks"] == 0
