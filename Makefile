@@ -31,7 +31,7 @@ demo: $(STAMP)
 		open('.demo/doc.txt', 'w').write('\n\n'.join(topics[n] for n in sys.argv[1:]))" $(DEMO_TOPICS)
 	$(BIN)/tierkv run --doc .demo/doc.txt --question "What does the pass statement do?" \
 		--question "What does the break statement do?" --gpu-budget 16MiB --cpu-budget 64MiB \
-		--nvme-dir .demo/store --max-new-tokens 40
+		--nvme-dir .demo/store --max-new-tokens 64
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

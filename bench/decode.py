@@ -24,6 +24,8 @@ Prefill once, decode many: a second ``tierkv run`` over the same prompt reuses t
 
 Sparse rows (``bench/sparse_rows.py``): at 128K (quick: 32K), ShadowKV-style decode with every page
 in memory and with >= 80 % of them only on NVMe (with and without prefetch) against DynamicCache.
+Branching rows (``bench/branch_rows.py``): speculative decoding over tiered KV at 4K and 32K (quick:
+4K), and the memory four beams hold.
 
     python bench/decode.py --quick --out bench/out/decode-quick.json
     python bench/decode.py --contexts 4K,16K --out bench/out/decode.json
@@ -61,6 +63,7 @@ from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
 from tierkv.layout import BlockLayout
 from tierkv.events import EventRecorder, busy_seconds
+from branch_rows import measure_branching
 from sparse_rows import measure_sparse
 
 K, MiB = 1024, 1024**2
@@ -447,6 +450,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where the NVMe stores go; a real disk, not tmpfs (default: the temp dir)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     parser.add_argument("--sparse-contexts", help="contexts of the sparse rows, or 'none' (default 128K, quick 32K)")
+    parser.add_argument("--branch-contexts", help="contexts of the speculative-decoding rows, or 'none' "
+                                                  "(default 4K,32K; quick 4K); the beam row runs unless 'none'")
     parser.add_argument("--sparse-store", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-sparse-store",
                         help="NVMe store of the sparse rows, kept between runs: the prefill runs once")
     return parser.parse_args(argv)
@@ -460,6 +465,8 @@ def main(argv: list[str] | None = None) -> Report:
     reuse_at = parse_contexts(args.reuse_at or ("4K" if args.quick else "16K")) if args.reuse_at != "none" else ()
     sparse_contexts = () if args.sparse_contexts == "none" else \
         parse_contexts(args.sparse_contexts or ("32K" if args.quick else "128K"))
+    branch_contexts = () if args.branch_contexts == "none" else \
+        parse_contexts(args.branch_contexts or ("4K" if args.quick else "4K,32K"))
     if args.threads:
         torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the stores still go
@@ -476,6 +483,8 @@ def main(argv: list[str] | None = None) -> Report:
             measure_reuse(report, loaded, ctx, args.dtype, workdir)
         for ctx in sparse_contexts:
             measure_sparse(report, loaded, ctx, steps, args.sparse_store, decode_all, HfDecoder)
+        if branch_contexts:
+            measure_branching(report, loaded, branch_contexts, workdir)
         add_bounds(report, loaded, limits, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -57,20 +57,96 @@ def test_smollm2_matches_dynamic_cache_with_most_kv_on_nvme(smollm2, tmp_path):
     with TieredCache(model.config, gpu=8 * block, cpu=8 * block, nvme_dir=tmp_path / "kv", block_tokens=64) as cache:
         assert greedy(model, ids, cache, n=8) == expected
         mgr = cache.manager.manager
-        total = sum(len(layer) for layer in cache.sequence.blocks)
+        total = sum(len(row.blocks) for layer in cache.layers for row in layer.rows)
         in_memory = mgr.tiers["gpu"].pool.used + mgr.tiers["cpu"].pool.used
         assert total >= 4 * in_memory  # most KV lives only on NVMe
 
 
-def test_close_drops_blocks_and_unsupported_operations_say_so(tmp_path):
+def generate(model, ids, cache, **kw):
+    with torch.inference_mode():
+        out = model.generate(ids, do_sample=False, cache=cache, pad_token_id=0, **kw)
+    return out.tolist()
+
+
+def spilling(config, tmp_path, block_tokens=32):
+    block = block_bytes(config, block_tokens)
+    return TieredCache(config, gpu=4 * block, cpu=8 * block, nvme_dir=tmp_path / "kv", block_tokens=block_tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", ["beams-2", "beams-4", "prompt-lookup", "assistant"])
+def test_generation_modes_that_branch_kv_match_dynamic_cache_on_nvme(family, mode, tmp_path):
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 256, (1, 300))
+    ids[0, 200:260] = ids[0, 100:160]                  # repeated text: prompt lookup's drafts hold
+    kw = {"beams-2": dict(num_beams=2), "beams-4": dict(num_beams=4),
+          "prompt-lookup": dict(prompt_lookup_num_tokens=3), "assistant": dict(assistant_model=draft_of(config))}[mode]
+    expected = generate(model, ids, DynamicCache(config=config), max_new_tokens=10, **kw)
+    with spilling(config, tmp_path) as cache:
+        assert generate(model, ids, cache, max_new_tokens=10, **kw) == expected
+        assert cache.manager.manager.stats["nvme"].bytes_out > 0
+
+
+def draft_of(config):
+    torch.manual_seed(1)
+    return transformers.AutoModelForCausalLM.from_config(type(config)(**{**SMALL, "num_hidden_layers": 1})).eval()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("mode", ["beams-2", "prompt-lookup"])
+def test_smollm2_beams_and_prompt_lookup_match_dynamic_cache_on_nvme(smollm2, tmp_path, mode):
+    text = "The pass key is 31337. " + "The grass is green. The sky is blue. " * 40 + "What is the pass key?"
+    ids = torch.tensor([smollm2.tokenizer(text)["input_ids"]])
+    kw = dict(num_beams=2) if mode == "beams-2" else dict(prompt_lookup_num_tokens=3)
+    model = smollm2.model
+    expected = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=8, **kw)
+    with spilling(model.config, tmp_path, block_tokens=64) as cache:
+        assert generate(model, ids, cache, max_new_tokens=8, **kw) == expected
+
+
+def test_crop_then_regenerate_equals_the_uncropped_run(tmp_path):
+    torch.manual_seed(0)
+    config = FAMILIES["llama"]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 256, (1, 150))
+    with spilling(config, tmp_path) as cache, torch.inference_mode():
+        whole = model(ids, cache=cache).logits[0, -1]
+        cache.crop(-53)                                 # into the sealed blocks: one is read back as the tail
+        assert cache.get_seq_length() == 97
+        again = model(ids[:, 97:], cache=cache).logits[0, -1]
+        assert torch.allclose(again, whole, atol=1e-5)
+
+
+def test_beams_share_their_prefix_and_a_dropped_branch_frees_only_its_own_blocks(tmp_path):
+    torch.manual_seed(0)
+    config = FAMILIES["llama"]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with TieredCache(config, gpu="8MiB", cpu=0, block_tokens=32) as cache, torch.inference_mode():
+        model(torch.randint(0, 256, (1, 320)), cache=cache)              # 10 blocks per layer
+        mgr = cache.manager.manager
+        one = mgr.tiers["gpu"].pool.used
+        cache.batch_repeat_interleave(4)                                  # four beams over one prompt
+        assert mgr.tiers["gpu"].pool.used == one                          # shared: counted once
+        model(torch.randint(0, 256, (4, 40)), cache=cache)                # each beam seals blocks of its own
+        grown = mgr.tiers["gpu"].pool.used
+        assert grown == one + 4 * 3 * 1                                   # 1 new block per beam and layer
+        cache.batch_select_indices(torch.tensor([2]))                     # keep one branch, free the others
+        kept = {key for layer in cache.layers for row in layer.rows for key in row.blocks}
+        assert {e.key for e in mgr.directory if e.copies} == kept and mgr.tiers["gpu"].pool.used == one + 3
+        assert all(e.holders == 1 for e in mgr.directory)
+
+
+def test_close_drops_every_block(tmp_path):
     torch.manual_seed(0)
     config = FAMILIES["llama"]()
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     cache = TieredCache(config, gpu="1MiB", cpu="1MiB", block_tokens=32)
     greedy(model, torch.randint(0, 256, (1, 100)), cache, n=2)
-    assert cache.get_seq_length() == 101
-    with pytest.raises(NotImplementedError, match="beam search"):
-        cache.layers[0].reorder_cache(torch.tensor([0]))
+    assert cache.get_seq_length() == 101 and cache.is_croppable
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(5)
     manager = cache.manager.manager
     cache.close()
     assert len(manager.directory) == 0

@@ -153,6 +153,9 @@ def run_config(args: argparse.Namespace):
     from_file = nest(RunConfig, read_run_config(args.config)) if args.config else {}
     config = build(RunConfig, from_file, given(args, RunConfig))
     sparse_given = given_flags(args, SparseConfig)
+    if config.engine.draft_tokens and config.engine.mode == "sparse":
+        raise ConfigError("--draft-tokens: drafts are verified in dense mode only (a sparse pass over several "
+                          "tokens selects for all of them at once); use --mode dense or auto")
     if sparse_given and config.engine.mode == "dense":
         raise ConfigError(f"{', '.join(sparse_given)}: sparse-mode settings, but --mode dense attends to every "
                           "stored key; drop them, or use --mode sparse (or auto: sparse past the trained window)")
@@ -205,6 +208,10 @@ def _print_run_summary(r, config) -> None:
               f"first token after {a['ttft_s']:.2f} s")
     print(f"decode {r.generated_tokens} tokens at {r.decode_tokens_per_s:.2f} tok/s, "
           f"stall {100 * r.stall_fraction:.1f} % of decode time")
+    drafted = sum(a["drafted_tokens"] for a in r.answers)
+    if drafted:
+        accepted = sum(a["accepted_tokens"] for a in r.answers)
+        print(f"drafts: {accepted} of {drafted} drafted tokens accepted ({100 * accepted / drafted:.0f} %)")
     if r.mode == "sparse":
         _print_sparse_summary(r.sparse)
     if r.answer is not None:

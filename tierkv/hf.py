@@ -5,15 +5,20 @@ Pass it as ``cache=`` to ``model(...)`` or ``model.generate(...)``::
     with TieredCache(model.config, gpu="64MiB", cpu="256MiB", nvme_dir="/mnt/nvme/kv") as cache:
         out = model.generate(ids, cache=cache, max_new_tokens=64)
 
-Each layer's K/V is appended to a ``TieredSequence`` (sealed 256-token
-blocks in the tiers, a tail in memory). transformers' attention needs the
-whole K/V of a layer as one tensor, so ``update`` gathers the blocks of that
-layer into a fresh tensor, bit-identical to what ``DynamicCache`` returns,
-while the next layer's blocks are prefetched. Only one layer's K/V is
-materialised at a time; the rest sits in the tiers under their budgets.
+Each layer keeps one ``LayerKV`` per batch row (sealed blocks of ``block_tokens`` tokens in the
+tiers, a tail in memory). transformers' attention needs a layer's whole K/V as one tensor, so
+``update`` gathers that layer's blocks into a fresh tensor, bit-identical to what ``DynamicCache``
+returns, while the next layer's blocks are prefetched; the rest sits in the tiers under their
+budgets. Rows branch without copying KV, which is what beam search and assisted decoding need::
+
+    reorder_cache(beam_idx)          row i := row beam_idx[i]: a row kept twice is forked (its
+    batch_select_indices / _repeat   blocks held once more, its tail copied), a row dropped lets go
+    crop(-n)                         the last n tokens of every row: a rejected draft
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,52 +26,83 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tierkv.config import TierConfig
-from tierkv.manager import BlockingTierManager
+from tierkv.keys import BlockKey
 from tierkv.layout import BlockLayout
-from tierkv.model.sequence import TieredSequence
+from tierkv.manager import BlockingTierManager
+from tierkv.model.layer_kv import LayerKV
 
 
 class TieredLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
+    is_croppable = True
 
     def __init__(self, owner: TieredCache, index: int) -> None:
         super().__init__()
-        self.owner = owner
-        self.index = index
+        self.owner, self.index = owner, index
+        self.rows: list[LayerKV] = []
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.owner._open(key_states)
+        self.rows = [self.owner._new_row(self.index) for _ in range(key_states.shape[0])]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        seq = self.owner.sequence
-        seq.append(self.index, key_states, value_states)
+        if key_states.shape[0] != len(self.rows):
+            raise ValueError(f"layer {self.index}: {key_states.shape[0]} batch rows, the cache holds {len(self.rows)}")
+        key_of = self.owner._key_of(self.index)
+        for b, row in enumerate(self.rows):
+            row.append(key_states[b:b + 1], value_states[b:b + 1], key_of, persist=False)
         self.owner._prefetch_after(self.index)
-        return self.owner._gather(self.index, key_states.device)
+        return self.owner._gather(self.rows, key_states.device)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        seq = self.owner.sequence
-        return 0 if seq is None else seq.length(self.index)
+        return self.rows[0].length if self.rows else 0
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        raise NotImplementedError("TieredCache cannot be reset; create a new one per sequence")
+        for row in self.rows:
+            row.release(keep=False)
+        self.rows, self.is_initialized = [], False
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("TieredCache does not support cropping (assisted decoding)")
+        """Remove the last ``-tokens_to_remove`` tokens (transformers passes a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
+        for row in self.rows:
+            row.crop(-tokens_to_remove, keep=False)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("TieredCache does not support beam search")
+        self.rows = select_rows(self.rows, beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.rows = select_rows(self.rows, [b for b in range(len(self.rows)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.rows = select_rows(self.rows, torch.as_tensor(indices).tolist())
+
+
+def select_rows(rows: list[LayerKV], order: Sequence[int]) -> list[LayerKV]:
+    """``[rows[i] for i in order]`` without copying KV: a row's first use is the row itself, each
+    further use a fork (blocks held once more, tail copied); a row not used lets go of its blocks."""
+    used: set[int] = set()
+    picked = []
+    for i in order:
+        picked.append(rows[i].fork() if i in used else rows[i])
+        used.add(i)
+    for i, row in enumerate(rows):
+        if i not in used:
+            row.release(keep=False)
+    return picked
 
 
 class TieredCache(Cache):
@@ -82,46 +118,52 @@ class TieredCache(Cache):
         self.block_tokens = block_tokens
         self.manager = manager
         self._owns_manager = manager is None
-        self.sequence: TieredSequence | None = None
+        self.layout: BlockLayout | None = None
+        self._root = os.urandom(16)
 
     # -- called by the layers ---------------------------------------------
     def _open(self, key_states: torch.Tensor) -> None:
-        if self.sequence is not None:
+        if self.layout is not None:
             return
-        B, Hkv, _, D = key_states.shape
-        layout = BlockLayout.kv(self.num_layers, Hkv, D, key_states.dtype, self.block_tokens, B)
+        _, Hkv, _, D = key_states.shape
+        self.layout = BlockLayout.kv(self.num_layers, Hkv, D, key_states.dtype, self.block_tokens)
         if self.manager is None:
-            config = TierConfig(block_bytes=layout.block_bytes, **self._budgets)
-            self.manager = BlockingTierManager.from_config(config, namespace=layout.name)
-        self.sequence = TieredSequence(self.manager, layout)
+            config = TierConfig(block_bytes=self.layout.block_bytes, **self._budgets)
+            self.manager = BlockingTierManager.from_config(config, namespace=self.layout.name)
 
-    def _gather(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        seq = self.sequence
-        T = self.block_tokens
-        tail_k, tail_v = seq.tail(layer)
-        B, Hkv, _, D = tail_k.shape
-        total = seq.length(layer)
-        k = torch.empty(B, Hkv, total, D, dtype=tail_k.dtype, device=device)
+    def _new_row(self, layer: int) -> LayerKV:
+        return LayerKV(self.manager, self.layout, layer)
+
+    def _key_of(self, layer: int):
+        """Keys of the blocks rows seal: each its own (no token ids, and branches must never share one)."""
+        return lambda index: BlockKey.of(self._root, os.urandom(8), layer, index)
+
+    def _gather(self, rows: list[LayerKV], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        T, (_, Hkv, _, D) = self.block_tokens, self.layout.fields[0].shape
+        total = rows[0].length
+        k = torch.empty(len(rows), Hkv, total, D, dtype=self.layout.dtype, device=device)
         v = torch.empty_like(k)
-        for first, blocks in seq.block_groups(layer, self.manager.pin_group()):
-            for i, (bk, bv) in enumerate(blocks):
-                start = (first + i) * T
-                k[:, :, start:start + T].copy_(bk)
-                v[:, :, start:start + T].copy_(bv)
-        sealed = len(seq.blocks[layer]) * T
-        k[:, :, sealed:].copy_(tail_k)
-        v[:, :, sealed:].copy_(tail_v)
+        for b, row in enumerate(rows):
+            for first, blocks in row.groups(self.manager.pin_group()):
+                for i, (bk, bv) in enumerate(blocks):
+                    start = (first + i) * T
+                    k[b:b + 1, :, start:start + T].copy_(bk)
+                    v[b:b + 1, :, start:start + T].copy_(bv)
+            tail_k, tail_v = row.tail()
+            k[b:b + 1, :, total - tail_k.shape[2]:].copy_(tail_k)
+            v[b:b + 1, :, total - tail_v.shape[2]:].copy_(tail_v)
         return k, v
 
     def _prefetch_after(self, layer: int) -> None:
         if layer + 1 < self.num_layers:
-            self.sequence.prefetch_layer(layer + 1, self.manager.pin_group())
+            keys = [key for row in self.layers[layer + 1].rows for key in row.blocks[:self.manager.pin_group()]]
+            if keys:
+                self.manager.prefetch(list(dict.fromkeys(keys))[:self.manager.pin_group()], layer=layer + 1)
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
-        if self.sequence is not None:
-            self.sequence.release(keep=False)
-            self.sequence = None
+        for layer in self.layers:
+            layer.reset()
         if self._owns_manager and self.manager is not None:
             self.manager.close()
             self.manager = None

@@ -139,3 +139,32 @@ def test_sigkill_during_prefill_then_rerun_gives_the_clean_output(smollm2, tmp_p
     assert again["text"] == clean["text"]
     assert victim.returncode == -signal.SIGKILL  # it was killed, not finished
     assert again["reused_prompt_tokens"] >= 512
+
+
+def test_a_forked_sequence_diverges_and_freeing_one_branch_frees_only_its_own_blocks(smollm2):
+    ids = passkey_prompt(smollm2.tokenizer, 600).ids
+    layout = layout_of(smollm2, 128)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="64MiB", cpu=0)) as manager:
+        engine = Engine(smollm2, manager, EngineConfig(128, 512))
+        seq = engine.new_sequence()
+        logits, _ = engine.prefill(seq, ids)
+        mgr = manager.manager
+        shared = mgr.tiers["gpu"].pool.used                       # 4 blocks x 30 layers
+        branch = seq.fork()
+        assert mgr.tiers["gpu"].pool.used == shared               # a fork copies no block
+        a = engine.extend(seq, list(range(10, 110)))              # 100 tokens each: one more block each
+        b = engine.extend(branch, list(range(200, 300)))
+        assert not torch.equal(a, b) and mgr.tiers["gpu"].pool.used == shared + 2 * 30
+        seq.release(keep=False)
+        kept = {key for layer in branch.blocks for key in layer}
+        assert {e.key for e in mgr.directory} == kept and all(e.holders == 1 for e in mgr.directory)
+        before = engine.extend(branch, [5])                      # the branch reads on, unharmed
+        branch.crop(1)
+        assert torch.allclose(engine.extend(branch, [5]), before, atol=1e-4)
+        tokens = list(branch.token_ids)                           # 601 + 100 ... + 5
+        branch.crop(150)                                          # into a sealed block: read back as the tail
+        assert branch.length() == len(tokens) - 150 and branch.token_ids == tokens[:-150]
+        again = engine.extend(branch, tokens[-150:])
+        assert torch.allclose(again, before, atol=1e-3)
+        branch.release(keep=False)
+        assert len(mgr.directory) == 0

@@ -262,3 +262,26 @@ def test_a_recorded_sparse_run_marks_each_prefill_chunk_and_decode_step():
     kinds = [STEP_KINDS[k] for k in trace.step_kind]
     assert kinds == ["prefill"] * 4 + ["decode"] * 3      # chunks 0-64, 64-100 (exact part ends), 100-164, 164-197
     assert trace.n_ops > 0 and trace.op_step.max() == trace.n_steps - 1
+
+
+def test_a_crop_takes_back_the_newest_tokens_exactly():
+    """Decode a, b, c; crop two; decode b, c again: the same logits, pages sealed on the way and all."""
+    lm = loaded("llama")
+    ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    cfg = SparseConfig(budget=64, rank=32, sink_tokens=8, window_tokens=32, page_tokens=16, positions="original",
+                       dense_prefill_tokens=100)
+    layout = SparseEngine.page_layout(lm, cfg)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="4MiB")) as manager:
+        engine = SparseEngine(lm, manager, cfg, chunk_tokens=64)
+        seq = engine.new_sequence(len(ids))
+        engine.prefill(seq, ids[:-3])
+        first = [engine.decode(seq, t) for t in ids[-3:]]
+        pages = len(seq.all_pages())
+        seq.crop(2)
+        assert seq.length(0) == len(ids) - 2
+        again = [engine.decode(seq, t) for t in ids[-2:]]
+        assert len(seq.all_pages()) == pages
+        for a, b in zip(first[1:], again):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="window"):
+            seq.crop(100)

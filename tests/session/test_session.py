@@ -129,3 +129,17 @@ def test_past_the_trained_window_a_second_prompt_reuses_the_stored_sparse_index(
         assert second.reused_tokens == len(ids)                   # the stored document; 9 and 10 computed
         third = again.complete([*ids, 5, 6, 7], max_new_tokens=4)
         assert third.tokens == first.tokens                       # no trace of the second prompt
+
+
+@pytest.mark.model
+def test_speculative_decoding_gives_greedy_decoding_s_tokens(smollm2, tmp_path):
+    """Prompt-lookup drafts on a document that repeats itself: the same tokens, fewer passes."""
+    with smollm2_session(smollm2, tmp_path, mode="dense") as session:
+        session.read(DOC)
+        plain = session.ask("Repeat the first sentence of the document.", max_new_tokens=24)
+        fast = session.ask("Repeat the first sentence of the document.", max_new_tokens=24, draft_tokens=4)
+        assert fast.tokens == plain.tokens and fast.text == plain.text
+        assert fast.drafted > 0 and 0 < fast.accepted <= fast.drafted
+        assert_only_documents_held(session)
+        with pytest.raises(ConfigError, match="temperature 0"):
+            session.ask("?", draft_tokens=4, temperature=0.5)

@@ -204,3 +204,16 @@ def test_a_split_gather_returns_what_is_in_place_and_brings_the_rest(tmp_path):
         with pytest.raises(RuntimeError, match="already"):
             loading.finish()
         assert seq.gather_split(0, chunks)[3] is None                     # every page is in place now
+
+
+def test_a_crop_before_the_basis_is_fitted_takes_its_keys_out_of_the_gram_matrix():
+    cfg = config()
+    keys, values = torch.randn(60, H, D, dtype=torch.float64).float(), torch.randn(60, H, D)
+    with pages_manager(cfg) as manager:
+        cropped, shorter = sequence(manager, cfg), sequence(manager, cfg)
+        cropped.append(0, keys, values)
+        cropped.crop(5)
+        shorter.append(0, keys[:55], values[:55])
+        assert cropped.length(0) == 55
+        torch.testing.assert_close(cropped.layers[0].basis.gram, shorter.layers[0].basis.gram)
+        torch.testing.assert_close(cropped.window(0)[0], shorter.window(0)[0])

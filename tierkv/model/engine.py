@@ -123,14 +123,16 @@ class Engine:
     def _layer_keys(self, seq: TieredSequence, index: int) -> list:
         return [seq.block_key(layer, index) for layer in range(self.layout.num_layers)]
 
-    def _extend(self, seq: TieredSequence, start: int, progress: Callable[[int], None] | None) -> Tensor:
-        """Compute tokens ``seq.token_ids[start:]`` chunk by chunk; returns the last logits."""
+    def _extend(self, seq: TieredSequence, start: int, progress: Callable[[int], None] | None, *,
+                every: bool = False) -> Tensor:
+        """Compute tokens ``seq.token_ids[start:]`` chunk by chunk; returns the last logits [vocab], or
+        with ``every`` the logits after each of those tokens [n, vocab]."""
         pos, rewinds = start, 0
-        logits = None
+        chunks: dict[int, Tensor] = {}          # first position -> logits after each of its tokens
         while pos < len(seq.token_ids):
             end = min(pos - pos % self.config.chunk_tokens + self.config.chunk_tokens, len(seq.token_ids))
             try:
-                logits = self._forward(seq, seq.token_ids[pos:end], pos)
+                chunks[pos] = self._forward(seq, seq.token_ids[pos:end], pos, every=every)
             except BlockMissing as lost:
                 rewinds += 1
                 if rewinds > self.config.max_rewinds:
@@ -140,7 +142,10 @@ class Engine:
             if progress:
                 progress(end - pos)
             pos = end
-        return logits
+        if not every:
+            return chunks[max(chunks)]
+        rows = torch.cat([chunks[p] for p in sorted(chunks) if p + len(chunks[p]) > start])
+        return rows[start - min(p for p in chunks if p + len(chunks[p]) > start):]
 
     def _rewind(self, seq: TieredSequence, lost: BlockMissing) -> int:
         """Truncate to the chunk that produced the first missing block; returns where to resume."""
@@ -155,12 +160,13 @@ class Engine:
         return boundary
 
     @torch.inference_mode()
-    def extend(self, seq: TieredSequence, ids: Sequence[int], progress: Callable[[int], None] | None = None
-               ) -> Tensor:
-        """Compute ``ids`` after what ``seq`` holds; returns the logits [vocab] that follow them."""
+    def extend(self, seq: TieredSequence, ids: Sequence[int], progress: Callable[[int], None] | None = None,
+               *, every: bool = False) -> Tensor:
+        """Compute ``ids`` after what ``seq`` holds; returns the logits [vocab] that follow them (``every``:
+        the logits after each of them [len(ids), vocab], as a draft's verification needs)."""
         start = len(seq.token_ids)
         seq.add_tokens(ids)
-        return self._extend(seq, start, progress)
+        return self._extend(seq, start, progress, every=every)
 
     # -- decode ----------------------------------------------------------------
     @torch.inference_mode()
@@ -170,7 +176,7 @@ class Engine:
         return self._extend(seq, len(seq.token_ids) - 1, None)
 
     # -- one forward pass over new tokens --------------------------------------
-    def _forward(self, seq: TieredSequence, chunk: Sequence[int], pos: int) -> Tensor:
+    def _forward(self, seq: TieredSequence, chunk: Sequence[int], pos: int, *, every: bool = False) -> Tensor:
         ids = torch.tensor([list(chunk)], device=self.model.device)
         positions = torch.arange(pos, pos + len(chunk), device=self.model.device)
         cos, sin = rope_cos_sin(self.model, positions)
@@ -188,7 +194,7 @@ class Engine:
                 seq.append(index, k, v)
                 h = mlp_block(layer, finish_attention(layer, out, h))
             events.record(Event(EventKind.LAYER, "", "", index, 0, start, start, time.perf_counter()))
-        return final_logits(self.model, h[:, -1:])[0, -1]
+        return final_logits(self.model, h)[0] if every else final_logits(self.model, h[:, -1:])[0, -1]
 
     def _attention(self, seq: TieredSequence, layer: int, q: Tensor, k: Tensor, v: Tensor, *,
                    scored: bool = False) -> Tensor:

@@ -1,8 +1,8 @@
 """The KV of one sequence, kept in tierkv's tiers block by block.
 
-Per layer, K and V of ``block_tokens`` consecutive tokens form one block.
-Sealed blocks live in the tier manager (protected: tierkv must not lose
-them); the newest, still-filling block stays in a tail buffer::
+Per layer, K and V of ``block_tokens`` consecutive tokens form one block
+(``tierkv.model.layer_kv``). Sealed blocks live in the tier manager (held:
+tierkv must not lose them); the newest, still-filling block stays in a tail::
 
     tokens   0 ........ 255 | 256 ....... 511 | 512 .. 600
     layer l  [ block l,0   ] [ block l,1     ] [ tail (89) ]   <- sealed blocks: tiers
@@ -10,11 +10,12 @@ them); the newest, still-filling block stays in a tail buffer::
 
 Block keys are content addresses (see tierkv.keys) when the token ids are
 known, so a later run over the same prefix finds the blocks again; without
-token ids (a transformers cache sees only K/V) each sequence gets a fresh
-random root and its blocks are private.
+token ids (a transformers cache sees only K/V) each block gets a key of its
+own. A sequence forks (its branches share every sealed block) and crops.
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator, Sequence
 
@@ -23,31 +24,45 @@ import torch
 from tierkv.keys import BlockKey, layer_keys, prefix_keys, root_key
 from tierkv.layout import BlockLayout
 from tierkv.manager import BlockingTierManager
+from tierkv.model.layer_kv import LayerKV
 from tierkv.policy import PrefetchPolicy
 
 
 class TieredSequence:
-    """K/V of one sequence: sealed blocks in the tiers, the newest tokens in a tail per layer."""
+    """K/V of one sequence: per layer, sealed blocks in the tiers and a tail (``LayerKV``)."""
 
     def __init__(self, manager: BlockingTierManager, layout: BlockLayout, *, model_id: str | None = None,
                  persist: bool = False) -> None:
         self.manager = manager
         self.layout = layout
         self.persist = persist
-        self.read_tier: str | None = None   # None: read blocks from any memory tier in place
+        self.private = model_id is None     # no token ids: every sealed block gets a key of its own
         self.root = root_key(model_id, layout.name, str(layout.dtype)) if model_id else \
             BlockKey.of("private", os.urandom(16))
         self.token_ids: list[int] = []
         self._prefixes: list[BlockKey] = []   # prefix key of each full block of token_ids
-        self.blocks: list[list[BlockKey]] = [[] for _ in range(layout.num_layers)]
-        self.tail_len = [0] * layout.num_layers
-        shape = layout.fields[0].shape
-        self._tail = [(torch.empty(shape, dtype=layout.dtype), torch.empty(shape, dtype=layout.dtype))
-                      for _ in range(layout.num_layers)]
+        self.layers = [LayerKV(manager, layout, layer) for layer in range(layout.num_layers)]
+
+    @property
+    def read_tier(self) -> str | None:
+        """The tier blocks are read into (None: any memory tier, in place)."""
+        return self.layers[0].read_tier
+
+    @read_tier.setter
+    def read_tier(self, tier: str | None) -> None:
+        for state in self.layers:
+            state.read_tier = tier
+
+    @property
+    def blocks(self) -> list[list[BlockKey]]:
+        return [state.blocks for state in self.layers]
 
     # -- keys --------------------------------------------------------------
     def block_key(self, layer: int, index: int) -> BlockKey:
-        """Key of block ``index`` of ``layer``: content-addressed once its tokens are known."""
+        """Key of block ``index`` of ``layer``: content-addressed once its tokens are known (a private
+        sequence's blocks get keys of their own: branches of it must never share a key they seal)."""
+        if self.private:
+            return BlockKey.of(self.root.digest, os.urandom(8), layer, index)
         return layer_keys(self._prefix(index), [layer])[0]
 
     def _prefix(self, index: int) -> BlockKey:
@@ -65,36 +80,33 @@ class TieredSequence:
 
     # -- writing -----------------------------------------------------------
     def length(self, layer: int = 0) -> int:
-        return len(self.blocks[layer]) * self.layout.tokens + self.tail_len[layer]
+        return self.layers[layer].length
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append K/V ``[B, Hkv, t, D]`` of new tokens to ``layer``; full blocks go to the tiers."""
-        T = self.layout.tokens
-        done = 0
-        while done < k.shape[2]:
-            fill = self.tail_len[layer]
-            take = min(T - fill, k.shape[2] - done)
-            tk, tv = self._tail[layer]
-            tk[:, :, fill:fill + take].copy_(k[:, :, done:done + take])
-            tv[:, :, fill:fill + take].copy_(v[:, :, done:done + take])
-            self.tail_len[layer] = fill + take
-            done += take
-            if self.tail_len[layer] == T:
-                self._seal(layer)
-
-    def _seal(self, layer: int) -> None:
-        index = len(self.blocks[layer])
-        key = self.block_key(layer, index)
-        tk, tv = self._tail[layer]
-        self.manager.put(key, self.layout.pack(tk, tv), layer=layer, index=index, persist=self.persist)
-        self.blocks[layer].append(key)
-        self.tail_len[layer] = 0
+        self.layers[layer].append(k, v, lambda index: self.block_key(layer, index), persist=self.persist)
 
     def adopt(self, layer: int, key: BlockKey) -> None:
         """Take a block already stored (a reused prefix) as the next block of ``layer``."""
-        if self.tail_len[layer]:
-            raise ValueError(f"layer {layer}: cannot adopt a block after a partial tail")
-        self.blocks[layer].append(key)
+        self.layers[layer].adopt(key)
+
+    # -- branching -----------------------------------------------------------
+    def fork(self) -> TieredSequence:
+        """A branch of the same tokens: it holds every block too, and its tails are its own."""
+        twin = copy.copy(self)
+        twin.layers = [state.fork() for state in self.layers]
+        twin.token_ids, twin._prefixes = list(self.token_ids), list(self._prefixes)
+        return twin
+
+    def crop(self, tokens: int) -> int:
+        """Forget the last ``tokens`` tokens in every layer (a rejected draft, a step back); returns
+        the new length. Blocks let go of stay as cache where the sequence persists its blocks."""
+        for state in self.layers:
+            state.crop(tokens, keep=self.persist)
+        length = self.length()
+        del self.token_ids[length:]
+        del self._prefixes[length // self.layout.tokens:]
+        return length
 
     def truncate(self, n_blocks: int) -> int:
         """Forget everything from block ``n_blocks`` on (in every layer); returns the new length.
@@ -102,10 +114,9 @@ class TieredSequence:
         Used to recompute after a block was lost: the dropped blocks stay in
         the store as unprotected cache (or are gone already).
         """
-        dropped = [k for layer in self.blocks for k in layer[n_blocks:]]
-        self.manager.unprotect(dropped)
-        self.blocks = [layer[:n_blocks] for layer in self.blocks]
-        self.tail_len = [0] * self.layout.num_layers
+        for state in self.layers:
+            state.let_go(state.blocks[n_blocks:], keep=True)
+            state.blocks, state.tail_len = state.blocks[:n_blocks], 0
         length = n_blocks * self.layout.tokens
         del self.token_ids[length:]
         del self._prefixes[n_blocks:]
@@ -113,35 +124,22 @@ class TieredSequence:
 
     # -- reading -----------------------------------------------------------
     def tail(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.tail_len[layer]
-        tk, tv = self._tail[layer]
-        return tk[:, :, :n], tv[:, :, :n]
+        return self.layers[layer].tail()
 
     def block_groups(self, layer: int, group: int) -> Iterator[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
-        """Pinned K/V views of ``layer``'s sealed blocks, ``group`` blocks at a time.
-
-        Yields ``(first_block_index, [(k, v), ...])``; the views are valid until
-        the next iteration. The next group is prefetched while one is used.
-        """
-        keys = self.blocks[layer]
-        for start in range(0, len(keys), group):
-            if start + group < len(keys):
-                self.manager.prefetch(keys[start + group:start + 2 * group], self.read_tier, layer=layer)
-            with self.manager.blocks(keys[start:start + group], self.read_tier, layer=layer) as views:
-                yield start, [self.layout.unpack(raw) for raw in views]
+        """Pinned K/V views of ``layer``'s sealed blocks, ``group`` blocks at a time (``LayerKV.groups``)."""
+        return self.layers[layer].groups(group)
 
     def prefetch_layer(self, layer: int, limit: int, plan: PrefetchPolicy | None = None) -> None:
         """Start bringing blocks of ``layer`` into memory: those ``plan`` picks with room for ``limit``
         (default: the first ``limit``, which the reader reads first)."""
-        blocks = self.blocks[layer]
+        blocks = self.layers[layer].blocks
         keys = blocks[:limit] if plan is None else plan.plan(layer, blocks, limit)
         if keys:
             self.manager.prefetch(keys, self.read_tier, layer=layer)
 
     def release(self, *, keep: bool) -> None:
-        """The sequence is done: keep its blocks as reusable cache, or drop them everywhere."""
-        keys = [k for layer in self.blocks for k in layer]
-        if keep:
-            self.manager.unprotect(keys)
-        else:
-            self.manager.drop(keys)
+        """The sequence is done: keep its blocks as reusable cache, or let go of them (a block no other
+        sequence holds is dropped everywhere)."""
+        for state in self.layers:
+            state.release(keep=keep)

@@ -99,12 +99,17 @@ class EngineSettings:
     reuse: bool = setting(True, "ignore KV stored by earlier runs", flag="--no-reuse")
     checkpoint_every: float = setting(300.0, "sparse mode with --nvme-dir: save a long prefill's state this often, "
                                              "so a stopped run resumes there (0: never)", metavar="SECONDS")
+    draft_tokens: int = setting(0, "speculative decoding (dense, greedy): propose up to K tokens by prompt lookup "
+                                   "and verify them in one pass; the same tokens, fewer passes where text repeats "
+                                   "(0: off)", metavar="K")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}: allowed: {', '.join(MODES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
+        if self.draft_tokens < 0:
+            raise ConfigError(f"draft_tokens={self.draft_tokens}: must be >= 0 (0: no drafts)")
         if not self.checkpoint_every >= 0:
             raise ConfigError(f"checkpoint_every={self.checkpoint_every}: must be >= 0 seconds (0: no checkpoints)")
         self.dense_engine()    # validates blocks, chunks and the prefetch name

@@ -61,7 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         print(f"tierkv serve: warning: listening on {settings.host} without --api-key: anyone who can reach it "
               "can use it", file=sys.stderr)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("tierkv.serve").setLevel(logging.INFO)       # one line per answer
     print(f"tierkv serve: loading {config.engine.model} ...", file=sys.stderr, flush=True)
     session = Session(config, max_prompt_tokens=settings.max_prompt_tokens)
     metrics = Metrics()

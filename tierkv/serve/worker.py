@@ -95,6 +95,7 @@ class Worker:
                 self.busy = False
 
     def _serve(self, job: Job) -> None:
+        started = time.perf_counter()
         stream = self._start(job)
         answer: Answer = stream.answer
         try:
@@ -104,6 +105,9 @@ class Worker:
                 job.emit("text", piece)
         finally:
             stream.close()                   # a cancelled answer lets go of its state here
+        log.info("%s: %d prompt tokens (%d stored), first token after %.3f s (%.3f s queued), %d tokens at "
+                 "%.2f tok/s, %s", job.kind, answer.prompt_tokens, answer.reused_tokens, answer.ttft_s,
+                 started - job.submitted, answer.generated_tokens, answer.decode_tokens_per_s, answer.finish_reason)
         try:
             self.metrics.answered(answer, time.perf_counter() - job.submitted, self.session)
         except Exception:                    # figures are not worth an answer

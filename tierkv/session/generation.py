@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,6 +34,7 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    draft_tokens: int = 0           # greedy only: propose up to this many tokens by prompt lookup, verify in one pass
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -43,6 +45,9 @@ class Sampling:
             raise ConfigError(f"top_p={self.top_p}: must be in (0, 1]")
         if any(not s for s in self.stop):
             raise ConfigError("stop: an empty stop string would stop at once")
+        if self.draft_tokens < 0 or (self.draft_tokens and self.temperature):
+            raise ConfigError(f"draft_tokens={self.draft_tokens}: drafts (>= 0) are verified against greedy "
+                              "decoding only (temperature 0)")
 
     def sampler(self) -> Callable[[Tensor], int]:
         if self.temperature == 0:
@@ -75,6 +80,8 @@ class Answer:
     finish_reason: str = "length"       # stop (EOS or a stop string), length, or cancelled
     tokens: list[int] = field(default_factory=list)
     computed_from: int | None = None    # the first prompt position computed for this answer (None: none yet)
+    drafted: int = 0                    # tokens proposed by prompt lookup (speculative decoding)
+    accepted: int = 0                   # of those, what greedy decoding would have chosen
     report: dict[str, object] = field(default_factory=dict)   # what the sparse step did (sparse mode)
 
     @property
@@ -94,11 +101,12 @@ class Answer:
 def generate(state: KVState, logits: Tensor, answer: Answer, sampling: Sampling, *, tokenizer, eos: set[int],
              events: EventRecorder, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
     """Text pieces of the answer that follows ``logits``; fills ``answer`` as it goes."""
-    choose, shown, start = sampling.sampler(), "", time.perf_counter()
+    shown, start = "", time.perf_counter()
     first_event = len(events.events)
+    tokens = _speculative(state, logits, sampling.draft_tokens, answer, events) if sampling.draft_tokens else \
+        _one_by_one(state, logits, sampling.sampler(), events)
     try:
-        while True:
-            token = choose(logits)
+        for token in tokens:
             answer.tokens.append(token)
             answer.generated_tokens += 1
             text, stop = _cut(_text(tokenizer, answer.tokens), sampling.stop)
@@ -114,17 +122,67 @@ def generate(state: KVState, logits: Tensor, answer: Answer, sampling: Sampling,
             if cancelled():
                 answer.finish_reason = "cancelled"
                 break
-            step = time.perf_counter()
-            logits = state.step(token)
-            events.record(Event(EventKind.STEP, "", "", None, 0, step, step, time.perf_counter()))
     except GeneratorExit:                  # the reader went away (a closed stream, a client that hung up)
         answer.finish_reason = "cancelled"
         raise
     finally:
+        tokens.close()
         answer.decode_s = time.perf_counter() - start
         answer.stall_s = sum(e.done - e.start for e in events.events[first_event:] if e.kind == EventKind.WAIT)
     if len(answer.text) > len(shown):
         yield answer.text[len(shown):]
+
+
+def _one_by_one(state: KVState, logits: Tensor, choose: Callable[[Tensor], int],
+                events: EventRecorder) -> Iterator[int]:
+    """Each token chosen from the logits the step before left; the reader stops pulling when done."""
+    while True:
+        token = choose(logits)
+        yield token
+        step = time.perf_counter()
+        logits = state.step(token)
+        events.record(Event(EventKind.STEP, "", "", None, 0, step, step, time.perf_counter()))
+
+
+def _speculative(state: KVState, logits: Tensor, k: int, answer: Answer, events: EventRecorder) -> Iterator[int]:
+    """Greedy decoding, several tokens a pass where a guess holds: the tokens that followed the last
+    occurrence of the newest n-gram earlier in the sequence (prompt lookup) are verified in one
+    pass; the longest run the model agrees with is kept, the rest cropped::
+
+        token t, draft d1..dk     verify [t, d1..dk] -> greedy picks p0..pk
+        keep d1..dm while d_i == p_(i-1); the next token is p_m     (same tokens as one by one)
+
+    A draft is as long as the last one that held all through, twice that, at most ``k``; after a
+    miss, one more than what held (a pass over a draft that fails costs more than a step).
+    """
+    token, size = int(logits.argmax()), k
+    while True:
+        draft = prompt_lookup([*state.tokens, token], size)
+        step = time.perf_counter()
+        if not draft:
+            yield token
+            token = int(state.step(token).argmax())
+        else:
+            picks = state.verify([token, *draft]).argmax(dim=-1).tolist()
+            held = next((i for i, d in enumerate(draft) if d != picks[i]), len(draft))
+            size = min(k, 2 * size) if held == len(draft) else held + 1
+            state.crop(len(draft) - held)
+            answer.drafted, answer.accepted = answer.drafted + len(draft), answer.accepted + held
+            yield from [token, *draft[:held]]
+            token = picks[held]
+        events.record(Event(EventKind.STEP, "", "", None, 0, step, step, time.perf_counter()))
+
+
+def prompt_lookup(tokens: Sequence[int], k: int, *, longest: int = 3, window: int = 1 << 16) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last n tokens
+    (n from ``longest`` down to 1), within its last ``window`` tokens; none when nothing repeats."""
+    seq = np.asarray(tokens[-window:], dtype=np.int64)
+    for n in range(min(longest, len(seq) - 1), 0, -1):
+        starts = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)      # every n-gram but the last one
+        hits = np.flatnonzero((starts == seq[-n:]).all(axis=1))
+        if hits.size:
+            return seq[hits[-1] + n:hits[-1] + n + k].tolist()
+    return []
 
 
 def _text(tokenizer, tokens: list[int]) -> str:

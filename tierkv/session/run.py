@@ -105,7 +105,8 @@ def _add_answer(result: RunResult, question: str | None, answer: Answer, start: 
     entry = {"question": question, "text": answer.text, "prompt_tokens": answer.prompt_tokens,
              "reused_prompt_tokens": answer.reused_tokens, "ttft_s": answer.ttft_s,
              "generated_tokens": answer.generated_tokens, "decode_tokens_per_s": answer.decode_tokens_per_s,
-             "stall_fraction": answer.stall_fraction, "finish_reason": answer.finish_reason}
+             "stall_fraction": answer.stall_fraction, "finish_reason": answer.finish_reason,
+             "drafted_tokens": answer.drafted, "accepted_tokens": answer.accepted}
     if start is not None:      # the first answer waited for the document, which earlier runs may have stored
         result.text, result.prompt_tokens = answer.text, answer.prompt_tokens
         result.reused_prompt_tokens = entry["reused_prompt_tokens"] = document_reused

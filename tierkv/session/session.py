@@ -24,6 +24,7 @@ A session is not thread-safe: one request at a time (``tierkv serve`` queues the
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -126,19 +127,21 @@ class Session:
 
     def _chat(self, messages: Sequence[Message], stream: bool, sampling: dict[str, Any], *,
               keep: bool) -> Answer | Stream:
+        start = time.perf_counter()
         _check_messages(messages)
         tokenizer = self.loaded.tokenizer
         ids = chat_ids(tokenizer, list(messages))
         prefix = chat_ids(tokenizer, list(messages[:-1]), generation=False) if len(messages) > 1 else []
-        return self._respond(ids, prefix, Sampling(**sampling), stream, keep=keep)
+        return self._respond(ids, prefix, Sampling(**sampling), stream, keep=keep, start=start)
 
     def complete(self, prompt: str | Sequence[int], *, stream: bool = False, **sampling: Any) -> Answer | Stream:
         """The continuation of a plain prompt (no chat template): text, or token ids."""
+        start = time.perf_counter()
         ids = list(prompt) if not isinstance(prompt, str) else \
             self.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if not ids:
             raise ConfigError("the prompt is empty")
-        return self._respond(ids, ids[:-1], Sampling(**sampling), stream, keep=False)
+        return self._respond(ids, ids[:-1], Sampling(**sampling), stream, keep=False, start=start)
 
     def fork(self) -> Session:
         """A session over the same model, tiers and document, whose questions and conversations are
@@ -177,16 +180,17 @@ class Session:
         return self.backends[mode]
 
     # -- the request path -----------------------------------------------------------------------------------
-    def _respond(self, ids: list[int], prefix: list[int], sampling: Sampling, stream: bool,
-                 keep: bool) -> Answer | Stream:
+    def _respond(self, ids: list[int], prefix: list[int], sampling: Sampling, stream: bool, keep: bool,
+                 start: float) -> Answer | Stream:
+        """``start``: when the request came in (its TTFT counts the prompt's rendering too)."""
         self._check_open()
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             raise PromptTooLong(f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are taken "
                                 "(tierkv serve --max-prompt-tokens)")
-        start = time.perf_counter()
         answer = Answer(prompt_tokens=len(ids))
         state, covered = self._branch(ids, prefix, answer)
         self.last_mode = state.mode
+        sampling = self._drafts(sampling, state.mode)
         try:
             logits = state.extend(ids[covered:])
         except BaseException:
@@ -203,6 +207,11 @@ class Session:
         for _ in pieces:
             pass
         return answer
+
+    def _drafts(self, sampling: Sampling, mode: str) -> Sampling:
+        """Speculative decoding where it gives greedy decoding's tokens: dense mode, temperature 0."""
+        k = sampling.draft_tokens or self.config.engine.draft_tokens
+        return replace(sampling, draft_tokens=k if mode == "dense" and sampling.temperature == 0 else 0)
 
     def _finish(self, state: KVState, pieces: Iterator[str], answer: Answer, keep: bool) -> Iterator[str]:
         """``pieces``, then: the state kept for the conversation's next turn, or let go."""

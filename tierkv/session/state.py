@@ -47,6 +47,10 @@ class KVState(Protocol):
 
     def step(self, token: int) -> Tensor: ...
 
+    def verify(self, ids: Sequence[int]) -> Tensor: ...       # extend, with the logits after each token
+
+    def crop(self, tokens: int) -> None: ...                  # forget the last tokens
+
     def release(self) -> None: ...
 
 
@@ -86,6 +90,13 @@ class DenseState:
     def step(self, token: int) -> Tensor:
         return self.engine.decode(self.seq, token)
 
+    def verify(self, ids: Sequence[int]) -> Tensor:
+        """Compute ``ids`` in one pass; the logits after each of them [len(ids), vocab]."""
+        return self.engine.extend(self.seq, ids, every=True)
+
+    def crop(self, tokens: int) -> None:
+        self.seq.crop(tokens)
+
     def release(self) -> None:
         self.seq.release(keep=self.engine.manager.manager.store is not None)
 
@@ -118,6 +129,14 @@ class SparseState:
     def step(self, token: int) -> Tensor:
         self.tokens.append(token)
         return self.engine.decode(self.seq, token)
+
+    def verify(self, ids: Sequence[int]) -> Tensor:
+        raise NotImplementedError("drafts are verified in dense mode only: a sparse pass over several tokens "
+                                  "selects for all of them at once, so it would not give greedy decoding's tokens")
+
+    def crop(self, tokens: int) -> None:
+        self.seq.crop(tokens)
+        del self.tokens[len(self.tokens) - tokens:]
 
     def release(self) -> None:
         self.seq.release(keep=self.engine.manager.manager.store is not None)

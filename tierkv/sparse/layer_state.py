@@ -8,6 +8,8 @@ its own::
                  (copied when the branch first extends them: ChunkIndex.fork)
     own copy     window (a FIFO the next tokens push into), Gram matrix (before the fit),
                  outlier set, page key list (the new pages are the branch's)
+
+A crop takes back the newest tokens, which the window still holds.
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ class _Fifo:
     def rows(self) -> Tensor:
         return self.data[self.head:self.tail]
 
+    def drop_last(self, n: int) -> None:
+        self.tail -= n
+
     def copy(self) -> _Fifo:
         twin = _Fifo(tuple(self.data.shape[1:]), self.data.dtype)
         twin.push(self.rows())
@@ -83,6 +88,19 @@ class LayerState:
             heads = self.sink_k.shape[1]
             self._head_basis = basis.view(basis.shape[0], heads, -1).transpose(0, 1).contiguous()
         return self._head_basis
+
+    def crop(self, tokens: int) -> None:
+        """Forget the newest ``tokens`` tokens. They are still in the window (it keeps at least
+        ``window_tokens``, and sealing takes pages from its other end), so nothing sealed changes;
+        before the key basis is fitted their keys leave the Gram matrix too."""
+        if tokens > len(self.win_k):
+            raise ValueError(f"crop: {tokens} tokens, but only the newest {len(self.win_k)} (the window) can go")
+        if self.basis.basis is None and tokens:
+            gone = self.win_k.rows()[len(self.win_k) - tokens:]
+            self.basis.add(gone, sign=-1.0)
+        self.win_k.drop_last(tokens)
+        self.win_v.drop_last(tokens)
+        self.length -= tokens
 
     def fork(self) -> LayerState:
         """A branch of this layer (see the module notes)."""

@@ -28,10 +28,10 @@ class KeyBasis:
         self.basis: Tensor | None = None      # [r, Hkv*D] float32
         self.energy_kept = 1.0                # share of the key energy inside the basis, at fit time
 
-    def add(self, keys: Tensor) -> None:
-        """keys [t, Hkv*D] (pre-RoPE)."""
+    def add(self, keys: Tensor, *, sign: float = 1.0) -> None:
+        """keys [t, Hkv*D] (pre-RoPE); ``sign=-1``: take them back out (a crop)."""
         k = keys.reshape(keys.shape[0], -1).double()
-        self.gram.addmm_(k.T, k)
+        self.gram.addmm_(k.T, k, alpha=sign)
 
     def fit(self, rank: int) -> Tensor:
         """Fix the basis to the top ``rank`` directions of the keys added so far."""

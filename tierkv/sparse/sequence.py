@@ -128,6 +128,11 @@ class SparseSequence:
         twin.allocation = replace(self.allocation, shares=dict(self.allocation.shares), curves={}, uniform={})
         return twin
 
+    def crop(self, tokens: int) -> None:
+        """Forget the newest ``tokens`` tokens in every layer (``LayerState.crop``)."""
+        for state in self.layers:
+            state.crop(tokens)
+
     def detach(self) -> None:
         """From now on the pages this sequence seals are its own (a private root, not stored for reuse):
         it goes past the state it was loaded or prefilled as."""
