@@ -194,3 +194,50 @@ def test_full_disk_raises_disk_full_and_keeps_earlier_blocks(tiny_tmpfs: Path) -
         tier.drop(next(iter(placed)))  # dropping still works on a full disk
     with NvmeTier(store, BB, 1024 * BB) as tier:  # and so does reopening it
         assert verify_all(tier) == (len(placed) - 1, 0)
+
+
+KILLS = int(os.environ.get("TIERKV_CRASH_KILLS", "24"))   # 120 and more: see bench/RESULTS.md
+STORE_POINTS = ("nvme.after-data", "journal.mid-record", "journal.after-record")
+
+
+def _spill_until_killed(root: Path, start: int, point: str, visit: int) -> None:
+    """A forked child: arm ``point`` to die at its ``visit``-th pass, then spill forever."""
+    from tierkv import failpoints
+    failpoints.arm(f"{point}:{visit}")
+    tier = NvmeTier(root, BB, SLOTS * BB, io_threads=2)
+    live = sorted(tier.items(), key=lambda item: item[1])
+    i = start
+    while True:
+        batch = []
+        for _ in range(4):
+            if not tier.pool.can_reserve():
+                old_key, old_slot = live.pop(0)
+                tier.drop(old_key)
+                tier.pool.release(old_slot)
+            batch.append((key(i), tier.pool.reserve(), expected(key(i))))
+            i += 1
+        tier.write(batch)
+        for k, slot, _ in batch:
+            tier.pool.commit(slot)
+            live.append((k, slot))
+
+
+def test_a_kill_at_every_failpoint_leaves_no_wrong_block(tmp_path):
+    """Real SIGKILLs exactly between a block's bytes and its journal record, half way through a
+    record, and after it: every reopen serves each visible block's own bytes, or fails it."""
+    import multiprocessing
+    fork = multiprocessing.get_context("fork")
+    rng, root, kills, visible = np.random.default_rng(1), tmp_path / "store", 0, []
+    for n in range(KILLS):
+        point = STORE_POINTS[n % len(STORE_POINTS)]
+        child = fork.Process(target=_spill_until_killed, args=(root, 1000 * n, point, int(rng.integers(1, 30))))
+        child.start()
+        child.join(timeout=120)
+        assert child.exitcode == -signal.SIGKILL, f"{point}: exit {child.exitcode}"
+        kills += 1
+        tier = NvmeTier(root, BB, SLOTS * BB, io_threads=2)
+        seen, wrong = verify_all(tier)
+        tier.close()
+        assert wrong == 0
+        visible.append(seen)
+    assert kills == KILLS and max(visible) > 0

@@ -109,5 +109,5 @@ class _Checkpoints:
         if time.perf_counter() - self.last < self.every_s:
             return
         self.engine.manager.flush()              # every page the checkpoint names is stored first
-        save_index(seq, self.path, prefill_s=self.total_s())
+        save_index(seq, self.path, prefill_s=self.total_s(), point="checkpoint")
         self.last = time.perf_counter()

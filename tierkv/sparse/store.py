@@ -39,6 +39,7 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from tierkv.failpoints import failpoint
 from tierkv.keys import BlockKey
 from tierkv.sparse.config import SparseConfig
 from tierkv.layout import BlockLayout
@@ -102,7 +103,7 @@ class Shelf:
         return f"{self.identity.hex()[:16]}-{len(ids)}-{self.key(ids).hex()}"
 
 
-def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0) -> None:
+def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0, point: str = "index") -> None:
     """Write ``seq``'s in-memory part; ``prefill_s``: seconds its prefill took so far (all runs).
 
     The tensors are written from where they lie (the landmarks of 1M tokens are 1.5 GB: a copy
@@ -118,10 +119,11 @@ def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0) -> No
             "energy": json.dumps([s.basis.energy_kept for s in seq.layers]), "prefill_s": repr(prefill_s),
             "checksums": json.dumps({name: _digest(t) for name, t in tensors.items()})}
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")   # two processes saving one index never share it
     save_file(tensors, str(tmp), metadata=meta)
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
+    failpoint(f"{point}.before-rename")
     os.replace(tmp, path)
 
 

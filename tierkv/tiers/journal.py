@@ -53,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tierkv.failpoints import due, failpoint, kill
 from tierkv.keys import KEY_BYTES, BlockKey
 from tierkv.tiers.nvme_io import flocked, fsync_dir, open_private
 
@@ -300,12 +301,16 @@ class Journal:
         with flocked(self._fd, fcntl.LOCK_EX):
             end = self._whole_end()
             written = 0
+            if due("journal.mid-record"):           # a crash test: die with half the records written
+                os.pwrite(self._fd, data[:len(data) // 2 + RECORD_BYTES // 2], end)
+                kill()
             try:
                 while written < len(data):
                     written += os.pwrite(self._fd, data[written:], end + written)
             except BaseException:
                 os.ftruncate(self._fd, end)
                 raise
+        failpoint("journal.after-record")
         self._end = end + len(data)
 
     def _whole_end(self) -> int:

@@ -68,6 +68,7 @@ from tierkv.knobs import IOKnobs
 
 from tierkv.sizes import format_size
 from tierkv.device import ALIGN
+from tierkv.failpoints import failpoint
 from tierkv.errors import ConfigError, DiskFullError, StoreUnusable
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
@@ -165,6 +166,7 @@ class NvmeTier:
                 records = encode_puts(digests, slots, sums)
             finally:
                 job.wait()
+        failpoint("nvme.after-data")
         with self._lock:
             with self._disk_full_raised(len(records)):
                 self._journal.append_encoded(records)

@@ -1,0 +1,68 @@
+"""Named points in the write paths where a crash test can have the process killed, for real.
+
+A test process sets ``TIERKV_FAILPOINTS`` before tierkv starts; reaching an armed point the
+given number of times sends the process SIGKILL there (no cleanup, no flush: a power cut of
+the process, not an exception a ``with`` would catch)::
+
+    TIERKV_FAILPOINTS="journal.mid-record:3"            the third journal append dies half written
+    TIERKV_FAILPOINTS="nvme.after-data:1,index.before-rename:2"
+
+    point                      where
+    nvme.after-data            a block batch's bytes are in slots.dat, its journal record is not
+    journal.mid-record         half of an append's records are written
+    journal.after-record       the records are written, the process's own index not yet updated
+    index.before-rename        a stored sparse index is written to its temporary name
+    checkpoint.before-rename   a prefill checkpoint likewise
+
+Unarmed (the default) a point costs one truth test of an empty dict.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+from tierkv.errors import ConfigError
+
+POINTS = ("nvme.after-data", "journal.mid-record", "journal.after-record", "index.before-rename",
+          "checkpoint.before-rename")
+
+
+def parse(text: str) -> dict[str, int]:
+    """``"name:count,name"`` -> {name: count (1 when not given)}."""
+    armed: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, count = item.partition(":")
+        if name not in POINTS:
+            raise ConfigError(f"TIERKV_FAILPOINTS: unknown point {name!r}; points: {', '.join(POINTS)}")
+        if count and not (count.isdigit() and int(count) >= 1):
+            raise ConfigError(f"TIERKV_FAILPOINTS: {item!r}: the count must be a whole number >= 1")
+        armed[name] = int(count or 1)
+    return armed
+
+
+_ARMED = parse(os.environ.get("TIERKV_FAILPOINTS", ""))
+
+
+def arm(text: str) -> None:
+    """Arm points as ``TIERKV_FAILPOINTS`` would, in a process already running (a forked crash test)."""
+    armed = parse(text)
+    _ARMED.clear()
+    _ARMED.update(armed)
+
+
+def failpoint(name: str) -> None:
+    """Die here (SIGKILL) if ``name`` is armed and this is its count-th visit."""
+    if _ARMED and due(name):
+        kill()
+
+
+def due(name: str) -> bool:
+    """A visit to ``name``: True when it is the one to die at (the caller does half its work first)."""
+    if not _ARMED or name not in _ARMED:
+        return False
+    _ARMED[name] -= 1
+    return _ARMED[name] == 0
+
+
+def kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
