@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -135,6 +136,16 @@ class Report:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def finish(self, start: float, out: str | Path | None) -> Report:
+        """Close a run begun at ``start`` (perf_counter): the machine's load at its end, its wall time;
+        then print the tables and write ``out`` (when given)."""
+        self.add_bound(f"load: 1-min load average {os.getloadavg()[0]:.2f} at the end on {os.cpu_count()} CPUs")
+        self.seconds = round(time.perf_counter() - start, 1)
+        self.print_table()
+        if out:
+            self.write_json(out)
+        return self
 
     # -- printing -------------------------------------------------------------
     def print_table(self, columns: Sequence[str | tuple[str, str]] | None = None,

@@ -49,10 +49,12 @@ TARGETS = {"ttft_question_vs_prefill@32K": 0.02, "serve_overhead": 1.1}
 
 
 def document(tokenizer, n_tokens: int) -> str:
-    """About ``n_tokens`` tokens of English reference text, cut at a paragraph."""
+    """About ``n_tokens`` tokens of English reference text (CPython's topics, about 113K tokens, read
+    again from the start when more are asked for)."""
     from pydoc_data.topics import topics
     text = "\n\n".join(topics[name] for name in sorted(topics))
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = (ids * (n_tokens // len(ids) + 1))[:n_tokens]
     return tokenizer.decode(ids)
 
 
@@ -178,12 +180,7 @@ def main(argv: list[str] | None = None) -> Report:
                 measure(report, loaded, mode, ctx, scratch, args.tries)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report.add_bound(f"load: 1-min load average {os.getloadavg()[0]:.2f} at the end on {os.cpu_count()} CPUs")
-    report.seconds = round(time.perf_counter() - start, 1)
-    report.print_table()
-    if args.out:
-        report.write_json(args.out)
-    return report
+    return report.finish(start, args.out)
 
 
 if __name__ == "__main__":

@@ -155,11 +155,7 @@ def main(argv: list[str] | None = None) -> Report:
                              f"share of depths where {mode} attention finds the passkey at {tokens} tokens")
     report.add_bound("dense attention over real positions leaves SmolLM2's trained window (8K) past 8K; "
                      "sparse runs remap every attended key into it (sinks, chosen chunks, window)")
-    report.seconds = round(time.perf_counter() - start, 1)
-    report.print_table()
-    if args.out:
-        report.write_json(args.out)
-    return report
+    return report.finish(start, args.out)
 
 
 if __name__ == "__main__":

@@ -102,3 +102,40 @@ def test_recorded_access_trace_feeds_tune(tmp_path):
                            capture_output=True, text=True, timeout=300)
     assert tuned.returncode == 0, tuned.stderr
     assert json.loads((tmp_path / "best.json").read_text())["format"] == "tierkv-run-config"
+
+
+@pytest.mark.model
+def test_a_dense_run_takes_the_prompt_tier_and_engine_flags(tmp_path):
+    """The passkey, tier and engine flags no other test gives, in one run that must still find the key."""
+    done = tierkv("run", "--synthetic-tokens", "700", "--depth", "0.2", "--seed", "3", "--filler", "text",
+                  "--nvme-dir", str(tmp_path / "s"), "--nvme-budget", "256MiB", "--gpu-budget", "2MiB",
+                  "--cpu-budget", "4MiB", "--cxl-budget", "8MiB", "--cxl-preset", "cxl2-x16",
+                  "--cpu-policy", "arc", "--nvme-policy", "lru", "--no-reuse", "--draft-tokens", "3",
+                  "--mode", "dense", "--max-new-tokens", "12", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["found"] and result["mode"] == "dense" and result["reused_prompt_tokens"] == 0
+    assert set(result["tiers"]) == {"gpu", "cpu", "cxl", "nvme"}
+    assert 255 << 20 < result["tiers"]["nvme"]["budget_bytes"] <= 256 << 20     # whole blocks of the cap
+    assert result["answers"][0]["drafted_tokens"] > 0
+
+
+@pytest.mark.model
+def test_a_sparse_run_through_the_cli_finds_the_passkey_and_a_second_run_reuses_it(tmp_path):
+    """Sparse mode end to end through the command, with the sparse flags no other test gives."""
+    args = ["run", "--mode", "sparse", "--synthetic-tokens", "1100", "--nvme-dir", str(tmp_path / "s"),
+            "--gpu-budget", "4MiB", "--cpu-budget", "8MiB", "--checkpoint-every", "0.5", "--prefill-budget", "512",
+            "--page-tokens", "32", "--page-dtype", "bfloat16", "--layer-allocation", "adaptive",
+            "--positions", "remap", "--dense-prefill-tokens", "512", "--max-new-tokens", "12", "--json"]
+    first = tierkv(*args)
+    assert first.returncode == 0, first.stderr
+    one = json.loads(first.stdout)
+    assert one["mode"] == "sparse" and one["found"] and one["reused_prompt_tokens"] == 0
+    assert one["sparse"]["page_tokens"] == 32 and one["sparse"]["positions"] == "remap"
+    assert one["sparse"]["allocation"] == "adaptive" and one["sparse"]["dense_prefill_tokens"] == 512
+    assert one["sparse"]["approximate_prefill"] and one["sparse"]["repairs"] == []
+    second = tierkv(*args)
+    assert second.returncode == 0, second.stderr
+    two = json.loads(second.stdout)
+    assert two["reused_prompt_tokens"] == 1099 and two["text"] == one["text"]
+    assert tierkv("store", "verify", "--nvme-dir", str(tmp_path / "s")).returncode == 0

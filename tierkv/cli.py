@@ -32,6 +32,7 @@ from tierkv.tune.tune import add_tune
 from tierkv.schedule.command import add_batch
 from tierkv.serve.command import add_serve
 from tierkv.session.chat import add_chat
+from tierkv.session.store_command import add_store
 
 
 class UsageError(TierKVError):
@@ -237,13 +238,17 @@ def _print_sparse_summary(s: dict) -> None:
     if s["resumed_prefill_tokens"]:
         print(f"resumed a stopped prefill at token {s['resumed_prefill_tokens']}; its prefill took "
               f"{s['prefill_s_all_runs']:.0f} s over all runs")
+    for r in s["repairs"]:
+        print(f"repaired {r['pages']} damaged page(s) of the stored document: replayed {r['tokens']} tokens "
+              f"from token {r['start']} in {r['seconds']:.1f} s ({r['scrubbed']} pages checked in "
+              f"{r['scrub_s']:.1f} s)")
     if s["approximate_prefill"]:
         print(f"note: prefill was exact for the first {s['dense_prefill_tokens']} tokens and sparse after "
               f"(an approximation; --dense-prefill-tokens N prefills more exactly, at quadratic cost)")
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run, add_chat, add_serve, add_profile,
-                                                                add_tune, add_batch]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_info, add_run, add_chat, add_serve, add_store,
+                                                                add_profile, add_tune, add_batch]
 
 
 def build_parser() -> argparse.ArgumentParser:

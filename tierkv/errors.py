@@ -19,7 +19,12 @@ class BudgetExceeded(TierKVError):
 
 
 class BlockMissing(TierKVError, KeyError):
-    """The block is not stored anywhere (never written, dropped, or lost in a crash)."""
+    """The block is not stored anywhere (never written, dropped, or lost in a crash); ``keys``
+    names the blocks, where the raiser knows them (a repair computes exactly those again)."""
+
+    def __init__(self, message: str = "block missing", keys: tuple = ()) -> None:
+        super().__init__(message)
+        self.keys = tuple(keys)
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else "block missing"
@@ -27,6 +32,11 @@ class BlockMissing(TierKVError, KeyError):
 
 class BlockCorrupt(BlockMissing):
     """The block's bytes failed their checksum; it was dropped and must be recomputed."""
+
+
+class PassBroken(BlockMissing):
+    """A pass met a missing block after it had changed what it cannot take back (a sparse pass that
+    sealed pages in its first layers): the sequence cannot go on; a new request can."""
 
 
 class DiskFullError(TierKVError, OSError):

@@ -13,6 +13,7 @@ the process, not an exception a ``with`` would catch)::
     journal.after-record       the records are written, the process's own index not yet updated
     index.before-rename        a stored sparse index is written to its temporary name
     checkpoint.before-rename   a prefill checkpoint likewise
+    restore.before-rename      a prefill's restore point likewise
 
 Unarmed (the default) a point costs one truth test of an empty dict.
 """
@@ -24,7 +25,7 @@ import signal
 from tierkv.errors import ConfigError
 
 POINTS = ("nvme.after-data", "journal.mid-record", "journal.after-record", "index.before-rename",
-          "checkpoint.before-rename")
+          "checkpoint.before-rename", "restore.before-rename")
 
 
 def parse(text: str) -> dict[str, int]:

@@ -270,3 +270,41 @@ async def test_a_block_two_sequences_hold_is_freed_when_the_last_lets_go(knobs):
         m.unprotect([key(2)])
         assert m.directory.get(key(2)).holders == 1
         assert_quiescent(m)
+
+
+def test_the_blocking_facade_from_several_threads(knobs):
+    """Eight threads put, read, prefetch and let go of their own blocks and read shared ones through one
+    facade, over a gpu tier of 24 blocks (room for every reader at once; moves all the time): every
+    read is its block's bytes."""
+    import threading
+    from tierkv.manager import BlockingTierManager
+    errors: list[BaseException] = []
+    with BlockingTierManager(TierManager(two_tiers(gpu_slots=24, cpu_slots=192), knobs=knobs)) as m:
+        for i in range(8):
+            m.put(key(1000 + i), block(1000 + i))               # shared, held for the whole test
+
+        def work(t: int) -> None:
+            rng = random.Random(t)
+            try:
+                mine = [key(100 * t + i) for i in range(20)]
+                for i, k in enumerate(mine):
+                    m.put(k, block(100 * t + i))
+                for _ in range(60):
+                    i, shared = rng.randrange(20), 1000 + rng.randrange(8)
+                    with m.blocks([mine[i], key(shared)], "gpu" if rng.random() < 0.5 else None) as views:
+                        assert torch.equal(views[0], block(100 * t + i)) and torch.equal(views[1], block(shared))
+                    if rng.random() < 0.2:
+                        m.prefetch([mine[rng.randrange(20)]], "gpu")
+                m.unprotect(mine)
+            except BaseException as error:     # noqa: BLE001 - reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not errors, errors[0]
+        assert not any(thread.is_alive() for thread in threads)
+        m.flush()
+        assert_quiescent(m.manager)

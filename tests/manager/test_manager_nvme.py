@@ -79,3 +79,56 @@ async def test_full_disk_raises_and_loses_nothing_from_upper_tiers(tiny_tmpfs, k
             assert torch.equal(lease.views[0], block(i))
             lease.release()
         assert_quiescent(m)
+
+
+async def test_a_full_disk_under_eviction_pressure_loses_no_block_it_took(tiny_tmpfs, knobs):
+    """A cpu tier of 64 blocks over a 2 MiB disk: protected blocks must go down to the disk to make
+    room, and the disk fills. A put (or a read needing room) that fails says so; every block a put
+    took stays stored with its own bytes, and once the caller lets go of some, the rest read back."""
+    from tierkv.errors import TierKVError
+    taken, refused = [], 0
+    async with TierManager([CpuTier(BLOCK, 64 * BLOCK), NvmeTier(tiny_tmpfs, BLOCK, 4096 * BLOCK)],
+                           knobs=knobs) as m:
+        for i in range(1000):  # 4 MB of protected blocks
+            try:
+                await m.put(key(i), block(i))
+                taken.append(i)
+            except (DiskFullError, BudgetExceeded) as error:
+                assert isinstance(error, TierKVError) and ("space" in str(error) or "slots" in str(error))
+                refused += 1
+        assert refused and len(taken) > 64 and m.used_bytes("nvme") > 0   # the disk took some, then filled
+        for i in taken:                      # each copy where it lies, read without making room
+            copies = m.directory.entry(key(i)).copies
+            assert copies
+            for name, slot in copies.items():
+                data = torch.empty(BLOCK, dtype=torch.uint8)
+                if name == "nvme":
+                    assert m.tiers[name].read([(key(i), slot, data)]) == []
+                else:
+                    data = m.tiers[name].view(slot)
+                assert torch.equal(data, block(i))
+        await m.drop([key(i) for i in taken[:len(taken) // 2]])
+        for i in taken[len(taken) // 2:]:
+            lease = await m.acquire([key(i)], "cpu")
+            assert torch.equal(lease.views[0], block(i))
+            lease.release()
+        assert_quiescent(m)
+
+
+async def test_a_reader_that_never_unpins_makes_a_full_tier_fail_after_the_pin_wait(knobs):
+    """Every slot of the only tier pinned by a reader: a put waits ``pin_wait_s`` for an unpin, then
+    says the tier is full of pinned blocks; once the reader lets go, the put goes through."""
+    import time
+    async with TierManager([CpuTier(BLOCK, 4 * BLOCK)], knobs=knobs) as m:
+        m.pin_wait_s = 0.3
+        for i in range(4):
+            await m.put(key(i), block(i), protect=False)
+        lease = await m.acquire([key(i) for i in range(4)], "cpu")
+        start = time.perf_counter()
+        with pytest.raises(BudgetExceeded, match="pinned"):
+            await m.put(key(9), block(9))
+        assert 0.25 <= time.perf_counter() - start < 5
+        lease.release()
+        await m.put(key(9), block(9))
+        assert m.contains(key(9))
+        assert_quiescent(m)

@@ -182,6 +182,12 @@ class BlockingTierManager:
     def protect(self, keys: Sequence[BlockKey]) -> bool:
         return self._call(self.manager.protect, keys)
 
+    def hold(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        return self._call(self.manager.hold, keys)
+
+    def scrub(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        return self._run(self.manager.scrub(keys))
+
     def unprotect(self, keys: Sequence[BlockKey]) -> None:
         self._call(self.manager.unprotect, keys)
 

@@ -80,7 +80,7 @@ class Directory:
     def entry(self, key: BlockKey) -> BlockEntry:
         entry = self._entries.get(key)
         if entry is None:
-            raise BlockMissing(f"block {key.hex()} is not stored in any tier")
+            raise BlockMissing(f"block {key.hex()} is not stored in any tier", (key,))
         return entry
 
     def add(self, key: BlockKey, *, hold: bool, layer: int | None = None,

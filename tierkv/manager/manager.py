@@ -263,6 +263,30 @@ class TierManager:
             entry.holders += 1
         return True
 
+    def hold(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Hold those of ``keys`` that are stored (as ``protect``); returns the rest, which a caller
+        can compute again (a repair) before it reads them."""
+        stored = lambda e: e is not None and bool(e.copies or e.arriving)  # noqa: E731
+        entries = [self.directory.get(k) for k in keys]
+        if not all(map(stored, entries)) and self.refresh():
+            entries = [self.directory.get(k) for k in keys]
+        missing = []
+        for key, entry in zip(keys, entries):
+            if stored(entry):
+                entry.holders += 1
+            else:
+                missing.append(key)
+        return missing
+
+    async def scrub(self, keys: Sequence[BlockKey], *, batch: int = 64) -> list[BlockKey]:
+        """Read the NVMe store's copy of each of ``keys`` and check it, dropping the copies that fail
+        their checksum; returns the keys stored nowhere now (never stored, lost, or only in a copy
+        that failed). A block held only in memory tiers counts as sound."""
+        self.refresh()
+        for first in range(0, len(keys), batch):
+            await self._moves.check_stored(keys[first:first + batch])
+        return [k for k in keys if (e := self.directory.get(k)) is None or not (e.copies or e.arriving)]
+
     def unprotect(self, keys: Iterable[BlockKey]) -> None:
         """The caller lets go of these blocks; one that nobody holds any more becomes evictable cache."""
         for key in keys:

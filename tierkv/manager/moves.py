@@ -32,7 +32,7 @@ from tierkv.manager.executor import Executor
 from tierkv.manager.residency import Residency
 from tierkv.manager.transfer import Kind, Priority, Transfer, handler_for, put_handler_for
 from tierkv.policy import EvictionPolicy
-from tierkv.tiers.base import Tier
+from tierkv.tiers.base import Medium, Tier
 
 
 class Moves:
@@ -86,7 +86,7 @@ class Moves:
                 continue
             source = placement.load_source(entry, self.order)
             if source is None:
-                raise BlockMissing(f"block {key.hex()} is not stored in any tier")
+                raise BlockMissing(f"block {key.hex()} is not stored in any tier", (key,))
             by_source.setdefault(source, []).append(key)
         kind = Kind.LOAD if priority is Priority.NOW else Kind.PREFETCH
         moves = [self._move(group, src, dst, kind, priority, layer, self.claim(group, dst), cold=cold)
@@ -96,7 +96,7 @@ class Moves:
         errors = [r for r in results if isinstance(r, BaseException)]
         if corrupt:
             raise BlockCorrupt(f"{len(corrupt)} block(s) failed their checksum and were dropped: "
-                               + ", ".join(k.hex()[:16] for k in corrupt[:4]))
+                               + ", ".join(k.hex()[:16] for k in corrupt[:4]), tuple(corrupt))
         if errors:
             raise errors[0]
 
@@ -106,6 +106,25 @@ class Moves:
         for key in keys:
             self.directory.entry(key).arrive(dst, done)
         return done
+
+    async def check_stored(self, keys: Sequence[BlockKey]) -> None:
+        """Read the NVMe store's copy of each of ``keys`` (pinned meanwhile) and drop those that fail."""
+        store = next((t for t in self.tiers.values() if t.medium is Medium.NVME), None)
+        entries = [(k, self.directory.get(k)) for k in keys]
+        on_disk = [(k, e.copies[store.name]) for k, e in entries if store and e and store.name in e.copies]
+        if not on_disk:
+            return
+        for _, slot in on_disk:
+            store.pool.pin(slot)
+        buf = torch.empty(len(on_disk), self.block_bytes, dtype=torch.uint8)
+        try:
+            failed = await asyncio.to_thread(store.read, [(k, s, buf[i]) for i, (k, s) in enumerate(on_disk)])
+        finally:
+            for _, slot in on_disk:
+                store.pool.unpin(slot)
+        for key in failed:
+            self.residency.forget_copy(key, store.name)
+            self.directory.forget_if_empty(key)
 
     async def _move(self, keys: list[BlockKey], src: str, dst: str, kind: Kind, priority: Priority,
                     layer: int | None, done: asyncio.Future, *, cold: bool = False) -> list[BlockKey]:

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from policies.selectors import make_selector, make_sparse_prefetch
-from tierkv.errors import ConfigError
+from tierkv.errors import BlockMissing, ConfigError, PassBroken
 from tierkv.events import Event, EventKind
 from tierkv.layout import BlockLayout
 from tierkv.manager import BlockingTierManager
@@ -119,27 +119,29 @@ class SparseEngine:
     # -- prefill and decode ---------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seq: SparseSequence, ids: Sequence[int], progress: Callable[[int], None] | None = None,
-                checkpoint: Callable[[SparseSequence], None] | None = None) -> None:
+                checkpoint: Callable[[SparseSequence], None] | None = None, *, until: int | None = None) -> None:
         """Run every token of ``ids`` (the prompt but its last token) into ``seq``, chunk by chunk,
-        from where ``seq`` stands (a resumed prefill starts past its first tokens).
+        from where ``seq`` stands (a resumed prefill starts past its first tokens); ``until``: stop
+        after the chunk that reaches this many tokens (a repair replaying a stretch).
 
         ``checkpoint(seq)`` is offered the sequence between chunks once every layer has its key
         basis (from there on the state is complete: a stored copy can resume).
         """
         seq.reserve(len(ids) + 1)
         pos = seq.length(0)
-        while pos < len(ids):
+        while pos < len(ids) and (until is None or pos < until):
             end = min(pos + self.chunk_tokens, len(ids))
             if pos < seq.config.dense_prefill_tokens < end:
                 end = seq.config.dense_prefill_tokens   # fit the basis exactly where exact prefill ends
             self._begin_step("prefill", end - pos)
-            self._forward(seq, ids[pos:end], pos)
+            self._forward_or_back(seq, ids[pos:end], pos)
             if progress:
                 progress(end - pos)
             pos = end
             if checkpoint is not None and pos < len(ids) and seq.fitted():
                 checkpoint(seq)
-        self.finish_prefill(seq)
+        if pos >= len(ids):
+            self.finish_prefill(seq)
 
     def finish_prefill(self, seq: SparseSequence) -> None:
         """Fit the key basis of layers still without one (a prompt shorter than the exact part)."""
@@ -150,7 +152,7 @@ class SparseEngine:
     def decode(self, seq: SparseSequence, token: int) -> Tensor:
         """Append one token; returns the logits [vocab] that follow it."""
         self._begin_step("decode", 1)
-        h = self._forward(seq, [token], seq.length(0))
+        h = self._forward_or_back(seq, [token], seq.length(0))
         seq.allocation.step_done()
         return final_logits(self.model, h[:, -1:])[0, -1]
 
@@ -161,6 +163,22 @@ class SparseEngine:
             access.begin_step(kind, tokens)
 
     # -- one forward pass -----------------------------------------------------------------------
+    def _forward_or_back(self, seq: SparseSequence, chunk: Sequence[int], pos: int) -> Tensor:
+        """``_forward``; a page that cannot be read leaves ``seq`` as it was before the pass (the layers
+        that took the new tokens give them back), so the caller can repair the page and go again; a
+        pass longer than the window that sealed pages before it failed cannot: PassBroken."""
+        lengths = [state.length for state in seq.layers]
+        try:
+            return self._forward(seq, chunk, pos)
+        except BlockMissing as error:
+            if any(state.length - before > len(state.win_k) for state, before in zip(seq.layers, lengths)):
+                raise PassBroken(f"{error}; the pass had sealed pages in its first layers and cannot be "
+                                 "taken back", error.keys) from error
+            for state, before in zip(seq.layers, lengths):
+                if state.length > before:
+                    state.crop(state.length - before)
+            raise
+
     def _forward(self, seq: SparseSequence, chunk: Sequence[int], pos: int) -> Tensor:
         h = embed(self.model, torch.tensor([list(chunk)]))          # [1, T, hidden]
         events, phase = self.manager.manager.events, seq.plan.phase(len(chunk))

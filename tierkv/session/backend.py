@@ -8,7 +8,7 @@ engine, and how it makes, reports and empties states.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from tierkv.device import has_cuda
 from tierkv.events import EventRecorder
@@ -135,6 +135,7 @@ def sparse_report(engine: SparseEngine, seq) -> dict[str, object]:
         "key_energy_kept": min(layer.basis.energy_kept for layer in seq.layers),
         "index_bytes": seq.memory_bytes(),
         "resumed_prefill_tokens": seq.resumed_tokens, "prefill_s_all_runs": round(seq.prefill_s, 1),
+        "repairs": [asdict(r) for r in seq.origin.repairs] if seq.origin is not None else [],
     }
 
 

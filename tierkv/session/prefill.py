@@ -13,8 +13,10 @@ what is left::
                                                               stored again as ids when store=True
 
 A long prefill saves a checkpoint every ``checkpoint_every`` seconds, so a stopped one
-resumes there. A state is never changed in place once stored: what goes past it is
-computed in a branch whose pages are its own.
+resumes there, and a restore point every ``restore.spacing(tokens)`` tokens, from which a
+page found damaged later is computed again (``tierkv.session.repair``). A state is never
+changed in place once stored: what goes past it is computed in a branch whose pages are
+its own.
 """
 from __future__ import annotations
 
@@ -24,8 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierkv.errors import BlockMissing
 from tierkv.model.sparse_engine import SparseEngine
+from tierkv.session.repair import repair
 from tierkv.session.state import Progress, SparseState
+from tierkv.sparse.restore import Origin, restore_path, save_restore, spacing
 from tierkv.sparse.sequence import SparseSequence
 from tierkv.sparse.store import Shelf, identity_key, load_index, save_index
 
@@ -54,7 +59,7 @@ def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, 
     progress = progress or (lambda n: None)
     found = shelf.longest(ids, at_most=len(ids)) if shelf is not None and reuse else 0
     if found:
-        state = _load(engine, shelf, ids[:found])
+        state = stored_state(engine, shelf, ids[:found])
         if state is not None:
             progress(found)
             if found == len(ids):
@@ -66,12 +71,22 @@ def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, 
                     progress=progress)
 
 
-def _load(engine: SparseEngine, shelf: Shelf, ids: Sequence[int]) -> SparseState | None:
-    seq = engine.new_sequence(len(ids), root=shelf.key(ids), persist=False)
-    meta = load_index(seq, shelf.path(ids))
+def stored_state(engine: SparseEngine, shelf: Shelf, ids: Sequence[int]) -> SparseState | None:
+    """The stored state of ``ids``, its missing pages computed again; None if the index is not usable
+    (or a missing page cannot be rebuilt): the caller prefills."""
+    seq, path, missing = engine.new_sequence(len(ids), root=shelf.key(ids), persist=False), shelf.path(ids), []
+    meta = load_index(seq, path, missing=missing)
     if meta is None:
         return None
     seq.prefill_s = float(meta.get("prefill_s", 0.0))
+    seq.origin = Origin.of(seq, path, ids)
+    if missing:
+        try:
+            repair(engine, seq, missing)
+        except BlockMissing as error:
+            log.warning("sparse index %s: %s; prefilling again", path.name, error)
+            seq.release(keep=True)
+            return None
     return SparseState(engine, seq, ids)
 
 
@@ -85,28 +100,38 @@ def _prefill(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, *, r
     if reuse and (meta := load_index(seq, partial)) is not None:
         seq.resumed_tokens, seq.prefill_s = seq.length(0), float(meta.get("prefill_s", 0.0))
         progress(seq.resumed_tokens)
-    checkpoints = _Checkpoints(engine, partial, seq.prefill_s, checkpoint_every)
-    engine.prefill(seq, ids, progress, checkpoints if checkpoint_every else None)
+    path = shelf.path(ids)
+    checkpoints = _Checkpoints(engine, partial, path, len(ids), seq.prefill_s, checkpoint_every)
+    engine.prefill(seq, ids, progress, checkpoints)
     engine.manager.flush()
     seq.prefill_s = checkpoints.total_s()
-    save_index(seq, shelf.path(ids), prefill_s=seq.prefill_s)
+    save_index(seq, path, prefill_s=seq.prefill_s, ids=ids)
     partial.unlink(missing_ok=True)
+    seq.origin = Origin.of(seq, path, ids)
     seq.persist = False          # pages sealed after this are not part of the stored state
     return Opened(SparseState(engine, seq, ids), 0, seq.resumed_tokens)
 
 
 class _Checkpoints:
-    """Saves a long prefill's state every ``every_s`` seconds, so a stopped run resumes there."""
+    """Saves a long prefill's state every ``every_s`` seconds (0: never), so a stopped run resumes
+    there, and a restore point of it every ``spacing(tokens)`` tokens (``tierkv.sparse.restore``)."""
 
-    def __init__(self, engine: SparseEngine, path: Path, earlier_s: float, every_s: float) -> None:
-        self.engine, self.path, self.earlier_s, self.every_s = engine, path, earlier_s, every_s
+    def __init__(self, engine: SparseEngine, path: Path, index: Path, tokens: int, earlier_s: float,
+                 every_s: float) -> None:
+        self.engine, self.path, self.index, self.earlier_s, self.every_s = engine, path, index, earlier_s, every_s
+        self.spacing = spacing(tokens)
+        self.next_restore = self.spacing
         self.start = self.last = time.perf_counter()
 
     def total_s(self) -> float:
         return self.earlier_s + time.perf_counter() - self.start
 
     def __call__(self, seq: SparseSequence) -> None:
-        if time.perf_counter() - self.last < self.every_s:
+        at = seq.length(0)
+        if at >= self.next_restore:
+            save_restore(seq, restore_path(self.index, at))
+            self.next_restore = (at // self.spacing + 1) * self.spacing
+        if not self.every_s or time.perf_counter() - self.last < self.every_s:
             return
         self.engine.manager.flush()              # every page the checkpoint names is stored first
         save_index(seq, self.path, prefill_s=self.total_s(), point="checkpoint")

@@ -12,7 +12,9 @@ state holds and keeps what it adds to itself::
 new sequence that finds every whole block of the parent by content and
 recomputes only the parent's partial last block (under ``block_tokens``).
 ``SparseState``: a fork shares the parent's pages and index (``SparseSequence.fork``)
-and recomputes nothing; its own pages are private to it.
+and recomputes nothing; its own pages are private to it. A page of the stored document
+that turns out lost or damaged is computed again and the step goes on
+(``tierkv.session.repair``).
 
 ``extend(ids)`` computes ``ids`` after ``tokens`` and returns the logits that follow
 them; ``absorb(ids)`` computes them when no logits are needed (a document); ``step``
@@ -21,7 +23,7 @@ is one decode step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -29,9 +31,11 @@ from torch import Tensor
 from tierkv.model.engine import Engine
 from tierkv.model.sequence import TieredSequence
 from tierkv.model.sparse_engine import SparseEngine
+from tierkv.session.repair import repairing
 from tierkv.sparse.sequence import SparseSequence
 
 Progress = Callable[[int], None]      # called with the number of tokens just computed
+T = TypeVar("T")
 
 
 class KVState(Protocol):
@@ -109,12 +113,12 @@ class SparseState:
         self.computed_from = 0             # the first position the last extension computed
 
     def fork(self) -> SparseState:
-        return SparseState(self.engine, self.seq.fork(), self.tokens)
+        return SparseState(self.engine, self._repairing(self.seq.fork), self.tokens)
 
     def absorb(self, ids: Sequence[int], progress: Progress | None = None) -> None:
         self.computed_from = len(self.tokens)
         self.tokens += ids
-        self.engine.prefill(self.seq, self.tokens, progress)
+        self._repairing(lambda: self.engine.prefill(self.seq, self.tokens, progress))
 
     @torch.inference_mode()
     def extend(self, ids: Sequence[int], progress: Progress | None = None) -> Tensor:
@@ -128,7 +132,11 @@ class SparseState:
 
     def step(self, token: int) -> Tensor:
         self.tokens.append(token)
-        return self.engine.decode(self.seq, token)
+        return self._repairing(lambda: self.engine.decode(self.seq, token))
+
+    def _repairing(self, work: Callable[[], T]) -> T:
+        """``work()``, with the stored document's damaged pages computed again (``tierkv.session.repair``)."""
+        return repairing(self.engine, self.seq, work)
 
     def verify(self, ids: Sequence[int]) -> Tensor:
         raise NotImplementedError("drafts are verified in dense mode only: a sparse pass over several tokens "

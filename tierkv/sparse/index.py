@@ -227,6 +227,26 @@ class ChunkIndex:
         self._candidates.adopt(state["candidates"])
         if len({g.n for g in (self._landmarks, self._lo, self._hi, self._candidates) if g is not None}) != 1:
             raise ValueError("the stored summaries disagree on the number of chunks")
+        self._load_outliers(state)
+
+    @classmethod
+    def prefix_of(cls, index: ChunkIndex, chunks: int, saved: dict[str, Tensor]) -> ChunkIndex:
+        """``index`` as it was when it held ``chunks`` chunks: its summaries' first rows (shared, copied
+        on growth), the candidate flags and outliers of then from ``saved`` (a restore point)."""
+        twin = index.fork()
+        for grow in (twin._landmarks, twin._lo, twin._hi):
+            if grow is not None:
+                if grow.n < chunks:
+                    raise ValueError(f"a restore point of {chunks} chunks, the index has {grow.n}")
+                grow.n = chunks
+        twin._candidates = _Growing((), torch.bool)
+        twin._candidates.adopt(saved["candidates"])
+        if twin._candidates.n != chunks:
+            raise ValueError(f"{twin._candidates.n} candidate flags for {chunks} chunks")
+        twin._load_outliers(saved)
+        return twin
+
+    def _load_outliers(self, state: dict[str, Tensor]) -> None:
         c = self.chunk_tokens
         ids, scores = state["outlier_ids"].tolist(), state["outlier_scores"].tolist()
         self.outliers = {chunk: (score, state["outlier_k"][j * c:(j + 1) * c].clone(),

@@ -28,6 +28,7 @@ import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -43,6 +44,10 @@ from tierkv.sparse.layer_state import LayerState
 from tierkv.sparse.lowrank import project, reconstruct
 from tierkv.sparse.plan import StepPlan
 from tierkv.layout import BlockLayout
+
+if TYPE_CHECKING:
+    from tierkv.sparse.restore import Origin
+
 
 class Loading:
     """The chunk tokens of a ``gather_split`` whose pages were still loading when it returned::
@@ -114,13 +119,17 @@ class SparseSequence:
         self.resumed_tokens = 0                  # prompt tokens a stopped prefill had saved
         self.prefill_s = 0.0                     # seconds of prefill behind the state, all runs
         self.document_tokens = 0                 # tokens of the stored prefix state this one started from
+        self.origin: Origin | None = None        # the stored state its first pages are (a repair replays it)
 
     def fork(self) -> SparseSequence:
         """A branch of the same tokens: it holds every page too (a stored document stays whole while
         its branches come and go), shares what never changes, and keys the pages it seals under a
         private root, so two branches never see each other's tokens (``LayerState.fork``)."""
-        if not self.manager.protect(self.all_pages()):
-            raise BlockMissing("a page of the sequence to fork is no longer stored")
+        missing = self.manager.hold(self.all_pages())
+        if missing:
+            gone = set(missing)
+            self.manager.unprotect([key for key in self.all_pages() if key not in gone])
+            raise BlockMissing(f"{len(missing)} page(s) of the sequence to fork are no longer stored", tuple(missing))
         twin = copy.copy(self)
         twin.layers = [state.fork() for state in self.layers]
         twin.root, twin.persist = BlockKey.of("private-sparse", os.urandom(16)), False

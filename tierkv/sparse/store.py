@@ -46,8 +46,8 @@ from tierkv.layout import BlockLayout
 from tierkv.sparse.sequence import SparseSequence
 
 log = logging.getLogger(__name__)
-VERSION = "2"                # 2: landmarks saved per KV head, as they lie in memory
-READABLE = ("1", "2")
+VERSION = "3"                # 2: landmarks saved per KV head, as they lie in memory; 3: metadata checksummed
+READABLE = ("1", "2", "3")
 
 
 def identity_key(model_id: str, layout: BlockLayout, config: SparseConfig, needs: frozenset[str]) -> BlockKey:
@@ -103,8 +103,10 @@ class Shelf:
         return f"{self.identity.hex()[:16]}-{len(ids)}-{self.key(ids).hex()}"
 
 
-def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0, point: str = "index") -> None:
-    """Write ``seq``'s in-memory part; ``prefill_s``: seconds its prefill took so far (all runs).
+def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0, point: str = "index",
+               ids: Sequence[int] | None = None) -> None:
+    """Write ``seq``'s in-memory part; ``prefill_s``: seconds its prefill took so far (all runs);
+    ``ids``: the token ids it covers (what a repair replays).
 
     The tensors are written from where they lie (the landmarks of 1M tokens are 1.5 GB: a copy
     for the save would add that much to the peak memory of every checkpoint)."""
@@ -114,10 +116,19 @@ def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0, point
                  "win_v": state.win_v.rows(), "basis": state.basis.basis} | state.index.state()
         for name, tensor in parts.items():
             tensors[f"L{layer}.{name}"] = tensor if tensor.is_contiguous() else tensor.contiguous()
+    if ids is not None:
+        tensors["ids"] = torch.tensor(list(ids), dtype=torch.int64)
     meta = {"version": VERSION, "tokens": json.dumps([s.length for s in seq.layers]),
             "pages": json.dumps([len(s.pages) for s in seq.layers]),
-            "energy": json.dumps([s.basis.energy_kept for s in seq.layers]), "prefill_s": repr(prefill_s),
-            "checksums": json.dumps({name: _digest(t) for name, t in tensors.items()})}
+            "energy": json.dumps([s.basis.energy_kept for s in seq.layers]), "prefill_s": repr(prefill_s)}
+    write_checked(path, tensors, meta, point)
+
+
+def write_checked(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str], point: str) -> None:
+    """``tensors`` and ``meta`` to ``path`` with an xxh3-64 of every tensor and of the metadata itself:
+    written to a temporary name, fsynced, renamed (``point``: its failpoint's prefix)."""
+    meta = meta | {"checksums": json.dumps({name: _digest(t) for name, t in tensors.items()})}
+    meta["meta_checksum"] = _meta_digest(meta)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")   # two processes saving one index never share it
     save_file(tensors, str(tmp), metadata=meta)
@@ -127,23 +138,19 @@ def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0, point
     os.replace(tmp, path)
 
 
-def load_index(seq: SparseSequence, path: Path) -> dict[str, str] | None:
+def load_index(seq: SparseSequence, path: Path, *, missing: list[BlockKey] | None = None) -> dict[str, str] | None:
     """Fill a fresh ``seq`` from ``path`` and return the file's metadata; None (``seq`` untouched)
     if it is absent, damaged or stale.
 
     The file is read one layer at a time into fresh layer states that take the tensors as read
     (no second copy, no mapping of the file kept), each tensor checked against its checksum;
-    ``seq`` gets them only once all are read and every page they name is still stored."""
+    ``seq`` gets them only once all are read and every page they name is still stored, or, given a
+    ``missing`` list, with the pages no longer stored put in it (to be computed again)."""
     if not path.exists():
         return None
     try:
         with safe_open(str(path), framework="pt", backend="pread") as f:
-            meta = f.metadata() or {}
-            if meta.get("version") not in READABLE:
-                raise ValueError(f"version {meta.get('version')!r}, expected one of {', '.join(READABLE)}")
-            sums = json.loads(meta["checksums"])
-            if set(sums) != set(f.keys()):
-                raise ValueError("the tensors in the file are not those its checksums name")
+            meta, sums = read_checked_meta(f)
             pages = json.loads(meta["pages"])
             if len(pages) != len(seq.layers):
                 raise ValueError(f"{len(pages)} layers, the model has {len(seq.layers)}")
@@ -151,11 +158,37 @@ def load_index(seq: SparseSequence, path: Path) -> dict[str, str] | None:
     except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as error:
         log.warning("sparse index %s is not usable (%s); prefilling again", path.name, error)
         return None
-    if not seq.manager.protect([key for state in layers for key in state.pages]):
+    keys = [key for state in layers for key in state.pages]
+    if missing is None and not seq.manager.protect(keys):
         log.warning("sparse index %s: some of its pages are no longer stored; prefilling again", path.name)
         return None
+    if missing is not None:
+        missing.extend(seq.manager.hold(keys))
     seq.layers = layers
     return meta
+
+
+def read_checked_meta(f: safe_open) -> tuple[dict[str, str], dict[str, str]]:
+    """A file's metadata and tensor checksums, checked (ValueError naming what is wrong)."""
+    meta = f.metadata() or {}
+    if meta.get("version") not in READABLE:
+        raise ValueError(f"version {meta.get('version')!r}, expected one of {', '.join(READABLE)}")
+    if meta["version"] >= "3" and meta.get("meta_checksum") != _meta_digest(meta):
+        raise ValueError("its metadata fails its checksum")
+    sums = json.loads(meta["checksums"])
+    if set(sums) != set(f.keys()):
+        raise ValueError("the tensors in the file are not those its checksums name")
+    return meta, sums
+
+
+def read_ids(path: Path) -> list[int] | None:
+    """The token ids a stored index covers (None: the file does not record them, or is damaged)."""
+    try:
+        with safe_open(str(path), framework="pt", backend="pread") as f:
+            _, sums = read_checked_meta(f)
+            return checked(f, "ids", sums["ids"]).tolist() if "ids" in sums else None
+    except (OSError, SafetensorError, ValueError, KeyError, RuntimeError):
+        return None
 
 
 def _read_layers(seq: SparseSequence, f: safe_open, sums: dict[str, str], meta: dict[str, str],
@@ -165,7 +198,7 @@ def _read_layers(seq: SparseSequence, f: safe_open, sums: dict[str, str], meta: 
     layers = []
     for layer in range(len(seq.layers)):
         prefix = f"L{layer}."
-        get = {name[len(prefix):]: _checked(f, name, sums[name]) for name in names if name.startswith(prefix)}
+        get = {name[len(prefix):]: checked(f, name, sums[name]) for name in names if name.startswith(prefix)}
         state = seq.new_layer(layer)
         state.sink_k, state.sink_v = get["sink_k"], get["sink_v"]
         state.win_k.push(get["win_k"])
@@ -178,11 +211,16 @@ def _read_layers(seq: SparseSequence, f: safe_open, sums: dict[str, str], meta: 
     return layers
 
 
-def _checked(f: safe_open, name: str, digest: str) -> torch.Tensor:
+def checked(f: safe_open, name: str, digest: str) -> torch.Tensor:
     tensor = f.get_tensor(name)
     if _digest(tensor) != digest:
         raise ValueError(f"tensor {name} fails its checksum")
     return tensor
+
+
+def _meta_digest(meta: dict[str, str]) -> str:
+    return xxhash.xxh3_64_hexdigest(json.dumps({k: v for k, v in meta.items() if k != "meta_checksum"},
+                                               sort_keys=True).encode())
 
 
 def _digest(tensor: torch.Tensor) -> str:

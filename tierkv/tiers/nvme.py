@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import threading
@@ -110,6 +111,20 @@ class NvmeTier:
                 self._release_files()
                 raise
         self._closed = False
+
+    @classmethod
+    def existing(cls, directory: Path, **kw: object) -> NvmeTier:
+        """The store in ``directory`` opened as its manifest describes it, with room for every slot its
+        file holds (nothing is dropped for the budget): for tools that look at a store as it is."""
+        directory = Path(directory)
+        try:
+            manifest = json.loads((directory / "store.json").read_text())
+            block_bytes, namespace = int(manifest["block_bytes"]), str(manifest["namespace"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{directory}: not a readable tierkv NVMe store ({exc})") from None
+        data = directory / "slots.dat"
+        size = data.stat().st_size if data.exists() else 0
+        return cls(directory, block_bytes, max(size, block_bytes), namespace=namespace, **kw)
 
     def _open(self, backend: str, io_threads: int) -> None:
         self._share.join(self._capacity, self.block_bytes, self.namespace)

@@ -1,0 +1,196 @@
+"""A stored sparse document with damaged or lost pages: the next run repairs them (replaying its prefill
+from a restore point) and answers as a clean run does; a whole-store scrub then finds nothing."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tierkv.cli import main
+from tierkv.failpoints import POINTS
+from tierkv.model.arch import model_spec
+from tierkv.model.loading import LoadedModel
+from tierkv.model.settings import SessionConfig
+from tierkv.session import Session
+from tierkv.session.scrub import repair_store, verify
+from tierkv.sparse import restore
+from tierkv.tiers.nvme import NvmeTier
+
+from tinymodels import tiny_model
+
+IDS = torch.randint(0, 128, (2400,), generator=torch.Generator().manual_seed(7)).tolist()
+PROMPT = [*IDS, 5, 6, 7]
+SETTINGS = dict(gpu_budget="1MiB", cpu_budget="2MiB", mode="sparse", chunk_tokens=256, sparse_budget=128,
+                page_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    model = tiny_model("llama")                           # trained window 512 tokens, no tokenizer
+    return LoadedModel(model, None, "tiny-llama", model_spec(model))
+
+
+@pytest.fixture(autouse=True)
+def close_restore_points(monkeypatch):
+    monkeypatch.setattr(restore, "MIN_SPACING", 256)      # a restore point every 256 tokens of the document
+
+
+def answer(lm: LoadedModel, store: Path, **settings):
+    with Session(SessionConfig.of(nvme_dir=store, **SETTINGS | settings), loaded=lm) as session:
+        return session.complete(PROMPT, max_new_tokens=8)
+
+
+def page_store(store: Path) -> tuple[Path, int]:
+    (directory,) = store.glob("sparse-P*")
+    return directory, json.loads((directory / "store.json").read_text())["block_bytes"]
+
+
+def stored_slots(store: Path) -> list[int]:
+    with NvmeTier.existing(page_store(store)[0]) as tier:
+        return sorted(slot for _, slot in tier.items())
+
+
+def stored_blocks(store: Path) -> dict[bytes, bytes]:
+    """Every page in the store, by key, as its bytes (checked against their checksums)."""
+    with NvmeTier.existing(page_store(store)[0]) as tier:
+        items = sorted(tier.items())
+        data = torch.empty(len(items), tier.block_bytes, dtype=torch.uint8)
+        assert tier.read([(key, slot, data[i]) for i, (key, slot) in enumerate(items)]) == []
+        return {key.digest: data[i].numpy().tobytes() for i, (key, _) in enumerate(items)}
+
+
+def flip_high_bytes(store: Path, slots: list[int], rng: random.Random) -> None:
+    """Exponent bytes of float32 values, as a bad sector or a torn copy would leave them."""
+    directory, block_bytes = page_store(store)
+    with open(directory / "slots.dat", "r+b") as f:
+        for slot in slots:
+            for _ in range(8):
+                at = slot * block_bytes + rng.randrange(block_bytes // 4) * 4 + 3
+                f.seek(at)
+                byte = f.read(1)[0]
+                f.seek(at)
+                f.write(bytes([byte ^ 0x40]))
+
+
+def test_flipped_bytes_in_a_few_percent_of_the_pages_cost_a_repair_not_the_answer(lm, tmp_path):
+    clean = answer(lm, tmp_path)
+    pages = stored_blocks(tmp_path)
+    slots = stored_slots(tmp_path)
+    damaged = random.Random(3).sample(slots, max(2, len(slots) * 3 // 100))
+    flip_high_bytes(tmp_path, damaged, random.Random(4))
+    again = answer(lm, tmp_path)
+    assert again.reused_tokens == len(PROMPT) - 1                    # the stored state, not a new prefill
+    assert again.tokens == clean.tokens
+    (repair,) = again.report["repairs"]
+    assert repair["pages"] == len(damaged) and repair["scrubbed"] == len(slots)
+    assert 0 < repair["tokens"] < len(PROMPT)
+    after = stored_blocks(tmp_path)                                  # byte for byte what the prefill wrote
+    assert {key: after[key] for key in pages} == pages
+    third = answer(lm, tmp_path)                                     # repaired for good
+    assert third.tokens == clean.tokens and third.report["repairs"] == []
+    assert main(["store", "verify", "--nvme-dir", str(tmp_path)]) == 0
+
+
+def test_store_verify_finds_every_damaged_page_and_repair_computes_them_again(lm, tmp_path, capsys):
+    clean = answer(lm, tmp_path)
+    pages = stored_blocks(tmp_path)
+    damaged = random.Random(8).sample(stored_slots(tmp_path), 5)
+    flip_high_bytes(tmp_path, damaged, random.Random(9))
+    assert main(["store", "verify", "--nvme-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "5 damaged" in out and "5 missing or damaged" in out and "DAMAGED" in out
+    repaired = repair_store(tmp_path, SessionConfig.of(**SETTINGS), loaded=lm)
+    (index,) = [i for i in repaired.indexes if i.kind == "index"]
+    assert index.repair is not None and index.repair.pages == 5 and not index.note
+    assert verify(tmp_path).clean and stored_blocks(tmp_path) == pages
+    again = answer(lm, tmp_path)
+    assert again.tokens == clean.tokens and again.report["repairs"] == []
+
+
+def test_an_index_with_changed_metadata_is_refused_and_prefilled_again(lm, tmp_path):
+    clean = answer(lm, tmp_path)
+    (path,) = [p for p in (tmp_path / "sparse-indexes").glob("*.safetensors") if ".restore-" not in p.name]
+    tensors = load_file(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    lengths = json.loads(meta["tokens"])
+    save_file(tensors, str(path), metadata=meta | {"tokens": json.dumps([n - 16 for n in lengths])})
+    assert not verify(tmp_path).clean
+    again = answer(lm, tmp_path)
+    assert again.reused_tokens == 0 and again.tokens == clean.tokens        # prefilled, never read wrong
+
+
+def test_lost_pages_are_rebuilt_when_the_document_is_loaded(lm, tmp_path):
+    clean = answer(lm, tmp_path)
+    with NvmeTier.existing(page_store(tmp_path)[0]) as tier:
+        keys = sorted(key for key, _ in tier.items())
+        for key in random.Random(5).sample(keys, 3):
+            tier.drop(key)
+    again = answer(lm, tmp_path)
+    assert again.tokens == clean.tokens and again.reused_tokens == len(PROMPT) - 1
+    assert again.report["repairs"][0]["pages"] == 3
+
+
+CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    from tinymodels import tiny_model
+    from tierkv.model.arch import model_spec
+    from tierkv.model.loading import LoadedModel
+    from tierkv.model.settings import SessionConfig
+    from tierkv.session import Session
+    from tierkv.sparse import restore
+    import test_repair as t
+    restore.MIN_SPACING = 256
+    model = tiny_model("llama")
+    lm = LoadedModel(model, None, "tiny-llama", model_spec(model))
+    with Session(SessionConfig.of(nvme_dir=sys.argv[1], checkpoint_every=1e-6, **t.SETTINGS), loaded=lm) as s:
+        s.complete(t.PROMPT, max_new_tokens=8)
+    print("finished")
+""")
+
+
+@pytest.fixture(scope="module")
+def clean_answer(lm, tmp_path_factory):
+    return answer(lm, tmp_path_factory.mktemp("clean"))
+
+
+def kill_points() -> list[str]:
+    """Three kills in CI (the store's own points are killed at in tests/tiers/test_nvme_crash.py);
+    ``TIERKV_SPARSE_KILLS=N``: N at every point, at visits drawn at random (see bench/RESULTS.md)."""
+    many = int(os.environ.get("TIERKV_SPARSE_KILLS", "0"))
+    if not many:
+        return ["checkpoint.before-rename:3", "restore.before-rename:4", "index.before-rename"]
+    rng, visits = random.Random(many), {"index.before-rename": 1, "restore.before-rename": 6,
+                                        "checkpoint.before-rename": 6}    # the store's points: 20
+    return [f"{point}:{rng.randint(1, visits.get(point, 20))}" for point in (POINTS * many)[:many]]
+
+
+@pytest.mark.parametrize("point", kill_points())
+def test_a_sparse_prefill_killed_at_a_failpoint_resumes_to_the_clean_answer(lm, clean_answer, tmp_path, point):
+    """A real SIGKILL inside the prefill of a stored document (its checkpoint, restore point or index
+    half saved, a page's bytes written but not its record): the next run finishes what was stored
+    and answers as a clean run does."""
+    tests = Path(__file__).resolve().parents[1]
+    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(tests)], capture_output=True, text=True,
+                           env=os.environ | {"TIERKV_FAILPOINTS": point, "PYTHONPATH": str(Path(__file__).parent)},
+                           timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert "finished" not in child.stdout
+    again = answer(lm, tmp_path, checkpoint_every=1e-6)
+    assert again.tokens == clean_answer.tokens
+    name, _, visit = point.partition(":")
+    if name == "index.before-rename" or (name == "checkpoint.before-rename" and int(visit or 1) > 1):
+        assert again.report["resumed_prefill_tokens"] > 0           # from a checkpoint saved before the kill
+    assert verify(tmp_path).clean

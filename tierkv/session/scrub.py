@@ -1,0 +1,173 @@
+"""A whole store checked, and repaired where it can be: ``tierkv store verify|repair --nvme-dir DIR``.
+
+    verify    every block of every NVMe store under DIR read and checked against its checksum;
+              every stored sparse index, checkpoint and restore point checked whole (tensors and
+              metadata); every page an index names looked up and its check taken from the first
+    repair    the blocks that failed are dropped (journaled: no later run reads them); each stored
+              document whose pages were damaged or lost is loaded and its pages computed again
+              (``tierkv.session.repair``), with the model and the settings of the run that
+              stored it; an index that fails its checks is removed (the next run prefills that
+              document again); dense blocks are left dropped (a run computes a missing block
+              again where it needs it)
+
+Nothing here serves KV; a store in use by a running process can be verified (it reads
+what is visible), and repaired too (drops are journaled for every process).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tierkv.keys import BlockKey
+from tierkv.model.loading import LoadedModel
+from tierkv.model.settings import SessionConfig
+from tierkv.session.prefill import shelf_of, stored_state
+from tierkv.session.repair import Repair
+from tierkv.session.session import Session
+from tierkv.sparse.store import checked, read_checked_meta, read_ids
+from tierkv.tiers.nvme import NvmeTier
+
+INDEXES = "sparse-indexes"
+
+
+@dataclass(slots=True)
+class StoreCheck:
+    directory: Path
+    blocks: int = 0
+    damaged: list[BlockKey] = field(default_factory=list)    # failed their checksum
+
+
+@dataclass(slots=True)
+class IndexCheck:
+    path: Path
+    kind: str                         # index, checkpoint, restore point
+    tokens: int = 0
+    problem: str | None = None        # the file fails its checks
+    pages: int = 0                    # pages it names (an index)
+    bad_pages: list[BlockKey] = field(default_factory=list)  # of those, missing or damaged
+    repair: Repair | None = None
+    note: str | None = None           # what a repair did not do, and why
+
+
+@dataclass(slots=True)
+class Verdict:
+    stores: list[StoreCheck] = field(default_factory=list)
+    indexes: list[IndexCheck] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return not any(s.damaged for s in self.stores) and not any(
+            i.problem or i.bad_pages for i in self.indexes)
+
+    def lines(self) -> list[str]:
+        out = [f"store {s.directory.name}: {s.blocks} blocks, "
+               + (f"{len(s.damaged)} damaged" if s.damaged else "all sound") for s in self.stores]
+        for i in self.indexes:
+            what = f"{i.kind} {i.path.name}: {i.tokens} tokens"
+            if i.problem:
+                what += f", unusable ({i.problem})"
+            elif i.kind == "index":
+                what += f", {i.pages} pages" + (f", {len(i.bad_pages)} missing or damaged" if i.bad_pages else "")
+            if i.repair is not None:
+                what += f"; repaired: {i.repair}"
+            if i.note:
+                what += f"; {i.note}"
+            out.append(what)
+        out.append(f"{'clean' if self.clean else 'DAMAGED'} ({self.seconds:.1f} s)")
+        return out
+
+
+def stores_in(nvme_dir: Path) -> list[Path]:
+    return sorted(p.parent for p in Path(nvme_dir).glob("*/store.json"))
+
+
+def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
+    """Check everything under ``nvme_dir``; ``drop``: drop the blocks that fail."""
+    start, verdict = time.perf_counter(), Verdict()
+    if not Path(nvme_dir).is_dir():
+        raise FileNotFoundError(f"--nvme-dir {nvme_dir}: no such directory")
+    sound: set[BlockKey] = set()
+    for directory in stores_in(nvme_dir):
+        check = StoreCheck(directory)
+        with NvmeTier.existing(directory) as tier:
+            items = sorted(tier.items(), key=lambda item: item[1])
+            check.blocks = len(items)
+            data = torch.empty(min(batch, len(items)), tier.block_bytes, dtype=torch.uint8)
+            for first in range(0, len(items), batch):
+                group = items[first:first + batch]
+                check.damaged += tier.read([(key, slot, data[i]) for i, (key, slot) in enumerate(group)])
+            for key in check.damaged if drop else ():
+                tier.drop(key)
+            tier.flush()
+        sound.update(key for key, _ in items)
+        sound.difference_update(check.damaged)
+        verdict.stores.append(check)
+    for path in sorted(Path(nvme_dir, INDEXES).glob("*.safetensors")):
+        verdict.indexes.append(_check_index(path, sound))
+    verdict.seconds = time.perf_counter() - start
+    return verdict
+
+
+def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:
+    name = path.name.removesuffix(".safetensors")
+    kind = "checkpoint" if name.endswith(".partial") else "restore point" if ".restore-" in name else "index"
+    check = IndexCheck(path, kind)
+    try:
+        with safe_open(str(path), framework="pt", backend="pread") as f:
+            meta, sums = read_checked_meta(f)
+            for tensor, digest in sums.items():
+                checked(f, tensor, digest)
+        check.tokens = max(json.loads(meta["tokens"])) if meta["tokens"].startswith("[") else int(meta["tokens"])
+    except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as error:
+        check.problem = str(error)
+        return check
+    if kind == "index":
+        root = BlockKey(bytes.fromhex(name.split("-")[2]))
+        keys = [BlockKey.of(root.digest, "page", layer, page)
+                for layer, n in enumerate(json.loads(meta["pages"])) for page in range(n)]
+        check.pages, check.bad_pages = len(keys), [key for key in keys if key not in sound]
+    return check
+
+
+def repair_store(nvme_dir: Path, config: SessionConfig, *, loaded: LoadedModel | None = None) -> Verdict:
+    """``verify`` dropping what fails, then each damaged document computed again (see the module notes),
+    with ``config``'s model (or ``loaded``) and sparse settings."""
+    start = time.perf_counter()
+    verdict = verify(nvme_dir, drop=True)
+    broken = [i for i in verdict.indexes if i.problem or i.bad_pages]
+    if not broken:
+        return verdict
+    with Session(replace(config, tiers=replace(config.tiers, nvme_dir=Path(nvme_dir))), loaded=loaded) as session:
+        backend = session.backend("sparse")
+        shelf = shelf_of(backend.engine, nvme_dir)
+        for check in broken:
+            _repair_one(check, backend.engine, shelf)
+    verdict.seconds = time.perf_counter() - start
+    return verdict
+
+
+def _repair_one(check: IndexCheck, engine, shelf) -> None:
+    if check.problem:
+        check.path.unlink(missing_ok=True)
+        check.note = "removed: " + ("the next run prefills the document again" if check.kind == "index"
+                                    else "a run goes on without it")
+        return
+    ids = read_ids(check.path)
+    if ids is None:
+        check.note = "not repaired: the index does not record its tokens (stored by an earlier version)"
+    elif shelf.path(ids) != check.path:
+        check.note = "not repaired: stored with another model or other sparse settings than given here"
+    else:
+        state = stored_state(engine, shelf, ids)       # drops made its damaged pages missing: repaired here
+        if state is None:
+            check.note = "not repaired: its pages could not be computed again (see the log)"
+            return
+        repairs = state.seq.origin.repairs
+        check.repair, check.bad_pages = (repairs[-1] if repairs else None), []
+        state.release()
