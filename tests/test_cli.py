@@ -126,12 +126,15 @@ def test_a_sparse_run_through_the_cli_finds_the_passkey_and_a_second_run_reuses_
     args = ["run", "--mode", "sparse", "--synthetic-tokens", "1100", "--nvme-dir", str(tmp_path / "s"),
             "--gpu-budget", "4MiB", "--cpu-budget", "8MiB", "--checkpoint-every", "0.5", "--prefill-budget", "512",
             "--page-tokens", "32", "--page-dtype", "bfloat16", "--layer-allocation", "adaptive",
-            "--positions", "remap", "--dense-prefill-tokens", "512", "--max-new-tokens", "12", "--json"]
+            "--positions", "remap", "--dense-prefill-tokens", "512", "--sparse-prefetch", "previous-step",
+            "--layer-budgets", "0:64", "--max-new-tokens", "12", "--json"]
     first = tierkv(*args)
     assert first.returncode == 0, first.stderr
     one = json.loads(first.stdout)
     assert one["mode"] == "sparse" and one["found"] and one["reused_prompt_tokens"] == 0
     assert one["sparse"]["page_tokens"] == 32 and one["sparse"]["positions"] == "remap"
+    assert one["sparse"]["prefetch"] == "previous-step"
+    assert one["sparse"]["layer_tokens"][0] < min(one["sparse"]["layer_tokens"][1:])      # layer 0: its own budget
     assert one["sparse"]["allocation"] == "adaptive" and one["sparse"]["dense_prefill_tokens"] == 512
     assert one["sparse"]["approximate_prefill"] and one["sparse"]["repairs"] == []
     second = tierkv(*args)
