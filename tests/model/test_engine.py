@@ -105,7 +105,7 @@ def test_reusing_stored_blocks_gives_a_fresh_prefill_s_logits_within_rounding(sm
 def test_corrupt_store_is_recomputed_not_served(smollm2, tmp_path, caplog):
     """Exponent bytes flipped in several stored blocks (values off by factors of 2**64, not rounding):
     the checksums catch them, the run computes those blocks again and gives the clean text."""
-    config = RunConfig.of(nvme_dir=tmp_path / "store", **SMALL_RUN)
+    config = RunConfig.of(nvme_dir=tmp_path / "store", **SMALL_RUN | dict(synthetic_tokens=1200))
     clean = run(config, loaded=smollm2)
     slots = next((tmp_path / "store").rglob("slots.dat"))
     with open(slots, "r+b") as f:  # flip the high byte of a float32 in each of several stored blocks
@@ -126,7 +126,7 @@ def _tierkv(*args, **kw):
 
 
 def test_sigkill_during_prefill_then_rerun_gives_the_clean_output(smollm2, tmp_path):
-    args = ["--synthetic-tokens", "3000", "--block-tokens", "128", "--chunk-tokens", "512",
+    args = ["--synthetic-tokens", "2000", "--block-tokens", "128", "--chunk-tokens", "512",
             "--max-new-tokens", "8", "--cpu-budget", "8MiB", "--gpu-budget", "4MiB", "--json"]
     clean = json.loads(_tierkv(*args, "--nvme-dir", str(tmp_path / "clean")).communicate(timeout=600)[0])
     store = tmp_path / "store"

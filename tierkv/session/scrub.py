@@ -124,11 +124,11 @@ def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:
             for tensor, digest in sums.items():
                 checked(f, tensor, digest)
         check.tokens = max(json.loads(meta["tokens"])) if meta["tokens"].startswith("[") else int(meta["tokens"])
-    except (OSError, SafetensorError, ValueError, KeyError, RuntimeError) as error:
+        root = BlockKey(bytes.fromhex(name.split(".")[0].split("-")[2]))     # <identity>-<tokens>-<root>
+    except (OSError, SafetensorError, ValueError, KeyError, RuntimeError, IndexError) as error:
         check.problem = str(error)
         return check
     if kind == "index":
-        root = BlockKey(bytes.fromhex(name.split("-")[2]))
         keys = [BlockKey.of(root.digest, "page", layer, page)
                 for layer, n in enumerate(json.loads(meta["pages"])) for page in range(n)]
         check.pages, check.bad_pages = len(keys), [key for key in keys if key not in sound]
