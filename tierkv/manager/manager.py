@@ -29,7 +29,7 @@ from tierkv.knobs import IOKnobs
 from tierkv.errors import BudgetExceeded, ManagerClosed
 from tierkv.keys import BlockKey
 from tierkv.manager import placement
-from tierkv.manager.directory import Directory, Place
+from tierkv.manager.directory import BlockEntry, Directory, Place
 from tierkv.manager.executor import Executor
 from tierkv.manager.lease import Lease
 from tierkv.manager.moves import Moves
@@ -254,25 +254,22 @@ class TierManager:
     def protect(self, keys: Iterable[BlockKey]) -> bool:
         """The caller holds these stored blocks too (a reused prefix, a fork); False, holding none,
         if any is gone."""
-        entries = [self.directory.get(k) for k in keys]
-        if any(e is None or not (e.copies or e.arriving) for e in entries) and self.refresh():
-            entries = [self.directory.get(k) for k in keys]
-        if any(e is None or not (e.copies or e.arriving) for e in entries):
-            return False
-        for entry in entries:
-            entry.holders += 1
-        return True
+        keys = list(keys)
+        missing = self.hold(keys)
+        if missing:
+            gone = set(missing)
+            self.unprotect([key for key in keys if key not in gone])
+        return not missing
 
     def hold(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Hold those of ``keys`` that are stored (as ``protect``); returns the rest, which a caller
         can compute again (a repair) before it reads them."""
-        stored = lambda e: e is not None and bool(e.copies or e.arriving)  # noqa: E731
         entries = [self.directory.get(k) for k in keys]
-        if not all(map(stored, entries)) and self.refresh():
+        if not all(map(_stored, entries)) and self.refresh():
             entries = [self.directory.get(k) for k in keys]
         missing = []
         for key, entry in zip(keys, entries):
-            if stored(entry):
+            if _stored(entry):
                 entry.holders += 1
             else:
                 missing.append(key)
@@ -285,7 +282,7 @@ class TierManager:
         self.refresh()
         for first in range(0, len(keys), batch):
             await self._moves.check_stored(keys[first:first + batch])
-        return [k for k in keys if (e := self.directory.get(k)) is None or not (e.copies or e.arriving)]
+        return [k for k in keys if not _stored(self.directory.get(k))]
 
     def unprotect(self, keys: Iterable[BlockKey]) -> None:
         """The caller lets go of these blocks; one that nobody holds any more becomes evictable cache."""
@@ -436,3 +433,8 @@ def _as_bytes(data: torch.Tensor, block_bytes: int) -> torch.Tensor:
     if raw.numel() != block_bytes:
         raise ValueError(f"block of {raw.numel()} bytes; this manager stores blocks of exactly {block_bytes}")
     return raw
+
+
+def _stored(entry: BlockEntry | None) -> bool:
+    """The block has a copy somewhere, or one on its way."""
+    return entry is not None and bool(entry.copies or entry.arriving)

@@ -91,9 +91,10 @@ class Shelf:
         if not self.directory.is_dir():
             return 0
         for path in self.directory.glob(f"{prefix}*.safetensors"):
-            parts = path.name.split(".")[0].split("-")
-            if len(parts) != 3 or not parts[1].isdigit() or path.name.endswith(".partial.safetensors"):
-                continue
+            stem, _, rest = path.name.partition(".")
+            parts = stem.split("-")
+            if rest != "safetensors" or len(parts) != 3 or not parts[1].isdigit():
+                continue               # a checkpoint, a restore point, a stranger
             n = int(parts[1])
             if best < n <= min(at_most, len(ids)) and parts[2] == self.key(ids[:n]).hex():
                 best = n
