@@ -37,6 +37,8 @@ depth order over one growing cache, each finishing on a copy of it.
     python bench/accuracy.py --quick --out bench/out/accuracy-quick.json
     python bench/accuracy.py --out bench/out/accuracy.json
     python bench/accuracy.py --no-passkey --doc-tokens 8K --steps 128 --variant chunk_tokens=4,outlier_fraction=0.02
+    python bench/accuracy.py --page-dtypes int8,int4,int2 --doc-tokens 8K --contexts 4K,8K --depths 5 \
+        --out bench/out/accuracy-quant.json      # quantized pages against bf16 (bench/quant_rows.py)
 """
 from __future__ import annotations
 
@@ -55,8 +57,11 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from decode import HfDecoder
+from logits import kl, mean, top1
+from quant_rows import add_quant, dense_agreement, quant_configs
 from report import Report, machine, print_grid
 from tierkv.config import TierConfig
+from tierkv.errors import ConfigError
 from tierkv.manager import BlockingTierManager
 from tierkv.model.arch import rope_cos_sin
 from tierkv.ops.rope import apply_rope, unrope
@@ -361,11 +366,13 @@ class DocRun:
     read_pages: float              # pages copied out of the tiers per layer read
     seed_seconds: float            # sealing the prefilled KV into pages and index (finish_prefill)
     key_error: list[float]         # per layer: relative error of the prompt's keys rebuilt from the basis
+    logits: Tensor                 # [steps, vocab] the sparse engine's
 
 
 def document_runs(loaded: LoadedModel, prompt: int, configs: dict[str, tuple[SparseConfig, int]],
-                  report: Report) -> list[DocRun]:
-    """Prefill once, dense logits for every teacher-forced step in one pass, then each sparse run."""
+                  report: Report) -> tuple[list[DocRun], list[int], Tensor]:
+    """Prefill once, dense logits for every teacher-forced step in one pass, then each sparse run;
+    returns the runs, the document's ids and the dense logits."""
     longest = max(n for _, n in configs.values())
     ids = document_ids(loaded.tokenizer, prompt + longest)
     cache, started = DynamicCache(config=loaded.model.config), time.perf_counter()
@@ -379,7 +386,7 @@ def document_runs(loaded: LoadedModel, prompt: int, configs: dict[str, tuple[Spa
                    "share", context=prompt, steps=longest, prefill_s=round(prefill_s, 1))
     exact = ExactKV.of(cache)
     return [document_run(loaded, name, config, n, ids, prompt, cache, exact, dense, truth)
-            for name, (config, n) in configs.items()]
+            for name, (config, n) in configs.items()], ids, dense
 
 
 def document_run(loaded: LoadedModel, name: str, config: SparseConfig, steps: int, ids: list[int], prompt: int,
@@ -400,7 +407,7 @@ def document_run(loaded: LoadedModel, name: str, config: SparseConfig, steps: in
         run = DocRun(name, config, steps, top1(sparse, dense[:steps]), top1(sparse, truth[:steps]),
                      kl(dense[:steps], sparse), seconds, probe.per_layer(),
                      seq.stats.tokens / max(1, seq.stats.steps), seq.stats.pages / max(1, seq.stats.steps), seeded,
-                     basis_error)
+                     basis_error, sparse)
         seq.release(keep=False)
     progress(f"document {name}: agreement {run.agreement:.3f}, recall {mean(run.per_layer['recall']):.3f} "
              f"(oracle {mean(run.per_layer['oracle_recall']):.3f}), out error "
@@ -411,21 +418,6 @@ def document_run(loaded: LoadedModel, name: str, config: SparseConfig, steps: in
 def default_run(runs: list[DocRun]) -> DocRun:
     """The run the ratios name: shadowkv at default settings, else the first that is not the control."""
     return next((r for r in runs if r.name == "shadowkv"), next((r for r in runs if r.name != "control"), runs[0]))
-
-
-def top1(logits: Tensor, ref: Tensor) -> float:
-    """Share of steps whose argmax matches: ``ref`` is logits [S, V] or tokens [S]."""
-    ref = ref.argmax(-1) if ref.dim() == 2 else ref
-    return round(float((logits.argmax(-1) == ref).float().mean()), 4)
-
-
-def kl(p_logits: Tensor, q_logits: Tensor) -> float:
-    p, q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
-    return round(float((p.exp() * (p - q)).sum(-1).mean()), 5)
-
-
-def mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs)
 
 
 def add_document(report: Report, loaded: LoadedModel, runs: list[DocRun], prompt: int) -> None:
@@ -620,8 +612,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="an extra document run with SparseConfig fields changed, like "
                              "chunk_tokens=4,outlier_fraction=0.02 (repeatable)")
     parser.add_argument("--variant-steps", type=int, help="steps of each variant run (default: --steps)")
+    parser.add_argument("--page-dtypes", type=lambda s: [p for p in s.split(",") if p],
+                        help="quantized KV instead of the selectors: bf16 pages against each of these codecs "
+                             "(like int8,int4,int2) on the document and the passkey, landmarks int8 vs float, and "
+                             "the dense engine with int8 blocks (bench/quant_rows.py)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     args = parser.parse_args(argv)
+    for name in args.page_dtypes or ():
+        try:
+            SparseConfig(page_dtype=name)
+        except ConfigError as exc:      # names the allowed values
+            parser.error(f"--page-dtypes: {exc}")
+    if args.page_dtypes:
+        args.selectors, args.control_steps = (), 0
     args.selectors = SELECTORS if args.selectors is None else tuple(args.selectors)
     for name in args.selectors:
         try:
@@ -633,9 +636,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.depths = [round(i / (depths - 1), 3) for i in range(depths)] if depths > 1 else [0.5]
     args.doc_tokens = (4 * K if args.quick else 16 * K) if args.doc_tokens is None else args.doc_tokens
     args.steps = args.steps or (32 if args.quick else 256)
-    args.control_steps = (8 if args.quick else 32) if args.control_steps is None else args.control_steps
+    if args.control_steps is None:
+        args.control_steps = 8 if args.quick else 32
     args.variant_steps = args.variant_steps or args.steps
-    if args.doc_tokens and not (args.selectors or args.control_steps or args.variant):
+    if args.doc_tokens and not (args.selectors or args.control_steps or args.variant or args.page_dtypes):
         parser.error("the document has nothing to run: --selectors is empty, --control-steps is 0 and no "
                      "--variant is given; name a selector (shadowkv, quest) or a variant, or pass --doc-tokens 0")
     return args
@@ -643,6 +647,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def document_configs(args: argparse.Namespace, key_dims: int) -> dict[str, tuple[SparseConfig, int]]:
     configs = {name: (SparseConfig(selector=name), args.steps) for name in args.selectors}
+    if args.page_dtypes:
+        configs |= {name: (config, args.steps) for name, config in quant_configs(args.page_dtypes).items()}
     if args.control_steps:
         configs["control"] = (SparseConfig(budget=1 << 30, rank=key_dims), args.control_steps)
     for variant in args.variant:
@@ -660,16 +666,23 @@ def main(argv: list[str] | None = None) -> Report:
     loaded = load_model("smollm2")
     spec = loaded.spec
     cases: list[Case] = []
-    if not args.no_passkey and args.selectors:
+    compared = list(args.selectors) or ["bf16", *(args.page_dtypes or ())]
+    if not args.no_passkey and compared:
         configs = {name: SparseConfig(selector=name) for name in args.selectors}
+        if args.page_dtypes:
+            configs |= {name: config for name, config in quant_configs(args.page_dtypes).items() if name in compared}
         for context in args.contexts:
             cases += passkey_cases(loaded, context, args.depths, configs)
-        add_passkey(report, cases, args.selectors)
+        add_passkey(report, cases, compared)
     runs: list[DocRun] = []
     if args.doc_tokens:
-        runs = document_runs(loaded, args.doc_tokens, document_configs(args, spec.num_kv_heads * spec.head_dim),
-                             report)
+        runs, ids, dense = document_runs(loaded, args.doc_tokens,
+                                         document_configs(args, spec.num_kv_heads * spec.head_dim), report)
         add_document(report, loaded, runs, args.doc_tokens)
+        if args.page_dtypes:
+            dense_agreement(report, loaded, ids, args.doc_tokens, dense, args.steps)
+    if args.page_dtypes:
+        add_quant(report, loaded, runs, cases, args.page_dtypes)
     add_bounds(report, loaded, args, cases, runs)
     report.seconds = round(time.perf_counter() - started, 1)
     if args.out:
@@ -677,7 +690,7 @@ def main(argv: list[str] | None = None) -> Report:
     report.print_table(TABLE_COLUMNS)
     if cases:
         print("\npasskey (depth of the needle):")
-        print_passkey(cases, args.selectors)
+        print_passkey(cases, compared)
     if runs:
         print_layers(runs)
     return report

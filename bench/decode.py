@@ -29,6 +29,7 @@ Branching rows (``bench/branch_rows.py``): speculative decoding over tiered KV a
 
     python bench/decode.py --quick --out bench/out/decode-quick.json
     python bench/decode.py --contexts 4K,16K --out bench/out/decode.json
+    python bench/decode.py --contexts none --reuse-at none --branch-contexts none --sparse-page-dtypes int4
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from report import Report, filesystem, machine
 from tiers import RawFile, fill_pattern
 from tierkv.config import TierConfig
 from tierkv.device import host_buffer
+from tierkv.errors import ConfigError
 from tierkv.hf import TieredCache
 from tierkv.manager import BlockingTierManager
 from tierkv.model.engine import Engine
@@ -61,6 +63,7 @@ from tierkv.session.run import RunResult, run
 from tierkv.model.settings import DTYPES, RunConfig
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import passkey_prompt
+from tierkv.sparse import SparseConfig
 from tierkv.layout import BlockLayout
 from tierkv.events import EventRecorder, busy_seconds
 from branch_rows import measure_branching
@@ -452,9 +455,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sparse-contexts", help="contexts of the sparse rows, or 'none' (default 128K, quick 32K)")
     parser.add_argument("--branch-contexts", help="contexts of the speculative-decoding rows, or 'none' "
                                                   "(default 4K,32K; quick 4K); the beam row runs unless 'none'")
+    parser.add_argument("--sparse-page-dtypes", default="",
+                        help="quantized pages measured beside bf16 in the sparse rows, like int4 (their own prefill)")
     parser.add_argument("--sparse-store", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-sparse-store",
                         help="NVMe store of the sparse rows, kept between runs: the prefill runs once")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in filter(None, args.sparse_page_dtypes.split(",")):
+        try:
+            SparseConfig(page_dtype=name)
+        except ConfigError as exc:
+            parser.error(f"--sparse-page-dtypes: {exc}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> Report:
@@ -482,7 +493,8 @@ def main(argv: list[str] | None = None) -> Report:
         for ctx in reuse_at:
             measure_reuse(report, loaded, ctx, args.dtype, workdir)
         for ctx in sparse_contexts:
-            measure_sparse(report, loaded, ctx, steps, args.sparse_store, decode_all, HfDecoder)
+            measure_sparse(report, loaded, ctx, steps, args.sparse_store, decode_all, HfDecoder,
+                           tuple(p for p in args.sparse_page_dtypes.split(",") if p))
         if branch_contexts:
             measure_branching(report, loaded, branch_contexts, workdir)
         add_bounds(report, loaded, limits, workdir)

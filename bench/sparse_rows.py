@@ -15,6 +15,9 @@ Configurations, one after another (they share the store's lock)::
     sparse-nvme-overlap       speculative prefetch, and each layer attends to its pages in place while the
                               rest load, then to those (``--sparse-overlap``)
     sparse-nvme-overlap-no-prefetch   the same without prefetch
+    sparse-ram[int4], sparse-nvme-no-prefetch[int4]   with ``--sparse-page-dtypes int4`` (any codec of
+                       tierkv.codec): the same two rows over pages quantized, from a prefill of their own;
+                       ``sparse_nvme_int4_vs_bf16`` divides the nvme row by the bf16 pages' one
 
 The nvme rows start with empty memory tiers and time their steady state: the
 steps until both tiers are full (at most `MAX_WARMUP_STEPS`) are untimed, and
@@ -61,10 +64,11 @@ DEPTH = 0.3            # the same prompt as bench/scale.py's first 128K depth: o
 
 class SparseDecoder:
     def __init__(self, loaded: LoadedModel, ids: list[int], store: Path, *, gpu: int, cpu: int,
-                 prefetch: str, warm: bool, attend: str = "pages", fill: bool = False, overlap: bool = False) -> None:
+                 prefetch: str, warm: bool, attend: str = "pages", fill: bool = False, overlap: bool = False,
+                 page_dtype: str = PAGE_DTYPE) -> None:
         """``warm``: every page read into the gpu tier first; ``fill``: the steps until the memory
         tiers are full are untimed (``warming``); ``overlap``: SparseConfig.overlap."""
-        cfg = SparseConfig(prefetch=prefetch, attend=attend, overlap=overlap, page_dtype=PAGE_DTYPE)
+        cfg = SparseConfig(prefetch=prefetch, attend=attend, overlap=overlap, page_dtype=page_dtype)
         layout = SparseEngine.page_layout(loaded, cfg)
         self.recorder = EventRecorder()
         tiers = TierConfig(block_bytes=layout.block_bytes, gpu=gpu, cpu=cpu, nvme_dir=store / layout.name)
@@ -142,9 +146,9 @@ def dynamic_from_store(loaded: LoadedModel, ids: list[int], store: Path) -> Dyna
     return cache
 
 
-def ensure_prefilled(loaded: LoadedModel, ids: list[int], store: Path) -> float:
+def ensure_prefilled(loaded: LoadedModel, ids: list[int], store: Path, page_dtype: str = PAGE_DTYPE) -> float:
     """Sparse prefill of ``ids`` into ``store`` unless it is there already; returns its seconds (0: reused)."""
-    cfg = SparseConfig(page_dtype=PAGE_DTYPE)
+    cfg = SparseConfig(page_dtype=page_dtype)
     layout = SparseEngine.page_layout(loaded, cfg)
     tiers = TierConfig(block_bytes=layout.block_bytes, gpu="512MiB", cpu="1GiB", nvme_dir=store / layout.name)
     start = time.perf_counter()
@@ -158,8 +162,9 @@ def ensure_prefilled(loaded: LoadedModel, ids: list[int], store: Path) -> float:
 
 
 def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, store: Path, interleave,
-                   hf_decoder) -> None:
-    """``interleave`` and ``hf_decoder``: decode.py's ``decode_all`` and ``HfDecoder`` (the dense rows' own)."""
+                   hf_decoder, page_dtypes: tuple[str, ...] = ()) -> None:
+    """``interleave`` and ``hf_decoder``: decode.py's ``decode_all`` and ``HfDecoder`` (the dense rows' own);
+    ``page_dtypes``: quantized pages measured beside bf16 (``quantized_rows``)."""
     ids = passkey_prompt(loaded.tokenizer, ctx, depth=DEPTH).ids
     store.mkdir(parents=True, exist_ok=True)
     prefill_s = ensure_prefilled(loaded, ids, store)
@@ -182,6 +187,8 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
                                                                  prefetch="none", warm=False, fill=True, overlap=True),
     }
     runs = interleave(builders, ids[-1], steps, together=False)
+    for page_dtype in page_dtypes:
+        runs |= quantized_rows(report, loaded, ids, ctx, steps, store, interleave, page_dtype)
     threads = IOKnobs.from_env().io_threads
     tiers = TierConfig(block_bytes=layout.block_bytes, gpu=layout.block_bytes, cpu=0, nvme_dir=store / layout.name)
     with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager:   # the stored pages' slots
@@ -194,6 +201,25 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
     runs |= interleave({"dynamic-cache": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store),
                                                            len(ids) - 1)}, ids[-1], steps, together=False)
     add_sparse_rows(report, ctx, runs, steps, prefill_s, rate)
+
+
+def quantized_rows(report: Report, loaded: LoadedModel, ids: list[int], ctx: int, steps: int, store: Path,
+                   interleave, page_dtype: str) -> dict:
+    """sparse-ram and sparse-nvme-no-prefetch over ``page_dtype`` pages, from their own stored prefill."""
+    prefill_s = ensure_prefilled(loaded, ids, store, page_dtype)
+    print(f"{ctx // K}K sparse prefill, {page_dtype} pages: "
+          f"{'reused from the store' if not prefill_s else f'{prefill_s:.0f} s'}", file=sys.stderr, flush=True)
+    report.add_row(f"sparse-prefill[{page_dtype}]", "prefill_s", round(prefill_s, 1), "s", context=ctx,
+                   note="0: reused from the store")
+    layout = SparseEngine.page_layout(loaded, SparseConfig(page_dtype=page_dtype))
+    n_pages = len(loaded.model.model.layers) * (ctx // layout.tokens + 2)
+    all_pages, small = (n_pages + 64) * layout.block_bytes, int(SMALL_SHARE * n_pages) * layout.block_bytes
+    return interleave({
+        f"sparse-ram[{page_dtype}]": lambda: SparseDecoder(loaded, ids, store, gpu=all_pages, cpu=0, prefetch="none",
+                                                           warm=True, page_dtype=page_dtype),
+        f"sparse-nvme-no-prefetch[{page_dtype}]": lambda: SparseDecoder(
+            loaded, ids, store, gpu=small, cpu=small, prefetch="none", warm=False, fill=True, page_dtype=page_dtype),
+    }, ids[-1], steps, together=False)
 
 
 def page_read_rate(path: Path, page_bytes: int, slots: list[int], threads: int, reads: int = 4000) -> float | None:
@@ -266,6 +292,16 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
                      "its stall")
     report.add_ratio(f"reuse_rate{tag}", round(runs["sparse-ram"].figures["reuse_rate"], 3), None,
                      "share of a layer's pages that the same layer read in the previous step (cross-step reuse)")
+    for name, run in runs.items():
+        if name.startswith("sparse-nvme-no-prefetch["):
+            codec = name[name.index("[") + 1:-1]
+            report.add_ratio(f"sparse_nvme_{codec}_vs_bf16{tag}", round(run.tokens_per_s /
+                                                                         runs["sparse-nvme-no-prefetch"].tokens_per_s, 3),
+                             1.3 if at_target and codec == "int4" else None,
+                             f"decode tok/s of the default NVMe row with {codec} pages / the same row with bf16 pages")
+            report.add_ratio(f"sparse_ram_{codec}_vs_bf16{tag}", round(runs[f"sparse-ram[{codec}]"].tokens_per_s /
+                                                                        runs["sparse-ram"].tokens_per_s, 3), None,
+                             "the same with every page in memory")
 
 
 def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int, page_reads_per_s: float | None) -> None:

@@ -46,7 +46,7 @@ class Landmarks:
     needs: frozenset[str] = frozenset({"landmarks"})
 
     def select(self, query: Tensor, view: ChunkView, k: int) -> Tensor:
-        return top_chunks(landmark_scores(query, view.landmarks), k, view.candidates)
+        return top_chunks(landmark_scores(query, view.landmarks, view.landmark_scale), k, view.candidates)
 
 
 @register_selector("quest")

@@ -28,7 +28,7 @@ import tierkv
 ROOT = Path(tierkv.__file__).parent.parent
 LAYERS: dict[str, int] = {
     **dict.fromkeys(["tierkv.errors", "tierkv.keys", "tierkv.device", "tierkv.events", "tierkv.sizes",
-                     "tierkv.knobs", "tierkv.scoring", "tierkv.policy", "tierkv.layout", "tierkv.ops",
+                     "tierkv.knobs", "tierkv.scoring", "tierkv.policy", "tierkv.codec", "tierkv.layout", "tierkv.ops",
                      "tierkv.failpoints", "tierkv.flags"], 0),
     "tierkv.tiers": 1, "policies": 2, "tierkv.config": 3, "tierkv.profile": 4, "tierkv.manager": 5,
     "tierkv.sparse": 6, "tierkv.model": 7, "tierkv.schedule": 7, "tierkv.hf": 7, "tierkv.tune": 8,

@@ -6,6 +6,7 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from tierkv.errors import ConfigError  # noqa: E402
 from tierkv.hf import TieredCache  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -71,6 +72,24 @@ def generate(model, ids, cache, **kw):
 def spilling(config, tmp_path, block_tokens=32):
     block = block_bytes(config, block_tokens)
     return TieredCache(config, gpu=4 * block, cpu=8 * block, nvme_dir=tmp_path / "kv", block_tokens=block_tokens)
+
+
+@pytest.mark.model
+def test_smollm2_with_int8_blocks_gives_dynamic_cache_s_tokens_from_a_third_of_the_bytes(smollm2, tmp_path):
+    tok, model = smollm2.tokenizer, smollm2.model
+    text = "The pass key is 31337. " + "The grass is green. The sky is blue. " * 90 + "What is the pass key?"
+    ids = torch.tensor([tok(text)["input_ids"]])
+    expected = greedy(model, ids, DynamicCache(config=model.config), n=8)
+    block = block_bytes(model.config, 64)
+    with TieredCache(model.config, gpu=8 * block, cpu=8 * block, nvme_dir=tmp_path / "kv", block_tokens=64,
+                     kv_dtype="int8") as cache:
+        assert greedy(model, ids, cache, n=8) == expected
+        assert cache.layout.block_bytes <= 0.3 * block            # fp32 computed, int8 stored
+
+
+def test_a_cache_with_an_unknown_kv_dtype_says_what_is_allowed():
+    with pytest.raises(ConfigError, match="'int3': allowed: float32, bfloat16, float16, or int8/int4/int2"):
+        TieredCache(FAMILIES["llama"](), kv_dtype="int3")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -8,7 +8,8 @@ Pass it as ``cache=`` to ``model(...)`` or ``model.generate(...)``::
 Each layer keeps one ``LayerKV`` per batch row (sealed blocks of ``block_tokens`` tokens in the
 tiers, a tail in memory). transformers' attention needs a layer's whole K/V as one tensor, so
 ``update`` gathers that layer's blocks into a fresh tensor, bit-identical to what ``DynamicCache``
-returns, while the next layer's blocks are prefetched; the rest sits in the tiers under their
+returns (with ``kv_dtype="int8"`` the sealed blocks are stored quantized: lossy, 0.5x the bytes), while
+the next layer's blocks are prefetched; the rest sits in the tiers under their
 budgets. Rows branch without copying KV, which is what beam search and assisted decoding need::
 
     reorder_cache(beam_idx)          row i := row beam_idx[i]: a row kept twice is forked (its
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from tierkv.codec import block_codec
 from tierkv.config import TierConfig
 from tierkv.keys import BlockKey
 from tierkv.layout import BlockLayout
@@ -110,12 +112,14 @@ class TieredCache(Cache):
 
     def __init__(self, config: Any, *, gpu: str | int = "256MiB", cpu: str | int = "1GiB",
                  nvme_dir: str | Path | None = None, nvme_budget: str | int = "64GiB",
-                 block_tokens: int = 256, manager: BlockingTierManager | None = None) -> None:
+                 block_tokens: int = 256, kv_dtype: str | None = None,
+                 manager: BlockingTierManager | None = None) -> None:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = text_config.num_hidden_layers
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
         self._budgets = dict(gpu=gpu, cpu=cpu, nvme_dir=nvme_dir, nvme_budget=nvme_budget)
         self.block_tokens = block_tokens
+        self.codec = block_codec(kv_dtype, block_tokens)     # validated now, not at the first token
         self.manager = manager
         self._owns_manager = manager is None
         self.layout: BlockLayout | None = None
@@ -126,7 +130,7 @@ class TieredCache(Cache):
         if self.layout is not None:
             return
         _, Hkv, _, D = key_states.shape
-        self.layout = BlockLayout.kv(self.num_layers, Hkv, D, key_states.dtype, self.block_tokens)
+        self.layout = BlockLayout.kv(self.num_layers, Hkv, D, key_states.dtype, self.block_tokens, codec=self.codec)
         if self.manager is None:
             config = TierConfig(block_bytes=self.layout.block_bytes, **self._budgets)
             self.manager = BlockingTierManager.from_config(config, namespace=self.layout.name)

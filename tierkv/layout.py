@@ -4,13 +4,13 @@ Every block tierkv moves between tiers has one of three layouts, all of this one
 
     dense KV block  (kv)      k [B, Hkv, T, D] | v [B, Hkv, T, D]          | pad to 4 KiB
     sparse page     (page)    values [P, Hkv, D] | factors [P, r]          | pad to 4 KiB
-    batch KV block  (batch)   k [rows, Hkv, T, D] | v [rows, Hkv, T, D]    | pad to 4 KiB  (or 4-bit groups)
+    batch KV block  (batch)   k [rows, Hkv, T, D] | v [rows, Hkv, T, D]    | pad to 4 KiB
 
 ``pack`` writes tensors into a block's bytes; ``unpack`` gives views of them
 (no copy), for one block (``raw`` [block_bytes]) or many (``raw`` [n, block_bytes],
-every view gaining a leading ``n``). A field may be stored through a ``Codec``
-(the batch path's 4-bit groups, `tierkv.schedule.quant`); such a field is
-decoded, not viewed.
+every view gaining a leading ``n``). Any layout may store its fields quantized
+(``tierkv.codec``: keys per channel, values per token, int8 / int4 / int2); such a
+field is decoded, not viewed, and ``take`` decodes only the rows a read gathers.
 
 A page is the read unit of sparse decode. Selection picks 8-token chunks, but a read that small
 wastes the device (O_DIRECT wants 4 KiB multiples; SmolLM2's values are 384 B per token in bf16),
@@ -30,17 +30,22 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from tierkv.codec import KVCodec
 from tierkv.device import align_up
 
 
 class Codec(Protocol):
     """A lossy encoding of a field's values into bytes (instead of the layout's dtype)."""
 
-    def nbytes(self, numel: int) -> int: ...
+    name: str
 
-    def encode(self, x: Tensor) -> Tensor: ...                     # -> flat uint8 [nbytes(x.numel())]
+    def nbytes(self, shape: tuple[int, ...]) -> int: ...
+
+    def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor: ...   # -> flat uint8 [nbytes(x.shape)]
 
     def decode(self, raw: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor: ...
+
+    def take(self, raw: Tensor, shape: tuple[int, ...], index: tuple[Tensor, ...]) -> Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +55,9 @@ class Field:
     codec: Codec | None = None       # None: stored as the layout's dtype, and read as a view
 
     def nbytes(self, dtype: torch.dtype) -> int:
-        numel = math.prod(self.shape)
-        return numel * dtype.itemsize if self.codec is None else self.codec.nbytes(numel)
+        if self.codec is None:
+            return math.prod(self.shape) * dtype.itemsize
+        return self.codec.nbytes(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,7 @@ class BlockLayout:
     rank: int = 0                   # page: key factors per token
     batch: int = 1                  # kv / batch: sequences side by side
     num_layers: int = 0             # kv: layers of the model (names the store)
+    codec: KVCodec | None = None    # how the fields are quantized (None: stored in ``dtype``)
     _offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -82,35 +89,46 @@ class BlockLayout:
     # -- the three layouts ---------------------------------------------------------------
     @classmethod
     def kv(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-           block_tokens: int = 256, batch: int = 1) -> BlockLayout:
-        """K and V of ``block_tokens`` tokens of one layer, post-RoPE, as the dense loop attends them."""
+           block_tokens: int = 256, batch: int = 1, *, codec: KVCodec | None = None) -> BlockLayout:
+        """K and V of ``block_tokens`` tokens of one layer, post-RoPE, as the dense loop attends them
+        (``codec``: stored quantized, read back in ``dtype``)."""
         half = (batch, num_kv_heads, block_tokens, head_dim)
+        fields = _kv_fields(half, codec)
         name = f"kv-L{num_layers}-H{num_kv_heads}-D{head_dim}-T{block_tokens}-B{batch}-{_dtype_name(dtype)}"
-        return cls(name, (Field("k", half), Field("v", half)), dtype, block_tokens, num_kv_heads, head_dim,
-                   batch=batch, num_layers=num_layers)
+        return cls(name + _codec_suffix(fields), fields, dtype, block_tokens, num_kv_heads, head_dim,
+                   batch=batch, num_layers=num_layers, codec=codec)
 
     @classmethod
     def page(cls, page_tokens: int, num_kv_heads: int, head_dim: int, rank: int,
-             dtype: torch.dtype) -> BlockLayout:
-        """Values and low-rank key factors of ``page_tokens`` tokens of one layer (sparse decode)."""
-        fields = (Field("values", (page_tokens, num_kv_heads, head_dim)), Field("factors", (page_tokens, rank)))
+             dtype: torch.dtype, *, codec: KVCodec | None = None) -> BlockLayout:
+        """Values and low-rank key factors of ``page_tokens`` tokens of one layer (sparse decode);
+        ``codec``: values per token, the key factors per channel over the page's tokens."""
+        values, factors = (page_tokens, num_kv_heads, head_dim), (page_tokens, rank)
+        fields = (Field("values", values, codec and codec.values(values, head_dim)),
+                  Field("factors", factors, codec and codec.keys(factors)))
         name = f"sparse-P{page_tokens}-H{num_kv_heads}-D{head_dim}-R{rank}-{_dtype_name(dtype)}"
-        return cls(name, fields, dtype, page_tokens, num_kv_heads, head_dim, rank=rank)
+        return cls(name + _codec_suffix(fields), fields, dtype, page_tokens, num_kv_heads, head_dim, rank=rank,
+                   codec=codec)
 
     @classmethod
     def batch_kv(cls, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_tokens: int, rows: int, *,
-                 codec: Codec | None = None) -> BlockLayout:
-        """K and V of ``rows`` sequences of a batch (``codec``: stored compressed, lossy)."""
+                 codec: KVCodec | None = None) -> BlockLayout:
+        """K and V of ``rows`` sequences of a batch (``codec``: stored quantized, lossy)."""
         half = (rows, num_kv_heads, block_tokens, head_dim)
+        fields = _kv_fields(half, codec)
         name = f"batch-H{num_kv_heads}-D{head_dim}-T{block_tokens}-B{rows}-{_dtype_name(dtype)}"
-        return cls(name, (Field("k", half, codec), Field("v", half, codec)), dtype, block_tokens,
-                   num_kv_heads, head_dim, batch=rows)
+        return cls(name + _codec_suffix(fields), fields, dtype, block_tokens, num_kv_heads, head_dim,
+                   batch=rows, codec=codec)
 
     def with_rows(self, rows: int) -> BlockLayout:
         """A batch layout for ``rows`` of its sequences (a smaller GPU batch packs into a block of the
         full layout's size: its V starts where its own K ends)."""
         return BlockLayout.batch_kv(self.num_kv_heads, self.head_dim, self.dtype, self.tokens, rows,
-                                    codec=self.fields[0].codec)
+                                    codec=self.codec)
+
+    @property
+    def quantized(self) -> bool:
+        return any(f.codec is not None for f in self.fields)
 
     # -- sizes and names --------------------------------------------------------------------
     @property
@@ -129,14 +147,14 @@ class BlockLayout:
         raw = torch.zeros(self.block_bytes, dtype=torch.uint8) if out is None else out
         for f, start, end, part in zip(self.fields, self._offsets, self._offsets[1:], parts):
             if f.codec is not None:
-                raw[start:end].copy_(f.codec.encode(part))
+                f.codec.encode(part, out=raw[start:end])
             else:
                 raw[start:end].view(self.dtype).view(part.shape).copy_(part)
         return raw
 
     def unpack(self, raw: Tensor) -> tuple[Tensor, ...]:
         """uint8 [block_bytes] or [n, block_bytes] -> one tensor per field ([*field.shape], or
-        [n, *field.shape]): views into ``raw``; a field with a codec is decoded (a copy; one block at a time)."""
+        [n, *field.shape]): views into ``raw``; a quantized field is decoded (a copy)."""
         lead = tuple(raw.shape[:-1])
         views = []
         for f, start, end in zip(self.fields, self._offsets, self._offsets[1:]):
@@ -145,10 +163,46 @@ class BlockLayout:
                          else f.codec.decode(part, (*lead, *f.shape), self.dtype))
         return tuple(views)
 
+    def take(self, raw: Tensor, name: str, index: tuple[Tensor, ...]) -> Tensor:
+        """Rows of the field ``name`` of blocks ``raw`` [n, block_bytes], float32 [*index shape, last dim]:
+        ``index`` has one tensor per dimension of [n, *field shape] but the last. A quantized field
+        decodes only those rows (its gather and its decode are one pass)."""
+        i = next(i for i, f in enumerate(self.fields) if f.name == name)
+        f, part = self.fields[i], raw[..., self._offsets[i]:self._offsets[i + 1]]
+        if f.codec is None:
+            return part.view(self.dtype).view(*raw.shape[:-1], *f.shape)[index].float()
+        return f.codec.take(part, f.shape, index)
+
     def field_bytes(self, name: str) -> int:
         """Bytes of the field ``name`` in one block."""
         i = next(i for i, f in enumerate(self.fields) if f.name == name)
         return self._offsets[i + 1] - self._offsets[i]
+
+
+def _kv_fields(half: tuple[int, ...], codec: KVCodec | None) -> tuple[Field, Field]:
+    """K per channel (each channel's scale over the block's tokens, or ``key_group`` of them), V per token."""
+    if codec is None:
+        return Field("k", half), Field("v", half)
+    return Field("k", half, codec.keys(half)), Field("v", half, codec.values(half, half[-1]))
+
+
+def _codec_suffix(fields: tuple[Field, ...]) -> str:
+    codecs = [f.codec.name for f in fields if f.codec is not None]
+    return "".join(f"-{c}" for c in dict.fromkeys(codecs))
+
+
+def packed_page_tokens(codec: KVCodec, num_kv_heads: int, head_dim: int, rank: int, dtype: torch.dtype, *,
+                       chunk_tokens: int = 8, most: int = 128, slack: float = 0.03) -> int:
+    """Tokens per quantized page: a page is padded to 4 KiB, and a small quantized page is mostly
+    padding and per-page key scales (int4, SmolLM2: 16 tokens cost 0.33 of bf16's bytes, 56 tokens
+    0.29). The fewest whole chunks whose bytes per token come within ``slack`` of the least any
+    page of up to ``most`` tokens reaches."""
+    def per_token(tokens: int) -> float:
+        layout = BlockLayout.page(tokens, num_kv_heads, head_dim, rank, dtype, codec=codec)
+        return layout.block_bytes / tokens
+    sizes = range(max(16, chunk_tokens), most + 1, chunk_tokens)
+    best = min(per_token(p) for p in sizes)
+    return next(p for p in sizes if per_token(p) <= best * (1 + slack))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -122,6 +122,7 @@ class ChunkView(Protocol):
 
     layer: int
     landmarks: Tensor | None     # [C, Hkv, D] mean key per chunk, in the query's RoPE frame
+    landmark_scale: Tensor | None  # [C, Hkv] when the landmarks are int8 codes (tierkv.scoring), else None
     lo: Tensor | None            # [C, Hkv, D] per-dimension min key per chunk
     hi: Tensor | None            # [C, Hkv, D] per-dimension max key per chunk
     candidates: Tensor           # [C] bool: chunks that may be chosen (outliers are kept exact instead)

@@ -5,7 +5,8 @@ tier's processor runs these same functions, so both pick the same chunks).
 A *chunk* is ``chunk_tokens`` consecutive tokens of one layer; per chunk and
 KV head the index keeps a summary of its keys (in any dtype; scored in float32)::
 
-    landmarks  [C, Hkv, D]   mean key of the chunk (ShadowKV)
+    landmarks  [C, Hkv, D]   mean key of the chunk (ShadowKV); or int8 codes with a scale
+                             [C, Hkv] per chunk and head (landmark = code * scale)
     lo, hi     [C, Hkv, D]   per-dimension min / max key of the chunk (Quest)
 
 GQA: a KV head serves ``G`` query heads; its score for a chunk is the max
@@ -22,12 +23,31 @@ import torch
 from torch import Tensor
 
 
-def landmark_scores(query: Tensor, landmarks: Tensor) -> Tensor:
-    """query [Hq, D], landmarks [C, Hkv, D] -> [Hkv, C]: max over each group of q . landmark."""
+def landmark_scores(query: Tensor, landmarks: Tensor, scale: Tensor | None = None) -> Tensor:
+    """query [Hq, D], landmarks [C, Hkv, D] -> [Hkv, C]: max over each group of q . landmark.
+    ``scale`` [C, Hkv]: the landmarks are int8 codes; a chunk's scale multiplies its score once
+    (it is positive, so it commutes with the max), not each of its D values."""
     C, Hkv, D = landmarks.shape
     q = query.reshape(Hkv, -1, D).float()                          # [Hkv, G, D]
     per_head = landmarks.permute(1, 0, 2).float()                  # [Hkv, C, D]: no copy when stored head-major
-    return torch.bmm(q, per_head.transpose(1, 2)).amax(dim=1)      # [Hkv, G, C] -> [Hkv, C]
+    scores = torch.bmm(q, per_head.transpose(1, 2)).amax(dim=1)    # [Hkv, G, C] -> [Hkv, C]
+    return scores if scale is None else scores * scale.T.float()
+
+
+def landmark_values(landmarks: Tensor, scale: Tensor | None) -> Tensor:
+    """Landmarks [C, Hkv, D] as float32 values (decoded when they are int8 codes with ``scale`` [C, Hkv])."""
+    return landmarks.float() if scale is None else landmarks.float() * scale.float().unsqueeze(-1)
+
+
+def quantize_landmarks(means: Tensor) -> tuple[Tensor, Tensor]:
+    """means [n, Hkv, D] -> int8 codes [n, Hkv, D] and float16 scales [n, Hkv]: symmetric, one scale
+    per chunk and head (rounded up, so no code leaves -127..127)."""
+    peak = means.abs().amax(dim=-1).float() / 127                 # [n, Hkv]
+    scale = peak.half()
+    scale = torch.where(scale.float() < peak, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    scale = scale.clamp_min(torch.finfo(torch.float16).tiny)
+    codes = (means.float() / scale.float().unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
+    return codes, scale
 
 
 def bound_scores(query: Tensor, lo: Tensor, hi: Tensor) -> Tensor:

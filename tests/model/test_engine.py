@@ -81,6 +81,15 @@ def test_second_run_reuses_the_stored_prefix_with_identical_output(smollm2, tmp_
     assert second.tiers["nvme"]["bytes_read"] > 0
 
 
+def test_int8_blocks_take_half_the_store_and_still_find_the_passkey(smollm2, tmp_path):
+    quantized = run(RunConfig.of(nvme_dir=tmp_path / "store", kv_dtype="int8", **SMALL_RUN), loaded=smollm2)
+    exact = run(RunConfig.of(nvme_dir=tmp_path / "store", **SMALL_RUN), loaded=smollm2)
+    assert quantized.found and exact.found and quantized.reused_prompt_tokens == exact.reused_prompt_tokens == 0
+    stores = {path.name: sum(f.stat().st_size for f in path.glob("slots*")) for path in (tmp_path / "store").iterdir()}
+    int8 = next(size for name, size in stores.items() if name.endswith("int8t64f16"))
+    assert int8 <= 0.56 * next(size for name, size in stores.items() if "int8" not in name)
+
+
 def test_reusing_stored_blocks_gives_a_fresh_prefill_s_logits_within_rounding(smollm2, tmp_path):
     """Compared as numbers, not as argmax: a near-tie could flip a token on a rounding difference.
     The reused prompt computes from token 768 (three stored 256-token blocks) in chunks [768, 1024)

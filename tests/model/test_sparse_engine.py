@@ -104,6 +104,36 @@ def test_a_prefetcher_changes_what_loads_not_the_logits(prefetch):
     assert torch.equal(torch.stack(run_sparse(lm, ids, replace(cfg, prefetch=prefetch), steps=4)), want)
 
 
+@pytest.mark.parametrize("page_dtype,most", [("int8", 0.02), ("int4", 0.3)])
+def test_quantized_pages_at_full_budget_stay_near_dense_attention(page_dtype, most):
+    lm = loaded("llama")
+    dims = lm.spec.num_kv_heads * lm.spec.head_dim
+    cfg = SparseConfig(budget=10_000, rank=dims, sink_tokens=8, window_tokens=32, outlier_fraction=0.0,
+                       positions="original", dense_prefill_tokens=100, page_dtype=page_dtype)
+    ids = torch.randint(0, 128, (1, 400), generator=torch.Generator().manual_seed(3))
+    got = torch.stack(run_sparse(lm, ids[0].tolist(), cfg))
+    want = native_logits(lm.model, ids, chunk=64, block=64)[0, -4:]
+    exact = torch.stack(run_sparse(lm, ids[0].tolist(), replace(cfg, page_dtype=None)))
+    assert torch.allclose(exact, want, atol=1e-3)
+    error = float((got - want).abs().max() / want.abs().max())
+    assert 0 < error < most          # lossy, by about what its bits allow
+
+
+@pytest.mark.model
+def test_smollm2_a_quantized_store_serves_its_own_codec_only(smollm2, tmp_path):
+    from tierkv.session.run import run
+    from tierkv.model.settings import RunConfig
+    config = RunConfig.of(synthetic_tokens=1200, max_new_tokens=6, mode="sparse", sparse_budget=256,
+                          gpu_budget="4MiB", cpu_budget="8MiB", nvme_dir=tmp_path, page_dtype="int4")
+    first, second = run(config, loaded=smollm2), run(config, loaded=smollm2)
+    other = run(config.updated(page_dtype="int8"), loaded=smollm2)
+    assert first.found and second.text == first.text and other.found
+    assert (first.reused_prompt_tokens, second.reused_prompt_tokens, other.reused_prompt_tokens) == (0, 1199, 0)
+    assert first.sparse["page_tokens"] == 56 and other.sparse["page_tokens"] == 80
+    stores = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("sparse-P"))
+    assert [name.split("-", 6)[-1] for name in stores] == ["int4t64f16-int4c56f16", "int8t64f16-int8c80f16"]
+
+
 @pytest.mark.model
 def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tmp_path):
     from tierkv.session.run import run

@@ -71,7 +71,8 @@ def test_near_memory_compute_is_its_own_slice_and_row(tmp_path):
     selector.attach(recorder)
     g = torch.Generator().manual_seed(0)
     landmarks, query = torch.randn(4096, 4, 64, generator=g), torch.randn(8, 64, generator=g)
-    view = type("View", (), {"layer": 5, "landmarks": landmarks, "candidates": torch.ones(4096, dtype=torch.bool)})
+    view = type("View", (), {"layer": 5, "landmarks": landmarks, "candidates": torch.ones(4096, dtype=torch.bool),
+                             "landmark_scale": None})
     for _ in range(3):
         selector.select(query, view, 64)
     write_trace(tmp_path / "nm.json", recorder.events, recorder.origin)

@@ -23,6 +23,7 @@ class View:
     candidates: torch.Tensor
     lo: torch.Tensor | None = None
     hi: torch.Tensor | None = None
+    landmark_scale: torch.Tensor | None = None
 
 
 def host_select(query, view, k):

@@ -38,10 +38,11 @@ from policies.prefetch import make_prefetch
 from tierkv.device import has_cuda
 from tierkv.errors import BlockMissing, ConfigError
 from tierkv.manager import BlockingTierManager
-from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attention, mlp_block, \
+from tierkv.model.arch import ModelSpec, decoder_layers, embed, final_logits, finish_attention, mlp_block, \
     project_qkv, rope_cos_sin
 from tierkv.ops.attention import attend, block_lse, block_mass, merge_lse
 from tierkv.model.loading import LoadedModel
+from tierkv.codec import KVCodec, block_codec
 from tierkv.layout import BlockLayout
 from tierkv.model.sequence import TieredSequence
 from tierkv.events import Event, EventKind
@@ -57,6 +58,7 @@ class EngineConfig:
     reuse: bool = True
     max_rewinds: int = 8   # recomputations after lost blocks before giving up
     prefetch: str = "next-layer"   # a policies.prefetch name: which blocks of layer l+1 load during layer l
+    kv_dtype: str | None = None    # sealed blocks quantized (int8, int4, int2: tierkv.codec), or as computed
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "chunk_tokens"):
@@ -66,6 +68,19 @@ class EngineConfig:
             raise ConfigError(f"chunk_tokens={self.chunk_tokens}: must be a multiple of "
                               f"block_tokens={self.block_tokens}")
         make_prefetch(self.prefetch)  # unknown names list the valid ones
+        try:
+            block_codec(self.kv_dtype, self.block_tokens)
+        except ConfigError as bad:
+            raise ConfigError(f"kv_dtype={bad}") from None
+
+    @property
+    def codec(self) -> KVCodec | None:
+        return block_codec(self.kv_dtype, self.block_tokens)
+
+    def layout(self, spec: ModelSpec) -> BlockLayout:
+        """The blocks this engine seals for a model of ``spec``."""
+        return BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, self.block_tokens,
+                              codec=self.codec)
 
 
 class Engine:
@@ -79,8 +94,7 @@ class Engine:
         self.manager = manager
         self.config = config
         self.layers = decoder_layers(self.model)
-        self.layout = BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype,
-                               config.block_tokens)
+        self.layout = config.layout(spec)
         self.prefetch = make_prefetch(config.prefetch)
         self.scores = manager.wants_scores   # a policy ranks blocks by attention (h2o): report it
         # reuse=False: blocks of earlier runs are not found (another root), those of this engine's

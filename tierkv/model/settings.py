@@ -93,6 +93,10 @@ class EngineSettings:
                                 "sparse past the model's trained window, dense within it", choices=MODES)
     dtype: str = setting("float32", "compute dtype", choices=tuple(DTYPES))
     block_tokens: int = setting(256, "tokens per KV block (dense mode)", metavar="N")
+    kv_dtype: str | None = setting(None, "dense mode: store sealed KV blocks quantized, int8, int4 or int2 (keys per "
+                                         "channel, values per token; options -g<N> channels per value scale, "
+                                         "-s<f16|bf16|f32> scale dtype, like int8-g32); the newest block stays "
+                                         "exact (default: as computed, --dtype)", metavar="DTYPE")
     chunk_tokens: int = setting(1024, "prefill chunk (dense: a multiple of the block)", metavar="N")
     prefetch: str = setting("next-layer", "which blocks of the next layer to load ahead (dense mode): a "
                                           "policies.prefetch name", metavar="NAME")
@@ -116,7 +120,8 @@ class EngineSettings:
 
     def dense_engine(self) -> EngineConfig:
         """The dense engine's settings."""
-        return EngineConfig(self.block_tokens, self.chunk_tokens, self.reuse, prefetch=self.prefetch)
+        return EngineConfig(self.block_tokens, self.chunk_tokens, self.reuse, prefetch=self.prefetch,
+                            kv_dtype=self.kv_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -45,7 +45,7 @@ from torch import Tensor
 from policies.selectors import make_selector, make_sparse_prefetch
 from tierkv.errors import BlockMissing, ConfigError, PassBroken
 from tierkv.events import Event, EventKind
-from tierkv.layout import BlockLayout
+from tierkv.layout import BlockLayout, packed_page_tokens
 from tierkv.manager import BlockingTierManager
 from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attention, mlp_block, \
     project_qkv_pre, project_query_pre, rope_cos_sin
@@ -90,6 +90,7 @@ class SparseEngine:
         self.chunk_tokens = chunk_tokens
         self.rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
         self.layout = self.page_layout(loaded, config)
+        self.config = config = replace(config, page_tokens=self.layout.tokens)
         self.selector = make_selector(config.selector)
         bind = getattr(self.selector, "bind", None)
         if bind is not None:          # a selector that runs at a tier (near-memory) finds it here
@@ -101,11 +102,16 @@ class SparseEngine:
 
     @staticmethod
     def page_layout(loaded: LoadedModel, config: SparseConfig) -> BlockLayout:
-        """Pages of ``config.page_tokens`` tokens in ``config.page_dtype`` (None: the model's dtype)."""
-        spec = loaded.spec
+        """Pages of ``config.page_tokens`` tokens in ``config.page_dtype`` (None: the model's dtype; a
+        quantized page reads back in the model's dtype)."""
+        spec, codec = loaded.spec, config.codec
         rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
-        dtype = spec.dtype if config.page_dtype is None else getattr(torch, config.page_dtype)
-        return BlockLayout.page(config.page_tokens, spec.num_kv_heads, spec.head_dim, rank, dtype)
+        dtype = spec.dtype if config.page_dtype is None or codec else getattr(torch, config.page_dtype)
+        tokens = config.page_tokens
+        if tokens is None:
+            tokens = 16 if codec is None else packed_page_tokens(codec, spec.num_kv_heads, spec.head_dim, rank, dtype,
+                                                                 chunk_tokens=config.chunk_tokens)
+        return BlockLayout.page(tokens, spec.num_kv_heads, spec.head_dim, rank, dtype, codec=codec)
 
     def resolved(self, prompt_tokens: int) -> SparseConfig:
         return self.config.resolve(prompt_tokens=prompt_tokens, trained_tokens=self.loaded.spec.max_position)

@@ -13,7 +13,7 @@ is measured on the model's own first decoder layer, through the same functions t
                         a layer's time minus a layer without keys, a difference that load on a
                         shared machine drives below zero
     head(M)             embedding + final norm + lm_head for M rows
-    dequant             bytes/s of 4-bit KV unpacked
+    dequant             bytes/s of int4 KV decoded (tierkv.codec)
     convert             bytes/s of streamed weights converted from each storage dtype
                         (``policy.weight_dtype``: bf16, fp16) to the compute dtype, counted as stored
 
@@ -36,10 +36,10 @@ import torch
 from torch import nn
 
 from tierkv.knobs import cache_dir
+from tierkv.layout import BlockLayout
 from tierkv.model import arch
-from tierkv.schedule import quant
 from tierkv.schedule.compute import GpuBatch, attend, keep_mask, layer_forward
-from tierkv.schedule.cost import Machine, ModelShape
+from tierkv.schedule.cost import COMPRESSED, Machine, ModelShape
 from tierkv.schedule.policy import WEIGHT_DTYPES
 
 CACHE_FILE = "batch-calibration.json"
@@ -91,9 +91,10 @@ def measure_compute(model: nn.Module, max_rows: int) -> dict:
     decode = _time(_attend_call(model, 8, 1, decode_keys))
     prefill = _time(_attend_call(model, 1, prefill_tokens, prefill_tokens))
     head = [(m, _time(lambda m=m: _head_once(model, m))) for m in (1, 64, 512) if m <= max(64, max_rows)]
-    x = torch.randn(4 * 1024 * 1024 // 2, dtype=torch.float32).view(-1, quant.GROUP)
-    packed = quant.pack(x)
-    dequant = packed.numel() / _time(lambda: quant.unpack(packed, tuple(x.shape), torch.bfloat16))
+    shape = (1, arch.model_spec(model).num_kv_heads, 256, arch.model_spec(model).head_dim)
+    layout = BlockLayout.batch_kv(shape[1], shape[3], torch.bfloat16, shape[2], 8, codec=COMPRESSED)
+    packed = torch.stack([layout.pack(torch.randn(layout.fields[0].shape), torch.randn(layout.fields[0].shape))] * 4)
+    dequant = packed.numel() / _time(lambda: layout.unpack(packed))
     convert = {name: _convert_rate(getattr(torch, name), arch.model_spec(model).dtype) for name in WEIGHT_DTYPES}
     return {"version": VERSION, "layer": table, "head": head,
             "attention_decode": max(decode, 0.0) / (8 * decode_keys),

@@ -48,7 +48,7 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
                    help="keep streamed (cpu/disk) weights in bfloat16 or float16 and convert them as each layer "
                         "loads: half the bytes of fp32 in the tiers and on the links; lossless when the "
                         "checkpoint is in that dtype (default: the compute dtype, or the policy file's)")
-    p.add_argument("--compress-kv", action="store_true", help="let the search store KV as 4-bit groups (lossy)")
+    p.add_argument("--compress-kv", action="store_true", help="let the search store KV as int4 (keys per channel, values per token; tierkv.codec; lossy)")
     p.add_argument("--recalibrate", action="store_true", help="measure this machine again instead of the cache")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of the summary")
     p.set_defaults(func=cmd_batch)

@@ -43,12 +43,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tierkv.codec import KVCodec
 from tierkv.errors import ConfigError
 from tierkv.model.arch import decoder_layers, model_spec
-from tierkv.schedule import quant
 from tierkv.schedule.policy import WEIGHT_DTYPES, Placement, Policy
 
 FRACTIONS = ("wg", "wc", "wd", "cg", "cc", "cd")
+COMPRESSED = KVCodec(4)      # how a policy with compress_kv stores KV (int4, tierkv.codec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,7 @@ class ModelShape:
     def kv_bytes(self, rows: int, tokens: int, compress: bool) -> float:
         """K and V of ``rows`` x ``tokens`` in one layer, as stored."""
         numel = rows * tokens * self.num_kv_heads * self.head_dim
-        return 2 * (quant.packed_bytes(numel) if compress else numel * self.itemsize)
+        return 2 * (COMPRESSED.approx_bytes(numel, self.head_dim) if compress else numel * self.itemsize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +142,7 @@ class Machine:
     layer_s: Callable[[int], float]          # dense part of one layer for M tokens (matmuls, norms, overhead)
     attention_s: Callable[[int, int, int], float]   # (rows, query tokens, keys) -> seconds, one layer
     head_s: Callable[[int], float]           # embedding + final norm + lm_head for M rows
-    dequant: float = 2e9                      # bytes/s of 4-bit KV unpacked
+    dequant: float = 2e9                      # bytes/s of int4 KV decoded
     convert: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WEIGHT_DTYPES, 4e9))
     # ^ bytes/s of stored weights (by storage dtype) converted to the compute dtype
     copies_on_compute: bool = True           # CPU-only: copies share the cores with compute

@@ -30,10 +30,10 @@ from tierkv.manager.manager import build_tiers
 from tierkv.model.arch import decoder_layers
 from tierkv.model.loading import LoadedModel
 from tierkv.schedule.compute import GpuBatch
+from tierkv.schedule.cost import COMPRESSED
 from tierkv.schedule.home import HomePolicy
 from tierkv.layout import BlockLayout
 from tierkv.schedule.kvstore import BlockKV
-from tierkv.schedule.quant import Group4
 from tierkv.schedule.policy import Policy
 from tierkv.schedule.runner import Runner, Trace
 from tierkv.schedule.weights import WeightStore, storage_dtype, stored_nbytes, tensor_homes
@@ -75,7 +75,7 @@ class BatchEngine:
         self.scratch = Path(tempfile.mkdtemp(prefix="tierkv-batch-", dir=_existing(nvme_dir))) if needs_disk else None
         self._managers: list[BlockingTierManager] = []
         self.kv_layout = BlockLayout.batch_kv(spec.num_kv_heads, spec.head_dim, spec.dtype, limits.block_tokens,
-                                              policy.gpu_batch_size, codec=Group4() if policy.compress_kv else None)
+                                              policy.gpu_batch_size, codec=COMPRESSED if policy.compress_kv else None)
         try:
             layers = decoder_layers(loaded.model)
             self.weight_homes: set = set()

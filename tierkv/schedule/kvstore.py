@@ -6,8 +6,8 @@ sealed into one tier block; the newest columns stay in a tail on the compute dev
     (layer l, batch b)   [ blk 0 ][ blk 1 ][ blk 2 ][ blk 3 ][ tail ]
     home (kv g/c/d)        gpu      cpu      cpu      disk               Placement.split(blocks)
 
-    block bytes   K [rows, Hkv, T, D] then V, in the model's dtype, or both 4-bit packed
-                  (tierkv.schedule.quant) when the policy compresses KV; padded to 4096
+    block bytes   K [rows, Hkv, T, D] then V, in the model's dtype, or both int4
+                  (tierkv.codec) when the policy compresses KV; padded to 4096
 
 A block is put into its home tier and, being a home, is never evicted there (`HomePolicy`).
 ``load`` pins the memory-home blocks in place and loads the disk-home ones into the cpu tier's

@@ -16,7 +16,7 @@ runs every GPU batch of the block through it before moving on::
 
     block_size = gpu_batch_size * num_gpu_batches
 
-``compress_kv`` stores offloaded KV as 4-bit groups (``tierkv.schedule.quant``); ``overlap``
+``compress_kv`` stores offloaded KV as int4 (``tierkv.codec``); ``overlap``
 runs loads of the next step and stores of the previous one on their own threads (streams on CUDA).
 ``weight_dtype`` keeps the streamed (cpu/disk) weights in a narrower dtype than the compute's
 (null: the compute dtype); a load converts them as it fills a staging slot. Lossless when the
@@ -130,7 +130,7 @@ class Policy:
         """One line: ``bs=8x4 weights g/c/d=0/100/0 % kv=25/75/0 % overlap 4bit``."""
         def pct(p: Placement) -> str:
             return "/".join(f"{100 * getattr(p, t):.0f}" for t in TIERS)
-        flags = ("overlap" if self.overlap else "serial") + (" 4-bit-kv" if self.compress_kv else "") \
+        flags = ("overlap" if self.overlap else "serial") + (" int4-kv" if self.compress_kv else "") \
             + (f" {self.weight_dtype}-weights" if self.weight_dtype else "")
         return (f"gpu batch {self.gpu_batch_size} x {self.num_gpu_batches} batches; weights g/c/d "
                 f"{pct(self.weights)} %, kv {pct(self.kv)} %, act {pct(self.act)} %; {flags}")

@@ -92,8 +92,7 @@ class Backend:
 def open_backend(mode: str, config: SessionConfig, loaded: LoadedModel, *, record_access: bool = False) -> Backend:
     spec = loaded.spec
     if mode == "dense":
-        layout = BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype,
-                                config.engine.block_tokens)
+        layout = config.engine.dense_engine().layout(spec)
     else:
         layout = SparseEngine.page_layout(loaded, config.sparse)
     manager = BlockingTierManager.from_config(config.tiers.tier_config(layout.block_bytes, layout.name),

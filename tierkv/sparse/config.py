@@ -10,17 +10,18 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from tierkv.codec import KVCodec
 from tierkv.errors import ConfigError
 from tierkv.flags import setting
 
 POSITIONS = ("auto", "original", "remap")
-PAGE_DTYPES = ("float32", "bfloat16", "float16")
 # The fields that shape a stored index (tierkv.sparse.store): what is kept in memory and in the
 # pages, and how a sparse prefill computed it. The rest only steer decode and may differ between
 # the run that stored an index and the runs that read it.
 INDEX_FIELDS = ("prefill_budget", "rank", "chunk_tokens", "page_tokens", "page_dtype", "sink_tokens",
                 "window_tokens", "outlier_fraction", "max_outlier_tokens", "selector", "positions",
-                "dense_prefill_tokens")
+                "dense_prefill_tokens", "landmark_dtype")
+LATER_FIELDS = {"landmark_dtype"}       # named in an identity only when set: earlier stores keep theirs
 ALLOCATIONS = ("uniform", "adaptive")   # tierkv.sparse.allocation
 ATTENDS = ("pages", "chunks")           # what a decode step attends of what it read
 
@@ -76,10 +77,17 @@ class SparseConfig:
     rank: int | None = setting(None, "rank of the low-rank keys (default: full up to 256 key dimensions, else "
                                      "160 per 1024, at least 128)", metavar="R")
     chunk_tokens: int = 8           # tokens summarised by one landmark
-    page_tokens: int = setting(16, "tokens per stored page, a multiple of 8 (32 past ~500K tokens halves the "
-                                   "~0.8 KiB of bookkeeping the tier manager keeps per page)", metavar="N")
-    page_dtype: str | None = setting(None, "dtype of the stored values and key factors (default: the model's "
-                                           "--dtype)", choices=PAGE_DTYPES)
+    page_tokens: int | None = setting(
+        None, "tokens per stored page, a multiple of 8 (default: 16; a quantized page the fewest that pack into "
+              "4 KiB blocks with little padding, SmolLM2: int8 80, int4 56, int2 104; 32 past ~500K tokens halves "
+              "the ~0.8 KiB of bookkeeping the tier manager keeps per page)", metavar="N")
+    page_dtype: str | None = setting(
+        None, "how stored values and key factors are kept: float32, bfloat16, float16 (default: the model's "
+              "--dtype), or quantized int8, int4, int2 (values per token, key factors per channel; options "
+              "-g<N> channels per value scale, -s<f16|bf16|f32> scale dtype, like int4-g32)", metavar="DTYPE")
+    landmark_dtype: str | None = setting(
+        None, "how chunk landmarks are kept: int8 (a scale per chunk and head) or the pages' float dtype "
+              "(default: int8 when pages are quantized, else the pages' dtype)", choices=("int8", "float"))
     sink_tokens: int = 16           # first tokens, always attended, kept exact
     window_tokens: int = 512        # newest tokens, always attended, kept exact
     outlier_fraction: float = 0.01  # chunks kept exact because their landmark describes them worst
@@ -122,10 +130,11 @@ class SparseConfig:
         object.__setattr__(self, "budget", parse_budget(self.budget))
         object.__setattr__(self, "prefill_budget", parse_budget(self.prefill_budget, "prefill_budget"))
         object.__setattr__(self, "layer_budgets", parse_layer_budgets(self.layer_budgets))
-        for name in ("chunk_tokens", "page_tokens"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
-        if self.page_tokens % self.chunk_tokens:
+        if self.chunk_tokens <= 0:
+            raise ConfigError(f"chunk_tokens={self.chunk_tokens}: must be > 0")
+        if self.page_tokens is not None and self.page_tokens <= 0:
+            raise ConfigError(f"page_tokens={self.page_tokens}: must be > 0")
+        if self.page_tokens is not None and self.page_tokens % self.chunk_tokens:
             raise ConfigError(f"page_tokens={self.page_tokens}: must be a multiple of "
                               f"chunk_tokens={self.chunk_tokens}")
         for name in ("sink_tokens", "window_tokens", "max_outlier_tokens"):
@@ -144,17 +153,31 @@ class SparseConfig:
             raise ConfigError(f"attend={self.attend!r}: allowed: {', '.join(ATTENDS)}")
         if self.positions not in POSITIONS:
             raise ConfigError(f"positions={self.positions!r}: allowed: {', '.join(POSITIONS)}")
-        if self.page_dtype not in (*PAGE_DTYPES, None):
-            raise ConfigError(f"page_dtype={self.page_dtype!r}: allowed: {', '.join(PAGE_DTYPES)}")
+        if self.landmark_dtype not in (None, "int8", "float"):
+            raise ConfigError(f"landmark_dtype={self.landmark_dtype!r}: allowed: int8, float")
+        try:
+            KVCodec.parse(self.page_dtype)
+        except ConfigError as bad:
+            raise ConfigError(f"page_dtype={bad}") from None
         if self.dense_prefill_tokens is not None and self.dense_prefill_tokens < 0:
             raise ConfigError(f"dense_prefill_tokens={self.dense_prefill_tokens}: must be >= 0")
         from policies.selectors import make_selector, make_sparse_prefetch
         make_selector(self.selector)          # unknown names list the valid ones
         make_sparse_prefetch(self.prefetch)
 
+    @property
+    def codec(self) -> KVCodec | None:
+        """How pages are quantized (None: stored in a float dtype)."""
+        return KVCodec.parse(self.page_dtype)
+
+    @property
+    def int8_landmarks(self) -> bool:
+        return self.landmark_dtype == "int8" or (self.landmark_dtype is None and self.codec is not None)
+
     def identity(self) -> tuple:
         """The settings that shape a stored index, as (name, value) pairs (``INDEX_FIELDS``)."""
-        return tuple((name, getattr(self, name)) for name in INDEX_FIELDS)
+        return tuple((name, getattr(self, name)) for name in INDEX_FIELDS
+                     if name not in LATER_FIELDS or getattr(self, name) is not None)
 
     def budget_tokens(self, context: int, *, prefill: bool = False, layer: int | None = None) -> int:
         """Selected tokens per KV head for a context of ``context`` tokens (whole chunks); a decode

@@ -5,6 +5,7 @@ For each chunk the index keeps, in the frame selection scores in (post-RoPE
 keys at their real positions, or pre-RoPE keys when positions are remapped)::
 
     landmarks [C, Hkv, D]   mean key, in the index's dtype          (ShadowKV selector)
+                            or int8 codes with a float16 scale [C, Hkv] (tierkv.scoring)
     lo, hi    [C, Hkv, D]   per-dimension min / max key, float32    (Quest selector)
     candidates [C] bool     False for outlier chunks
 
@@ -22,7 +23,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tierkv.scoring import quantize_landmarks
+
 SUMMARIES = ("landmarks", "bounds")
+SUMMARY_ROWS = ("_landmarks", "_scale", "_lo", "_hi", "_candidates")     # one row per chunk each
 
 
 class _Growing:
@@ -87,13 +91,15 @@ class ChunkIndex:
     """Chunk summaries and exact outliers of one layer (a ``tierkv.policy.ChunkView``)."""
 
     def __init__(self, layer: int, heads: int, head_dim: int, *, chunk_tokens: int, needs: frozenset[str],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, int8_landmarks: bool = False) -> None:
         unknown = set(needs) - set(SUMMARIES)
         if unknown:
             raise ValueError(f"needs={sorted(unknown)}: an index keeps only {', '.join(SUMMARIES)}")
         self.layer, self.chunk_tokens = layer, chunk_tokens
         shape = (heads, head_dim)
-        self._landmarks = _Growing(shape, dtype, axis=1) if "landmarks" in needs else None
+        landmarks = "landmarks" in needs
+        self._landmarks = _Growing(shape, torch.int8 if int8_landmarks else dtype, axis=1) if landmarks else None
+        self._scale = _Growing((heads,), torch.float16, axis=1) if landmarks and int8_landmarks else None
         # bounds stay float32: rounding them to a narrower dtype could move a bound inside its keys
         self._lo = _Growing(shape, torch.float32) if "bounds" in needs else None
         self._hi = _Growing(shape, torch.float32) if "bounds" in needs else None
@@ -105,7 +111,7 @@ class ChunkIndex:
         """A branch of this index: summaries shared until either side grows them, outliers its own."""
         twin = object.__new__(ChunkIndex)
         twin.layer, twin.chunk_tokens = self.layer, self.chunk_tokens
-        for name in ("_landmarks", "_lo", "_hi", "_candidates"):
+        for name in SUMMARY_ROWS:
             grow = getattr(self, name)
             setattr(twin, name, None if grow is None else grow.fork())
         twin.outliers, twin._exact = dict(self.outliers), self._exact
@@ -114,8 +120,8 @@ class ChunkIndex:
     def reserve(self, chunks: int) -> None:
         """Room for ``chunks`` (a long prompt's, known up front); a branch's shared summaries are left
         as they are: they are copied, with room to grow, when the branch first extends them."""
-        for grow in (self._landmarks, self._lo, self._hi, self._candidates):
-            if grow is not None and grow.owned and grow.capacity < chunks:
+        for grow in self._summaries():
+            if grow.owned and grow.capacity < chunks:
                 grow.resize(chunks)
 
     # -- the ChunkView a selector reads ------------------------------------------
@@ -126,6 +132,10 @@ class ChunkIndex:
     @property
     def landmarks(self) -> Tensor | None:
         return None if self._landmarks is None else self._landmarks.rows
+
+    @property
+    def landmark_scale(self) -> Tensor | None:
+        return None if self._scale is None else self._scale.rows
 
     @property
     def lo(self) -> Tensor | None:
@@ -146,7 +156,11 @@ class ChunkIndex:
         chunked = keys.float().view(-1, c, *keys.shape[1:])           # [n, c, Hkv, D]
         means = chunked.mean(dim=1)                                   # [n, Hkv, D]
         first = self.chunks
-        if self._landmarks is not None:
+        if self._scale is not None:
+            codes, scale = quantize_landmarks(means)
+            self._landmarks.extend(codes)
+            self._scale.extend(scale)
+        elif self._landmarks is not None:
             self._landmarks.extend(means.to(self._landmarks.data.dtype))
         if self._lo is not None:
             self._lo.extend(chunked.amin(dim=1).to(self._lo.data.dtype))
@@ -187,8 +201,7 @@ class ChunkIndex:
 
     def memory_bytes(self) -> int:
         """Bytes held in memory: summaries (allocated, with growth room) and exact outliers."""
-        grown = [g for g in (self._landmarks, self._lo, self._hi, self._candidates) if g is not None]
-        total = sum(g.data.numel() * g.data.element_size() for g in grown)
+        total = sum(g.data.numel() * g.data.element_size() for g in self._summaries())
         return total + sum(k.nbytes + v.nbytes for _, k, v in self.outliers.values())
 
     # -- persistence ----------------------------------------------------------------
@@ -200,9 +213,10 @@ class ChunkIndex:
                  torch.tensor([self.outliers[i][0] for i in ids.tolist()], dtype=torch.float32)}
         if ids.numel():
             state |= {"outlier_k": k, "outlier_v": v}
-        if self._landmarks is not None:
-            data, n = self._landmarks.data, self._landmarks.n
-            state |= {f"landmarks.h{h}": data[h, :n] for h in range(data.shape[0])}
+        for name, grow in (("landmarks", self._landmarks), ("landmark_scale", self._scale)):
+            if grow is not None:
+                data, n = grow.data, grow.n
+                state |= {f"{name}.h{h}": data[h, :n] for h in range(data.shape[0])}
         for name in ("lo", "hi"):
             if getattr(self, name) is not None:
                 state[name] = getattr(self, name)
@@ -213,19 +227,28 @@ class ChunkIndex:
         adopting its tensors where their layout allows."""
         if self._landmarks is not None:
             heads = self._landmarks.data.shape[0]
+            stored = state.get("landmarks.h0", state.get("landmarks"))
+            if stored is not None and (stored.dtype == torch.int8) != (self._scale is not None):
+                raise ValueError(f"the stored landmarks are {stored.dtype}, this index keeps "
+                                 f"{'int8' if self._scale is not None else self._landmarks.data.dtype}")
             if all(f"landmarks.h{h}" in state for h in range(heads)):
                 self._landmarks.adopt(torch.stack([state[f"landmarks.h{h}"] for h in range(heads)]))
             elif "landmarks" in state:
                 self._landmarks.adopt(state["landmarks"].transpose(0, 1))
             else:
                 raise KeyError("the stored index has no landmarks")
+        if self._scale is not None:
+            heads = self._scale.data.shape[0]
+            if not all(f"landmark_scale.h{h}" in state for h in range(heads)):
+                raise KeyError("the stored index has no landmark scales")
+            self._scale.adopt(torch.stack([state[f"landmark_scale.h{h}"] for h in range(heads)]))
         for name, grow in (("lo", self._lo), ("hi", self._hi)):
             if grow is not None:
                 if name not in state:
                     raise KeyError(f"the stored index has no {name}")
                 grow.adopt(state[name])
         self._candidates.adopt(state["candidates"])
-        if len({g.n for g in (self._landmarks, self._lo, self._hi, self._candidates) if g is not None}) != 1:
+        if len({g.n for g in self._summaries()}) != 1:
             raise ValueError("the stored summaries disagree on the number of chunks")
         self._load_outliers(state)
 
@@ -234,7 +257,7 @@ class ChunkIndex:
         """``index`` as it was when it held ``chunks`` chunks: its summaries' first rows (shared, copied
         on growth), the candidate flags and outliers of then from ``saved`` (a restore point)."""
         twin = index.fork()
-        for grow in (twin._landmarks, twin._lo, twin._hi):
+        for grow in (twin._landmarks, twin._scale, twin._lo, twin._hi):
             if grow is not None:
                 if grow.n < chunks:
                     raise ValueError(f"a restore point of {chunks} chunks, the index has {grow.n}")
@@ -245,6 +268,9 @@ class ChunkIndex:
             raise ValueError(f"{twin._candidates.n} candidate flags for {chunks} chunks")
         twin._load_outliers(saved)
         return twin
+
+    def _summaries(self) -> list[_Growing]:
+        return [g for g in (getattr(self, name) for name in SUMMARY_ROWS) if g is not None]
 
     def _load_outliers(self, state: dict[str, Tensor]) -> None:
         c = self.chunk_tokens

@@ -74,8 +74,9 @@ class LayerState:
         self.sink_k, self.sink_v = torch.empty(0, H, D, dtype=dtype), torch.empty(0, H, D, dtype=dtype)
         self.win_k, self.win_v = _Fifo((H, D), dtype), _Fifo((H, D), dtype)
         self.basis = KeyBasis(H * D)
-        # summaries in the pages' dtype (landmarks of 1M tokens: 1.5 GiB in bf16), scored in float32
-        self.index = ChunkIndex(layer, H, D, chunk_tokens=config.chunk_tokens, needs=needs, dtype=layout.dtype)
+        # summaries in the pages' dtype (landmarks of 1M tokens: 1.5 GiB in bf16) or int8, scored in float32
+        self.index = ChunkIndex(layer, H, D, chunk_tokens=config.chunk_tokens, needs=needs, dtype=layout.dtype,
+                                int8_landmarks=config.int8_landmarks)
         self.pages: list[BlockKey] = []
         self.previous = torch.empty(0, dtype=torch.long)   # pages read by the last step
         self.length = 0

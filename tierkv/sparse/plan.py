@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tierkv.ops.rope import RopeTable, apply_rope
-from tierkv.scoring import bound_scores, landmark_scores
+from tierkv.scoring import bound_scores, landmark_scores, landmark_values
 from tierkv.sparse.config import SparseConfig
 
 if TYPE_CHECKING:
@@ -136,7 +136,8 @@ class WholePages:
         if wide.numel() <= cap:
             return wide.expand(H, -1), True
         if index.landmarks is not None:
-            scores = landmark_scores(query, index.landmarks[wide])
+            scale = index.landmark_scale
+            scores = landmark_scores(query, index.landmarks[wide], None if scale is None else scale[wide])
         elif index.lo is not None:
             scores = bound_scores(query, index.lo[wide], index.hi[wide])
         else:
@@ -171,7 +172,8 @@ class AdaptiveBudget:
         if pinned or index.landmarks is None or uniform >= index.chunks:   # covering every chunk stays exact
             return uniform
         if query is not None and alloc.due() and uniform:
-            alloc.offer(layer, uniform, query, fixed_keys(seq, layer), index.landmarks, index.candidates,
+            landmarks = landmark_values(index.landmarks, index.landmark_scale)
+            alloc.offer(layer, uniform, query, fixed_keys(seq, layer), landmarks, index.candidates,
                         chunk_tokens=config.chunk_tokens)
         return round(uniform * alloc.share(layer))
 

@@ -306,10 +306,10 @@ class SparseSequence:
             valid = torch.arange(at.shape[1]) < count.unsqueeze(1)
             row = rows.gather(1, at).clamp(min=0)
             page, tok = row.div(P, rounding_mode="floor"), row % P
-            values, factors = self.layout.unpack(raw)                           # views: [n, P, Hkv, D], [n, P, r]
-            keys = torch.bmm(factors[page, tok].float(), self.layers[layer].head_basis())   # [Hkv, m, D]
+            factors = self.layout.take(raw, "factors", (page, tok))              # [Hkv, m, r]
+            keys = torch.bmm(factors, self.layers[layer].head_basis())          # [Hkv, m, D]
             heads = torch.arange(at.shape[0]).unsqueeze(1)
-            return at, valid, keys, values[page, tok, heads].float()
+            return at, valid, keys, self.layout.take(raw, "values", (page, tok, heads))
         return Loading(missing, finish, gathering.abandon)
 
     def _positions(self, chunks: Tensor) -> Tensor:
@@ -362,16 +362,17 @@ class SparseSequence:
         """Keys and values [Hkv, k*c, D] of ``chunks`` from their pages in ``raw`` (a page still
         loading is zeros there, and so are its tokens' keys), and each token's row [Hkv, k*c]."""
         c, P, H = self.config.chunk_tokens, self.layout.tokens, self.layout.num_kv_heads
-        values, factors = self.layout.unpack(raw)                   # views: [n, P, Hkv, D], [n, P, r]
-        page = torch.searchsorted(pages, chunks // (P // c))                    # [Hkv, k]: page slot
+        page = torch.searchsorted(pages, chunks // (P // c)).unsqueeze(-1)      # [Hkv, k, 1]: page slot
         tok = (chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)           # [Hkv, k, c]: row in page
-        page, tok = page.unsqueeze(-1).expand_as(tok).flatten(1), tok.flatten(1)   # [Hkv, k*c] each
-        rows = page * P + tok                                                   # [Hkv, k*c]: row in raw
+        rows = (page * P + tok).flatten(1)                                      # [Hkv, k*c]: row in raw
+        take = self.layout.take              # decodes only these rows when pages are quantized
         if shared:
-            k_sel = reconstruct(factors[page[0], tok[0]], state.basis.basis, H).transpose(0, 1)  # [Hkv, k*c, D]
-            return k_sel, values[page[0], tok[0]].float().transpose(0, 1), rows
-        k_sel = torch.bmm(factors[page, tok].float(), state.head_basis())      # [Hkv, k*c, D]
-        v_sel = values[page, tok, torch.arange(H).unsqueeze(1)].float()         # [Hkv, k*c, D]
+            factors = take(raw, "factors", (page[0], tok[0])).flatten(0, 1)    # [k*c, r]
+            k_sel = reconstruct(factors, state.basis.basis, H).transpose(0, 1)  # [Hkv, k*c, D]
+            return k_sel, take(raw, "values", (page[0], tok[0])).flatten(0, 1).transpose(0, 1), rows
+        k_sel = torch.bmm(take(raw, "factors", (page, tok)).flatten(1, 2), state.head_basis())   # [Hkv, k*c, D]
+        heads = torch.arange(H).view(H, 1, 1)
+        v_sel = take(raw, "values", (page, tok, heads)).flatten(1, 2)           # [Hkv, k*c, D]
         return k_sel, v_sel, rows
 
     def _count(self, state: LayerState, pages: Tensor) -> None:

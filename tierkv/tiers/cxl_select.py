@@ -24,6 +24,7 @@ from torch import Tensor
 
 from tierkv.events import EventRecorder
 from tierkv.policy import ChunkView
+from tierkv.scoring import landmark_values
 from tierkv.tiers.cxl_link import CxlLink, Direction, LinkSpec
 from tierkv.tiers.cxl_pnm import NearMemoryProcessor, PnmSpec
 
@@ -39,7 +40,7 @@ class NearMemorySelector:
         if view.landmarks is None:
             raise ValueError(f"layer {view.layer}: the near-memory selector scores landmarks; "
                              "the index kept none (build it with needs={'landmarks'})")
-        self.processor.store(view.layer, view.landmarks, view.candidates)
+        self.processor.store(view.layer, landmark_values(view.landmarks, view.landmark_scale), view.candidates)
         return self.processor.select(view.layer, query, k)
 
     def bind(self, manager) -> None:
