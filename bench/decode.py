@@ -455,6 +455,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sparse-contexts", help="contexts of the sparse rows, or 'none' (default 128K, quick 32K)")
     parser.add_argument("--branch-contexts", help="contexts of the speculative-decoding rows, or 'none' "
                                                   "(default 4K,32K; quick 4K); the beam row runs unless 'none'")
+    parser.add_argument("--sparse-rows", help="only these sparse configurations, like "
+                                               "sparse-ram,sparse-nvme-no-prefetch (default: all, and dynamic-cache)")
     parser.add_argument("--sparse-page-dtypes", default="",
                         help="quantized pages measured beside bf16 in the sparse rows, like int4 (their own prefill)")
     parser.add_argument("--sparse-store", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-sparse-store",
@@ -494,7 +496,8 @@ def main(argv: list[str] | None = None) -> Report:
             measure_reuse(report, loaded, ctx, args.dtype, workdir)
         for ctx in sparse_contexts:
             measure_sparse(report, loaded, ctx, steps, args.sparse_store, decode_all, HfDecoder,
-                           tuple(p for p in args.sparse_page_dtypes.split(",") if p))
+                           tuple(p for p in args.sparse_page_dtypes.split(",") if p),
+                           frozenset(args.sparse_rows.split(",")) if args.sparse_rows else None)
         if branch_contexts:
             measure_branching(report, loaded, branch_contexts, workdir)
         add_bounds(report, loaded, limits, workdir)

@@ -162,9 +162,10 @@ def ensure_prefilled(loaded: LoadedModel, ids: list[int], store: Path, page_dtyp
 
 
 def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, store: Path, interleave,
-                   hf_decoder, page_dtypes: tuple[str, ...] = ()) -> None:
+                   hf_decoder, page_dtypes: tuple[str, ...] = (), rows: frozenset[str] | None = None) -> None:
     """``interleave`` and ``hf_decoder``: decode.py's ``decode_all`` and ``HfDecoder`` (the dense rows' own);
-    ``page_dtypes``: quantized pages measured beside bf16 (``quantized_rows``)."""
+    ``page_dtypes``: quantized pages measured beside bf16 (``quantized_rows``); ``rows``: only these
+    configurations (None: all)."""
     ids = passkey_prompt(loaded.tokenizer, ctx, depth=DEPTH).ids
     store.mkdir(parents=True, exist_ok=True)
     prefill_s = ensure_prefilled(loaded, ids, store)
@@ -186,7 +187,8 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
         "sparse-nvme-overlap-no-prefetch": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small,
                                                                  prefetch="none", warm=False, fill=True, overlap=True),
     }
-    runs = interleave(builders, ids[-1], steps, together=False)
+    runs = interleave({k: v for k, v in builders.items() if rows is None or k in rows}, ids[-1], steps,
+                      together=False)
     for page_dtype in page_dtypes:
         runs |= quantized_rows(report, loaded, ids, ctx, steps, store, interleave, page_dtype)
     threads = IOKnobs.from_env().io_threads
@@ -198,8 +200,9 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
         report.add_bound(f"page reads@{ctx // K}K: the store's device serves {rate / 1e3:.1f}K random "
                          f"{layout.block_bytes // 1024} KiB O_DIRECT reads/s with {threads} threads "
                          f"({rate * layout.block_bytes / 1e6:.0f} MB/s), measured on the stored pages in this run")
-    runs |= interleave({"dynamic-cache": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store),
-                                                           len(ids) - 1)}, ids[-1], steps, together=False)
+    if rows is None or "dynamic-cache" in rows:
+        runs |= interleave({"dynamic-cache": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store),
+                                                               len(ids) - 1)}, ids[-1], steps, together=False)
     add_sparse_rows(report, ctx, runs, steps, prefill_s, rate)
 
 
@@ -249,7 +252,11 @@ def page_read_rate(path: Path, page_bytes: int, slots: list[int], threads: int, 
 def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s: float,
                     page_reads_per_s: float | None = None) -> None:
     tag = f"@{ctx // K}K"
-    base = runs["dynamic-cache"].tokens_per_s
+    base = runs["dynamic-cache"].tokens_per_s if "dynamic-cache" in runs else None
+
+    def add(name: str, value: float | None, target: float | None, meaning: str) -> None:
+        if value is not None:               # None: a row not measured in this run (--sparse-rows)
+            report.add_ratio(name, value, target, meaning)
     for name, d in runs.items():
         f, total = d.figures, sum(d.seconds)
         extra = {}
@@ -265,36 +272,38 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
     report.add_row("sparse-prefill", "prefill_s", round(prefill_s, 1), "s", context=ctx,
                    note="0: reused from the store")
     add_sparse_bounds(report, ctx, runs, steps, page_reads_per_s)
-    ratio = lambda n: round(runs[n].tokens_per_s / base, 3)   # noqa: E731
+    ratio = lambda n: round(runs[n].tokens_per_s / base, 3) if base and n in runs else None   # noqa: E731
     at_target = ctx >= 128 * K    # the targets are set at 128K; shorter contexts (the quick run's 32K) report
-    report.add_ratio(f"sparse_ram_vs_dynamic{tag}", ratio("sparse-ram"), 3.0 if at_target else None,
+    add(f"sparse_ram_vs_dynamic{tag}", ratio("sparse-ram"), 3.0 if at_target else None,
                      "decode tok/s of sparse with every page in memory / DynamicCache all in memory, same run")
-    report.add_ratio(f"sparse_nvme_vs_dynamic{tag}", ratio("sparse-nvme-no-prefetch"), 2.0 if at_target else None,
+    add(f"sparse_nvme_vs_dynamic{tag}", ratio("sparse-nvme-no-prefetch"), 2.0 if at_target else None,
                      "decode tok/s of sparse with >= 80 % of the pages only on NVMe, default settings (no "
                      "prefetch) / DynamicCache")
-    report.add_ratio(f"sparse_nvme_speculative_vs_dynamic{tag}", ratio("sparse-nvme"), None,
+    add(f"sparse_nvme_speculative_vs_dynamic{tag}", ratio("sparse-nvme"), None,
                      "the same with speculative prefetch")
-    report.add_ratio(f"sparse_ram_chunks_vs_dynamic{tag}", ratio("sparse-ram-chunks"), None,
+    add(f"sparse_ram_chunks_vs_dynamic{tag}", ratio("sparse-ram-chunks"), None,
                      "sparse all in memory, each KV head attending only its own chunks (attend=chunks)")
-    stall = lambda n: round(runs[n].figures["waited_s"] / sum(runs[n].seconds), 3)   # noqa: E731
-    report.add_ratio(f"stall_fraction_sparse_nvme{tag}", stall("sparse-nvme"), None,
+    stall = lambda n: round(runs[n].figures["waited_s"] / sum(runs[n].seconds), 3) if n in runs else None  # noqa: E731
+    add(f"stall_fraction_sparse_nvme{tag}", stall("sparse-nvme"), None,
                      "share of decode time waiting on page loads, speculative prefetch (target: at most 0.10)")
-    report.add_ratio(f"stall_fraction_no_prefetch{tag}", stall("sparse-nvme-no-prefetch"), None,
+    add(f"stall_fraction_no_prefetch{tag}", stall("sparse-nvme-no-prefetch"), None,
                      "the same run without prefetch")
-    report.add_ratio(f"sparse_nvme_overlap_vs_dynamic{tag}", ratio("sparse-nvme-overlap"), None,
+    add(f"sparse_nvme_overlap_vs_dynamic{tag}", ratio("sparse-nvme-overlap"), None,
                      "speculative prefetch, and pages in place attended to while the rest load (--sparse-overlap)")
-    report.add_ratio(f"stall_fraction_overlap{tag}", stall("sparse-nvme-overlap"), None,
+    add(f"stall_fraction_overlap{tag}", stall("sparse-nvme-overlap"), None,
                      "share of decode time waiting on page loads, speculative prefetch with overlap "
                      "(target: at most 0.10)")
-    report.add_ratio(f"sparse_nvme_overlap_no_prefetch_vs_dynamic{tag}", ratio("sparse-nvme-overlap-no-prefetch"),
+    add(f"sparse_nvme_overlap_no_prefetch_vs_dynamic{tag}", ratio("sparse-nvme-overlap-no-prefetch"),
                      None, "overlap without prefetch")
-    report.add_ratio(f"stall_fraction_overlap_no_prefetch{tag}", stall("sparse-nvme-overlap-no-prefetch"), None,
+    add(f"stall_fraction_overlap_no_prefetch{tag}", stall("sparse-nvme-overlap-no-prefetch"), None,
                      "its stall")
-    report.add_ratio(f"reuse_rate{tag}", round(runs["sparse-ram"].figures["reuse_rate"], 3), None,
+    add(f"reuse_rate{tag}", round(runs["sparse-ram"].figures["reuse_rate"], 3) if "sparse-ram" in runs else None, None,
                      "share of a layer's pages that the same layer read in the previous step (cross-step reuse)")
     for name, run in runs.items():
         if name.startswith("sparse-nvme-no-prefetch["):
             codec = name[name.index("[") + 1:-1]
+            if "sparse-nvme-no-prefetch" not in runs or "sparse-ram" not in runs:
+                continue
             report.add_ratio(f"sparse_nvme_{codec}_vs_bf16{tag}", round(run.tokens_per_s /
                                                                          runs["sparse-nvme-no-prefetch"].tokens_per_s, 3),
                              1.3 if at_target and codec == "int4" else None,

@@ -234,7 +234,9 @@ def _print_sparse_summary(s: dict) -> None:
           f"positions {s['positions']}, prefetch {s['prefetch']}{', overlap' if s['overlap'] else ''}; "
           f"{s['tokens_per_layer_step']:.0f} tokens "
           f"attended per layer beside sinks and window (attend {s['attend']}); pages reused from the previous step "
-          f"{100 * s['reuse_rate']:.0f} %; index in memory {format_size(s['index_bytes'])}")
+          f"{100 * s['reuse_rate']:.0f} %; pages of {s['page_tokens']} tokens in {s['page_dtype']} "
+          f"({format_size(s['page_bytes'])}), landmarks {s['landmark_dtype']}; index in memory "
+          f"{format_size(s['index_bytes'])}")
     if s["resumed_prefill_tokens"]:
         print(f"resumed a stopped prefill at token {s['resumed_prefill_tokens']}; its prefill took "
               f"{s['prefill_s_all_runs']:.0f} s over all runs")

@@ -102,23 +102,25 @@ class Quant:
         return codes + 2 * scales
 
     # -- encode -----------------------------------------------------------------------------
-    def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """x [..., T, C] -> uint8 [nbytes(x.shape)] (``out``: written there)."""
-        shape = tuple(x.shape)
+    def encode(self, x: Tensor, out: Tensor | None = None, *, blocks: int = 0) -> Tensor:
+        """x [..., T, C] -> uint8 [nbytes(x.shape)] (``out``: written there); ``blocks``: the first
+        dimensions of ``x`` are blocks, each encoded on its own: -> [*those dimensions, nbytes]."""
+        lead, shape = tuple(x.shape[:blocks]), tuple(x.shape[blocks:])
         n_codes, n_scales = self.parts(shape)
-        raw = torch.zeros(n_codes + 2 * n_scales, dtype=torch.uint8) if out is None else out
+        raw = torch.zeros(*lead, n_codes + 2 * n_scales, dtype=torch.uint8) if out is None else out
         grouped = self._groups(x.float())                                 # [..., groups, G]
         lo, scale = self._scales(grouped)
         codes = ((grouped - lo) / scale).round_().clamp_(0, self.levels).to(torch.uint8)
-        codes = self._ungroup(codes, shape)                               # [..., T, C]
-        codes = codes.view(*shape[:-1], self.per_byte, shape[-1] // self.per_byte)
+        codes = self._ungroup(codes, tuple(x.shape))                      # [..., T, C]
+        codes = codes.view(*x.shape[:-1], self.per_byte, shape[-1] // self.per_byte)
         packed = codes[..., 0, :].clone()
         for i in range(1, self.per_byte):
             packed |= codes[..., i, :] << (i * self.bits)
-        raw[:packed.numel()].copy_(packed.reshape(-1))
+        packed = packed.reshape(*lead, -1)
+        raw[..., :packed.shape[-1]].copy_(packed)
         for at, part in ((n_codes, scale), (n_codes + n_scales, lo)):
-            flat = part.to(self.scale_dtype).reshape(-1).view(torch.uint8)
-            raw[at:at + flat.numel()].copy_(flat)
+            flat = part.to(self.scale_dtype).reshape(*lead, -1).view(torch.uint8)
+            raw[..., at:at + flat.shape[-1]].copy_(flat)
         return raw
 
     def _groups(self, x: Tensor) -> Tensor:

@@ -141,15 +141,18 @@ class BlockLayout:
 
     # -- bytes -------------------------------------------------------------------------------
     def pack(self, *parts: Tensor, out: Tensor | None = None) -> Tensor:
-        """One tensor per field, in field order -> uint8 [block_bytes] (``out``, or zeros)."""
+        """One tensor per field, in field order -> uint8 [block_bytes] (``out``, or zeros); tensors with
+        one more leading dimension than their fields are that many blocks -> uint8 [n, block_bytes]."""
         if len(parts) != len(self.fields):
             raise ValueError(f"{len(parts)} tensors for the {len(self.fields)} fields of a {self.name} block")
-        raw = torch.zeros(self.block_bytes, dtype=torch.uint8) if out is None else out
+        blocks = parts[0].dim() - len(self.fields[0].shape)
+        lead = tuple(parts[0].shape[:blocks])
+        raw = torch.zeros(*lead, self.block_bytes, dtype=torch.uint8) if out is None else out
         for f, start, end, part in zip(self.fields, self._offsets, self._offsets[1:], parts):
             if f.codec is not None:
-                f.codec.encode(part, out=raw[start:end])
+                f.codec.encode(part, out=raw[..., start:end], blocks=blocks)
             else:
-                raw[start:end].view(self.dtype).view(part.shape).copy_(part)
+                raw[..., start:end].view(self.dtype).view(*lead, *f.shape).copy_(part)
         return raw
 
     def unpack(self, raw: Tensor) -> tuple[Tensor, ...]:

@@ -79,8 +79,11 @@ class EngineConfig:
 
     def layout(self, spec: ModelSpec) -> BlockLayout:
         """The blocks this engine seals for a model of ``spec``."""
-        return BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, self.block_tokens,
-                              codec=self.codec)
+        try:
+            return BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, self.block_tokens,
+                                  codec=self.codec)
+        except ConfigError as bad:     # a group that does not divide this model's heads
+            raise ConfigError(f"kv_dtype={self.kv_dtype!r}: {bad}") from None
 
 
 class Engine:

@@ -108,10 +108,13 @@ class SparseEngine:
         rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
         dtype = spec.dtype if config.page_dtype is None or codec else getattr(torch, config.page_dtype)
         tokens = config.page_tokens
-        if tokens is None:
-            tokens = 16 if codec is None else packed_page_tokens(codec, spec.num_kv_heads, spec.head_dim, rank, dtype,
-                                                                 chunk_tokens=config.chunk_tokens)
-        return BlockLayout.page(tokens, spec.num_kv_heads, spec.head_dim, rank, dtype, codec=codec)
+        try:
+            if tokens is None:
+                tokens = 16 if codec is None else packed_page_tokens(codec, spec.num_kv_heads, spec.head_dim, rank,
+                                                                     dtype, chunk_tokens=config.chunk_tokens)
+            return BlockLayout.page(tokens, spec.num_kv_heads, spec.head_dim, rank, dtype, codec=codec)
+        except ConfigError as bad:     # a group that does not divide this model's heads or the page
+            raise ConfigError(f"page_dtype={config.page_dtype!r}: {bad}") from None
 
     def resolved(self, prompt_tokens: int) -> SparseConfig:
         return self.config.resolve(prompt_tokens=prompt_tokens, trained_tokens=self.loaded.spec.max_position)

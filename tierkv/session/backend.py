@@ -127,6 +127,8 @@ def sparse_report(engine: SparseEngine, seq) -> dict[str, object]:
         "rank": engine.rank, "selector": c.selector,
         "prefetch": c.prefetch, "overlap": c.overlap, "positions": c.positions, "chunk_tokens": c.chunk_tokens,
         "page_tokens": c.page_tokens, "page_bytes": engine.layout.block_bytes,
+        "page_dtype": c.page_dtype or str(engine.layout.dtype).removeprefix("torch."),
+        "landmark_dtype": "int8" if c.int8_landmarks else str(engine.layout.dtype).removeprefix("torch."),
         "dense_prefill_tokens": c.dense_prefill_tokens,
         "approximate_prefill": seq.document_tokens > c.dense_prefill_tokens,
         "pages_read": stats.pages, "reuse_rate": stats.reused / stats.pages if stats.pages else 0.0,

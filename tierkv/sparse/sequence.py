@@ -220,7 +220,7 @@ class SparseSequence:
         factors = project(k_pre, state.basis.basis)
         first = len(state.pages)
         keys = [self.page_key(layer, first + i) for i in range(n_pages)]
-        raws = [self.layout.pack(v[i * P:(i + 1) * P], factors[i * P:(i + 1) * P]) for i in range(n_pages)]
+        raws = self.layout.pack(v.reshape(n_pages, P, *v.shape[1:]), factors.reshape(n_pages, P, -1))   # [n, bytes]
         self.manager.put_many(list(zip(keys, raws)), layer=layer, first_index=first, persist=self.persist)
         state.pages.extend(keys)
 
