@@ -41,7 +41,7 @@ class Codec(Protocol):
 
     def nbytes(self, shape: tuple[int, ...]) -> int: ...
 
-    def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor: ...   # -> flat uint8 [nbytes(x.shape)]
+    def encode(self, x: Tensor, out: Tensor | None = None, *, blocks: int = 0) -> Tensor: ...   # -> uint8 bytes
 
     def decode(self, raw: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor: ...
 
@@ -126,9 +126,6 @@ class BlockLayout:
         return BlockLayout.batch_kv(self.num_kv_heads, self.head_dim, self.dtype, self.tokens, rows,
                                     codec=self.codec)
 
-    @property
-    def quantized(self) -> bool:
-        return any(f.codec is not None for f in self.fields)
 
     # -- sizes and names --------------------------------------------------------------------
     @property
