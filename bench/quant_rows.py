@@ -141,12 +141,12 @@ def dense_agreement(report: Report, loaded: LoadedModel, ids: list[int], prompt:
                     steps: int, kv_dtype: str = "int8") -> None:
     """The dense engine with quantized blocks, teacher-forced over the document's steps, against
     transformers' logits for the same steps (``dense`` [steps, vocab])."""
-    config = EngineConfig(kv_dtype=kv_dtype)
+    config = EngineConfig(reuse=False, kv_dtype=kv_dtype)
     layout = config.layout(loaded.spec)
     tiers = TierConfig(block_bytes=layout.block_bytes, gpu="2GiB", cpu=0)
     started = time.perf_counter()
     with BlockingTierManager.from_config(tiers, namespace=layout.name) as manager:
-        engine = Engine(loaded, manager, EngineConfig(reuse=False, kv_dtype=kv_dtype))
+        engine = Engine(loaded, manager, config)
         seq = engine.new_sequence()
         logits, _ = engine.prefill(seq, ids[:prompt])
         rows = [logits.float()]
@@ -155,8 +155,7 @@ def dense_agreement(report: Report, loaded: LoadedModel, ids: list[int], prompt:
         seq.release(keep=False)
     got = torch.stack(rows)
     name = f"dense_{kv_dtype}_vs_dynamic"
-    exact = BlockLayout.kv(loaded.spec.num_layers, loaded.spec.num_kv_heads, loaded.spec.head_dim, loaded.spec.dtype,
-                           config.block_tokens)
+    exact = EngineConfig().layout(loaded.spec)
     report.add_row(f"dense-{kv_dtype}", "top1_agreement", top1(got, dense[:steps]), "share", context=prompt,
                    steps=steps, kl_mean=kl(dense[:steps], got), block_bytes=layout.block_bytes,
                    exact_block_bytes=exact.block_bytes, seconds=round(time.perf_counter() - started, 1))

@@ -171,9 +171,7 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
     prefill_s = ensure_prefilled(loaded, ids, store)
     print(f"{ctx // K}K sparse prefill: {'reused from the store' if not prefill_s else f'{prefill_s:.0f} s'}",
           file=sys.stderr, flush=True)
-    layout = SparseEngine.page_layout(loaded, SparseConfig(page_dtype=PAGE_DTYPE))
-    n_pages = len(loaded.model.model.layers) * (ctx // layout.tokens + 2)
-    all_pages, small = (n_pages + 64) * layout.block_bytes, int(SMALL_SHARE * n_pages) * layout.block_bytes
+    layout, (all_pages, small) = tier_sizes(loaded, ctx, PAGE_DTYPE)
     builders = {
         "sparse-ram": lambda: SparseDecoder(loaded, ids, store, gpu=all_pages, cpu=0, prefetch="none", warm=True),
         "sparse-ram-chunks": lambda: SparseDecoder(loaded, ids, store, gpu=all_pages, cpu=0, prefetch="none",
@@ -206,6 +204,13 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
     add_sparse_rows(report, ctx, runs, steps, prefill_s, rate)
 
 
+def tier_sizes(loaded: LoadedModel, ctx: int, page_dtype: str):
+    """The page layout, and the memory tier bytes of the rows: every page, or ``SMALL_SHARE`` of them."""
+    layout = SparseEngine.page_layout(loaded, SparseConfig(page_dtype=page_dtype))
+    n_pages = len(loaded.model.model.layers) * (ctx // layout.tokens + 2)
+    return layout, ((n_pages + 64) * layout.block_bytes, int(SMALL_SHARE * n_pages) * layout.block_bytes)
+
+
 def quantized_rows(report: Report, loaded: LoadedModel, ids: list[int], ctx: int, steps: int, store: Path,
                    interleave, page_dtype: str) -> dict:
     """sparse-ram and sparse-nvme-no-prefetch over ``page_dtype`` pages, from their own stored prefill."""
@@ -214,9 +219,7 @@ def quantized_rows(report: Report, loaded: LoadedModel, ids: list[int], ctx: int
           f"{'reused from the store' if not prefill_s else f'{prefill_s:.0f} s'}", file=sys.stderr, flush=True)
     report.add_row(f"sparse-prefill[{page_dtype}]", "prefill_s", round(prefill_s, 1), "s", context=ctx,
                    note="0: reused from the store")
-    layout = SparseEngine.page_layout(loaded, SparseConfig(page_dtype=page_dtype))
-    n_pages = len(loaded.model.model.layers) * (ctx // layout.tokens + 2)
-    all_pages, small = (n_pages + 64) * layout.block_bytes, int(SMALL_SHARE * n_pages) * layout.block_bytes
+    _, (all_pages, small) = tier_sizes(loaded, ctx, page_dtype)
     return interleave({
         f"sparse-ram[{page_dtype}]": lambda: SparseDecoder(loaded, ids, store, gpu=all_pages, cpu=0, prefetch="none",
                                                            warm=True, page_dtype=page_dtype),
