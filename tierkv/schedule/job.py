@@ -88,28 +88,36 @@ class _Prompt:
 
 def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: Progress | None = None,
             on_policy: Callable[[Policy, float], None] | None = None) -> JobResult:
-    result = JobResult()
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before the model loads
-    if fixed is not None and config.weight_dtype is not None:
-        fixed = replace(fixed, weight_dtype=config.weight_dtype)
     docs = read_inputs(config.inputs)
     with OutputLog(config.out) as out:
         todo = [d for d in docs if d.id not in out.done]
-        result.skipped = len(docs) - len(todo)
         if not todo:
-            return result
+            return JobResult(skipped=len(docs))
         loaded = loaded or load_model(config.model, dtype=DTYPES[config.dtype])
-        prompts = []
-        for doc in todo:
-            prompt = _prompt(loaded.tokenizer, doc, config)
-            if isinstance(prompt, str):
-                out.write({"id": doc.id, "error": prompt})
-                result.documents += 1
-                result.failed += 1
-            else:
-                prompts.append(prompt)
-        if prompts:
-            _generate(config, loaded, prompts, out, result, progress, on_policy, fixed)
+        result = summarize(config, loaded, todo, out.write, progress=progress, on_policy=on_policy, fixed=fixed)
+        result.skipped = len(docs) - len(todo)
+    return result
+
+
+def summarize(config: JobConfig, loaded: LoadedModel, docs: list[Document], write: Callable[[dict], None], *,
+              progress: Progress | None = None, on_policy: Callable[[Policy, float], None] | None = None,
+              fixed: Policy | None = None) -> JobResult:
+    """Summarize ``docs``, handing one record per document to ``write`` (errors included) as blocks finish."""
+    result = JobResult()
+    if fixed is not None and config.weight_dtype is not None:
+        fixed = replace(fixed, weight_dtype=config.weight_dtype)
+    prompts = []
+    for doc in docs:
+        prompt = _prompt(loaded.tokenizer, doc, config)
+        if isinstance(prompt, str):
+            write({"id": doc.id, "error": prompt})
+            result.documents += 1
+            result.failed += 1
+        else:
+            prompts.append(prompt)
+    if prompts:
+        _generate(config, loaded, prompts, write, result, progress, on_policy, fixed)
     return result
 
 
@@ -126,7 +134,7 @@ def _prompt(tokenizer, doc: Document, config: JobConfig) -> _Prompt | str:
     return _Prompt(doc, ids)
 
 
-def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], out: OutputLog,
+def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], write: Callable[[dict], None],
               result: JobResult, progress: Progress | None,
               on_policy: Callable[[Policy, float], None] | None, fixed: Policy | None) -> None:
     prompts = sorted(prompts, key=lambda p: len(p.ids), reverse=True)
@@ -153,7 +161,7 @@ def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], ou
             seconds = time.perf_counter() - began
             made = sum(len(o) for o in outputs)
             for prompt, tokens in zip(block, outputs):
-                out.write(_record(loaded.tokenizer, prompt, tokens, eos, seconds, len(block), made))
+                write(_record(loaded.tokenizer, prompt, tokens, eos, seconds, len(block), made))
             result.documents += len(block)
             result.generated_tokens += made
             result.seconds += seconds
@@ -206,4 +214,4 @@ def placed_policy(policy: Policy, loaded: LoadedModel, limits: EngineLimits) -> 
     return replace(policy, weights=weights, kv=kv)
 
 
-__all__ = ["BLOCK_TOKENS", "JobConfig", "JobResult", "run_job"]
+__all__ = ["BLOCK_TOKENS", "JobConfig", "JobResult", "run_job", "summarize"]
