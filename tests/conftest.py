@@ -45,3 +45,15 @@ def tiny_tmpfs(tmp_path: Path):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    """A real ``redis-server`` on a free port, killed after the test (see tests/servers.py)."""
+    from servers import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    try:
+        yield server
+    finally:
+        server.kill()

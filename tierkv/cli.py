@@ -104,6 +104,14 @@ def _print_facts(facts: dict[str, object]) -> None:
               f"O_DIRECT {'yes' if nvme['o_direct'] else 'no'}")
         for name, status in nvme["backends"].items():
             print(f"  backend {name:9s} {status}")
+    remote = facts.get("remote")
+    if remote and remote["reachable"]:
+        cap = format_size(remote["maxmemory"]) if remote.get("maxmemory") else "no maxmemory (tierkv's TTL bounds it)"
+        print(f"remote     {remote['url']}: server {remote.get('version')}, {format_size(remote['used_memory'] or 0)} "
+              f"used, cap {cap} ({remote.get('maxmemory_policy')}); round trip "
+              f"{remote['rtt_s'] * 1e3:.2f} ms, read {remote['read_bytes_per_s'] / 1e9:.2f} GB/s")
+    elif remote:
+        print(f"remote     {remote['url']}: UNREACHABLE ({remote['error']})")
     if "links" in facts:
         from tierkv.profile.probe import link_lines
         print(f"links      measured {facts['links']['measured_at']} ({'quick' if facts['links']['quick'] else 'full'})")
@@ -116,11 +124,31 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.probe or args.reprobe:
         from tierkv.profile.probe import probe_links
         facts["links"] = probe_links(args.nvme_dir, quick=not args.full, refresh=args.reprobe)
+    if args.remote:
+        facts["remote"] = _remote_facts(args.remote)
     if args.json:
         print(json.dumps(facts, indent=2))
     else:
         _print_facts(facts)
-    return 0
+    return 0 if "remote" not in facts or facts["remote"]["reachable"] else 1
+
+
+def _remote_facts(url: str) -> dict[str, object]:
+    """The remote store's server, memory cap and measured link (a 4 MiB value written, read and deleted)."""
+    import logging
+
+    from tierkv.tiers.remote import RemoteStore
+    store = RemoteStore(url, "probe", retry_s=0)
+    logging.getLogger("tierkv.tiers.remote").disabled = True     # the error is the report here
+    try:
+        link = store.probe()
+        facts: dict[str, object] = {"url": store.name, "reachable": link is not None,
+                                    "error": store.stats.last_error}
+        if link is not None:
+            facts |= {"rtt_s": link.rtt_s, "read_bytes_per_s": link.bytes_per_s, **store.info()}
+        return facts
+    finally:
+        store.close()
 
 
 def add_info(sub: argparse._SubParsersAction) -> None:
@@ -131,7 +159,18 @@ def add_info(sub: argparse._SubParsersAction) -> None:
                    help="measure memcpy, device-link and disk (--nvme-dir) GB/s and latency; cached")
     p.add_argument("--reprobe", action="store_true", help="like --probe, measuring again instead of the cache")
     p.add_argument("--full", action="store_true", help="with --probe: a longer, steadier measurement")
+    p.add_argument("--remote", metavar="URL", type=_remote_url,
+                   help="a Redis/Valkey server (redis://host:6379): its version, memory cap, round trip and read "
+                        "throughput; exits 1 when it cannot be reached")
     p.set_defaults(func=cmd_info)
+
+
+def _remote_url(text: str) -> str:
+    from tierkv.tiers.remote import check_url
+    try:
+        return check_url(text)
+    except ConfigError as bad:
+        raise argparse.ArgumentTypeError(str(bad).removeprefix(f"--remote {text!r}: ")) from None
 
 
 # -- tierkv run --------------------------------------------------------------
@@ -222,9 +261,20 @@ def _print_run_summary(r, config) -> None:
         print(f"{name:6s} {format_size(t['budget_bytes']):>10s} {format_size(t['peak_bytes']):>10s} "
               f"{format_size(t['final_bytes']):>10s} {format_size(t['bytes_read']):>10s} "
               f"{format_size(t['bytes_written']):>10s}  {t['backend']}")
+    if r.remote is not None:
+        _print_remote(r.remote)
     if config.output.trace:
         trace = config.output.trace
         print(f"trace written to {trace}: open it in ui.perfetto.dev, or `tierkv profile {trace}`")
+
+
+def _print_remote(m: dict) -> None:
+    problems = [f"{m[k]} {what}" for k, what in (("corrupt", "failed their checksum (recomputed)"),
+                                                 ("skipped", "writes skipped"), ("slower", "not read: "
+                                                 "recomputing was faster"), ("errors", "errors")) if m[k]]
+    last = f" (last: {m['last_error']})" if m["last_error"] else ""
+    print(f"remote {m['url']}: read {m['hits']} blocks ({format_size(m['read_bytes'])}), {m['misses']} not there; "
+          f"wrote {m['written']} ({format_size(m['write_bytes'])})" + "".join(f"; {p}" for p in problems) + last)
 
 
 def _print_sparse_summary(s: dict) -> None:

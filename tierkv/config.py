@@ -14,6 +14,7 @@ from pathlib import Path
 from tierkv.errors import ConfigError
 from tierkv.sizes import parse_size
 from tierkv.tiers.cxl_link import LinkSpec, link_spec
+from tierkv.tiers.remote import check_url
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,9 @@ class TierConfig:
     cxl_latency_ns: float | None = None
     cxl_devices: int | None = None
     cxl_policy: str = "lru"
+    # A store below the tiers shared by processes and machines: redis:// or rediss:// (None: none).
+    remote: str | None = None
+    remote_ttl: int = 7 * 24 * 3600         # seconds a remote block lives after its last write or read
 
     def __post_init__(self) -> None:
         for name in ("block_bytes", "gpu", "cpu", "nvme_budget", "cxl"):
@@ -56,6 +60,10 @@ class TierConfig:
                                   f"(block_bytes={self.block_bytes})")
         if self.gpu == 0 and self.cpu == 0 and self.cxl == 0 and self.nvme_dir is None:
             raise ConfigError("gpu=0, cpu=0, cxl=0 and nvme_dir=None: at least one tier must be enabled")
+        if self.remote is not None:
+            check_url(self.remote)
+        if self.remote_ttl <= 0:
+            raise ConfigError(f"remote_ttl={self.remote_ttl}: must be > 0 seconds")
         if self.cxl:
             self.cxl_link()  # validates the preset and the overrides now, not when tiers are built
 

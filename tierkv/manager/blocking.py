@@ -180,10 +180,20 @@ class BlockingTierManager:
         self._call(self.manager.persist, keys)
 
     def protect(self, keys: Sequence[BlockKey]) -> bool:
-        return self._call(self.manager.protect, keys)
+        """Hold all of ``keys`` (reading those stored nowhere locally from the remote store, if any), or
+        none of them: False where one is missing."""
+        if self.manager.remote is None:
+            return self._call(self.manager.protect, keys)
+        missing = self.hold(keys)
+        if missing:
+            gone = set(missing)
+            self.unprotect([key for key in keys if key not in gone])
+        return not missing
 
     def hold(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
-        return self._call(self.manager.hold, keys)
+        if self.manager.remote is None:
+            return self._call(self.manager.hold, keys)
+        return self._run(self.manager.hold_or_fetch(keys))
 
     def scrub(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         return self._run(self.manager.scrub(keys))

@@ -33,6 +33,7 @@ from tierkv.manager.directory import BlockEntry, Directory, Place
 from tierkv.manager.executor import Executor
 from tierkv.manager.lease import Lease
 from tierkv.manager.moves import Moves
+from tierkv.manager.remote import Recompute, WriteThrough, read_missing
 from tierkv.manager.residency import Residency
 from tierkv.manager.transfer import Priority
 from tierkv.policy import EvictionPolicy, ObservesScores, implements
@@ -40,6 +41,7 @@ from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.tiers.base import Medium, Tier
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier
+from tierkv.tiers.remote import RemoteStore
 
 _MAX_ATTEMPTS = 16  # re-loads of a block evicted before its reader could pin it
 
@@ -79,9 +81,10 @@ def build_tiers(config: TierConfig, *, namespace: str = "default",
 class TierManager:
     def __init__(self, tiers: Sequence[Tier], *, policies: dict[str, EvictionPolicy] | None = None,
                  knobs: IOKnobs | None = None, recorder: EventRecorder | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, remote: RemoteStore | None = None) -> None:
         """``executor`` replaces the default one on worker threads (the replay passes one whose runner
-        completes transfers in modelled time)."""
+        completes transfers in modelled time); ``remote`` is a store below the tiers shared with other
+        processes and machines (see tierkv.manager.remote)."""
         if not tiers:
             raise ValueError("a tier manager needs at least one tier")
         sizes = {t.block_bytes for t in tiers}
@@ -104,6 +107,9 @@ class TierManager:
         self._executor = executor or Executor(self.knobs.copy_threads, self.knobs.inflight_bytes, self.events)
         self._moves = Moves(self.tiers, self.order, self.policies, self._residency, self._executor)
         self.access: AccessHook | None = None   # records which blocks each step used (replay traces)
+        self.remote = remote
+        self.recompute: Recompute | None = None      # what recomputing a block costs (set by its engine)
+        self._write_through: WriteThrough | None = None
         self._background: set[asyncio.Task] = set()
         self._writeback_errors: list[BaseException] = []
         self._state = "new"
@@ -116,7 +122,8 @@ class TierManager:
         policies = {"gpu": config.gpu_policy, "cpu": config.cpu_policy, "cxl": config.cxl_policy,
                     "nvme": config.nvme_policy}
         chosen = {t.name: make_policy(policies[t.name], capacity=t.pool.capacity) for t in tiers}
-        return cls(tiers, policies=chosen, knobs=knobs, recorder=recorder)
+        remote = None if config.remote is None else RemoteStore(config.remote, namespace, ttl_s=config.remote_ttl)
+        return cls(tiers, policies=chosen, knobs=knobs, recorder=recorder, remote=remote)
 
     # -- lifecycle ------------------------------------------------------
     async def start(self) -> TierManager:
@@ -125,6 +132,9 @@ class TierManager:
         self._executor.start()
         for name in self.order:
             self._residency.index_persisted(name)
+        if self.remote is not None:
+            await asyncio.to_thread(self.remote.probe)
+            self._write_through = WriteThrough(self.remote)
         self._state = "running"
         return self
 
@@ -138,6 +148,10 @@ class TierManager:
         await self._executor.aclose()
         for tier in self.tiers.values():
             await asyncio.to_thread(tier.close)
+        if self._write_through is not None:
+            await asyncio.to_thread(self._write_through.close)
+        if self.remote is not None:
+            self.remote.close()
 
     async def __aenter__(self) -> TierManager:
         return await self.start()
@@ -201,12 +215,13 @@ class TierManager:
     # -- placing new blocks ---------------------------------------------
     async def put(self, key: BlockKey, data: torch.Tensor, *, tier: str | None = None,
                   layer: int | None = None, index: int | None = None, protect: bool = True,
-                  persist: bool = False) -> None:
+                  persist: bool = False, share: bool = True) -> None:
         """Store a new block (exactly ``block_bytes``) in ``tier`` (default: the fastest with room).
 
         A key names its content: putting a key that is already stored only
         adds a holder (``protect``: the caller holds the block until it ``drop``s
-        or ``unprotect``s it). ``persist`` also writes it back to the NVMe store.
+        or ``unprotect``s it). ``persist`` also writes it back to the NVMe store and, with
+        ``share``, through to the remote store.
         ``layer`` and ``index`` (the block's position in its layer) are hints
         for policies that rank by position (see tierkv.policy).
         """
@@ -230,6 +245,8 @@ class TierManager:
             break
         if persist:
             self.persist([key])
+            if share and self._write_through is not None:
+                self._write_through.offer(key, raw.cpu().numpy().tobytes())
 
     def persist(self, keys: Iterable[BlockKey]) -> None:
         """Write blocks back to the NVMe store in the background; ``flush`` waits."""
@@ -247,6 +264,8 @@ class TierManager:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         if self.store is not None:
             await asyncio.to_thread(self.store.flush)
+        if self._write_through is not None:
+            await asyncio.to_thread(self._write_through.drain)
         if self._writeback_errors:
             errors, self._writeback_errors = self._writeback_errors, []
             raise errors[0]
@@ -274,6 +293,24 @@ class TierManager:
             else:
                 missing.append(key)
         return missing
+
+    async def hold_or_fetch(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """``hold``, reading the blocks stored nowhere locally from the remote store first (where that
+        beats recomputing them); returns the keys still missing."""
+        missing = self.hold(keys)
+        if not missing or self.remote is None:
+            return missing
+        fetched = await asyncio.to_thread(read_missing, self.remote, missing, self.block_bytes, self.recompute)
+        placed = []
+        for key, payload in fetched:
+            try:
+                await self.put(key, torch.frombuffer(bytearray(payload), dtype=torch.uint8), protect=False,
+                               persist=self.store is not None, share=False)
+            except BudgetExceeded:
+                break            # no room left locally: the rest are recomputed
+            placed.append(key)
+        still = self.hold(placed)
+        return [k for k in missing if k not in set(placed)] + still
 
     async def scrub(self, keys: Sequence[BlockKey], *, batch: int = 64) -> list[BlockKey]:
         """Read the NVMe store's copy of each of ``keys`` and check it, dropping the copies that fail

@@ -159,3 +159,27 @@ def mlp_block(layer: nn.Module, h: Tensor) -> Tensor:
 def final_logits(model: nn.Module, h: Tensor) -> Tensor:
     """h [B, T, hidden] -> logits [B, T, vocab] (final norm + lm_head)."""
     return model.lm_head(model.model.norm(h))
+
+
+def recompute_seconds(model: nn.Module, tokens: int, *, repeats: int = 3) -> float:
+    """Seconds one decoder layer takes to compute ``tokens`` tokens again on this machine, from its
+    weights' FLOPs (2 per parameter and token) at a matrix multiply rate measured here now (the best of
+    ``repeats``). Attention over earlier tokens is left out: a lower bound, so a remote read has to beat
+    the cheapest recompute."""
+    import time
+
+    layer = decoder_layers(model)[0]
+    params = sum(p.numel() for p in layer.parameters())
+    weight = next(layer.parameters())
+    width = weight.shape[-1]
+    a = torch.randn(512, width, dtype=weight.dtype, device=weight.device)
+    b = torch.randn(width, 4 * width, dtype=weight.dtype, device=weight.device)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        a @ b
+        if a.is_cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    rate = 2 * a.shape[0] * width * b.shape[1] / best
+    return 2 * params * tokens / rate

@@ -38,8 +38,9 @@ from policies.prefetch import make_prefetch
 from tierkv.device import has_cuda
 from tierkv.errors import BlockMissing, ConfigError
 from tierkv.manager import BlockingTierManager
+from tierkv.manager.remote import Recompute
 from tierkv.model.arch import ModelSpec, decoder_layers, embed, final_logits, finish_attention, mlp_block, \
-    project_qkv, rope_cos_sin
+    project_qkv, recompute_seconds, rope_cos_sin
 from tierkv.ops.attention import attend, block_lse, block_mass, merge_lse
 from tierkv.model.loading import LoadedModel
 from tierkv.codec import KVCodec, block_codec
@@ -98,6 +99,8 @@ class Engine:
         self.config = config
         self.layers = decoder_layers(self.model)
         self.layout = config.layout(spec)
+        if manager.manager.remote is not None:
+            manager.manager.recompute = Recompute(recompute_seconds(self.model, config.block_tokens))
         self.prefetch = make_prefetch(config.prefetch)
         self.scores = manager.wants_scores   # a policy ranks blocks by attention (h2o): report it
         # reuse=False: blocks of earlier runs are not found (another root), those of this engine's
@@ -105,7 +108,7 @@ class Engine:
         self._salt = "" if config.reuse else "/" + os.urandom(8).hex()
 
     def new_sequence(self) -> TieredSequence:
-        persist = self.manager.manager.store is not None
+        persist = self.manager.manager.store is not None or self.manager.manager.remote is not None
         seq = TieredSequence(self.manager, self.layout, model_id=self.loaded.model_id + self._salt, persist=persist)
         seq.read_tier = "gpu" if has_cuda() else None
         return seq

@@ -28,6 +28,7 @@ from tierkv.flags import build, nest, setting
 from tierkv.model.engine import EngineConfig
 from tierkv.sizes import parse_size
 from tierkv.sparse import SparseConfig
+from tierkv.tiers.remote import check_url
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODES = ("auto", "dense", "sparse")
@@ -68,6 +69,12 @@ class TierSettings:
     gpu_policy: str = setting("lru", "eviction policy of the gpu tier: a name in policies or module:Class", metavar="NAME")
     cpu_policy: str = setting("lru", "eviction policy of the cpu tier", metavar="NAME")
     nvme_policy: str = setting("lru", "eviction policy of the nvme tier", metavar="NAME")
+    remote: str | None = setting(None, "a Redis/Valkey server shared by machines, below the NVMe store: "
+                                       "redis://[:password@]host:port[/db] (rediss:// for TLS); blocks are "
+                                       "written through and read on a miss where that beats recomputing them",
+                                 metavar="URL")
+    remote_ttl: float = setting(7 * 24 * 3600, "seconds a remote block lives after its last write or read",
+                                metavar="SECONDS")
 
     def __post_init__(self) -> None:
         for name in ("gpu_budget", "cpu_budget", "nvme_budget", "cxl_budget"):
@@ -76,13 +83,18 @@ class TierSettings:
             make_policy(getattr(self, name))  # unknown names list the valid ones
         if self.nvme_dir is not None:
             object.__setattr__(self, "nvme_dir", Path(self.nvme_dir))
+        if self.remote is not None:
+            check_url(self.remote)
+        if not self.remote_ttl > 0:
+            raise ConfigError(f"remote_ttl={self.remote_ttl}: must be > 0 seconds")
 
     def tier_config(self, block_bytes: int, store_name: str) -> TierConfig:
         """The tiers for blocks of ``block_bytes``; the store in ``nvme_dir/store_name`` (one per layout)."""
         nvme_dir = None if self.nvme_dir is None else self.nvme_dir / store_name
         return TierConfig(block_bytes=block_bytes, gpu=self.gpu_budget, cpu=self.cpu_budget, nvme_dir=nvme_dir,
                           nvme_budget=self.nvme_budget, cxl=self.cxl_budget, cxl_preset=self.cxl_preset,
-                          gpu_policy=self.gpu_policy, cpu_policy=self.cpu_policy, nvme_policy=self.nvme_policy)
+                          gpu_policy=self.gpu_policy, cpu_policy=self.cpu_policy, nvme_policy=self.nvme_policy,
+                          remote=self.remote, remote_ttl=int(self.remote_ttl))
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,8 +47,9 @@ from tierkv.errors import BlockMissing, ConfigError, PassBroken
 from tierkv.events import Event, EventKind
 from tierkv.layout import BlockLayout, packed_page_tokens
 from tierkv.manager import BlockingTierManager
+from tierkv.manager.remote import Recompute
 from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attention, mlp_block, \
-    project_qkv_pre, project_query_pre, rope_cos_sin
+    project_qkv_pre, project_query_pre, recompute_seconds, rope_cos_sin
 from tierkv.model.loading import LoadedModel
 from tierkv.ops.rope import RopeTable
 from tierkv.profile.trace import profiler_range
@@ -91,6 +92,8 @@ class SparseEngine:
         self.rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
         self.layout = self.page_layout(loaded, config)
         self.config = config = replace(config, page_tokens=self.layout.tokens)
+        if manager.manager.remote is not None:
+            manager.manager.recompute = Recompute(recompute_seconds(self.model, self.layout.tokens))
         self.selector = make_selector(config.selector)
         bind = getattr(self.selector, "bind", None)
         if bind is not None:          # a selector that runs at a tier (near-memory) finds it here

@@ -74,6 +74,15 @@ class Backend:
                        "bytes_written": mgr.stats[name].bytes_in, "backend": _backend_name(mgr.tiers[name])}
                 for name in mgr.order}
 
+    def remote_report(self) -> dict[str, object] | None:
+        """The remote store's counts (blocks read, written, skipped, damaged) and its link; None without one."""
+        remote = self.manager.manager.remote
+        if remote is None:
+            return None
+        link = remote.measured_link()
+        return {"url": remote.name, **remote.stats.as_dict(),
+                "link": None if link is None else {"rtt_s": link.rtt_s, "bytes_per_s": link.bytes_per_s}}
+
     def pinned_blocks(self) -> int:
         """Blocks pinned or reserved in any tier now (0 once nothing reads or moves)."""
         mgr = self.manager.manager

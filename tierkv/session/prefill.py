@@ -58,6 +58,8 @@ def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, 
     was computed here."""
     progress = progress or (lambda n: None)
     found = shelf.longest(ids, at_most=len(ids)) if shelf is not None and reuse else 0
+    if shelf is not None and reuse and found < len(ids) and fetch_index(engine, shelf, ids, longer_than=found):
+        found = shelf.longest(ids, at_most=len(ids))
     if found:
         state = stored_state(engine, shelf, ids[:found])
         if state is not None:
@@ -106,10 +108,43 @@ def _prefill(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, *, r
     engine.manager.flush()
     seq.prefill_s = checkpoints.total_s()
     save_index(seq, path, prefill_s=seq.prefill_s, ids=ids)
+    share_index(engine, path)
     partial.unlink(missing_ok=True)
     seq.origin = Origin.of(seq, path, ids)
     seq.persist = False          # pages sealed after this are not part of the stored state
     return Opened(SparseState(engine, seq, ids), 0, seq.resumed_tokens)
+
+
+def share_index(engine: SparseEngine, path: Path) -> None:
+    """Put a stored index in the remote store (its pages went there as they were sealed)."""
+    remote = engine.manager.manager.remote
+    if remote is not None:
+        engine.manager.flush()               # its pages first: an index is shared only once they are
+        remote.put_file(path.name, path.read_bytes())
+
+
+def fetch_index(engine: SparseEngine, shelf: Shelf, ids: Sequence[int], *, longer_than: int) -> bool:
+    """Bring the remote store's index of the longest prefix of ``ids`` (longer than ``longer_than``
+    tokens) onto the shelf; whether one came. Its checksums and pages are checked as it loads."""
+    remote = engine.manager.manager.remote
+    if remote is None:
+        return False
+    best = None
+    for name in remote.file_names(prefix=shelf.identity.hex()[:16] + "-"):
+        tokens = shelf.covers(name, ids)
+        if tokens is not None and tokens > longer_than and (best is None or tokens > best[0]):
+            best = (tokens, name)
+    if best is None:
+        return False
+    payload = remote.get_file(best[1])
+    if payload is None:
+        return False
+    shelf.directory.mkdir(parents=True, exist_ok=True)
+    part = shelf.directory / (best[1] + ".part")
+    part.write_bytes(payload)
+    part.replace(shelf.directory / best[1])
+    log.info("sparse index %s: read from the remote store", best[1])
+    return True
 
 
 class _Checkpoints:

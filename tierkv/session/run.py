@@ -40,6 +40,7 @@ class RunResult:
     answer: str | None = None           # the planted passkey of a synthetic prompt
     found: bool | None = None
     tiers: dict[str, dict[str, object]] = field(default_factory=dict)
+    remote: dict[str, object] | None = None   # the remote store's counts (--remote)
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -126,3 +127,4 @@ def _summarise(result: RunResult, backend, session: Session) -> None:
     spec = session.loaded.spec
     result.kv_bytes = (result.prompt_tokens + result.generated_tokens) * spec.kv_bytes_per_token
     result.tiers = backend.tier_report()
+    result.remote = backend.remote_report()

@@ -87,18 +87,25 @@ class Shelf:
 
     def longest(self, ids: Sequence[int], *, at_most: int) -> int:
         """The most tokens of ``ids`` (at most ``at_most``) a stored index covers; 0 for none."""
-        prefix, best = self.identity.hex()[:16] + "-", 0
+        best = 0
         if not self.directory.is_dir():
             return 0
-        for path in self.directory.glob(f"{prefix}*.safetensors"):
-            stem, _, rest = path.name.partition(".")
-            parts = stem.split("-")
-            if rest != "safetensors" or len(parts) != 3 or not parts[1].isdigit():
-                continue               # a checkpoint, a restore point, a stranger
-            n = int(parts[1])
-            if best < n <= min(at_most, len(ids)) and parts[2] == self.key(ids[:n]).hex():
+        for path in self.directory.glob(f"{self.identity.hex()[:16]}-*.safetensors"):
+            n = self.covers(path.name, ids)
+            if n is not None and best < n <= at_most:
                 best = n
         return best
+
+    def covers(self, name: str, ids: Sequence[int]) -> int | None:
+        """The tokens of ``ids`` the index file ``name`` covers (a prefix of them); None if it covers no
+        prefix of ``ids`` (or is a checkpoint, a restore point, a stranger)."""
+        stem, _, rest = name.partition(".")
+        parts = stem.split("-")
+        if rest != "safetensors" or len(parts) != 3 or not parts[1].isdigit() \
+                or parts[0] != self.identity.hex()[:16]:
+            return None
+        n = int(parts[1])
+        return n if n <= len(ids) and parts[2] == self.key(ids[:n]).hex() else None
 
     def _stem(self, ids: Sequence[int]) -> str:
         return f"{self.identity.hex()[:16]}-{len(ids)}-{self.key(ids).hex()}"

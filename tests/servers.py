@@ -1,0 +1,61 @@
+"""Real servers the tests start on free local ports: a ``redis-server`` process (the Debian package;
+the set-up installs it) and nothing else. A missing server is a failure, not a skip."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """``redis-server`` on a free port with its files in ``directory``; ``kill`` and ``start`` again at will."""
+
+    def __init__(self, directory: Path, *, password: str | None = None, maxmemory: str | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed: `apt-get install -y redis-server` "
+                               "(make test installs it)")
+        self.binary, self.directory, self.password, self.maxmemory = binary, directory, password, maxmemory
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.directory), "--daemonize", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        if self.maxmemory:
+            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(64):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def client(self):
+        import redis
+        return redis.Redis.from_url(self.url)
