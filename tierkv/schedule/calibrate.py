@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tierkv.knobs import cache_dir
@@ -86,10 +87,10 @@ def measure_compute(model: nn.Module, max_rows: int) -> dict:
     group = arch.model_spec(model).group
     ladder = (1, 4, 16, 64, 256, 1024, 4096)        # beyond the last point time grows linearly in M
     rows = sorted({m for m in ladder if m < max_rows} | {next((m for m in ladder if m >= max_rows), ladder[-1])})
-    table = [(m, _time(_layer_call(model, layer, group, m, 1, 0))) for m in rows]
+    table = [(m, _time(_layer_call(model, layer, group, m, 1, 1))) for m in rows]   # decode-shaped
     decode_keys, prefill_tokens = 1024, 256
     decode = _time(_attend_call(model, 8, 1, decode_keys))
-    prefill = _time(_attend_call(model, 1, prefill_tokens, prefill_tokens))
+    prefill = _time(_causal_call(model, prefill_tokens))
     head = [(m, _time(lambda m=m: _head_once(model, m))) for m in (1, 64, 512) if m <= max(64, max_rows)]
     shape = (1, arch.model_spec(model).num_kv_heads, 256, arch.model_spec(model).head_dim)
     layout = BlockLayout.batch_kv(shape[1], shape[3], torch.bfloat16, shape[2], 8, codec=COMPRESSED)
@@ -118,7 +119,7 @@ def _layer_call(model: nn.Module, layer: nn.Module, group: int, rows: int, token
     batch.cos, batch.sin = arch.rope_cos_sin(model, torch.arange(past, past + tokens).expand(rows, -1))
     batch.mask = keep_mask(pad, past, tokens).repeat(1, 1, group, 1)
     h = torch.randn(rows, tokens, spec.hidden).to(spec.dtype)
-    shape = (rows, spec.num_kv_heads, past, spec.head_dim)
+    shape = (rows, spec.num_kv_heads, past + tokens, spec.head_dim)        # with room for the new columns
     kv = (torch.randn(shape).to(spec.dtype), torch.randn(shape).to(spec.dtype)) if past else None
 
     def call() -> object:
@@ -134,6 +135,14 @@ def _attend_call(model: nn.Module, rows: int, queries: int, keys: int) -> Callab
     k, v = (torch.randn(rows, spec.num_kv_heads, keys, spec.head_dim).to(spec.dtype) for _ in range(2))
     mask = keep_mask(torch.zeros(rows, dtype=torch.long), keys - queries, queries).repeat(1, 1, spec.group, 1)
     return lambda: attend(q, k, v, mask)
+
+
+def _causal_call(model: nn.Module, tokens: int) -> Callable[[], object]:
+    """The prefill's attention of one sequence of ``tokens`` (causal: the kernel skips the masked half)."""
+    spec = arch.model_spec(model)
+    q = torch.randn(1, spec.num_heads, tokens, spec.head_dim).to(spec.dtype)
+    k, v = (torch.randn(1, spec.num_kv_heads, tokens, spec.head_dim).to(spec.dtype) for _ in range(2))
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=spec.group > 1)
 
 
 def _head_once(model: nn.Module, rows: int) -> None:

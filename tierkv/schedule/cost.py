@@ -8,7 +8,10 @@ is exactly what `predict` says of the policy it returns.
 
 Per layer and token step (prefill: ``T = P`` tokens per row, decode: one, at context ``c``)::
 
-    compute    nb * (layer(bs, T) + attention(bs, T, c)) [+ dequantize the KV read]
+    compute    prefill: nb * sum over groups of rows of one length (layer(rows * len)
+                        + attention(rows, len, len))    unpadded, causal; rows under 64 tokens
+                        form one group, padded to its longest (compute.prefill_groups)
+               decode:  nb * (layer(bs) + attention(bs, 1, c))   [+ dequantize the KV read]
     copies     S_l * (wc + wd) / memcpy                  staging a layer's streamed weights
                [S_l * (wc + wd) / convert]                and converting them to the compute dtype
                nb * kv(c) / memcpy                        gathering each cell's KV (decode)
@@ -46,6 +49,7 @@ from torch import nn
 from tierkv.codec import KVCodec
 from tierkv.errors import ConfigError
 from tierkv.model.arch import decoder_layers, model_spec
+from tierkv.schedule.compute import prefill_groups
 from tierkv.schedule.policy import WEIGHT_DTYPES, Placement, Policy
 
 FRACTIONS = ("wg", "wc", "wd", "cg", "cc", "cd")
@@ -110,6 +114,10 @@ class Workload:
         object.__setattr__(self, "lengths", tuple(sorted(self.lengths, reverse=True)))
         longest = self.lengths[0] if self.lengths else 0
         object.__setattr__(self, "max_prompt_len", max(self.max_prompt_len, self.prompt_len, longest))
+
+    def batches(self, bs: int) -> list[tuple[int, ...]]:
+        """The prompt lengths of each GPU batch of ``bs`` prompts cut from the longest down (the job sorts)."""
+        return [self.lengths[i:i + bs] for i in range(0, len(self.lengths), bs)]
 
     def padded_len(self, bs: int) -> float:
         """Mean padded prompt of GPU batches of ``bs`` prompts cut from the longest down (the job sorts)."""
@@ -198,7 +206,8 @@ def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, co
     stage = S_l / m.memcpy + (S_l / m.convert[weight_dtype] if shape.converts(weight_dtype) else 0.0)
     phases, serial = {}, {}
     for phase, T, ctx in (("prefill", P, 0), ("decode", 1, P + n // 2)):
-        compute = Linear(nb * (m.layer_s(bs * T) + m.attention_s(bs, T, ctx + T)))
+        work_s = prefill_s(work, m, bs) if phase == "prefill" else m.layer_s(bs) + m.attention_s(bs, 1, ctx + 1)
+        compute = Linear(nb * work_s)
         kv_read = shape.kv_bytes(bs, ctx, compress) * nb
         kv_new = shape.kv_bytes(bs, T, compress) * nb
         if compress:
@@ -213,6 +222,25 @@ def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, co
                  L, n, bs * nb, overlap, bs, nb, compress, weight_dtype)
 
 
+def prefill_s(work: Workload, m: Machine, bs: int) -> float:
+    """One layer's prefill of a GPU batch (the mean over the job's), in the runner's groups
+    (`tierkv.schedule.compute.prefill_groups`): unpadded and causal, short rows padded together."""
+    def batch_s(lengths: tuple[int, ...]) -> float:
+        total = 0.0
+        for rows in prefill_groups(list(lengths)):
+            T = max(lengths[r] for r in rows)
+            total += m.layer_s(len(rows) * T) + m.attention_s(len(rows), T, T)
+        return total
+    batches = work.batches(bs) or [(work.prompt_len,) * bs]
+    return sum(map(batch_s, batches)) / len(batches)
+
+
+def largest_group(work: Workload, bs: int) -> int:
+    """The most tokens (rows x length) one prefill group of a GPU batch computes at once."""
+    batches = work.batches(bs) or [(work.max_prompt_len,) * bs]
+    return max(len(rows) * max(b[r] for r in rows) for b in batches for rows in prefill_groups(list(b)))
+
+
 def memory_terms(shape: ModelShape, work: Workload, bs: int, nb: int, compress: bool,
                  weight_dtype: str | None = None) -> dict[str, Linear]:
     P, n, L, W_l = work.max_prompt_len, work.gen_len, shape.num_layers, shape.layer_weight_bytes
@@ -221,7 +249,8 @@ def memory_terms(shape: ModelShape, work: Workload, bs: int, nb: int, compress: 
     kv_cell = shape.kv_bytes(bs, P + n, compress)
     kv_all = kv_cell * L * nb
     working = 3 * shape.kv_bytes(bs, P + n, False) + L * nb * shape.kv_bytes(bs, 16, False)
-    act = shape.itemsize * bs * P * (nb * shape.hidden + 3 * shape.intermediate + 4 * shape.hidden)
+    group = largest_group(work, bs)      # tokens one prefill group computes at once
+    act = shape.itemsize * (bs * P * nb * shape.hidden + group * (3 * shape.intermediate + 4 * shape.hidden))
     gpu = Linear(shape.other_weight_bytes + working + act + staging,
                  {"wg": shape.weight_bytes - staging, "cg": kv_all})
     cpu = Linear(0.0, {"wc": S_l * L, "wd": 2 * S_l, "cc": kv_all, "cd": 2 * kv_cell})

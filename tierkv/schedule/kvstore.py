@@ -11,7 +11,8 @@ sealed into one tier block; the newest columns stay in a tail on the compute dev
 
 A block is put into its home tier and, being a home, is never evicted there (`HomePolicy`).
 ``load`` pins the memory-home blocks in place and loads the disk-home ones into the cpu tier's
-staging room, then gathers everything with the tail into one K and one V for the compute.
+staging room, then gathers everything with the tail into one K and one V for the compute, with
+room at the end for the step's own columns (one copy of the cell's KV per step, not two).
 """
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ class BlockKV:
         self.bytes_written[home] += self.layout.block_bytes
 
     # -- loading ------------------------------------------------------------
-    def load(self, layer: int, b: int) -> tuple[Tensor, Tensor] | None:
-        """K, V [rows, Hkv, S, D] of everything cell (layer, b) holds, or None when it is empty."""
+    def load(self, layer: int, b: int, room: int = 0) -> tuple[Tensor, Tensor] | None:
+        """K, V [rows, Hkv, S + room, D] of everything cell (layer, b) holds, the last ``room``
+        columns left unset (for the step's new K/V), or None when the cell is empty."""
         cell = (layer, b)
         keys, tail = self.blocks[cell], self.tails[cell]
         homes = [self.home(i) for i in range(len(keys))]     # gpu first, then cpu, then disk
@@ -90,6 +92,10 @@ class BlockKV:
                 parts.append(tail)
             if not parts:
                 return None
+            if room:
+                k0 = parts[0][0]
+                spare = k0.new_empty(k0.shape[0], k0.shape[1], room, k0.shape[3])
+                parts.append((spare, spare))
             kv = torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)
         for home in homes:
             self.bytes_read[home] += self.layout.block_bytes

@@ -116,7 +116,7 @@ class Runner:
             slot, state.slot = state.slot, state.slot ^ 1
             state.weights[(t, layer)] = (slot, self._submit("weights", step, self.weights.load, layer, slot))
         elif step.op is Op.LOAD_KV:
-            state.kv_loads[(t, layer, b)] = self._submit("load", step, kv.load, layer, b,
+            state.kv_loads[(t, layer, b)] = self._submit("load", step, kv.load, layer, b, 1,   # room: one token
                                                          after=state.stores.get((layer, b)))
         elif step.op is Op.COMPUTE:
             self._compute(step, state, batches[b])
