@@ -14,6 +14,7 @@ the process, not an exception a ``with`` would catch)::
     index.before-rename        a stored sparse index is written to its temporary name
     checkpoint.before-rename   a prefill checkpoint likewise
     restore.before-rename      a prefill's restore point likewise
+    batch.worker-call          a Ray batch worker takes a batch of documents (the worker dies)
 
 Unarmed (the default) a point costs one truth test of an empty dict.
 """
@@ -25,7 +26,7 @@ import signal
 from tierkv.errors import ConfigError
 
 POINTS = ("nvme.after-data", "journal.mid-record", "journal.after-record", "index.before-rename",
-          "checkpoint.before-rename", "restore.before-rename")
+          "checkpoint.before-rename", "restore.before-rename", "batch.worker-call")
 
 
 def parse(text: str) -> dict[str, int]:

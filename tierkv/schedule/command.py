@@ -5,7 +5,8 @@
 
 Prints the chosen policy and its predicted throughput, draws a progress bar (documents, tokens/s),
 writes one JSON line per document (see tierkv.schedule.documents) and ends with the measured
-throughput. Run it again after an interruption: finished documents are skipped.
+throughput. Run it again after an interruption: finished documents are skipped. ``--ray [ADDRESS]``
+runs the same job on a pool of Ray workers (tierkv.schedule.ray_job).
 """
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compress-kv", action="store_true", help="let the search store KV as int4 (keys per channel, values per token; tierkv.codec; lossy)")
     p.add_argument("--recalibrate", action="store_true", help="measure this machine again instead of the cache")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of the summary")
+    ray = p.add_argument_group("Ray (pip install 'tierkv-runtime[ray]')")
+    ray.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                     help="run the documents through a Ray Data pipeline of tierkv workers: 'local' (the default "
+                          "when the flag has no value) starts Ray on this machine; an address joins a cluster "
+                          "(`ray start --head` prints it; 'auto' finds the local one)")
+    ray.add_argument("--workers", type=int, default=1, help="tierkv workers (actors), each with its own model, "
+                                                            "tiers and budgets (default 1)")
+    ray.add_argument("--cpus-per-worker", type=float, default=None,
+                     help="cores per worker (default: the cluster's cores shared out)")
+    ray.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per worker (default 0)")
+    ray.add_argument("--ray-batch", type=int, default=16,
+                     help="documents per worker call; a killed worker's call is retried (default 16)")
     p.set_defaults(func=cmd_batch)
 
 
@@ -83,7 +96,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
         bar[0].update(docs)
 
     try:
-        result = run_job(config, progress=progress, on_policy=on_policy)
+        if args.ray is not None:
+            from tierkv.schedule.ray_job import RayOptions, run_ray_job
+            options = RayOptions(args.ray, args.workers, args.cpus_per_worker, args.gpus_per_worker, args.ray_batch)
+            result = run_ray_job(config, options, progress=progress)
+        else:
+            result = run_job(config, progress=progress, on_policy=on_policy)
     finally:
         for b in bar:
             b.close()
@@ -102,6 +120,10 @@ def _report(r: JobResult, args: argparse.Namespace) -> None:
         print(json.dumps(summary, indent=2))
         return
     print(f"{r.documents} documents written to {args.out} ({r.failed} failed, {r.skipped} already done)")
+    if args.ray is not None and r.seconds:
+        print(f"ray {args.ray}, {args.workers} worker(s), each searching its own policy: {r.generated_tokens} tokens "
+              f"in {r.seconds:.1f} s ({r.tokens_per_s:.2f} tok/s, {r.documents / r.seconds:.3f} documents/s, "
+              f"model loads and prefill included)")
     if r.policy is not None:
         print(f"policy: {r.policy.describe()}")
         print(f"throughput: measured {r.tokens_per_s:.2f} tok/s ({r.generated_tokens} tokens in {r.seconds:.1f} s, "

@@ -1,0 +1,92 @@
+"""``tierkv batch --ray local`` on a real local Ray instance: the single-process job's outputs, one error
+line per bad document, a killed worker's documents retried, and a killed job resumed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tierkv.schedule.job import JobConfig, run_job
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+TEXTS = {"a.txt": "The cat sat on the mat. It was warm and the cat was happy to be there all day.",
+         "b.txt": "Rain fell on the city for three days. The river rose and the bridges were closed.",
+         "c.txt": "A new library opened downtown with ten thousand books and a reading garden.",
+         "d.txt": "The team trained every morning and won the regional cup in the spring."}
+
+
+def documents(root: Path, *, bad: bool = True) -> Path:
+    folder = root / "docs"
+    folder.mkdir()
+    for name, text in TEXTS.items():
+        (folder / name).write_text(text)
+    if bad:
+        (folder / "empty.txt").write_text("")
+        (folder / "binary.txt").write_bytes(b"\xff\xfe\x00")
+    return folder
+
+
+def batch(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tierkv.cli", "batch", "--max-new-tokens", "6", "--json", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
+
+
+def records(path: Path) -> dict[str, dict]:
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == len({r["id"] for r in lines}), "a document was written twice"
+    return {r["id"]: r for r in lines}
+
+
+@pytest.fixture(scope="module")
+def single(smollm2, tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """The documents and the single-process job's records of them."""
+    root = tmp_path_factory.mktemp("single")
+    folder = documents(root)
+    run_job(JobConfig(inputs=folder, out=root / "single.jsonl", max_new_tokens=6), loaded=smollm2)
+    return folder, records(root / "single.jsonl")
+
+
+def same(got: dict[str, dict], want: dict[str, dict]) -> None:
+    assert got.keys() == want.keys()
+    for key, record in want.items():
+        assert got[key].get("summary") == record.get("summary") and got[key].get("error") == record.get("error")
+
+
+def test_ray_with_workers_killed_gives_the_single_process_outputs(single, tmp_path):
+    folder, want = single
+    env = dict(os.environ, TIERKV_FAILPOINTS="batch.worker-call:2")    # each worker dies at its second batch
+    job = batch("--inputs", str(folder), "--out", str(tmp_path / "ray.jsonl"), "--ray", "local", "--ray-batch", "2",
+                env=env)
+    out, err = job.communicate(timeout=600)
+    assert job.returncode == 0, err[-3000:]
+    got = records(tmp_path / "ray.jsonl")
+    same(got, want)
+    assert got["empty.txt"]["error"] == "empty document" and "not UTF-8" in got["binary.txt"]["error"]
+    assert json.loads(out)["failed"] == 2
+
+
+def test_a_killed_job_resumes_without_redoing_finished_documents(single, tmp_path):
+    folder, want = single
+    out = tmp_path / "out.jsonl"
+    job = batch("--inputs", str(folder), "--out", str(out), "--ray", "local", "--ray-batch", "1",
+                start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (out.exists() and out.read_text().count("\n") >= 3):     # the two bad documents and one summary
+        assert job.poll() is None and time.monotonic() < deadline, "the job ended before it could be killed"
+        time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    done = set(records(out))
+    assert 3 <= len(done) < 6
+    again = batch("--inputs", str(folder), "--out", str(out), "--ray", "local")
+    stdout, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-3000:]
+    summary = json.loads(stdout)
+    assert summary["skipped"] == len(done) and summary["documents"] == 6 - len(done)
+    same(records(out), want)

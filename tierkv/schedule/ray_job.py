@@ -1,0 +1,163 @@
+"""``tierkv batch --ray``: the same job as a Ray Data pipeline over a pool of tierkv actors.
+
+    read inputs, skip ids already in --out      (driver, as the single-process job)
+    Dataset of the documents left               ray.data.from_items, batches of --ray-batch documents
+      -> map_batches(Summarizer)                one actor per worker: its own model copy, tiers, budgets
+                                                and scratch store; it calibrates this machine and
+                                                searches its own FlexGen policy (tierkv.schedule.job.summarize)
+      -> records                                one JSON line per document, errors included
+    driver appends each record to --out as it streams back (flushed: a rerun skips it)
+
+A document that fails is one error line, not a failed job: a batch that raises is run again one
+document at a time, and the document that still raises gets its error. A worker that is killed is
+restarted by Ray and its batch retried (``max_restarts``/``max_task_retries``), so each document is
+written once. ``address`` is ``local`` (start a Ray instance in this process, on this machine's cores)
+or what ``ray start --head`` printed (``ray://host:10001`` or ``host:6379``), or ``auto``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tierkv.errors import ConfigError
+from tierkv.failpoints import failpoint
+from tierkv.schedule.documents import Document, OutputLog, read_inputs
+from tierkv.schedule.job import DTYPES, JobConfig, JobResult, Progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RayOptions:
+    address: str = "local"
+    workers: int = 1
+    cpus_per_worker: float | None = None     # None: the cores of a local instance shared out, else 1
+    gpus_per_worker: float = 0.0
+    batch_documents: int = 16                # documents per actor call (a retry redoes at most these)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"--workers={self.workers}: must be >= 1")
+        if self.batch_documents < 1:
+            raise ConfigError(f"--ray-batch={self.batch_documents}: must be >= 1")
+        if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
+            raise ConfigError(f"--cpus-per-worker={self.cpus_per_worker}: must be > 0")
+        if self.gpus_per_worker < 0:
+            raise ConfigError(f"--gpus-per-worker={self.gpus_per_worker}: must be >= 0")
+
+
+class Summarizer:
+    """A Ray actor: loads the model once, then summarizes batches of documents into JSON records."""
+
+    def __init__(self, config: JobConfig, threads: int) -> None:
+        import torch
+
+        from tierkv.model.loading import load_model
+        torch.set_num_threads(max(1, threads))
+        self.config = config
+        self.loaded = load_model(config.model, dtype=DTYPES[config.dtype])
+
+    def __call__(self, batch: dict) -> dict:
+        failpoint("batch.worker-call")
+        docs = [Document(str(i), t, e) for i, t, e in zip(batch["id"], batch["text"], batch["error"])]
+        docs = [Document(d.id, d.text if isinstance(d.text, str) else None,
+                         d.error if isinstance(d.error, str) else None) for d in docs]
+        records: list[dict] = []
+        try:
+            self._summarize(docs, records.append)
+        except Exception:                       # one bad document must not fail the others: one at a time
+            records = []
+            for doc in docs:
+                try:
+                    self._summarize([doc], records.append)
+                except Exception as error:      # the document's own error line
+                    records.append({"id": doc.id, "error": f"failed: {type(error).__name__}: {error}"})
+        return {"record": [json.dumps(r, ensure_ascii=False) for r in records]}
+
+    def _summarize(self, docs: list[Document], write: Callable[[dict], None]) -> None:
+        from tierkv.schedule.job import summarize
+        summarize(self.config, self.loaded, docs, write)
+
+
+def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | None = None) -> JobResult:
+    """Summarize ``config.inputs`` into ``config.out`` through Ray; resumes like ``run_job``."""
+    docs = read_inputs(config.inputs)
+    result = JobResult()
+    with OutputLog(config.out) as out:
+        todo = [d for d in docs if d.id not in out.done]
+        result.skipped = len(docs) - len(todo)
+        if not todo:
+            return result
+        with contextlib.redirect_stdout(sys.stderr):     # Ray reports dead workers on stdout: --json owns it
+            _run(config, options, todo, out, result, progress)
+    return result
+
+
+def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: OutputLog, result: JobResult,
+         progress: Progress | None) -> None:
+    ray = _start(options)
+    try:
+        threads = _threads(ray, options)
+        cpus = options.cpus_per_worker or threads
+        dataset = ray.data.from_items([{"id": d.id, "text": d.text, "error": d.error} for d in todo])
+        records = dataset.map_batches(
+            Summarizer, fn_constructor_kwargs={"config": config, "threads": threads},
+            batch_size=options.batch_documents, concurrency=options.workers, num_cpus=cpus,
+            num_gpus=options.gpus_per_worker or None, batch_format="numpy",
+            max_restarts=-1, max_task_retries=-1)
+        if progress:
+            progress(0, 0, 0.0, len(todo))
+        began = last = time.perf_counter()
+        for row in records.iter_rows():
+            record = json.loads(row["record"])
+            if record["id"] in out.done:     # a retried batch's second answer
+                continue
+            out.write(record)
+            result.documents += 1
+            result.failed += "error" in record
+            result.generated_tokens += record.get("tokens", 0)
+            now = time.perf_counter()
+            if progress:
+                progress(1, record.get("tokens", 0), now - last, len(todo))
+            last = now
+        result.seconds = time.perf_counter() - began
+    finally:
+        if options.address == "local":
+            ray.shutdown()
+
+
+def _start(options: RayOptions):
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--ray needs Ray: pip install 'tierkv-runtime[ray]'") from None
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.ERROR)        # tierkv draws the progress
+    if options.address == "local":
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 ignore_reinit_error=True)
+    else:
+        try:
+            ray.init(address=options.address, log_to_driver=False, configure_logging=False,
+                     ignore_reinit_error=True)
+        except ConnectionError as error:
+            raise ConfigError(f"--ray {options.address}: no Ray cluster there ({error}); start one with "
+                              f"`ray start --head`, or give --ray local") from None
+    return ray
+
+
+def _threads(ray, options: RayOptions) -> int:
+    """Cores per worker: given, or the cluster's shared out among the workers."""
+    if options.cpus_per_worker is not None:
+        return max(1, int(options.cpus_per_worker))
+    cores = int(ray.cluster_resources().get("CPU", 1))
+    return max(1, cores // options.workers)
