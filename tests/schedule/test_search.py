@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 
 from tierkv.errors import ConfigError
-from tierkv.schedule.calibrate import calibrate, cache_path
+from tierkv.schedule.calibrate import cache_path, calibrate
 from tierkv.schedule.cost import Budgets, Machine, ModelShape, Workload, predict
 from tierkv.schedule.policy import Placement, Policy
 from tierkv.schedule.search import candidates, search
@@ -85,12 +85,15 @@ def test_calibration_is_cached_and_recalibrated_on_request(tiny, tmp_path, monke
     assert estimate.tokens_per_s > 0 and estimate.memory["gpu"] > shape.weight_bytes
 
 
-def test_padding_of_mixed_lengths_is_priced():
+def test_padding_of_mixed_lengths_is_priced_in_the_decode_not_the_prefill():
     mixed = Workload(prompt_len=300, gen_len=16, num_sequences=8, lengths=(1600, 100, 100, 100, 100, 100, 100, 100))
     assert mixed.padded_len(8) == 1600 and mixed.padded_len(1) == (1600 + 7 * 100) / 8
-    wide, narrow = Policy(8, 1, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0)), \
-        Policy(1, 8, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0))
-    assert predict(wide, SHAPE, mixed, MACHINE).prefill_layer_s > predict(narrow, SHAPE, mixed, MACHINE).prefill_layer_s
+    even = Workload(prompt_len=288, gen_len=16, num_sequences=8, lengths=(288,) * 8)
+    wide = Policy(8, 1, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0))
+    on_mixed, on_even = predict(wide, SHAPE, mixed, MACHINE), predict(wide, SHAPE, even, MACHINE)
+    assert on_mixed.decode_layer_s > on_even.decode_layer_s          # every row's KV padded to 1600 columns
+    padded = MACHINE.layer_s(8 * 1600) + MACHINE.attention_s(8, 1600, 1600)
+    assert on_mixed.prefill_layer_s < padded / 2                     # 1600 + 7 x 100 tokens computed, not 8 x 1600
 
 
 def test_calibration_interpolates_between_and_beyond_its_points():
@@ -193,3 +196,17 @@ def test_calibration_measures_the_weight_conversion(tiny, tmp_path, monkeypatch)
     monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path))
     machine = calibrate(tiny.model, max_rows=16)
     assert set(machine.convert) == {"bfloat16", "float16"} and min(machine.convert.values()) > 1e7
+
+
+def test_the_in_run_factor_scales_the_compute_the_run_found():
+    from tierkv.schedule.calibrate import in_run_factor
+    from tierkv.schedule.cost import compute_s, policy_terms, slowed
+    work = Workload(prompt_len=16, gen_len=8, num_sequences=8)
+    policy = Policy(8, 1, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0))
+    t = policy_terms(policy, SHAPE, work, MACHINE)
+    twice = [2 * compute_s(t, 1), 2 * (compute_s(t, 2) - compute_s(t, 1))] + [1.0] * 6
+    assert in_run_factor(t, twice) == pytest.approx(2.0)
+    assert in_run_factor(t, twice[:1] + [0.0] * 7) == pytest.approx(2.0)      # stopped after the prefill
+    slow = slowed(MACHINE, 2.0)                                              # cores and host copies: all half as fast
+    assert predict(policy, SHAPE, work, slow).tokens_per_s == pytest.approx(
+        predict(policy, SHAPE, work, MACHINE).tokens_per_s / 2)

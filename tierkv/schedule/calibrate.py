@@ -40,7 +40,7 @@ from tierkv.knobs import cache_dir
 from tierkv.layout import BlockLayout
 from tierkv.model import arch
 from tierkv.schedule.compute import GpuBatch, attend, keep_mask, layer_forward
-from tierkv.schedule.cost import COMPRESSED, Machine, ModelShape
+from tierkv.schedule.cost import COMPRESSED, Machine, ModelShape, Terms, compute_s
 from tierkv.schedule.policy import WEIGHT_DTYPES
 
 CACHE_FILE = "batch-calibration.json"
@@ -78,6 +78,21 @@ def machine_from(entry: dict, links: dict) -> Machine:
         return rows * queries * keys * (per_decode if queries == 1 else per_prefill)
     return Machine(memcpy, read, write, layer, attention, head, entry["dequant"], convert=entry["convert"],
                    copies_on_compute=not torch.cuda.is_available())
+
+
+# -- in the run -----------------------------------------------------------------
+IN_RUN_STEPS = 2   # the prefill and the first decode step of a block
+
+
+def in_run_factor(t: Terms, step_compute_s: list[float], steps: int = IN_RUN_STEPS) -> float:
+    """How many times slower the first ``steps`` token steps of a real block computed than ``t``
+    (the block's terms on the calibrated machine) prices them: the runner's compute time of those
+    steps, waits excluded, over the model's compute of the same steps. Only the compute is
+    measured; copies, waits, the overlap and the later steps are still the model's."""
+    ran = next((i for i, s in enumerate(step_compute_s) if s <= 0), len(step_compute_s))   # a block may stop early
+    steps = min(steps, ran)
+    predicted = compute_s(t, steps) if steps else 0.0
+    return sum(step_compute_s[:steps]) / predicted if predicted > 0 else 1.0
 
 
 # -- measuring ------------------------------------------------------------------

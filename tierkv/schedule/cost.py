@@ -41,7 +41,7 @@ Memory per tier (bytes) for the policy, with the KV of the longest sequence ``P 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -187,6 +187,7 @@ class Terms:
 
     phases: dict[str, list[Linear]]
     serial: dict[str, Linear]
+    compute: dict[str, float]         # one layer's compute alone (no copies), per phase
     fixed_s: float                    # per block, outside the layers (head)
     memory: dict[str, Linear]         # gpu, cpu, disk
     layers: int
@@ -204,7 +205,7 @@ def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, co
     P, n, L = round(work.padded_len(bs)), work.gen_len, shape.num_layers
     S_l = shape.stored_layer_bytes(weight_dtype)
     stage = S_l / m.memcpy + (S_l / m.convert[weight_dtype] if shape.converts(weight_dtype) else 0.0)
-    phases, serial = {}, {}
+    phases, serial, compute_only = {}, {}, {}
     for phase, T, ctx in (("prefill", P, 0), ("decode", 1, P + n // 2)):
         work_s = prefill_s(work, m, bs) if phase == "prefill" else m.layer_s(bs) + m.attention_s(bs, 1, ctx + 1)
         compute = Linear(nb * work_s)
@@ -215,10 +216,11 @@ def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, co
         copies = Linear(0.0, {"wc": stage, "wd": stage}) + Linear(kv_read / m.memcpy) + Linear(kv_new / m.memcpy)
         disk_read = Linear(0.0, {"wd": S_l / m.disk_read, "cd": kv_read / m.disk_read})
         disk_write = Linear(0.0, {"cd": kv_new / m.disk_write})
+        compute_only[phase] = compute.const
         bounds = [compute + copies] if m.copies_on_compute else [compute, copies]
         phases[phase] = bounds + [disk_read, disk_write]
         serial[phase] = compute + copies + disk_read + disk_write
-    return Terms(phases, serial, n * nb * m.head_s(bs), memory_terms(shape, work, bs, nb, compress, weight_dtype),
+    return Terms(phases, serial, compute_only, n * nb * m.head_s(bs), memory_terms(shape, work, bs, nb, compress, weight_dtype),
                  L, n, bs * nb, overlap, bs, nb, compress, weight_dtype)
 
 
@@ -280,11 +282,29 @@ def evaluate(t: Terms, x: dict[str, float]) -> Estimate:
                     {name: lin.at(x) for name, lin in t.memory.items()})
 
 
+def policy_terms(policy: Policy, shape: ModelShape, work: Workload, machine: Machine) -> Terms:
+    return terms(shape, work, machine, policy.gpu_batch_size, policy.num_gpu_batches,
+                 compress=policy.compress_kv, overlap=policy.overlap, weight_dtype=policy.weight_dtype)
+
+
 def predict(policy: Policy, shape: ModelShape, work: Workload, machine: Machine) -> Estimate:
     """Time per block and memory per tier of ``policy`` on ``machine``."""
-    t = terms(shape, work, machine, policy.gpu_batch_size, policy.num_gpu_batches,
-              compress=policy.compress_kv, overlap=policy.overlap, weight_dtype=policy.weight_dtype)
-    return evaluate(t, fractions(policy))
+    return evaluate(policy_terms(policy, shape, work, machine), fractions(policy))
+
+
+def compute_s(t: Terms, steps: int) -> float:
+    """The compute alone (layers and head, no copies) of a block's first ``steps`` token steps."""
+    return t.layers * (t.compute["prefill"] + (steps - 1) * t.compute["decode"]) + steps * t.fixed_s / t.gen_len
+
+
+def slowed(m: Machine, factor: float) -> Machine:
+    """``m`` with its cores ``factor`` times slower: compute, and the host copies that share the cores
+    on a CPU-only machine (disk links keep their rates)."""
+    cores = factor if m.copies_on_compute else 1.0
+    return replace(m, layer_s=lambda rows: m.layer_s(rows) * factor,
+                   attention_s=lambda b, q, k: m.attention_s(b, q, k) * factor,
+                   head_s=lambda rows: m.head_s(rows) * factor, memcpy=m.memcpy / cores, dequant=m.dequant / factor,
+                   convert={k: v / cores for k, v in m.convert.items()})
 
 
 def placement_of(x: dict[str, float], prefix: str) -> Placement:

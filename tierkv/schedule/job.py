@@ -5,11 +5,17 @@
     policy = search(calibrated machine)  or  a policy file
     sort prompts by length (less padding), cut into blocks of policy.block_size
     per block: engine.generate -> one line per document, flushed
+    after the first block: the in-run calibration (its first token steps' compute against the
+        model's); predict again with it, and search again when it departs by more than 25 %
 
 Measured throughput counts the tokens actually generated (each summary up to its end token)
 over the wall time of the blocks, prefill included; the prediction is the cost model's for the
 policy as placed (tensor- and block-granular fractions), with each GPU batch padded to its longest
-prompt (the prompts sorted by length, as the job runs them).
+prompt (the prompts sorted by length, as the job runs them). ``predicted_calibrated`` is made from
+the cached calibration alone; ``predicted_tokens_per_s`` from the same machine slowed or sped up by
+the in-run factor (`tierkv.schedule.calibrate.in_run_factor`): a shared host's speed drifts by
+half within minutes, so a calibration taken earlier says little about this run's cores. Only the
+compute rate comes from the run; copies, waits and the later steps are still the model's.
 """
 from __future__ import annotations
 
@@ -25,7 +31,15 @@ from tierkv.errors import ConfigError
 from tierkv.model.arch import decoder_layers
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import DEFAULT_QUESTION, chat_ids
-from tierkv.schedule.cost import Budgets, ModelShape, Workload, predict
+from tierkv.schedule.cost import (
+    Budgets,
+    Machine,
+    ModelShape,
+    Workload,
+    policy_terms,
+    predict,
+    slowed,
+)
 from tierkv.schedule.documents import Document, OutputLog, read_inputs
 from tierkv.schedule.engine import BLOCK_TOKENS, BatchEngine, EngineLimits
 from tierkv.schedule.policy import Placement, Policy, check_weight_dtype, read_policy
@@ -56,7 +70,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != AUTO_DTYPE:
-            raise ConfigError(f"dtype={self.dtype!r}: allowed: {AUTO_DTYPE}, {', '.join(DTYPES)}")
+            raise ConfigError(f"dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}, {AUTO_DTYPE}")
         check_weight_dtype(self.weight_dtype, "--weight-dtype")
         for name in ("max_new_tokens", "max_prompt_tokens"):
             if getattr(self, name) <= 0:
@@ -73,8 +87,11 @@ class JobResult:
     generated_tokens: int = 0
     seconds: float = 0.0          # blocks' wall time
     policy: Policy | None = None
-    predicted_tokens_per_s: float | None = None
+    predicted_tokens_per_s: float | None = None   # from the calibration, then again with the in-run factor
     memory: dict[str, float] = field(default_factory=dict)
+    predicted_calibrated: float | None = None     # the prediction before any block ran
+    in_run_factor: float | None = None            # compute time of the first block's first steps / the model's
+    step_compute_s: list[float] = field(default_factory=list)   # the latest block's, per token step
 
     @property
     def tokens_per_s(self) -> float:
@@ -152,37 +169,87 @@ def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], wr
               result: JobResult, progress: Progress | None,
               on_policy: Callable[[Policy, float], None] | None, fixed: Policy | None) -> None:
     prompts = sorted(prompts, key=lambda p: len(p.ids), reverse=True)
-    longest = len(prompts[0].ids)
-    mean = math.ceil(sum(len(p.ids) for p in prompts) / len(prompts))
-    work = Workload(mean, config.max_new_tokens, len(prompts), max_prompt_len=longest,
-                    lengths=tuple(len(p.ids) for p in prompts))
-    limits = EngineLimits(longest, config.max_new_tokens)
+    work = _workload(prompts, config.max_new_tokens)
+    limits = EngineLimits(work.max_prompt_len, config.max_new_tokens)
     policy, machine = choose_policy(config, loaded, work, fixed, limits)
     placed = placed_policy(policy, loaded, limits)
     estimate = predict(placed, ModelShape.of(loaded.model), work, machine)
     result.policy, result.predicted_tokens_per_s, result.memory = placed, estimate.tokens_per_s, estimate.memory
+    result.predicted_calibrated = estimate.tokens_per_s
     if on_policy:
         on_policy(placed, estimate.tokens_per_s)
     eos = eos_ids(loaded)
-    engine = BatchEngine(loaded, policy, limits, nvme_dir=config.nvme_dir)
+    live = [BatchEngine(loaded, policy, limits, nvme_dir=config.nvme_dir)]   # the engine running (none mid-swap)
     if progress:
         progress(0, 0, 0.0, len(prompts))
     try:
-        for start in range(0, len(prompts), policy.block_size):
+        start = 0
+        while start < len(prompts):
             block = prompts[start:start + policy.block_size]
-            began = time.perf_counter()
-            outputs = engine.generate([p.ids for p in block], max_new_tokens=config.max_new_tokens, eos_ids=eos)
-            seconds = time.perf_counter() - began
-            made = sum(len(o) for o in outputs)
-            for prompt, tokens in zip(block, outputs):
-                write(_record(loaded.tokenizer, prompt, tokens, eos, seconds, len(block), made))
-            result.documents += len(block)
-            result.generated_tokens += made
-            result.seconds += seconds
-            if progress:
-                progress(len(block), made, seconds, len(prompts))
+            _run_block(live[0], block, config, loaded, eos, write, result, progress, len(prompts))
+            start += len(block)
+            if result.in_run_factor is None:   # the first block: calibrate in the run, predict again
+                machine = _recalibrated(result, loaded, placed, block, work, machine, config.max_new_tokens)
+                if start < len(prompts) and fixed is None and abs(math.log(result.in_run_factor)) > REPLAN:
+                    rest = _workload(prompts[start:], config.max_new_tokens)
+                    policy = _replan(config, loaded, rest, machine, limits, policy, live, on_policy)
+                    result.policy = placed_policy(policy, loaded, limits)
     finally:
-        engine.close(restore=True)
+        for engine in live:
+            engine.close(restore=True)
+
+
+REPLAN = math.log(1.25)   # the in-run compute rate departs from the calibration by more: search again
+
+
+def _workload(prompts: list[_Prompt], new: int) -> Workload:
+    lengths = [len(p.ids) for p in prompts]
+    return Workload(math.ceil(sum(lengths) / len(lengths)), new, len(lengths), max_prompt_len=max(lengths),
+                    lengths=tuple(lengths))
+
+
+def _run_block(engine: BatchEngine, block: list[_Prompt], config: JobConfig, loaded: LoadedModel, eos: list[int],
+               write: Callable[[dict], None], result: JobResult, progress: Progress | None, total: int) -> None:
+    began = time.perf_counter()
+    outputs = engine.generate([p.ids for p in block], max_new_tokens=config.max_new_tokens, eos_ids=eos)
+    seconds = time.perf_counter() - began
+    made = sum(len(o) for o in outputs)
+    for prompt, tokens in zip(block, outputs):
+        write(_record(loaded.tokenizer, prompt, tokens, eos, seconds, len(block), made))
+    result.documents += len(block)
+    result.generated_tokens += made
+    result.seconds += seconds
+    if progress:
+        progress(len(block), made, seconds, total)
+    result.step_compute_s = list(engine.runner.stats.step_compute_s)
+
+
+def _recalibrated(result: JobResult, loaded: LoadedModel, placed: Policy, block: list[_Prompt], work: Workload,
+                  machine: Machine, new: int) -> Machine:
+    """The machine as the first block's first steps found it; the job's prediction made again with it."""
+    from tierkv.schedule.calibrate import in_run_factor
+    shape = ModelShape.of(loaded.model)
+    t = policy_terms(placed, shape, _workload(block, new), machine)
+    result.in_run_factor = in_run_factor(t, result.step_compute_s)
+    machine = slowed(machine, result.in_run_factor)
+    result.predicted_tokens_per_s = predict(placed, shape, work, machine).tokens_per_s
+    return machine
+
+
+def _replan(config: JobConfig, loaded: LoadedModel, rest: Workload, machine: Machine, limits: EngineLimits,
+            policy: Policy, live: list[BatchEngine], on_policy: Callable[[Policy, float], None] | None) -> Policy:
+    """The policy searched again on the recalibrated machine; ``live``'s engine replaced only when it changed."""
+    from tierkv.schedule.search import search
+    budgets = Budgets(config.gpu_budget, config.cpu_budget, config.nvme_budget if config.nvme_dir else 0)
+    found = search(ModelShape.of(loaded.model), rest, machine, budgets, allow_compress=config.allow_compress,
+                   place=lambda p: placed_policy(p, loaded, limits), weight_dtype=config.weight_dtype)
+    if found.policy == policy:
+        return policy
+    live.pop().close(restore=True)
+    if on_policy:
+        on_policy(found.policy, found.estimate.tokens_per_s)
+    live.append(BatchEngine(loaded, found.policy, limits, nvme_dir=config.nvme_dir))
+    return found.policy
 
 
 def _record(tokenizer, prompt: _Prompt, tokens: list[int], eos: list[int], seconds: float,

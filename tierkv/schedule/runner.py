@@ -44,6 +44,7 @@ class RunStats:
     wait_s: float = 0.0           # the compute waited for loads
     weight_bytes: int = 0         # streamed into staging slots
     steps: int = 0                # token steps run
+    step_compute_s: list[float] = field(default_factory=list)   # the latest block's compute per token step
 
 
 class _Inline:
@@ -98,6 +99,7 @@ class Runner:
         shape = PlanShape(len(self.layers), len(batches), num_steps, stream_weights=self.weights.streams)
         state = _Block()
         done = 0
+        self.stats.step_compute_s = [0.0] * num_steps
         try:
             for step in plan(shape):
                 if step.op is Op.COMPUTE and step.layer == 0 and step.batch == 0:
@@ -145,7 +147,9 @@ class Runner:
         state.new_kv[(t, layer, b)] = layer_forward(self.layers[layer], batch, past)
         if layer == len(self.layers) - 1:
             finish_step(self.model, batch)
-        self.stats.compute_s += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self.stats.compute_s += spent
+        self.stats.step_compute_s[t] += spent
         self.trace(step.op.value, step, "done")
 
     def _store(self, kv: BlockKV, step: Step, k: torch.Tensor, v: torch.Tensor) -> None:
