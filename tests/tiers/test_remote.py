@@ -3,6 +3,7 @@ manager's write-through and read-on-miss."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -171,3 +172,17 @@ def test_a_dead_remote_never_blocks_puts_or_reads(redis_server):
         assert manager.protect(keys)                     # local copies serve
         assert manager.hold([BlockKey.of("never")]) == [BlockKey.of("never")]
         assert manager.manager.remote.stats.written == 0
+
+
+def test_a_slow_remote_costs_one_timeout_and_is_reported_once(redis_server, caplog):
+    store = RemoteStore(redis_server.url, "ns", timeout_s=0.3, retry_s=60)
+    key = BlockKey.of("k")
+    store.put_many([(key, b"s" * BLOCK)])
+    redis_server.client().execute_command("CLIENT", "PAUSE", 3000)     # the server answers nobody for 3 s
+    began = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="tierkv.tiers.remote"):
+        for _ in range(5):
+            assert store.get_many([key], BLOCK) == [None]
+    assert time.perf_counter() - began < 2.0
+    assert sum("unavailable" in r.message for r in caplog.records) == 1
+    assert "Timeout" in store.stats.last_error or "timed out" in store.stats.last_error

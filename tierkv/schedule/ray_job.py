@@ -20,10 +20,12 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from tierkv.errors import ConfigError
 from tierkv.failpoints import failpoint
@@ -133,6 +135,10 @@ def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: Outp
 
 
 def _start(options: RayOptions):
+    if options.address != "local":
+        _check_reachable(options.address)
+        if "RAY_AUTH_MODE" not in os.environ and Path("~/.ray/auth_token").expanduser().is_file():
+            os.environ["RAY_AUTH_MODE"] = "token"   # what `ray start --head` turns on, with this token (read at import)
     try:
         import ray
     except ImportError:
@@ -150,9 +156,25 @@ def _start(options: RayOptions):
             ray.init(address=options.address, log_to_driver=False, configure_logging=False,
                      ignore_reinit_error=True)
         except ConnectionError as error:
-            raise ConfigError(f"--ray {options.address}: no Ray cluster there ({error}); start one with "
-                              f"`ray start --head`, or give --ray local") from None
+            raise ConfigError(f"--ray {options.address}: no Ray cluster there, or it refused this process's "
+                              f"token ({error}); start one with `ray start --head`, set RAY_AUTH_MODE and "
+                              f"RAY_AUTH_TOKEN as the cluster has them, or give --ray local") from None
     return ray
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast on a host:port nobody listens on (Ray itself retries a missing cluster for minutes)."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--ray {address!r}: expected local, auto, host:port or ray://host:port "
+                          f"(what `ray start --head` prints)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ConfigError(f"--ray {address}: no Ray cluster there ({error.strerror or error}); start one with "
+                          f"`ray start --head`, or give --ray local") from None
 
 
 def _threads(ray, options: RayOptions) -> int:
