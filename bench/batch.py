@@ -45,7 +45,8 @@ import torch
 from report import Report, machine
 from tierkv.model.loading import LoadedModel, cached_gguf, load_model, resolve_source, weights_digest
 from tierkv.schedule.calibrate import calibrate, in_run_factor
-from tierkv.schedule.cost import Budgets, Machine, ModelShape, Workload, policy_terms, predict, slowed
+from tierkv.schedule.cost import Budgets, Machine, ModelShape, Workload, fractions, policy_terms, predict, \
+    slowed
 from tierkv.schedule.engine import BatchEngine, EngineLimits
 from tierkv.schedule.job import JobConfig, eos_ids, placed_policy, run_job
 from tierkv.schedule.policy import Placement, Policy
@@ -164,7 +165,8 @@ def tierkv_row(report: Report, name: str, r: dict, shape: ModelShape, work: Work
     that calibration prices them at (tierkv.schedule.calibrate.in_run_factor). The rest of the run,
     its copies, waits and overlap are the model's."""
     block = Workload(work.prompt_len, work.gen_len, r["block"])
-    factors = [in_run_factor(policy_terms(r["placed"], shape, block, m), r["first_steps"]) for m in around]
+    factors = [in_run_factor(policy_terms(r["placed"], shape, block, m), fractions(r["placed"]), r["first_steps"])
+               for m in around]
     each = [predict(r["placed"], shape, work, slowed(m, f)).tokens_per_s for m, f in zip(around, factors)]
     calibrated = [predict(r["placed"], shape, work, m).tokens_per_s for m in around]
     predicted = sum(each) / len(each)

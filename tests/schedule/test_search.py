@@ -200,13 +200,15 @@ def test_calibration_measures_the_weight_conversion(tiny, tmp_path, monkeypatch)
 
 def test_the_in_run_factor_scales_the_compute_the_run_found():
     from tierkv.schedule.calibrate import in_run_factor
-    from tierkv.schedule.cost import compute_s, policy_terms, slowed
+    from tierkv.schedule.cost import compute_s, fractions, policy_terms, slowed
     work = Workload(prompt_len=16, gen_len=8, num_sequences=8)
     policy = Policy(8, 1, weights=Placement(0, 1, 0), kv=Placement(0, 1, 0))
-    t = policy_terms(policy, SHAPE, work, MACHINE)
-    twice = [2 * compute_s(t, 1), 2 * (compute_s(t, 2) - compute_s(t, 1))] + [1.0] * 6
-    assert in_run_factor(t, twice) == pytest.approx(2.0)
-    assert in_run_factor(t, twice[:1] + [0.0] * 7) == pytest.approx(2.0)      # stopped after the prefill
+    t, x = policy_terms(policy, SHAPE, work, MACHINE), fractions(policy)
+    twice = [2 * compute_s(t, x, 1), 2 * (compute_s(t, x, 2) - compute_s(t, x, 1))] + [1.0] * 6
+    assert in_run_factor(t, x, twice) == pytest.approx(2.0)
+    assert in_run_factor(t, x, twice[:1] + [0.0] * 7) == pytest.approx(2.0)      # stopped after the prefill
+    serial = policy_terms(replace(policy, overlap=False), SHAPE, work, MACHINE)
+    assert compute_s(serial, x, 2) < compute_s(t, x, 2)     # overlapped on a CPU, the copies share the cores
     slow = slowed(MACHINE, 2.0)                                              # cores and host copies: all half as fast
     assert predict(policy, SHAPE, work, slow).tokens_per_s == pytest.approx(
         predict(policy, SHAPE, work, MACHINE).tokens_per_s / 2)

@@ -7,15 +7,18 @@ is measured on the model's own first decoder layer, through the same functions t
                         M = 1, 4, 16, ... up to the first point at or past ``max_rows`` (the most
                         tokens one GPU batch computes at once: rows x prompt in prefill, at most
                         4096 measured); linear in between and beyond
-    attention           seconds per (row x query x key) at decode (1 query) and prefill (many),
-                        timed on the runner's own ``attend`` (SDPA with a dense boolean mask: a
-                        causal prefill costs the full query x key product, masked or not); not as
-                        a layer's time minus a layer without keys, a difference that load on a
-                        shared machine drives below zero
+    attention           seconds per (row x query x key) at decode (1 query, the runner's own
+                        ``attend``: SDPA under the keep-mask) and prefill (one sequence, causal, as
+                        the prefill groups run); not as a layer's time minus a layer without
+                        keys, a difference that load on a shared machine drives below zero
     head(M)             embedding + final norm + lm_head for M rows
     dequant             bytes/s of int4 KV decoded (tierkv.codec)
     convert             bytes/s of streamed weights converted from each storage dtype
                         (``policy.weight_dtype``: bf16, fp16) to the compute dtype, counted as stored
+
+Every call is timed in interleaved rounds (``_time_all``) and the median kept. The machine still
+drifts between a calibration and a run: a job measures its first block's first token steps and
+rescales the calibration by them (``in_run_factor``).
 
 The measurements are cached in ``$TIERKV_CACHE_DIR/batch-calibration.json`` (default
 ~/.cache/tierkv), one entry per host, model shape, dtype and thread count; ``refresh=True``
@@ -44,8 +47,8 @@ from tierkv.schedule.cost import COMPRESSED, Machine, ModelShape, Terms, compute
 from tierkv.schedule.policy import WEIGHT_DTYPES
 
 CACHE_FILE = "batch-calibration.json"
-VERSION = 4   # 2: attention timed directly, prefill priced over the full query x key product; 3: convert;
-#               4: medians, not minima
+VERSION = 5   # 2: attention timed directly, prefill priced over the full query x key product; 3: convert;
+#               4: medians, not minima; 5: interleaved rounds, causal prefill attention, decode-shaped layers
 
 
 def calibrate(model: nn.Module, *, nvme_dir: Path | None = None, max_rows: int = 1024,
@@ -84,14 +87,15 @@ def machine_from(entry: dict, links: dict) -> Machine:
 IN_RUN_STEPS = 2   # the prefill and the first decode step of a block
 
 
-def in_run_factor(t: Terms, step_compute_s: list[float], steps: int = IN_RUN_STEPS) -> float:
+def in_run_factor(t: Terms, x: dict[str, float], step_compute_s: list[float], steps: int = IN_RUN_STEPS) -> float:
     """How many times slower the first ``steps`` token steps of a real block computed than ``t``
-    (the block's terms on the calibrated machine) prices them: the runner's compute time of those
-    steps, waits excluded, over the model's compute of the same steps. Only the compute is
-    measured; copies, waits, the overlap and the later steps are still the model's."""
+    (the block's terms on the calibrated machine, at fractions ``x``) prices them: the runner's
+    compute time of those steps, waits excluded, over what the model says that time covers
+    (`tierkv.schedule.cost.compute_s`). Disk links, the overlap, waits and the later steps are
+    still the model's."""
     ran = next((i for i, s in enumerate(step_compute_s) if s <= 0), len(step_compute_s))   # a block may stop early
     steps = min(steps, ran)
-    predicted = compute_s(t, steps) if steps else 0.0
+    predicted = compute_s(t, x, steps) if steps else 0.0
     return sum(step_compute_s[:steps]) / predicted if predicted > 0 else 1.0
 
 
@@ -99,30 +103,36 @@ def in_run_factor(t: Terms, step_compute_s: list[float], steps: int = IN_RUN_STE
 @torch.no_grad()
 def measure_compute(model: nn.Module, max_rows: int) -> dict:
     layer = arch.decoder_layers(model)[0]
-    group = arch.model_spec(model).group
+    spec = arch.model_spec(model)
     ladder = (1, 4, 16, 64, 256, 1024, 4096)        # beyond the last point time grows linearly in M
     rows = sorted({m for m in ladder if m < max_rows} | {next((m for m in ladder if m >= max_rows), ladder[-1])})
-    table = [(m, _time(_layer_call(model, layer, group, m, 1, 1))) for m in rows]   # decode-shaped
+    heads = [m for m in (1, 64, 512) if m <= max(64, max_rows)]
     decode_keys, prefill_tokens = 1024, 256
-    decode = _time(_attend_call(model, 8, 1, decode_keys))
-    prefill = _time(_causal_call(model, prefill_tokens))
-    head = [(m, _time(lambda m=m: _head_once(model, m))) for m in (1, 64, 512) if m <= max(64, max_rows)]
-    shape = (1, arch.model_spec(model).num_kv_heads, 256, arch.model_spec(model).head_dim)
-    layout = BlockLayout.batch_kv(shape[1], shape[3], torch.bfloat16, shape[2], 8, codec=COMPRESSED)
+    layout = BlockLayout.batch_kv(spec.num_kv_heads, spec.head_dim, torch.bfloat16, 256, 8, codec=COMPRESSED)
     packed = torch.stack([layout.pack(torch.randn(layout.fields[0].shape), torch.randn(layout.fields[0].shape))] * 4)
-    dequant = packed.numel() / _time(lambda: layout.unpack(packed))
-    convert = {name: _convert_rate(getattr(torch, name), arch.model_spec(model).dtype) for name in WEIGHT_DTYPES}
-    return {"version": VERSION, "layer": table, "head": head,
-            "attention_decode": max(decode, 0.0) / (8 * decode_keys),
-            "attention_prefill": max(prefill, 0.0) / (prefill_tokens * prefill_tokens),
-            "dequant": dequant, "convert": convert}
+    calls = {("layer", m): _layer_call(model, layer, spec.group, m, 1, 1) for m in rows}   # decode-shaped
+    calls |= {("head", m): (lambda m=m: _head_once(model, m)) for m in heads}
+    calls |= {("decode", 0): _attend_call(model, 8, 1, decode_keys), ("prefill", 0): _causal_call(model, prefill_tokens),
+              ("dequant", 0): lambda: layout.unpack(packed)}
+    calls |= {("convert", name): _convert_call(getattr(torch, name), spec.dtype) for name in WEIGHT_DTYPES}
+    took = _time_all(calls)
+    return {"version": VERSION, "layer": [(m, took["layer", m]) for m in rows],
+            "head": [(m, took["head", m]) for m in heads],
+            "attention_decode": took["decode", 0] / (8 * decode_keys),
+            "attention_prefill": took["prefill", 0] / (prefill_tokens * prefill_tokens),
+            "dequant": packed.numel() / took["dequant", 0],
+            "convert": {name: CONVERT_NUMEL * getattr(torch, name).itemsize / took["convert", name]
+                        for name in WEIGHT_DTYPES}}
 
 
-def _convert_rate(stored: torch.dtype, compute: torch.dtype, numel: int = 8 * 1024 * 1024) -> float:
-    """Bytes/s (as stored) of a flat tensor converted into a preallocated one, as a weight load does."""
-    src = torch.randn(numel).to(stored)
-    dst = torch.empty(numel, dtype=compute)
-    return src.numel() * src.element_size() / _time(lambda: dst.copy_(src))
+CONVERT_NUMEL = 8 * 1024 * 1024
+
+
+def _convert_call(stored: torch.dtype, compute: torch.dtype) -> Callable[[], object]:
+    """A flat tensor converted into a preallocated one, as a weight load does (rate counted as stored)."""
+    src = torch.randn(CONVERT_NUMEL).to(stored)
+    dst = torch.empty(CONVERT_NUMEL, dtype=compute)
+    return lambda: dst.copy_(src)
 
 
 def _layer_call(model: nn.Module, layer: nn.Module, group: int, rows: int, tokens: int,
@@ -165,23 +175,27 @@ def _head_once(model: nn.Module, rows: int) -> None:
     arch.final_logits(model, h).argmax(-1)
 
 
-def _time(fn: Callable[[], object], min_s: float = 0.05, repeats: int = 5) -> float:
-    """Median seconds of one call, over ``repeats`` batches lasting at least ``min_s``.
+def _time_all(calls: dict, min_s: float = 0.04, rounds: int = 7) -> dict:
+    """Median seconds of one call of each, over ``rounds`` rounds that each time every call once for
+    at least ``min_s``.
 
-    The median, not the best: a batch job meets the machine as it usually is. On a shared host,
-    timings from the quietest of three batches predicted a 1.2B model's run 47 % faster than it went."""
-    fn()  # warm-up
-    per_call = []
-    for _ in range(repeats):
-        n, start = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_s:
-                break
-        per_call.append(elapsed / n)
-    return statistics.median(per_call)
+    Round-robin, not one call after another: on a shared host a burst of someone else's work lasts
+    seconds, and timed one after another it landed on a few ladder points and not the others (two
+    calibrations a minute apart read one layer at 32 rows as 29.8 and 15.2 ms while the runner
+    computed it in 17.4-17.9 ms both times). Interleaved, a burst slows every point of a round alike
+    and the median over rounds drops it. The median, not the best: a batch job meets the machine as
+    it usually is (the quietest of three batches predicted a 1.2B model's run 47 % fast)."""
+    for fn in calls.values():
+        fn()   # warm-up
+    per_call: dict = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            n, start = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - start) < min_s or n == 0:
+                fn()
+                n += 1
+            per_call[name].append(elapsed / n)
+    return {name: statistics.median(t) for name, t in per_call.items()}
 
 
 def _interpolate(table: list) -> Callable[[int], float]:

@@ -36,6 +36,7 @@ from tierkv.schedule.cost import (
     Machine,
     ModelShape,
     Workload,
+    fractions,
     policy_terms,
     predict,
     slowed,
@@ -230,7 +231,7 @@ def _recalibrated(result: JobResult, loaded: LoadedModel, placed: Policy, block:
     from tierkv.schedule.calibrate import in_run_factor
     shape = ModelShape.of(loaded.model)
     t = policy_terms(placed, shape, _workload(block, new), machine)
-    result.in_run_factor = in_run_factor(t, result.step_compute_s)
+    result.in_run_factor = in_run_factor(t, fractions(placed), result.step_compute_s)
     machine = slowed(machine, result.in_run_factor)
     result.predicted_tokens_per_s = predict(placed, shape, work, machine).tokens_per_s
     return machine
