@@ -38,6 +38,7 @@ MAGIC = b"TKV1"
 HEADER = struct.Struct("<4sIQ")
 SCHEMES = ("redis", "rediss")
 FILE_PART = 64 * 1024**2
+PIPELINE = 512                 # commands per round trip
 
 
 def check_url(url: str, flag: str = "--remote") -> str:
@@ -173,15 +174,18 @@ class RemoteStore:
     def get_many(self, keys: Sequence[BlockKey], size: int) -> list[bytes | None]:
         """Each block's payload (``size`` bytes, checksum verified), None where it is missing, damaged or
         the remote unavailable. A read refreshes a block's time to live."""
-        if not keys:
-            return []
+        if not keys or not self.available:
+            return [None] * len(keys)
         names = [self.block_name(k) for k in keys]
 
         def read() -> list:
-            pipe = self._client.pipeline(transaction=False)
-            for name in names:
-                pipe.getex(name, ex=self.ttl_s)
-            return pipe.execute()
+            values = []
+            for first in range(0, len(names), PIPELINE):
+                pipe = self._client.pipeline(transaction=False)
+                for name in names[first:first + PIPELINE]:
+                    pipe.getex(name, ex=self.ttl_s)
+                values += pipe.execute()
+            return values
         began = time.perf_counter()
         values = self._call("read", read, [None] * len(keys))
         out: list[bytes | None] = []
@@ -211,10 +215,11 @@ class RemoteStore:
             return True
 
         def write() -> bool:
-            pipe = self._client.pipeline(transaction=False)
-            for key, payload in items:
-                pipe.set(self.block_name(key), frame(bytes(key), payload), ex=self.ttl_s)
-            pipe.execute()
+            for first in range(0, len(items), PIPELINE):
+                pipe = self._client.pipeline(transaction=False)
+                for key, payload in items[first:first + PIPELINE]:
+                    pipe.set(self.block_name(key), frame(bytes(key), payload), ex=self.ttl_s)
+                pipe.execute()
             return True
         ok = self._call("write", write, False)
         with self._lock:
@@ -224,14 +229,6 @@ class RemoteStore:
             else:
                 self.stats.skipped += len(items)
         return ok
-
-    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
-        def ask() -> list:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self.block_name(key))
-            return pipe.execute()
-        return [bool(n) for n in self._call("lookup", ask, [0] * len(keys))]
 
     # -- named files (sparse indexes) ------------------------------------------------------
     def put_file(self, name: str, payload: bytes) -> bool:
