@@ -44,7 +44,9 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=2048,
                    help="longer documents are reported as errors (default 2048)")
     p.add_argument("--instruction", default=DEFAULT_QUESTION, help=f"asked after each document (default: {DEFAULT_QUESTION!r})")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="compute dtype; auto (default): bfloat16 on a GPU or a CPU that computes it natively (AMX, "
+                        "AVX512-BF16), float32 elsewhere")
     p.add_argument("--weight-dtype", default=None,
                    help="keep streamed (cpu/disk) weights in bfloat16 or float16 and convert them as each layer "
                         "loads: half the bytes of fp32 in the tiers and on the links; lossless when the "
@@ -62,8 +64,9 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--cpus-per-worker", type=float, default=None,
                      help="cores per worker (default: the cluster's cores shared out)")
     ray.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per worker (default 0)")
-    ray.add_argument("--ray-batch", type=int, default=16,
-                     help="documents per worker call; a killed worker's call is retried (default 16)")
+    ray.add_argument("--ray-batch", type=int, default=None,
+                     help="documents per worker call, the unit a killed worker redoes (default: the documents "
+                          "shared out among the workers, at most 64; each call plans its own schedule over them)")
     p.set_defaults(func=cmd_batch)
 
 

@@ -30,9 +30,11 @@ from pathlib import Path
 from tierkv.errors import ConfigError
 from tierkv.failpoints import failpoint
 from tierkv.schedule.documents import Document, OutputLog, read_inputs
-from tierkv.schedule.job import DTYPES, JobConfig, JobResult, Progress
+from tierkv.schedule.job import JobConfig, JobResult, Progress, compute_dtype
 
 log = logging.getLogger(__name__)
+WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}    # as the CLI: spinning OpenMP threads starve tierkv's I/O threads
+MAX_BATCH = 64      # documents per worker call at most by default: a killed worker redoes at most these
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +43,13 @@ class RayOptions:
     workers: int = 1
     cpus_per_worker: float | None = None     # None: the cores of a local instance shared out, else 1
     gpus_per_worker: float = 0.0
-    batch_documents: int = 16                # documents per actor call (a retry redoes at most these)
+    batch_documents: int | None = None       # documents per actor call (a retry redoes at most these); None:
+                                             # the documents shared out among the workers, at most MAX_BATCH
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ConfigError(f"--workers={self.workers}: must be >= 1")
-        if self.batch_documents < 1:
+        if self.batch_documents is not None and self.batch_documents < 1:
             raise ConfigError(f"--ray-batch={self.batch_documents}: must be >= 1")
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
             raise ConfigError(f"--cpus-per-worker={self.cpus_per_worker}: must be > 0")
@@ -63,7 +66,7 @@ class Summarizer:
         from tierkv.model.loading import load_model
         torch.set_num_threads(max(1, threads))
         self.config = config
-        self.loaded = load_model(config.model, dtype=DTYPES[config.dtype])
+        self.loaded = load_model(config.model, dtype=compute_dtype(config.dtype))
 
     def __call__(self, batch: dict) -> dict:
         failpoint("batch.worker-call")
@@ -107,12 +110,13 @@ def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: Outp
     try:
         threads = _threads(ray, options)
         cpus = options.cpus_per_worker or threads
+        batch = options.batch_documents or min(MAX_BATCH, -(-len(todo) // options.workers))
         dataset = ray.data.from_items([{"id": d.id, "text": d.text, "error": d.error} for d in todo])
         records = dataset.map_batches(
             Summarizer, fn_constructor_kwargs={"config": config, "threads": threads},
-            batch_size=options.batch_documents, concurrency=options.workers, num_cpus=cpus,
+            batch_size=batch, concurrency=options.workers, num_cpus=cpus,
             num_gpus=options.gpus_per_worker or None, batch_format="numpy",
-            max_restarts=-1, max_task_retries=-1)
+            max_restarts=-1, max_task_retries=-1, runtime_env={"env_vars": WORKER_ENV})
         if progress:
             progress(0, 0, 0.0, len(todo))
         began = last = time.perf_counter()
