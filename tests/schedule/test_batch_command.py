@@ -110,7 +110,7 @@ def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path
     (["--gpu-budget", "lots"], "--gpu-budget='lots': expected a size"),
     (["--max-new-tokens", "0"], "--max-new-tokens=0: must be > 0"),
     (["--policy", "nope.json"], "--policy nope.json: no such file"),
-    (["--dtype", "int8"], "dtype='int8': allowed: float32, bfloat16, float16"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from 'auto', 'float32', 'bfloat16', 'float16')"),
     (["--weight-dtype", "bf16"], "--weight-dtype='bf16': allowed: bfloat16, float16 or none"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):

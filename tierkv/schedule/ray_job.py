@@ -153,8 +153,16 @@ def _start(options: RayOptions):
     context.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.ERROR)        # tierkv draws the progress
     if options.address == "local":
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 ignore_reinit_error=True)
+        for attempt in (1, 2):       # on a loaded machine Ray's own start can miss its connect timeout
+            try:
+                ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                         ignore_reinit_error=True)
+                break
+            except (ConnectionError, RuntimeError, TimeoutError) as error:
+                ray.shutdown()
+                if attempt == 2:
+                    raise ConfigError(f"--ray local: Ray did not start ({error})") from None
+                log.warning("--ray local: Ray did not start (%s); trying once more", error)
     else:
         try:
             ray.init(address=options.address, log_to_driver=False, configure_logging=False,
