@@ -35,7 +35,7 @@ from tierkv.model.settings import RunConfig
 from tierkv.session.run import run
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
-from servers import RedisServer  # noqa: E402
+from redis_process import RedisServer  # noqa: E402
 
 TARGETS = {"remote_hit_ttft_vs_prefill": 0.2, "ray_vs_single_process": 0.9}
 

@@ -49,8 +49,8 @@ def tiny_tmpfs(tmp_path: Path):
 
 @pytest.fixture
 def redis_server(tmp_path: Path):
-    """A real ``redis-server`` on a free port, killed after the test (see tests/servers.py)."""
-    from servers import RedisServer
+    """A real ``redis-server`` on a free port, killed after the test (see tests/redis_process.py)."""
+    from redis_process import RedisServer
 
     server = RedisServer(tmp_path).start()
     try:

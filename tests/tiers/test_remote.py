@@ -84,7 +84,7 @@ def test_a_dead_server_is_reported_once_and_every_call_goes_on(redis_server, cap
 
 
 def test_a_full_server_skips_writes_and_reads_still_work(tmp_path):
-    from servers import RedisServer
+    from redis_process import RedisServer
     server = RedisServer(tmp_path, maxmemory="2mb").start()
     try:
         store = RemoteStore(server.url, "ns", retry_s=0)
