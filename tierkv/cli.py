@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from tierkv.sizes import format_size
-from tierkv.device import has_cuda, has_cuda_driver
+from tierkv.device import auto_dtype, has_cuda, has_cuda_driver, native_bf16
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.flags import add_flags, build, given, given_flags, nest
 from tierkv.profile.command import add_profile
@@ -57,6 +57,8 @@ def machine_facts(nvme_dir: Path | None) -> dict[str, object]:
         "cuda_driver": has_cuda_driver(),
         "pinned_memory": has_cuda(),
         "gds": _gds_status(),
+        "native_bf16": native_bf16(),
+        "auto_dtype": str(auto_dtype()).removeprefix("torch."),
     }
     if nvme_dir is not None:
         facts["nvme"] = _nvme_facts(nvme_dir)
@@ -98,6 +100,9 @@ def _print_facts(facts: dict[str, object]) -> None:
     print(f"CUDA       {facts['cuda'] or 'none (gpu tier runs in host memory under its budget)'}")
     print(f"pinned     {'yes' if facts['pinned_memory'] else 'no (needs CUDA)'}")
     print(f"GDS        {facts['gds']}")
+    native = facts["native_bf16"]
+    print(f"dtype      --dtype auto computes in {facts['auto_dtype']} "
+          f"({f'bf16 native: {native}' if native else 'no AMX, AVX512-BF16 or CUDA: bf16 would be emulated'})")
     nvme = facts.get("nvme")
     if nvme:
         print(f"NVMe dir   {nvme['dir']}: {format_size(nvme['free_bytes'])} free, "

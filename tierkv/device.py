@@ -41,6 +41,22 @@ def compute_device() -> torch.device:
     return torch.device("cuda") if has_cuda() else torch.device("cpu")
 
 
+def native_bf16() -> str | None:
+    """What computes bf16 natively here (a CUDA device with bf16, AMX, AVX512-BF16), or None: an AVX2 CPU
+    converts bf16 at every matmul, several times slower than fp32. Detected, never assumed."""
+    if torch.cuda.is_available():
+        return "CUDA bf16" if torch.cuda.is_bf16_supported() else None
+    for name, probe in (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported")):
+        if getattr(torch.cpu, probe, lambda: False)():
+            return name
+    return None
+
+
+def auto_dtype() -> torch.dtype:
+    """The compute dtype ``--dtype auto`` picks: bf16 where it is native (`native_bf16`), fp32 elsewhere."""
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
 class NullEvent:
     """Stands in for ``torch.cuda.Event``: host work is complete when recorded."""
 

@@ -23,6 +23,7 @@ import torch
 
 from policies import make_policy
 from tierkv.config import TierConfig
+from tierkv.device import auto_dtype
 from tierkv.errors import ConfigError
 from tierkv.flags import build, nest, setting
 from tierkv.model.engine import EngineConfig
@@ -103,7 +104,8 @@ class EngineSettings:
                          metavar="NAME|PATH")
     mode: str = setting("auto", "dense: attend to every stored key; sparse: ShadowKV-style top-k chunks; auto: "
                                 "sparse past the model's trained window, dense within it", choices=MODES)
-    dtype: str = setting("float32", "compute dtype", choices=tuple(DTYPES))
+    dtype: str = setting("auto", "compute dtype; auto: bfloat16 where the machine computes it natively (CUDA, AMX, "
+                                 "AVX512-BF16; tierkv info says), float32 elsewhere", choices=("auto", *DTYPES))
     block_tokens: int = setting(256, "tokens per KV block (dense mode)", metavar="N")
     kv_dtype: str | None = setting(None, "dense mode: store sealed KV blocks quantized, int8, int4 or int2 (keys per "
                                          "channel, values per token; options -g<N> channels per value scale, "
@@ -122,8 +124,8 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}: allowed: {', '.join(MODES)}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
+        if self.dtype not in DTYPES and self.dtype != "auto":
+            raise ConfigError(f"dtype={self.dtype!r}: allowed: auto, {', '.join(DTYPES)}")
         if self.draft_tokens < 0:
             raise ConfigError(f"draft_tokens={self.draft_tokens}: must be >= 0 (0: no drafts)")
         if not self.checkpoint_every >= 0:
@@ -137,7 +139,7 @@ class EngineSettings:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return auto_dtype() if self.dtype == "auto" else DTYPES[self.dtype]
 
     def resolve_mode(self, prompt_tokens: int, trained_tokens: int) -> str:
         """``auto`` is sparse past the model's trained window: there dense attention leaves the positions

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from tierkv.device import auto_dtype
 from tierkv.errors import ConfigError
 from tierkv.model.arch import decoder_layers
 from tierkv.model.loading import LoadedModel, load_model
@@ -141,16 +142,9 @@ def summarize(config: JobConfig, loaded: LoadedModel, docs: list[Document], writ
 
 
 def compute_dtype(name: str) -> torch.dtype:
-    """``--dtype`` as a torch dtype. ``auto`` detects, never assumes: bf16 on a CUDA device that has
-    it, or a CPU with AMX or AVX512-BF16 matrix units; fp32 elsewhere (an AVX2 CPU converts bf16 on
-    every matmul: measured 3 GFLOP/s against 25 for fp32)."""
-    if name != AUTO_DTYPE:
-        return DTYPES[name]
-    if torch.cuda.is_available():
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    native = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() or \
-        getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    return torch.bfloat16 if native else torch.float32
+    """``--dtype`` as a torch dtype; ``auto``: bf16 where the machine computes it natively, fp32 elsewhere
+    (`tierkv.device.auto_dtype`; an AVX2 CPU measured 3 GFLOP/s in bf16 against 25 in fp32)."""
+    return auto_dtype() if name == AUTO_DTYPE else DTYPES[name]
 
 
 def _prompt(tokenizer, doc: Document, config: JobConfig) -> _Prompt | str:
