@@ -33,7 +33,8 @@ def documents(root: Path, *, bad: bool = True) -> Path:
 
 
 def batch(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tierkv.cli", "batch", "--max-new-tokens", "6", "--json", *args],
+    return subprocess.Popen([sys.executable, "-m", "tierkv.cli", "batch", "--max-new-tokens", "6", "--json",
+                             "--dtype", "float32", *args],      # the single-process reference runs in fp32
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
 
 

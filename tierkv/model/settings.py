@@ -104,8 +104,8 @@ class EngineSettings:
                          metavar="NAME|PATH")
     mode: str = setting("auto", "dense: attend to every stored key; sparse: ShadowKV-style top-k chunks; auto: "
                                 "sparse past the model's trained window, dense within it", choices=MODES)
-    dtype: str = setting("auto", "compute dtype; auto: bfloat16 where the machine computes it natively (CUDA, AMX, "
-                                 "AVX512-BF16; tierkv info says), float32 elsewhere", choices=("auto", *DTYPES))
+    dtype: str = setting("float32", "compute dtype; auto: bfloat16 where the machine computes it natively (CUDA, "
+                                    "AMX, AVX512-BF16; tierkv info says), float32 elsewhere", choices=("auto", *DTYPES))
     block_tokens: int = setting(256, "tokens per KV block (dense mode)", metavar="N")
     kv_dtype: str | None = setting(None, "dense mode: store sealed KV blocks quantized, int8, int4 or int2 (keys per "
                                          "channel, values per token; options -g<N> channels per value scale, "
