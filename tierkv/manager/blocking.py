@@ -25,6 +25,7 @@ from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
 from tierkv.manager.manager import Lease, TierManager
+from tierkv.manager.remote import hold_or_fetch
 from tierkv.events import EventRecorder
 
 T = TypeVar("T")
@@ -193,7 +194,7 @@ class BlockingTierManager:
     def hold(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         if self.manager.remote is None:
             return self._call(self.manager.hold, keys)
-        return self._run(self.manager.hold_or_fetch(keys))
+        return self._run(hold_or_fetch(self.manager, keys))
 
     def scrub(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         return self._run(self.manager.scrub(keys))

@@ -11,6 +11,7 @@ The pieces it orchestrates::
       Moves      the two-phase protocol prepare -> transfer -> complete        moves.py
       Residency  slots committed / released / pinned, policies and stats told  residency.py
       Executor   transfers in priority order on a runner (worker threads)      executor.py
+      remote     write-through to a shared store, read on a miss (optional)     remote.py
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from tierkv.manager.directory import BlockEntry, Directory, Place
 from tierkv.manager.executor import Executor
 from tierkv.manager.lease import Lease
 from tierkv.manager.moves import Moves
-from tierkv.manager.remote import Recompute, WriteThrough, read_missing
+from tierkv.manager.remote import Recompute, WriteThrough
 from tierkv.manager.residency import Residency
 from tierkv.manager.transfer import Priority
 from tierkv.policy import EvictionPolicy, ObservesScores, implements
@@ -293,24 +294,6 @@ class TierManager:
             else:
                 missing.append(key)
         return missing
-
-    async def hold_or_fetch(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
-        """``hold``, reading the blocks stored nowhere locally from the remote store first (where that
-        beats recomputing them); returns the keys still missing."""
-        missing = self.hold(keys)
-        if not missing or self.remote is None:
-            return missing
-        fetched = await asyncio.to_thread(read_missing, self.remote, missing, self.block_bytes, self.recompute)
-        placed = []
-        for key, payload in fetched:
-            try:
-                await self.put(key, torch.frombuffer(bytearray(payload), dtype=torch.uint8), protect=False,
-                               persist=self.store is not None, share=False)
-            except BudgetExceeded:
-                break            # no room left locally: the rest are recomputed
-            placed.append(key)
-        still = self.hold(placed)
-        return [k for k in missing if k not in set(placed)] + still
 
     async def scrub(self, keys: Sequence[BlockKey], *, batch: int = 64) -> list[BlockKey]:
         """Read the NVMe store's copy of each of ``keys`` and check it, dropping the copies that fail

@@ -17,8 +17,17 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import asyncio
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierkv.errors import BudgetExceeded
 from tierkv.keys import BlockKey
 from tierkv.tiers.remote import RemoteStore
+
+if TYPE_CHECKING:
+    from tierkv.manager.manager import TierManager
 
 log = logging.getLogger(__name__)
 BATCH_BYTES = 8 * 1024**2
@@ -117,3 +126,23 @@ def read_missing(remote: RemoteStore, keys: Sequence[BlockKey], block_bytes: int
         remote.stats.slower += len(keys)
         return []
     return [(k, p) for k, p in zip(keys, remote.get_many(keys, block_bytes)) if p is not None]
+
+
+async def hold_or_fetch(manager: TierManager, keys: Sequence[BlockKey]) -> list[BlockKey]:
+    """``manager.hold``, reading the blocks stored nowhere locally from its remote store first (where that
+    beats recomputing them); returns the keys still missing."""
+    missing = manager.hold(keys)
+    if not missing or manager.remote is None:
+        return missing
+    fetched = await asyncio.to_thread(read_missing, manager.remote, missing, manager.block_bytes, manager.recompute)
+    placed = []
+    for key, payload in fetched:
+        try:
+            await manager.put(key, torch.frombuffer(bytearray(payload), dtype=torch.uint8), protect=False,
+                              persist=manager.store is not None, share=False)
+        except BudgetExceeded:
+            break            # no room left locally: the rest are recomputed
+        placed.append(key)
+    still = manager.hold(placed)
+    gone = set(placed)
+    return [k for k in missing if k not in gone] + still
