@@ -16,6 +16,7 @@ native loop can hold K/V itself. Shapes: ``B`` batch, ``T`` tokens, ``H``/``Hkv`
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -166,8 +167,6 @@ def recompute_seconds(model: nn.Module, tokens: int, *, repeats: int = 3) -> flo
     weights' FLOPs (2 per parameter and token) at a matrix multiply rate measured here now (the best of
     ``repeats``). Attention over earlier tokens is left out: a lower bound, so a remote read has to beat
     the cheapest recompute."""
-    import time
-
     layer = decoder_layers(model)[0]
     params = sum(p.numel() for p in layer.parameters())
     weight = next(layer.parameters())

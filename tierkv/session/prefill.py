@@ -116,10 +116,10 @@ def _prefill(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, *, r
 
 
 def share_index(engine: SparseEngine, path: Path) -> None:
-    """Put a stored index in the remote store (its pages went there as they were sealed)."""
+    """Put a stored index in the remote store; its pages went there as they were sealed, and the flush
+    before the index was saved waited for them."""
     remote = engine.manager.manager.remote
     if remote is not None:
-        engine.manager.flush()               # its pages first: an index is shared only once they are
         remote.put_file(path.name, path.read_bytes())
 
 
