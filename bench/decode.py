@@ -14,7 +14,8 @@ configuration, which then runs the same greedy steps and must produce DynamicCac
                                                                   own cost, without disk)
     native-nvme          tierkv Engine, gpu 10 % + cpu 10 %,      blockwise attention + LSE merge; blocks that
                          the rest only on NVMe                    miss memory are read from disk
-    llama-cpp            only where ``llama_cpp`` imports
+    llama-cpp            llama.cpp's own KV cache, the same GGUF    (bench/llama_rows.py; only where
+                         (quantized weights), the same threads      llama_cpp imports: the bench extra)
 
 The configurations are built side by side (one after another where RAM is short) and stepped in
 turn, so the shared machine's noise hits them alike; each one's first step is an untimed warm-up
@@ -61,18 +62,20 @@ from tierkv.manager import BlockingTierManager
 from tierkv.model.engine import Engine
 from tierkv.session.run import RunResult, run
 from tierkv.model.settings import DTYPES, RunConfig
-from tierkv.model.loading import LoadedModel, load_model
+from tierkv.model.loading import LoadedModel, load_model, resolve_source
 from tierkv.model.prompt import passkey_prompt
 from tierkv.sparse import SparseConfig
 from tierkv.layout import BlockLayout
 from tierkv.events import EventRecorder, busy_seconds
 from branch_rows import measure_branching
+from llama_rows import LlamaDecoder, repacking_off, version as llama_version
 from sparse_rows import measure_sparse
 
 K, MiB = 1024, 1024**2
 BLOCK_TOKENS = 256
 SMALL_SHARE = 0.10          # gpu tier of tiered-cache-small; gpu and cpu tiers of native-nvme each
-TARGETS = {"ttft_second_vs_first@16K": 10.0}
+TARGETS = {"ttft_second_vs_first@16K": 10.0, "dense_vs_llamacpp@4K": 0.5, "dense_tiered_vs_dynamic@4K": 1.3,
+           "dense_tiered_vs_dynamic@16K": 1.2}
 
 
 @dataclass(slots=True)
@@ -278,6 +281,8 @@ def measure_context(report: Report, loaded: LoadedModel, ctx: int, steps: int, w
         "native-nvme-no-events": lambda: NativeDecoder(loaded, ids, prefilled, layout, TierConfig(
             layout.block_bytes, gpu=small, cpu=small, nvme_dir=workdir / f"native-quiet-{ctx}"), record=False),
     }
+    if llama_version() is not None:
+        builders["llama-cpp"] = lambda: LlamaDecoder(resolve_source("smollm2"), ids, length + 16, torch.get_num_threads())
     kv_bytes = pos * spec.kv_bytes_per_token
     together = 8 * length * spec.kv_bytes_per_token < 0.5 * _available_ram()
     runs = decode_all(builders, first, steps, together)
@@ -293,6 +298,8 @@ def measure_context(report: Report, loaded: LoadedModel, ctx: int, steps: int, w
 
 def _row_figures(d: Decoded, steps: int) -> dict[str, object]:
     f, total = d.figures, sum(d.seconds)
+    if not f:
+        return {}
     if "kv_seconds" in f:
         return {"kv_share": round(f["kv_seconds"] / total, 3)}
     row = {"stall_fraction": round(f["waited_s"] / total, 3)}
@@ -324,6 +331,13 @@ def add_context_ratios(report: Report, ctx: int, runs: dict[str, Decoded]) -> No
     for name, (config, meaning) in VS_DYNAMIC.items():
         report.add_ratio(name + tag, round(runs[config].tokens_per_s / base, 3), TARGETS.get(name + tag),
                          f"{meaning} / DynamicCache all in memory, same run")
+    if "llama-cpp" in runs:
+        llama = runs["llama-cpp"].tokens_per_s
+        report.add_ratio(f"dense_vs_llamacpp{tag}", round(runs["native-ram"].tokens_per_s / llama, 3),
+                         TARGETS.get(f"dense_vs_llamacpp{tag}"),
+                         "decode tok/s of the native loop with all KV in memory / llama.cpp on the same GGUF "
+                         f"(its quantized weights, its own KV cache), same threads, same run; TieredCache / "
+                         f"llama.cpp: {runs['tiered-cache'].tokens_per_s / llama:.3f}")
     native = runs["native-nvme"]
     quiet = runs["native-nvme-no-events"]
     report.add_ratio(f"profiler_overhead{tag}", round(quiet.tokens_per_s / native.tokens_per_s - 1, 3), 0.03,
@@ -390,7 +404,7 @@ def add_bounds(report: Report, loaded: LoadedModel, limits: dict[str, float], wo
                      f"GB/s (4 threads, 4 MiB calls, {fstype} on {device}); every config reads the {weights / MiB:.0f}"
                      f" MiB of weights and the whole KV ({loaded.spec.kv_bytes_per_token} B/token) each step")
     for row in report.rows:
-        if row["metric"] == "decode_tokens_per_s" and "kv_bytes" in row:   # the sparse rows bound themselves
+        if row["metric"] == "decode_tokens_per_s" and "kv_bytes" in row and row["config"] != "llama-cpp":
             report.add_bound(_row_bound(row, weights, limits))
     if not all(row.get("interleaved", True) for row in report.rows):
         report.add_bound("where a row says interleaved=false, RAM was short for every config's KV at once: the "
@@ -402,12 +416,14 @@ def add_bounds(report: Report, loaded: LoadedModel, limits: dict[str, float], wo
                          "prompt's last token, so the second run recomputes that chunk against the whole stored "
                          "context; a prompt of exactly CTX tokens (a multiple of 1024) is the worst case: 1024 "
                          "tokens recomputed")
-    try:
-        import llama_cpp  # noqa: F401
-        report.add_bound("llama-cpp: importable but not measured by this script yet")
-    except ImportError:
-        report.add_bound("llama-cpp: llama_cpp does not import here, not measured; DESIGN.md quotes llama.cpp at "
-                         "40.6 / 15.4 / 7.8 tok/s (4K / 16K / 32K) on this GGUF, another run: not a ratio")
+    if llama_version() is None:
+        report.add_bound("llama-cpp: llama_cpp does not import here (pip install -e '.[bench]'), not measured")
+    else:
+        gguf = resolve_source("smollm2")
+        report.add_bound(f"llama-cpp {llama_version()}: {gguf.name} ({gguf.stat().st_size / MiB:.0f} MiB of quantized "
+                         f"weights per step against tierkv's {weights / MiB:.0f} MiB of {loaded.spec.dtype} ones), "
+                         f"its own KV cache (f16), {torch.get_num_threads()} threads"
+                         + (", use_extra_bufts off (AMX)" if repacking_off() else ""))
 
 
 def _row_bound(row: dict, weights: int, limits: dict[str, float]) -> str:

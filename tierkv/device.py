@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -106,3 +107,42 @@ def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned and has_cuda())
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip:skip + nbytes]
+
+
+class StagingPool:
+    """Reusable aligned host buffers of one size (pinned where CUDA exists), for the copies between a
+    CUDA tier and the disk that bounce through host memory: a read takes buffers, uses them and gives
+    them back, instead of pinning fresh memory per block per read (pinning costs far more than the
+    copy). Holds at most ``keep`` idle buffers; more are made when many are out at once."""
+
+    def __init__(self, nbytes: int, *, keep: int = 64) -> None:
+        self.nbytes, self.keep = nbytes, keep
+        self._idle: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.made = 0
+
+    @contextlib.contextmanager
+    def take(self, count: int) -> Iterator[list[torch.Tensor]]:
+        with self._lock:
+            got, self._idle = self._idle[:count], self._idle[count:]
+        fresh = [host_buffer(self.nbytes, pinned=True) for _ in range(count - len(got))]
+        self.made += len(fresh)
+        buffers = got + fresh
+        try:
+            yield buffers
+        finally:
+            with self._lock:
+                self._idle.extend(buffers[:max(0, self.keep - len(self._idle))])
+
+
+_STAGING: dict[int, StagingPool] = {}
+_STAGING_LOCK = threading.Lock()
+
+
+def staging_pool(nbytes: int) -> StagingPool:
+    """The process's staging pool for buffers of ``nbytes``."""
+    with _STAGING_LOCK:
+        pool = _STAGING.get(nbytes)
+        if pool is None:
+            pool = _STAGING[nbytes] = StagingPool(nbytes)
+        return pool

@@ -6,11 +6,12 @@ Pass it as ``cache=`` to ``model(...)`` or ``model.generate(...)``::
         out = model.generate(ids, cache=cache, max_new_tokens=64)
 
 Each layer keeps one ``LayerKV`` per batch row (sealed blocks of ``block_tokens`` tokens in the
-tiers, a tail in memory). transformers' attention needs a layer's whole K/V as one tensor, so
-``update`` gathers that layer's blocks into a fresh tensor, bit-identical to what ``DynamicCache``
-returns (with ``kv_dtype="int8"`` the sealed blocks are stored quantized: lossy, 0.5x the bytes), while
-the next layer's blocks are prefetched; the rest sits in the tiers under their
-budgets. Rows branch without copying KV, which is what beam search and assisted decoding need::
+tiers, a tail in memory). transformers' attention needs a layer's whole K/V as one tensor: each
+layer keeps it in a buffer that only appends (``tierkv.model.kv_buffer``), on the compute device,
+while the buffers fit ``buffer`` bytes (default: as much as ``gpu``); a layer past that gathers its
+blocks into a fresh tensor each step while the next layer's are prefetched. Either way the values
+are bit-identical to what ``DynamicCache`` returns (with ``kv_dtype="int8"`` the sealed blocks are
+stored quantized: lossy, 0.5x the bytes), and the blocks sit in the tiers under their budgets. Rows branch without copying KV, which is what beam search and assisted decoding need::
 
     reorder_cache(beam_idx)          row i := row beam_idx[i]: a row kept twice is forked (its
     batch_select_indices / _repeat   blocks held once more, its tail copied), a row dropped lets go
@@ -31,7 +32,9 @@ from tierkv.config import TierConfig
 from tierkv.keys import BlockKey
 from tierkv.layout import BlockLayout
 from tierkv.manager import BlockingTierManager
+from tierkv.model.kv_buffer import BufferBudget
 from tierkv.model.layer_kv import LayerKV
+from tierkv.sizes import parse_size
 
 
 class TieredLayer(CacheLayerMixin):
@@ -47,7 +50,7 @@ class TieredLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.owner._open(key_states)
-        self.rows = [self.owner._new_row(self.index) for _ in range(key_states.shape[0])]
+        self.rows = [self.owner._new_row(self.index, key_states.device) for _ in range(key_states.shape[0])]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -112,14 +115,17 @@ class TieredCache(Cache):
 
     def __init__(self, config: Any, *, gpu: str | int = "256MiB", cpu: str | int = "1GiB",
                  nvme_dir: str | Path | None = None, nvme_budget: str | int = "64GiB",
-                 block_tokens: int = 256, kv_dtype: str | None = None,
+                 block_tokens: int = 256, kv_dtype: str | None = None, buffer: str | int | None = None,
                  manager: BlockingTierManager | None = None) -> None:
+        """``buffer``: bytes the layers' contiguous K/V buffers may take on the compute device (default:
+        ``gpu``; 0: none, every step gathers every layer's blocks)."""
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = text_config.num_hidden_layers
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
         self._budgets = dict(gpu=gpu, cpu=cpu, nvme_dir=nvme_dir, nvme_budget=nvme_budget)
         self.block_tokens = block_tokens
         self.codec = block_codec(kv_dtype, block_tokens)     # validated now, not at the first token
+        self.buffers = BufferBudget(parse_size(gpu if buffer is None else buffer, "buffer"))
         self.manager = manager
         self._owns_manager = manager is None
         self.layout: BlockLayout | None = None
@@ -135,14 +141,20 @@ class TieredCache(Cache):
             config = TierConfig(block_bytes=self.layout.block_bytes, **self._budgets)
             self.manager = BlockingTierManager.from_config(config, namespace=self.layout.name)
 
-    def _new_row(self, layer: int) -> LayerKV:
-        return LayerKV(self.manager, self.layout, layer)
+    def _new_row(self, layer: int, device: torch.device) -> LayerKV:
+        return LayerKV(self.manager, self.layout, layer, budget=self.buffers if self.buffers.limit else None,
+                       device=device)
 
     def _key_of(self, layer: int):
         """Keys of the blocks rows seal: each its own (no token ids, and branches must never share one)."""
         return lambda index: BlockKey.of(self._root, os.urandom(8), layer, index)
 
     def _gather(self, rows: list[LayerKV], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        whole = [row.contiguous() for row in rows]
+        if all(kv is not None for kv in whole):
+            if len(whole) == 1:
+                return whole[0]
+            return torch.cat([k for k, _ in whole]), torch.cat([v for _, v in whole])
         T, (_, Hkv, _, D) = self.block_tokens, self.layout.fields[0].shape
         total = rows[0].length
         k = torch.empty(len(rows), Hkv, total, D, dtype=self.layout.dtype, device=device)
@@ -160,7 +172,8 @@ class TieredCache(Cache):
 
     def _prefetch_after(self, layer: int) -> None:
         if layer + 1 < self.num_layers:
-            keys = [key for row in self.layers[layer + 1].rows for key in row.blocks[:self.manager.pin_group()]]
+            keys = [key for row in self.layers[layer + 1].rows if row.reads_blocks
+                    for key in row.blocks[:self.manager.pin_group()]]
             if keys:
                 self.manager.prefetch(list(dict.fromkeys(keys))[:self.manager.pin_group()], layer=layer + 1)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierkv.device import host_buffer, new_event, new_stream, on_stream
+from tierkv.device import new_event, new_stream, on_stream, staging_pool
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
 from tierkv.tiers.cxl_link import Direction
@@ -107,10 +107,14 @@ _IO_PRIORITY = {Kind.PREFETCH: BACKGROUND, Kind.WRITEBACK: LAST}
 
 def write_store(t: Transfer, src, store) -> list[BlockKey]:
     views = src.buffers(t.src_slots)
-    if src.device.type == "cuda" and store.backend != "kvikio":
-        views = [_to_host(v) for v in views]
-    store.write(list(zip(t.keys, t.dst_slots, views)), priority=_IO_PRIORITY.get(t.kind, URGENT),
-                aligned=getattr(src, "aligned_slots", False))
+    priority, aligned = _IO_PRIORITY.get(t.kind, URGENT), getattr(src, "aligned_slots", False)
+    if src.device.type != "cuda" or store.backend == "kvikio":
+        store.write(list(zip(t.keys, t.dst_slots, views)), priority=priority, aligned=aligned)
+        return []
+    with staging_pool(store.block_bytes).take(len(views)) as bounce:   # through reused pinned buffers
+        for host, view in zip(bounce, views):
+            host.copy_(view)
+        store.write(list(zip(t.keys, t.dst_slots, bounce)), priority=priority, aligned=True)
     return []
 
 
@@ -120,17 +124,11 @@ def read_store(t: Transfer, store, dst) -> list[BlockKey]:
     if dst.device.type != "cuda" or store.backend == "kvikio":
         return store.read(list(zip(t.keys, t.src_slots, views)), priority=priority,
                           aligned=getattr(dst, "aligned_slots", False))
-    bounce = [host_buffer(store.block_bytes, pinned=True) for _ in views]
-    failed = store.read(list(zip(t.keys, t.src_slots, bounce)), priority=priority)
-    for host, view in zip(bounce, views):
-        view.copy_(host)
+    with staging_pool(store.block_bytes).take(len(views)) as bounce:
+        failed = store.read(list(zip(t.keys, t.src_slots, bounce)), priority=priority, aligned=True)
+        for host, view in zip(bounce, views):
+            view.copy_(host)
     return failed
-
-
-def _to_host(view: torch.Tensor) -> torch.Tensor:
-    host = host_buffer(view.numel(), pinned=True)
-    host.copy_(view)
-    return host
 
 
 def through_link(handler: Handler) -> Handler:

@@ -45,6 +45,7 @@ from tierkv.ops.attention import attend, block_lse, block_mass, merge_lse
 from tierkv.model.loading import LoadedModel
 from tierkv.codec import KVCodec, block_codec
 from tierkv.layout import BlockLayout
+from tierkv.model.kv_buffer import BufferBudget
 from tierkv.model.sequence import TieredSequence
 from tierkv.events import Event, EventKind
 from tierkv.profile.trace import profiler_range
@@ -60,11 +61,14 @@ class EngineConfig:
     max_rewinds: int = 8   # recomputations after lost blocks before giving up
     prefetch: str = "next-layer"   # a policies.prefetch name: which blocks of layer l+1 load during layer l
     kv_dtype: str | None = None    # sealed blocks quantized (int8, int4, int2: tierkv.codec), or as computed
+    buffer: int | None = None      # bytes of per-layer K/V buffers on the compute device (None: the gpu tier's)
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be > 0")
+        if self.buffer is not None and self.buffer < 0:
+            raise ConfigError(f"buffer={self.buffer}: must be >= 0 bytes (0: no buffers)")
         if self.chunk_tokens % self.block_tokens:
             raise ConfigError(f"chunk_tokens={self.chunk_tokens}: must be a multiple of "
                               f"block_tokens={self.block_tokens}")
@@ -106,10 +110,15 @@ class Engine:
         # reuse=False: blocks of earlier runs are not found (another root), those of this engine's
         # own sequences are (a reused document, a fork)
         self._salt = "" if config.reuse else "/" + os.urandom(8).hex()
+        tiers = manager.manager.tiers
+        self.buffers = BufferBudget(config.buffer if config.buffer is not None else
+                                    tiers["gpu"].pool.capacity * self.layout.block_bytes if "gpu" in tiers else 0)
 
     def new_sequence(self) -> TieredSequence:
         persist = self.manager.manager.store is not None or self.manager.manager.remote is not None
-        seq = TieredSequence(self.manager, self.layout, model_id=self.loaded.model_id + self._salt, persist=persist)
+        seq = TieredSequence(self.manager, self.layout, model_id=self.loaded.model_id + self._salt, persist=persist,
+                             budget=self.buffers if self.buffers.limit and not self.scores else None,
+                             device=self.model.device)
         seq.read_tier = "gpu" if has_cuda() else None
         return seq
 
@@ -206,7 +215,7 @@ class Engine:
             access.begin_step("decode" if len(chunk) == 1 else "prefill", len(chunk))
         for index, layer in enumerate(self.layers):
             start = time.perf_counter()
-            if index + 1 < len(self.layers):
+            if index + 1 < len(self.layers) and seq.reads_blocks(index + 1):
                 seq.prefetch_layer(index + 1, self.manager.pin_group(), self.prefetch)
             with profiler_range(f"tierkv layer {index}"):
                 q, _, k, v = project_qkv(layer, h, cos, sin)
@@ -224,6 +233,11 @@ class Engine:
         it costs one more q·k product per group).
         """
         parts = [attend(q, k, v, causal=True)]
+        whole = None if scored else seq.contiguous(layer)
+        if whole is not None:       # one kernel call over the layer's buffer
+            if whole[0].shape[2]:
+                parts.append(attend(q, whole[0], whole[1], causal=False))
+            return merge_lse(parts)[0]
         block_lses: list[Tensor] = []                                          # [B, H, Tq, g] per group
         for _, blocks in seq.block_groups(layer, self.manager.pin_group()):
             # one kernel call per group: concatenating is cheaper than a merge per block

@@ -12,6 +12,9 @@ every sealed block; the tail, the one part still written to, is each branch's ow
     fork      blocks shared (held twice), tail copied
     crop(n)   the last n tokens gone: whole blocks let go of, the block that now ends the
               sequence read back into the tail
+
+With a ``BufferBudget`` a layer also keeps its whole K/V as one tensor that only appends
+(``tierkv.model.kv_buffer``): ``contiguous()`` returns it, and a step then reads no block.
 """
 from __future__ import annotations
 
@@ -23,18 +26,22 @@ import torch
 from tierkv.keys import BlockKey
 from tierkv.layout import BlockLayout
 from tierkv.manager import BlockingTierManager
+from tierkv.model.kv_buffer import BufferBudget, KVBuffer
 
 KeyOf = Callable[[int], BlockKey]     # block index -> the key it is sealed under
 
 
 class LayerKV:
     def __init__(self, manager: BlockingTierManager, layout: BlockLayout, layer: int, *,
-                 read_tier: str | None = None) -> None:
+                 read_tier: str | None = None, budget: BufferBudget | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.manager, self.layout, self.layer, self.read_tier = manager, layout, layer, read_tier
         self.blocks: list[BlockKey] = []
         shape = layout.fields[0].shape                                   # [B, Hkv, T, D]
         self.tail_k, self.tail_v = torch.empty(shape, dtype=layout.dtype), torch.empty(shape, dtype=layout.dtype)
         self.tail_len = 0
+        self.budget, self.device = budget, device
+        self.buffer: KVBuffer | None = None      # made at the first read that can use one
 
     @property
     def length(self) -> int:
@@ -54,11 +61,15 @@ class LayerKV:
                 self._seal(key_of(len(self.blocks)), persist)
 
     def _seal(self, key: BlockKey, persist: bool) -> None:
-        index = len(self.blocks)
-        self.manager.put(key, self.layout.pack(self.tail_k, self.tail_v), layer=self.layer, index=index,
-                         persist=persist)
+        index, T = len(self.blocks), self.layout.tokens
+        raw = self.layout.pack(self.tail_k, self.tail_v)
+        self.manager.put(key, raw, layer=self.layer, index=index, persist=persist)
         self.blocks.append(key)
         self.tail_len = 0
+        buffer = self.buffer
+        if buffer is not None and buffer.filled == index * T and buffer.reserve(self.length):
+            buffer.write(index * T, *self.layout.unpack(raw))      # as stored: a lossy codec's values
+            buffer.filled += T
 
     def adopt(self, key: BlockKey) -> None:
         """Take a block already stored (and held for this sequence) as the next one."""
@@ -74,6 +85,7 @@ class LayerKV:
         twin = copy.copy(self)
         twin.blocks = list(self.blocks)
         twin.tail_k, twin.tail_v = self.tail_k.clone(), self.tail_v.clone()
+        twin.buffer = None            # its own, filled from the shared blocks at its first read
         return twin
 
     def crop(self, tokens: int, *, keep: bool) -> None:
@@ -92,6 +104,17 @@ class LayerKV:
                 self.tail_v[:, :, :rest].copy_(v[:, :, :rest])
         self.let_go(self.blocks[whole:], keep=keep)
         self.blocks, self.tail_len = self.blocks[:whole], rest
+        self._forget_after(whole)
+
+    def truncate(self, n_blocks: int, *, keep: bool) -> None:
+        """Forget everything from block ``n_blocks`` on."""
+        self.let_go(self.blocks[n_blocks:], keep=keep)
+        self.blocks, self.tail_len = self.blocks[:n_blocks], 0
+        self._forget_after(n_blocks)
+
+    def _forget_after(self, n_blocks: int) -> None:
+        if self.buffer is not None:
+            self.buffer.filled = min(self.buffer.filled, n_blocks * self.layout.tokens)
 
     def let_go(self, keys: list[BlockKey], *, keep: bool) -> None:
         if keys:
@@ -100,16 +123,48 @@ class LayerKV:
     def release(self, *, keep: bool) -> None:
         self.let_go(self.blocks, keep=keep)
         self.blocks, self.tail_len = [], 0
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
 
     # -- reading --------------------------------------------------------------------------
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tail_k[:, :, :self.tail_len], self.tail_v[:, :, :self.tail_len]
 
-    def groups(self, group: int) -> Iterator[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    @property
+    def reads_blocks(self) -> bool:
+        """A read would load blocks from the tiers (there is no buffer, or it lacks some)."""
+        return self.buffer is None or self.buffer.filled < len(self.blocks) * self.layout.tokens
+
+    def contiguous(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K, V [B, Hkv, length, D] as one tensor each (views of the layer's buffer): the blocks not in
+        it yet are read from the tiers once and appended, then the tail. None without a budget, or
+        where it has no room (the caller reads ``groups``)."""
+        if self.budget is None:
+            return None
+        if self.buffer is None:
+            shape = self.layout.fields[0].shape
+            self.buffer = KVBuffer(shape, self.layout.dtype, self.device, self.budget)
+        buffer, T = self.buffer, self.layout.tokens
+        if not buffer.reserve(self.length):
+            self.buffer = self.budget = None     # the budget is spent: this layer reads blocks from now on
+            return None
+        sealed = len(self.blocks)
+        if buffer.filled < sealed * T:
+            first = buffer.filled // T
+            for start, blocks in self.groups(self.manager.pin_group(), first=first):
+                for i, (k, v) in enumerate(blocks):
+                    buffer.write((start + i) * T, k, v)
+            buffer.filled = sealed * T
+        if self.tail_len:
+            buffer.write(sealed * T, *self.tail())
+        return buffer.view(self.length)
+
+    def groups(self, group: int, *, first: int = 0) -> Iterator[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """Pinned K/V views of the sealed blocks, ``group`` blocks at a time: ``(first index, [(k, v)])``,
         valid until the next iteration. The next group is prefetched while one is used."""
         keys = self.blocks
-        for start in range(0, len(keys), group):
+        for start in range(first, len(keys), group):
             if start + group < len(keys):
                 self.manager.prefetch(keys[start + group:start + 2 * group], self.read_tier, layer=self.layer)
             with self.manager.blocks(keys[start:start + group], self.read_tier, layer=self.layer) as views:

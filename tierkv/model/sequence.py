@@ -24,6 +24,7 @@ import torch
 from tierkv.keys import BlockKey, layer_keys, prefix_keys, root_key
 from tierkv.layout import BlockLayout
 from tierkv.manager import BlockingTierManager
+from tierkv.model.kv_buffer import BufferBudget
 from tierkv.model.layer_kv import LayerKV
 from tierkv.policy import PrefetchPolicy
 
@@ -32,7 +33,10 @@ class TieredSequence:
     """K/V of one sequence: per layer, sealed blocks in the tiers and a tail (``LayerKV``)."""
 
     def __init__(self, manager: BlockingTierManager, layout: BlockLayout, *, model_id: str | None = None,
-                 persist: bool = False) -> None:
+                 persist: bool = False, budget: BufferBudget | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        """``budget``: each layer keeps its K/V as one tensor on ``device`` while that has room
+        (``LayerKV.contiguous``)."""
         self.manager = manager
         self.layout = layout
         self.persist = persist
@@ -41,7 +45,8 @@ class TieredSequence:
             BlockKey.of("private", os.urandom(16))
         self.token_ids: list[int] = []
         self._prefixes: list[BlockKey] = []   # prefix key of each full block of token_ids
-        self.layers = [LayerKV(manager, layout, layer) for layer in range(layout.num_layers)]
+        self.layers = [LayerKV(manager, layout, layer, budget=budget, device=device)
+                       for layer in range(layout.num_layers)]
 
     @property
     def read_tier(self) -> str | None:
@@ -115,8 +120,7 @@ class TieredSequence:
         the store as unprotected cache (or are gone already).
         """
         for state in self.layers:
-            state.let_go(state.blocks[n_blocks:], keep=True)
-            state.blocks, state.tail_len = state.blocks[:n_blocks], 0
+            state.truncate(n_blocks, keep=True)
         length = n_blocks * self.layout.tokens
         del self.token_ids[length:]
         del self._prefixes[n_blocks:]
@@ -125,6 +129,15 @@ class TieredSequence:
     # -- reading -----------------------------------------------------------
     def tail(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layers[layer].tail()
+
+    def contiguous(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``layer``'s whole K/V as one tensor each, or None where it reads block by block
+        (``LayerKV.contiguous``)."""
+        return self.layers[layer].contiguous()
+
+    def reads_blocks(self, layer: int) -> bool:
+        """A read of ``layer`` would load blocks from the tiers (none in its buffer yet, or not all)."""
+        return self.layers[layer].reads_blocks
 
     def block_groups(self, layer: int, group: int) -> Iterator[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """Pinned K/V views of ``layer``'s sealed blocks, ``group`` blocks at a time (``LayerKV.groups``)."""

@@ -111,6 +111,9 @@ class EngineSettings:
                                          "channel, values per token; options -g<N> channels per value scale, "
                                          "-s<f16|bf16|f32> scale dtype, like int8-g32); the newest block stays "
                                          "exact (default: as computed, --dtype)", metavar="DTYPE")
+    kv_buffer: str | int = setting("auto", "dense mode: bytes on the compute device for each layer's K/V as one "
+                                           "tensor that only appends, so a step attends in one call and reads no "
+                                           "block (auto: as much as --gpu-budget; 0: none)", metavar="SIZE")
     chunk_tokens: int = setting(1024, "prefill chunk (dense: a multiple of the block)", metavar="N")
     prefetch: str = setting("next-layer", "which blocks of the next layer to load ahead (dense mode): a "
                                           "policies.prefetch name", metavar="NAME")
@@ -134,8 +137,9 @@ class EngineSettings:
 
     def dense_engine(self) -> EngineConfig:
         """The dense engine's settings."""
+        buffer = None if self.kv_buffer == "auto" else parse_size(self.kv_buffer, "kv_buffer")
         return EngineConfig(self.block_tokens, self.chunk_tokens, self.reuse, prefetch=self.prefetch,
-                            kv_dtype=self.kv_dtype)
+                            kv_dtype=self.kv_dtype, buffer=buffer)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,0 +1,105 @@
+"""llama.cpp as a measured peer of the decode rows: the same GGUF, the same prompt ids, the same threads.
+
+Through llama-cpp-python (``pip install -e '.[bench]'``; it builds llama.cpp from source, ~15 min on
+2 cores). Where it does not import, the rows are skipped and the report says so. On a CPU with AMX,
+llama.cpp's weight repacking crashes this build, so the model is opened with ``use_extra_bufts``
+off there. A long prompt's prefill (32K: ~13 min on 2 cores) runs once: its state is saved beside
+the sparse store and loaded by later runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import pickle
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+
+def version() -> str | None:
+    """llama-cpp-python's version, or None where it does not import."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp.__version__
+
+
+def repacking_off() -> bool:
+    """AMX here: llama.cpp's repacked weight buffers crash, so they stay off."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+@contextlib.contextmanager
+def _model_params(**fields):
+    """llama-cpp-python's ``Llama`` takes no ``use_extra_bufts``: its default model params get it here."""
+    import llama_cpp
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        for name, value in fields.items():
+            setattr(p, name, value)
+        return p
+
+    llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        llama_cpp.llama_model_default_params = default
+
+
+class LlamaDecoder:
+    """A ``Decoder`` of bench/decode.py over llama.cpp: the prompt evaluated (or its saved state loaded),
+    then one ``eval`` of one token per step, greedy."""
+
+    def __init__(self, gguf: Path, ids: list[int], n_ctx: int, threads: int, state_dir: Path | None = None) -> None:
+        from llama_cpp import Llama
+        extra = {"use_extra_bufts": False} if repacking_off() else {}
+        with _model_params(**extra):
+            self.llm = Llama(str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                             verbose=False)
+        self.prefill_s, self.loaded_state = None, False
+        state = None if state_dir is None else state_dir / f"llama-{_digest(gguf, ids, n_ctx)}.state"
+        if state is not None and state.is_file():
+            with state.open("rb") as f:
+                self.llm.load_state(pickle.load(f))
+            self.loaded_state = True
+        else:
+            start = time.perf_counter()
+            self.llm.eval(ids)
+            self.prefill_s = time.perf_counter() - start
+            if state is not None:
+                state.parent.mkdir(parents=True, exist_ok=True)
+                part = state.with_suffix(".part")
+                with part.open("wb") as f:
+                    pickle.dump(self.llm.save_state(), f)
+                part.rename(state)
+        self.first = self._argmax()
+
+    def _argmax(self) -> int:
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
+        return int(logits.argmax())
+
+    def step(self, token: int) -> int:
+        self.llm.eval([token])
+        return self._argmax()
+
+    def start_timing(self) -> None:
+        pass
+
+    def figures(self) -> dict[str, object]:
+        return {}
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def _digest(gguf: Path, ids: list[int], n_ctx: int) -> str:
+    h = xxhash.xxh3_64()
+    stat = gguf.stat()
+    h.update(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{n_ctx}|{version()}|".encode())
+    h.update(np.asarray(ids, dtype=np.int64).tobytes())
+    return h.hexdigest()

@@ -1,0 +1,124 @@
+"""A layer's K/V kept as one tensor that only appends: the same values as its blocks, within a budget."""
+import pytest
+import torch
+
+from tierkv.config import TierConfig
+from tierkv.keys import BlockKey
+from tierkv.layout import BlockLayout
+from tierkv.manager import BlockingTierManager
+from tierkv.model.engine import Engine, EngineConfig
+from tierkv.model.kv_buffer import BufferBudget, KVBuffer
+from tierkv.model.layer_kv import LayerKV
+from tierkv.model.prompt import passkey_prompt
+
+T, HKV, D = 16, 2, 8
+LAYOUT = BlockLayout.kv(1, HKV, D, torch.float32, T)
+PER_TOKEN = 2 * HKV * D * 4      # K and V bytes of one token in a buffer
+
+
+def keys_for(seed):
+    return lambda index: BlockKey.of("test-buffer", seed, index)
+
+
+@pytest.fixture
+def manager():
+    with BlockingTierManager.from_config(TierConfig(LAYOUT.block_bytes, gpu=64 * LAYOUT.block_bytes, cpu=0)) as mgr:
+        yield mgr
+
+
+def fill(layer: LayerKV, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(1, HKV, tokens, D, generator=g), torch.randn(1, HKV, tokens, D, generator=g)
+    for first in range(0, tokens, 5):               # in uneven pieces, as prefill chunks and decode steps come
+        layer.append(k[:, :, first:first + 5], v[:, :, first:first + 5], keys_for(seed), persist=False)
+    return k, v
+
+
+def by_blocks(layer: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [kv for _, blocks in layer.groups(4) for kv in blocks] + [layer.tail()]
+    return torch.cat([k for k, _ in parts], 2), torch.cat([v for _, v in parts], 2)
+
+
+def test_the_buffer_holds_what_the_blocks_and_tail_hold(manager):
+    budget = BufferBudget(1 << 20)
+    layer = LayerKV(manager, LAYOUT, 0, budget=budget)
+    k, v = fill(layer, 77)
+    whole = layer.contiguous()
+    assert torch.equal(whole[0], k) and torch.equal(whole[1], v)
+    assert not layer.reads_blocks                                # every sealed block is in it
+    more_k, more_v = fill(layer, 40, seed=1)
+    assert torch.equal(layer.contiguous()[0], torch.cat([k, more_k], 2))
+    assert torch.equal(layer.contiguous()[1], torch.cat([v, more_v], 2))
+    layer.release(keep=False)
+    assert budget.used == 0
+
+
+def test_crop_fork_and_truncate_keep_buffer_and_blocks_in_agreement(manager):
+    budget = BufferBudget(1 << 20)
+    layer = LayerKV(manager, LAYOUT, 0, budget=budget)
+    k, _ = fill(layer, 70)
+    layer.contiguous()
+    layer.crop(30, keep=False)                      # into a sealed block: it becomes the tail again
+    assert torch.equal(layer.contiguous()[0], k[:, :, :40])
+    twin = layer.fork()                             # no buffer of its own yet: read from the shared blocks
+    assert twin.reads_blocks
+    assert torch.equal(twin.contiguous()[0], k[:, :, :40])
+    extra, _ = fill(twin, 9, seed=2)
+    assert torch.equal(twin.contiguous()[0], torch.cat([k[:, :, :40], extra], 2))
+    assert torch.equal(layer.contiguous()[0], k[:, :, :40])     # the branch's appends are its own
+    twin.truncate(1, keep=False)
+    assert torch.equal(twin.contiguous()[0], k[:, :, :T])
+    for state in (layer, twin):
+        state.release(keep=False)
+    assert budget.used == 0
+
+
+def test_a_spent_budget_falls_back_to_blocks_and_gives_its_bytes_back(manager):
+    budget = BufferBudget(40 * PER_TOKEN)
+    first, second = LayerKV(manager, LAYOUT, 0, budget=budget), LayerKV(manager, LAYOUT, 0, budget=budget)
+    fill(first, 32)
+    assert first.contiguous() is not None
+    k, v = fill(second, 32, seed=3)
+    assert second.contiguous() is None              # 32 more tokens do not fit in the 8 left
+    assert second.reads_blocks and second.budget is None
+    got_k, got_v = by_blocks(second)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert budget.used == first.buffer.nbytes
+    first.release(keep=False)
+    second.release(keep=False)
+    assert budget.used == 0
+
+
+def test_a_buffer_refused_growth_is_emptied():
+    budget = BufferBudget(20 * PER_TOKEN)
+    buffer = KVBuffer(LAYOUT.fields[0].shape, torch.float32, "cpu", budget)
+    assert buffer.reserve(10) and buffer.capacity == T and budget.used == T * PER_TOKEN
+    assert not buffer.reserve(T + 1)
+    assert buffer.capacity == 0 and budget.used == 0
+    with pytest.raises(ValueError, match=">= 0"):
+        BufferBudget(-1)
+
+
+@pytest.mark.model
+def test_the_engine_decodes_the_same_tokens_with_some_layers_buffered(smollm2):
+    ids = passkey_prompt(smollm2.tokenizer, 1200).ids
+    spec = smollm2.spec
+    layout = BlockLayout.kv(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, 128)
+    layer_bytes = 1300 * spec.kv_bytes_per_token // spec.num_layers
+    tokens = {}
+    for buffer in (0, 7 * layer_bytes):             # none; 7 of 30 layers, the rest read blocks
+        config = TierConfig(layout.block_bytes, gpu="64MiB", cpu=0)
+        with BlockingTierManager.from_config(config, namespace=layout.name) as manager:
+            engine = Engine(smollm2, manager, EngineConfig(block_tokens=128, chunk_tokens=512, buffer=buffer))
+            seq = engine.new_sequence()
+            logits, _ = engine.prefill(seq, ids)
+            out = []
+            for _ in range(6):
+                out.append(int(logits.argmax()))
+                logits = engine.decode(seq, out[-1])
+            buffered = sum(not state.reads_blocks for state in seq.layers)
+            tokens[buffer] = (out, buffered)
+            seq.release(keep=False)
+            assert engine.buffers.used == 0
+    assert tokens[0][1] == 0 and 5 <= tokens[7 * layer_bytes][1] <= 7
+    assert tokens[0][0] == tokens[7 * layer_bytes][0]
