@@ -44,12 +44,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from llama_rows import LlamaDecoder, version as llama_version
 from report import Report
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager
 from tierkv.session.prefill import shelf_of, sparse_state
-from tierkv.model.loading import LoadedModel
+from tierkv.model.loading import LoadedModel, resolve_source
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.events import EventRecorder
@@ -83,7 +84,7 @@ class SparseDecoder:
             scratch = torch.empty(group, layout.block_bytes, dtype=torch.uint8)
             for first in range(0, len(pages), group):
                 keys = pages[first:first + group]
-                self.manager.gather(keys, scratch[:len(keys)], "gpu")
+                self.manager.read(keys, into=scratch[:len(keys)], tier="gpu").wait()
         self.mark = 0
         self.nvme_before = 0
         self.fill, self.steps = fill, 0
@@ -201,6 +202,10 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
     if rows is None or "dynamic-cache" in rows:
         runs |= interleave({"dynamic-cache": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store),
                                                                len(ids) - 1)}, ids[-1], steps, together=False)
+    if llama_version() is not None and (rows is None or "llama-cpp" in rows):   # dense, at real positions
+        runs |= interleave({"llama-cpp": lambda: LlamaDecoder(resolve_source("smollm2"), ids[:-1], len(ids) + steps + 16,
+                                                              torch.get_num_threads(), store / "llama-state")},
+                           ids[-1], steps, together=False)
     add_sparse_rows(report, ctx, runs, steps, prefill_s, rate)
 
 
@@ -282,6 +287,15 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
     add(f"sparse_nvme_vs_dynamic{tag}", ratio("sparse-nvme-no-prefetch"), 2.0 if at_target else None,
                      "decode tok/s of sparse with >= 80 % of the pages only on NVMe, default settings (no "
                      "prefetch) / DynamicCache")
+    if "llama-cpp" in runs:
+        llama = runs["llama-cpp"].tokens_per_s
+        add(f"sparse_vs_llamacpp{tag}", round(runs["sparse-ram"].tokens_per_s / llama, 3) if "sparse-ram" in runs
+            else None, 1.0 if ctx == 32 * K else None,
+            "decode tok/s of sparse with every page in memory / llama.cpp dense over the same prompt ids (same "
+            "GGUF, its quantized weights, its own KV cache, same threads, prefill state saved once), same run"
+            + (f"; sparse, >= 80 % of pages only on NVMe / llama.cpp: "
+               f"{runs['sparse-nvme-no-prefetch'].tokens_per_s / llama:.3f}" if "sparse-nvme-no-prefetch" in runs
+               else ""))
     add(f"sparse_nvme_speculative_vs_dynamic{tag}", ratio("sparse-nvme"), None,
                      "the same with speculative prefetch")
     add(f"sparse_ram_chunks_vs_dynamic{tag}", ratio("sparse-ram-chunks"), None,

@@ -31,19 +31,48 @@ from tierkv.events import EventRecorder
 T = TypeVar("T")
 
 
-class Gathering:
-    """The second half of a ``start_gather``: rows ``missing`` of ``out`` are still loading."""
+def _thread_future(task: asyncio.Future) -> Future:
+    """A concurrent future that another thread can wait on, completed with ``task``."""
+    out: Future = Future()
 
-    def __init__(self, manager: BlockingTierManager, out: torch.Tensor, missing: list[int],
+    def settle(done: asyncio.Future) -> None:
+        if done.cancelled():
+            out.cancel()
+        elif done.exception() is not None:
+            out.set_exception(done.exception())
+        else:
+            out.set_result(done.result())
+    out.set_running_or_notify_cancel()
+    task.add_done_callback(settle)
+    return out
+
+
+class ReadFuture:
+    """Blocks read into rows of a caller's tensor, in the style of kvikio's ``IOFuture``::
+
+        f = mgr.read(keys, into=rows)     # rows of the blocks in memory are copied before it returns
+        f.ready, f.missing                # positions in keys: in place / still loading (ascending)
+        f.wait()                          # every row in place; the time it blocked is recorded as a stall
+        f.cancel()                        # not waiting: what is loading is released as it arrives
+
+    A future is waited or cancelled once; a later call does nothing.
+    """
+
+    def __init__(self, manager: BlockingTierManager, into: torch.Tensor, ready: list[int], missing: list[int],
                  pending: Future | None, tier: str | None, layer: int | None) -> None:
-        self.missing = missing
-        self._manager, self._out, self._pending, self._tier, self._layer = manager, out, pending, tier, layer
+        self.ready, self.missing = ready, missing
+        self._manager, self._into, self._pending, self._tier, self._layer = manager, into, pending, tier, layer
+
+    def done(self) -> bool:
+        """Nothing is left loading (or it was waited for, or cancelled)."""
+        return self._pending is None or self._pending.done()
 
     def wait(self) -> torch.Tensor:
-        """Copy the missing rows in once they are loaded; the time this blocks is recorded as a stall."""
+        """Copy the missing rows in once they are loaded; returns the tensor read into. Raises what the
+        load raised (BlockMissing, BlockCorrupt, BudgetExceeded)."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return self._out
+            return self._into
         mgr = self._manager.manager
         start = time.perf_counter()
         try:
@@ -53,10 +82,10 @@ class Gathering:
             raise
         mgr.events.wait("", self._tier or mgr.memory_tiers[0], self._layer,
                         len(self.missing) * mgr.block_bytes, start, len(self.missing))
-        self._manager._copy_out(self._manager._callers(lease), self._out, self.missing)
-        return self._out
+        self._manager._copy_out(self._manager._callers(lease), self._into, self.missing)
+        return self._into
 
-    def abandon(self) -> None:
+    def cancel(self) -> None:
         """The caller will not wait: the missing blocks are released whenever they arrive."""
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -116,38 +145,24 @@ class BlockingTierManager:
         finally:
             lease.release()
 
-    def gather(self, keys: Sequence[BlockKey], out: torch.Tensor, tier: str | None = None, **kw: Any) -> torch.Tensor:
-        """Copy the blocks ``keys`` into ``out`` (uint8 [len(keys), block_bytes]), one tier gather per tier."""
-        self._copy_out(self.acquire(keys, tier, **kw), out, range(len(keys)))
-        return out
-
-    def start_gather(self, keys: Sequence[BlockKey], out: torch.Tensor, tier: str | None = None, *,
-                     layer: int | None = None) -> Gathering:
-        """``gather`` in two halves, so that the caller can work on the blocks that were in place
-        while the rest load: those are copied into their rows of ``out`` before this returns, the
-        rest start loading, and ``Gathering.wait()`` copies them in::
-
-            g = mgr.start_gather(keys, out)      # out[i] holds keys[i] for every i not in g.missing
-            ...compute on those rows...
-            g.wait()                             # now every row; the time it blocked is the stall
-        """
-        async def begin() -> tuple[list[int], list[int], Lease, Future | None]:
-            ready, lease = self.manager.pin_ready(keys, tier, layer=layer)
-            in_place = set(ready)
-            rest = [i for i in range(len(keys)) if i not in in_place]
-            pending = None
-            if rest:   # runs on the loop as a task of its own, after this returns
-                pending = asyncio.run_coroutine_threadsafe(
-                    self.manager.acquire([keys[i] for i in rest], tier, layer=layer, rest_of=True), self._loop)
-            return ready, rest, lease, pending
-        ready, rest, lease, pending = self._run(begin())
-        gathering = Gathering(self, out, rest, pending, tier, layer)
+    def read(self, keys: Sequence[BlockKey], *, into: torch.Tensor, tier: str | None = None,
+             layer: int | None = None) -> ReadFuture:
+        """Read blocks ``keys`` into rows of ``into`` (uint8 [len(keys), block_bytes]), in one hop to the
+        loop: the blocks in memory are copied before this returns (one tier gather per tier), the rest
+        start loading, and ``ReadFuture.wait()`` copies them in. ``mgr.read(keys, into=rows).wait()``
+        is a plain blocking read."""
+        async def begin() -> tuple[list[int], Lease, Future | None]:
+            ready, lease, rest = await self.manager.read(keys, tier, layer=layer)
+            return ready, lease, None if rest is None else _thread_future(rest)
+        ready, lease, pending = self._run(begin())
+        missing = [] if pending is None else sorted(set(range(len(keys))) - set(ready))
+        future = ReadFuture(self, into, ready, missing, pending, tier, layer)
         try:
-            self._copy_out(self._callers(lease), out, ready)
+            self._copy_out(self._callers(lease), into, ready)
         except BaseException:
-            gathering.abandon()
+            future.cancel()
             raise
-        return gathering
+        return future
 
     def _copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int]) -> None:
         """Copy ``lease``'s blocks into ``rows`` (ascending) of ``out``, one tier gather per tier, then

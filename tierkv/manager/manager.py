@@ -1,7 +1,8 @@
 """The tier manager: placement, promotion, demotion, write-back and prefetch, orchestrated on asyncio.
 
 Tiers are ordered fastest first. ``acquire`` brings blocks into a tier and
-pins them for the caller; ``prefetch`` does the same in the background at a
+pins them for the caller; ``read`` pins those in place at once and starts
+loading the rest (the blocking facade's ``ReadFuture``); ``prefetch`` does the same in the background at a
 lower priority; ``put`` places new blocks; ``flush`` waits for write-backs.
 The pieces it orchestrates::
 
@@ -330,16 +331,18 @@ class TierManager:
 
     # -- reading --------------------------------------------------------
     async def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, *,
-                      layer: int | None = None, priority: Priority = Priority.NOW,
-                      rest_of: bool = False) -> Lease:
+                      layer: int | None = None, priority: Priority = Priority.NOW) -> Lease:
         """Pin ``keys`` in ``tier`` (None: any memory tier, loading into the fastest).
-
-        ``rest_of``: these are the blocks a ``pin_ready`` of the same read left; the caller
-        computes meanwhile, so it records its own stall (and the read was told to ``access``).
 
         Raises BlockMissing for a block stored nowhere and BlockCorrupt for
         one whose stored bytes failed their checksum (it is dropped: recompute it).
         """
+        return await self._acquire(keys, tier, layer=layer, priority=priority, rest_of=False)
+
+    async def _acquire(self, keys: Sequence[BlockKey], tier: str | None, *, layer: int | None,
+                       priority: Priority, rest_of: bool) -> Lease:
+        """``acquire``; ``rest_of``: these are the blocks a ``read`` left loading, and its caller computes
+        meanwhile, so it records its own stall (and the read told ``access`` already)."""
         self._check_read(tier)
         if self.access is not None and not rest_of:
             self.access.on_acquire(keys, layer)
@@ -372,14 +375,15 @@ class TierManager:
         raise BudgetExceeded(f"tier {tier}: blocks were evicted {_MAX_ATTEMPTS} times before they could "
                              f"be pinned; the tier is too small for {len(keys)} blocks at once")
 
-    def pin_ready(self, keys: Sequence[BlockKey], tier: str | None = None, *,
-                  layer: int | None = None) -> tuple[list[int], Lease]:
-        """Pin those of ``keys`` that ``acquire`` would find in place now (no await: nothing can
-        evict them meanwhile). Returns their positions in ``keys`` and a lease over them; the
-        caller acquires the rest with ``rest_of=True`` while it works on these::
+    async def read(self, keys: Sequence[BlockKey], tier: str | None = None, *,
+                   layer: int | None = None) -> tuple[list[int], Lease, asyncio.Future | None]:
+        """One read of ``keys``, split where it stands: ``(ready, lease, rest)``. ``ready``: the positions
+        in ``keys`` of the blocks in place now, pinned under ``lease`` (no await: nothing evicts them
+        meanwhile); ``rest``: a task acquiring the others (None: none), whose wait the caller records
+        as its own stall (it computes on the ready blocks meanwhile)::
 
             keys    a b c d e          in place: b, d
-            ready   [1, 3]             lease.keys (b, d)      acquire([a, c, e], rest_of=True)
+            ready   [1, 3]             lease.keys (b, d)      rest -> Lease over (a, c, e)
         """
         self._check_read(tier)
         if self.access is not None:
@@ -388,8 +392,14 @@ class TierManager:
         self._record_hits(found, layer)
         ready = [i for i, place in enumerate(found) if place is not None]
         ready_keys = [keys[i] for i in ready]
-        places = self._residency.pin(ready_keys, [found[i] for i in ready])
-        return ready, Lease(tuple(ready_keys), places, self.tiers, self._unpin)
+        lease = Lease(tuple(ready_keys), self._residency.pin(ready_keys, [found[i] for i in ready]),
+                      self.tiers, self._unpin)
+        rest = None
+        if len(ready) < len(keys):
+            taken = set(ready)
+            rest = asyncio.ensure_future(self._acquire([k for i, k in enumerate(keys) if i not in taken], tier,
+                                                       layer=layer, priority=Priority.NOW, rest_of=True))
+        return ready, lease, rest
 
     def _check_read(self, tier: str | None) -> None:
         self._check_running()

@@ -219,20 +219,25 @@ class Engine:
                 seq.prefetch_layer(index + 1, self.manager.pin_group(), self.prefetch)
             with profiler_range(f"tierkv layer {index}"):
                 q, _, k, v = project_qkv(layer, h, cos, sin)
-                out = self._attention(seq, index, q, k, v, scored=self.scores and len(chunk) == 1)
-                seq.append(index, k, v)
+                if len(chunk) == 1:      # one token sees every key, itself too: stored first, one attention
+                    seq.append(index, k, v)
+                    out = self._attention(seq, index, q, scored=self.scores)
+                else:
+                    out = self._attention(seq, index, q, k, v)
+                    seq.append(index, k, v)
                 h = mlp_block(layer, finish_attention(layer, out, h))
             events.record(Event(EventKind.LAYER, "", "", index, 0, start, start, time.perf_counter()))
         return final_logits(self.model, h)[0] if every else final_logits(self.model, h[:, -1:])[0, -1]
 
-    def _attention(self, seq: TieredSequence, layer: int, q: Tensor, k: Tensor, v: Tensor, *,
-                   scored: bool = False) -> Tensor:
-        """q over every stored block, the tail, then the new tokens (causal), merged exactly.
+    def _attention(self, seq: TieredSequence, layer: int, q: Tensor, k: Tensor | None = None,
+                   v: Tensor | None = None, *, scored: bool = False) -> Tensor:
+        """q over every stored block, the tail, then the new tokens ``k``, ``v`` (causal; None: they are
+        stored already), merged exactly.
 
         ``scored``: also report the attention mass of each stored block to the manager (decode only:
         it costs one more q·k product per group).
         """
-        parts = [attend(q, k, v, causal=True)]
+        parts = [] if k is None else [attend(q, k, v, causal=True)]
         whole = None if scored else seq.contiguous(layer)
         if whole is not None:       # one kernel call over the layer's buffer
             if whole[0].shape[2]:

@@ -36,7 +36,7 @@ from torch import Tensor
 from tierkv.errors import BlockMissing
 from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager
-from tierkv.manager.blocking import Gathering
+from tierkv.manager.blocking import ReadFuture
 from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
@@ -96,7 +96,7 @@ class _Read:
     v: Tensor
     rows: Tensor
     raw: Tensor
-    gathering: Gathering | None
+    future: ReadFuture | None
     loading: Tensor | None = None      # [pages] bool: still loading into raw
 
 
@@ -288,7 +288,7 @@ class SparseSequence:
             order = pos.argsort(dim=1)
             heads = torch.arange(H).unsqueeze(1)
             k, v, pos = k[heads, order], v[heads, order], pos[heads, order]
-        if read is None or read.gathering is None:
+        if read is None or read.future is None:
             return k, v, pos, None
         rows = torch.cat([read.rows, torch.full((H, pos.shape[1] - read.rows.shape[1]), -1)], 1)   # outliers: -1
         return k, v, pos, self._loading(layer, read, rows[:, order] if shared else rows[heads, order])
@@ -296,11 +296,11 @@ class SparseSequence:
     def _loading(self, layer: int, read: _Read, rows: Tensor) -> Loading:
         """What brings the gathered rows whose page ``read`` is still loading; ``rows`` [Hkv, M]:
         each gathered token's row in the read's pages (-1: an outlier, never missing)."""
-        gathering, raw, P = read.gathering, read.raw, self.layout.tokens
+        future, raw, P = read.future, read.raw, self.layout.tokens
         missing = (rows >= 0) & read.loading[rows.clamp(min=0) // P]
 
         def finish() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-            gathering.wait()
+            future.wait()
             count = missing.sum(dim=1)                                            # [Hkv]
             at = (~missing).to(torch.uint8).argsort(dim=1, stable=True)[:, :int(count.max())]   # missing first
             valid = torch.arange(at.shape[1]) < count.unsqueeze(1)
@@ -310,7 +310,7 @@ class SparseSequence:
             keys = torch.bmm(factors, self.layers[layer].head_basis())          # [Hkv, m, D]
             heads = torch.arange(at.shape[0]).unsqueeze(1)
             return at, valid, keys, self.layout.take(raw, "values", (page, tok, heads))
-        return Loading(missing, finish, gathering.abandon)
+        return Loading(missing, finish, future.cancel)
 
     def _positions(self, chunks: Tensor) -> Tensor:
         """chunk ids [Hkv, k] -> token positions [Hkv, k*c]."""
@@ -337,25 +337,25 @@ class SparseSequence:
         # pinned at most half the fastest tier at once; split: the last group is left loading
         groups = [(first, first + step) for first in range(0, len(keys), step)]
         for first, end in groups[:-1] if split else groups:
-            self.manager.gather(keys[first:end], raw[first:end], self.read_tier, layer=layer)
-        gathering = loading = None
+            self.manager.read(keys[first:end], into=raw[first:end], tier=self.read_tier, layer=layer).wait()
+        future = loading = None
         if split:
             first = groups[-1][0]
-            gathering = self.manager.start_gather(keys[first:], raw[first:], self.read_tier, layer=layer)
-            if not gathering.missing:
-                gathering = None
+            future = self.manager.read(keys[first:], into=raw[first:], tier=self.read_tier, layer=layer)
+            if not future.missing:
+                future = None
         try:
-            if gathering is not None:
-                late = [first + row for row in gathering.missing]
+            if future is not None:
+                late = [first + row for row in future.missing]
                 raw.numpy()[late] = 0                   # (numpy: 20x faster than torch's index_put here)
                 loading = torch.zeros(len(keys), dtype=torch.bool)
                 loading[late] = True
             k_sel, v_sel, rows = self._rebuild(state, chunks, pages, raw, shared)
         except BaseException:
-            if gathering is not None:
-                gathering.abandon()
+            if future is not None:
+                future.cancel()
             raise
-        return _Read(k_sel, v_sel, rows, raw, gathering, loading)
+        return _Read(k_sel, v_sel, rows, raw, future, loading)
 
     def _rebuild(self, state: LayerState, chunks: Tensor, pages: Tensor, raw: Tensor,
                  shared: bool) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,4 +1,4 @@
-"""start_gather: the blocks in place are copied at once, the rest when they arrive."""
+"""ReadFuture: the blocks in place are copied at once, the rest when they arrive; one read, one shape."""
 import time
 
 import pytest
@@ -43,16 +43,17 @@ def test_blocks_in_place_are_copied_at_once_and_the_rest_on_wait(tmp_path, knobs
         only_on_disk = [i for i, k in enumerate(keys) if mgr.where(k) == ["nvme"]]
         assert only_on_disk and len(only_on_disk) < len(keys)
         out = torch.zeros(len(keys), BLOCK, dtype=torch.uint8)
-        gathering = mgr.start_gather(keys, out, layer=3)
-        assert gathering.missing == only_on_disk
+        future = mgr.read(keys, into=out, layer=3)
+        assert future.missing == only_on_disk
+        assert future.ready == [i for i in range(len(keys)) if i not in only_on_disk]
         for i in range(len(keys)):
             assert torch.equal(out[i], block(i)) != (i in only_on_disk)
         waits = len(mgr.manager.events.of_kind("wait"))
-        gathering.wait()
+        future.wait()
         assert all(torch.equal(out[i], block(i)) for i in range(len(keys)))
         stall = mgr.manager.events.of_kind("wait")[waits:]
         assert [(e.layer, e.blocks) for e in stall] == [(3, len(only_on_disk))]   # one stall, the caller's
-        assert gathering.wait() is out                                            # a second wait: nothing to do
+        assert future.wait() is out                                            # a second wait: nothing to do
         mgr.contains(keys[0])                                                     # the unpins have run
         assert_quiescent(mgr.manager)
 
@@ -61,31 +62,32 @@ def test_everything_in_place_leaves_nothing_to_wait_for(tmp_path, knobs):
     with manager(tmp_path / "s", knobs, gpu=16) as mgr:
         keys = stored(mgr, 8)
         out = torch.zeros(len(keys), BLOCK, dtype=torch.uint8)
-        gathering = mgr.start_gather(keys, out)
-        assert gathering.missing == [] and all(torch.equal(out[i], block(i)) for i in range(8))
-        gathering.wait()
+        future = mgr.read(keys, into=out)
+        assert future.missing == [] and all(torch.equal(out[i], block(i)) for i in range(8))
+        future.wait()
         assert not mgr.manager.events.of_kind("wait")
         mgr.contains(keys[0])
         assert_quiescent(mgr.manager)
 
 
-def test_an_abandoned_gather_releases_its_blocks_when_they_arrive(tmp_path, knobs):
+def test_a_cancelled_read_releases_its_blocks_when_they_arrive(tmp_path, knobs):
     with manager(tmp_path / "s", knobs) as mgr:
         keys = stored(mgr, 12)
-        gathering = mgr.start_gather(keys, torch.zeros(len(keys), BLOCK, dtype=torch.uint8))
-        pending = gathering._pending
-        gathering.abandon()
+        future = mgr.read(keys, into=torch.zeros(len(keys), BLOCK, dtype=torch.uint8))
+        pending = future._pending
+        future.cancel()
         pending.result(timeout=30)
         settle(mgr, keys[0])
         assert_quiescent(mgr.manager)
-        gathering.wait()                    # abandoned: nothing left to copy
+        future.wait()                    # cancelled: nothing left to copy
+        assert future.done()
 
 
 def test_an_interrupted_wait_releases_the_blocks_when_they_arrive(tmp_path, knobs):
     with manager(tmp_path / "s", knobs) as mgr:
         keys = stored(mgr, 12)
-        gathering = mgr.start_gather(keys, torch.zeros(len(keys), BLOCK, dtype=torch.uint8))
-        pending = gathering._pending
+        future = mgr.read(keys, into=torch.zeros(len(keys), BLOCK, dtype=torch.uint8))
+        pending = future._pending
         arrived = pending.result
 
         def interrupted(timeout=None):
@@ -93,7 +95,20 @@ def test_an_interrupted_wait_releases_the_blocks_when_they_arrive(tmp_path, knob
             raise Interrupted      # as KeyboardInterrupt would, which pytest takes for its own
         pending.result = interrupted
         with pytest.raises(Interrupted):
-            gathering.wait()
+            future.wait()
         arrived(timeout=30)
+        settle(mgr, keys[0])
+        assert_quiescent(mgr.manager)
+
+
+def test_a_plain_read_waits_for_every_row_and_raises_for_a_block_stored_nowhere(tmp_path, knobs):
+    from tierkv.errors import BlockMissing
+    with manager(tmp_path / "s", knobs) as mgr:
+        keys = stored(mgr, 12)
+        out = mgr.read(keys, into=torch.zeros(len(keys), BLOCK, dtype=torch.uint8)).wait()
+        assert all(torch.equal(out[i], block(i)) for i in range(len(keys)))
+        future = mgr.read([keys[0], key(999)], into=torch.zeros(2, BLOCK, dtype=torch.uint8))
+        with pytest.raises(BlockMissing):
+            future.wait()
         settle(mgr, keys[0])
         assert_quiescent(mgr.manager)
