@@ -266,6 +266,11 @@ def _print_run_summary(r, config) -> None:
         print(f"{name:6s} {format_size(t['budget_bytes']):>10s} {format_size(t['peak_bytes']):>10s} "
               f"{format_size(t['final_bytes']):>10s} {format_size(t['bytes_read']):>10s} "
               f"{format_size(t['bytes_written']):>10s}  {t['backend']}")
+    if r.buffers is not None and r.buffers["budget_bytes"]:
+        b = r.buffers
+        print(f"{'buffer':6s} {format_size(b['budget_bytes']):>10s} {format_size(b['peak_bytes']):>10s} "
+              f"{format_size(b['final_bytes']):>10s} {'-':>10s} {'-':>10s}  each layer's K/V as one tensor, "
+              f"{b['device']} (--kv-buffer)")
     if r.remote is not None:
         _print_remote(r.remote)
     if config.output.trace:

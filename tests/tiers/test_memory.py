@@ -15,8 +15,11 @@ from tierkv.tiers.memory import MemoryTier
 BB = 1024
 
 
-def make(slots: int, extent_slots: int, monkeypatch: pytest.MonkeyPatch) -> MemoryTier:
+def make(slots: int, extent_slots: int, monkeypatch: pytest.MonkeyPatch, *, indexed: bool = False) -> MemoryTier:
+    """A host tier of ``slots`` blocks in extents of ``extent_slots``; copies go by memmove in runs, or
+    (``indexed``) by numpy indexing, the path of small blocks."""
     monkeypatch.setattr(memory, "EXTENT_BYTES", extent_slots * BB)
+    monkeypatch.setattr(memory, "INDEXED_BYTES", BB if indexed else 0)
     return MemoryTier("cpu", Medium.CPU, torch.device("cpu"), BB, slots * BB)
 
 
@@ -44,8 +47,9 @@ def test_view_is_a_flat_block_of_the_arena(monkeypatch: pytest.MonkeyPatch) -> N
         tier.view(10)
 
 
-def test_gather_and_scatter_keep_order_across_extents(monkeypatch: pytest.MonkeyPatch) -> None:
-    tier = make(10, 4, monkeypatch)
+@pytest.mark.parametrize("indexed", [False, True])
+def test_gather_and_scatter_keep_order_across_extents(monkeypatch: pytest.MonkeyPatch, indexed: bool) -> None:
+    tier = make(10, 4, monkeypatch, indexed=indexed)
     fill(tier)
     slots = [2, 3, 4, 5, 9, 0, 8, 1]  # 2-3 | 4-5 cross an extent edge; 8-9 is the short last extent
     out = torch.empty(len(slots) * BB, dtype=torch.uint8)
@@ -125,3 +129,18 @@ def test_gather_refuses_wrong_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(IndexError, match="slot=8"):
         tier.gather([7, 8], torch.empty(2 * BB, dtype=torch.uint8))
     tier.gather([1], torch.empty(BB // 4, dtype=torch.int32))  # any dtype: only the bytes count
+
+
+def test_small_blocks_copy_by_index_into_rows_growing_extents_and_checking_slots(monkeypatch) -> None:
+    tier = make(10, 4, monkeypatch, indexed=True)
+    sizes = count_memmoves(monkeypatch)
+    src = torch.arange(3, dtype=torch.uint8).repeat_interleave(BB).view(3, BB) + 100
+    tier.scatter([9, 0, 5], src)                 # the last extent first: extents are made as needed
+    assert tier.allocated_bytes == 10 * BB
+    assert [int(tier.view(s)[0]) for s in (9, 0, 5)] == [100, 101, 102]
+    out = torch.zeros(6, BB, dtype=torch.uint8)
+    tier.gather([5, 9, 0], out, rows=[4, 0, 2])
+    assert [int(block[0]) for block in out] == [100, 0, 101, 0, 102, 0]
+    assert sizes == []                           # no memmove per block
+    with pytest.raises(IndexError, match="slot=10"):
+        tier.gather([1, 10], torch.zeros(2, BB, dtype=torch.uint8))

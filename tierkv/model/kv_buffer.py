@@ -26,7 +26,7 @@ class BufferBudget:
     def __init__(self, limit: int) -> None:
         if limit < 0:
             raise ValueError(f"buffer budget {limit}: must be >= 0 bytes")
-        self.limit, self.used = limit, 0
+        self.limit, self.used, self.peak = limit, 0, 0
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> bool:
@@ -34,6 +34,7 @@ class BufferBudget:
             if self.used + nbytes > self.limit:
                 return False
             self.used += nbytes
+            self.peak = max(self.peak, self.used)
             return True
 
     def give(self, nbytes: int) -> None:

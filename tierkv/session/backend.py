@@ -74,6 +74,14 @@ class Backend:
                        "bytes_written": mgr.stats[name].bytes_in, "backend": _backend_name(mgr.tiers[name])}
                 for name in mgr.order}
 
+    def buffer_report(self) -> dict[str, object] | None:
+        """Dense mode: the bytes the layers' K/V buffers may take, took at most and hold now."""
+        budget = getattr(self.engine, "buffers", None)
+        if self.mode != "dense" or budget is None:
+            return None
+        return {"budget_bytes": budget.limit, "peak_bytes": budget.peak, "final_bytes": budget.used,
+                "device": str(self.loaded.model.device)}
+
     def remote_report(self) -> dict[str, object] | None:
         """The remote store's counts (blocks read, written, skipped, damaged) and its link; None without one."""
         remote = self.manager.manager.remote

@@ -41,6 +41,7 @@ class RunResult:
     found: bool | None = None
     tiers: dict[str, dict[str, object]] = field(default_factory=dict)
     remote: dict[str, object] | None = None   # the remote store's counts (--remote)
+    buffers: dict[str, object] | None = None  # dense mode: the per-layer K/V buffers (--kv-buffer)
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -128,3 +129,4 @@ def _summarise(result: RunResult, backend, session: Session) -> None:
     result.kv_bytes = (result.prompt_tokens + result.generated_tokens) * spec.kv_bytes_per_token
     result.tiers = backend.tier_report()
     result.remote = backend.remote_report()
+    result.buffers = backend.buffer_report()

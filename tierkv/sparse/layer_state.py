@@ -82,6 +82,15 @@ class LayerState:
         self.length = 0
         self._head_basis: Tensor | None = None
 
+    def head_keys(self, factors: Tensor) -> Tensor:
+        """Keys [Hkv, m, D] of each head's own rows of factors [Hkv, m, r]: ``factors[h] @ B_h``, or at
+        full rank (the identity basis) head h's own columns, with no product."""
+        if not self.basis.exact:
+            return torch.bmm(factors, self.head_basis())
+        H, m = factors.shape[0], factors.shape[1]
+        heads = torch.arange(H)
+        return factors.view(H, m, H, -1)[heads, :, heads]
+
     def head_basis(self) -> Tensor:
         """The basis split per KV head: [Hkv, r, D] (keys of head h = A @ B[:, h*D:(h+1)*D])."""
         if self._head_basis is None:

@@ -9,6 +9,8 @@ adds up chunk by chunk, so the SVD never holds K::
     B  = top-r eigenvectors(G)  [r, Hkv*D], orthonormal rows
     A  = K B^T                  [n, r]    the per-token factors, stored with the values
     K ~= A B                    exact when r = Hkv*D
+    r = Hkv*D: B = I            the factors are the keys themselves; nothing to rebuild (pages
+                                of quantized factors keep the eigenbasis: it quantizes better)
 
 Keys are taken before RoPE: position rotations would spread them over
 every dimension (ShadowKV's observation), and the rebuilt keys can then be
@@ -33,8 +35,14 @@ class KeyBasis:
         k = keys.reshape(keys.shape[0], -1).double()
         self.gram.addmm_(k.T, k, alpha=sign)
 
-    def fit(self, rank: int) -> Tensor:
-        """Fix the basis to the top ``rank`` directions of the keys added so far."""
+    def fit(self, rank: int, *, rotate: bool = False) -> Tensor:
+        """Fix the basis to the top ``rank`` directions of the keys added so far. At full rank it is the
+        identity, unless ``rotate`` (quantized factors: the eigenbasis spreads the keys' outlier
+        channels, and int8 codes lose less of them)."""
+        dims = self.gram.shape[0]
+        if rank >= dims and not rotate:
+            self.basis, self.energy_kept = torch.eye(dims), 1.0
+            return self.basis
         values, vectors = torch.linalg.eigh(self.gram)               # ascending
         top = vectors[:, -rank:].flip(1)                             # [Hkv*D, r], strongest first
         total = float(values.clamp(min=0).sum())
@@ -49,6 +57,17 @@ class KeyBasis:
         return twin
 
     @property
+    def exact(self) -> bool:
+        """The basis is the identity: the factors are the keys (a basis stored by an older version
+        at full rank is an orthonormal one, and is rebuilt through)."""
+        basis = self.basis
+        if basis is None or basis.shape[0] != basis.shape[1]:
+            return False
+        if getattr(self, "_exact_of", None) is not basis:
+            self._exact_of, self._exact = basis, bool(torch.equal(basis, torch.eye(basis.shape[0])))
+        return self._exact
+
+    @property
     def rank(self) -> int:
         return 0 if self.basis is None else self.basis.shape[0]
 
@@ -58,7 +77,7 @@ def project(keys: Tensor, basis: Tensor) -> Tensor:
     return keys.reshape(keys.shape[0], -1).float() @ basis.T
 
 
-def reconstruct(factors: Tensor, basis: Tensor, heads: int) -> Tensor:
-    """factors [t, r] -> keys [t, Hkv, D] (float32)."""
-    keys = factors.float() @ basis
+def reconstruct(factors: Tensor, basis: Tensor, heads: int, *, exact: bool = False) -> Tensor:
+    """factors [t, r] -> keys [t, Hkv, D] (float32); ``exact``: the basis is the identity."""
+    keys = factors.float() if exact else factors.float() @ basis
     return keys.view(factors.shape[0], heads, -1)

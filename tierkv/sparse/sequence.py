@@ -202,7 +202,7 @@ class SparseSequence:
         """Fix the layer's key basis from the keys so far (sinks and window included), then seal."""
         state = self.layers[layer]
         if state.basis.basis is None:
-            state.basis.fit(rank)
+            state.basis.fit(rank, rotate=self.layout.codec is not None)
             self._seal(layer)
 
     def _seal(self, layer: int) -> None:
@@ -307,7 +307,7 @@ class SparseSequence:
             row = rows.gather(1, at).clamp(min=0)
             page, tok = row.div(P, rounding_mode="floor"), row % P
             factors = self.layout.take(raw, "factors", (page, tok))              # [Hkv, m, r]
-            keys = torch.bmm(factors, self.layers[layer].head_basis())          # [Hkv, m, D]
+            keys = self.layers[layer].head_keys(factors)                       # [Hkv, m, D]
             heads = torch.arange(at.shape[0]).unsqueeze(1)
             return at, valid, keys, self.layout.take(raw, "values", (page, tok, heads))
         return Loading(missing, finish, future.cancel)
@@ -368,9 +368,9 @@ class SparseSequence:
         take = self.layout.take              # decodes only these rows when pages are quantized
         if shared:
             factors = take(raw, "factors", (page[0], tok[0])).flatten(0, 1)    # [k*c, r]
-            k_sel = reconstruct(factors, state.basis.basis, H).transpose(0, 1)  # [Hkv, k*c, D]
+            k_sel = reconstruct(factors, state.basis.basis, H, exact=state.basis.exact).transpose(0, 1)
             return k_sel, take(raw, "values", (page[0], tok[0])).flatten(0, 1).transpose(0, 1), rows
-        k_sel = torch.bmm(take(raw, "factors", (page, tok)).flatten(1, 2), state.head_basis())   # [Hkv, k*c, D]
+        k_sel = state.head_keys(take(raw, "factors", (page, tok)).flatten(1, 2))   # [Hkv, k*c, D]
         heads = torch.arange(H).view(H, 1, 1)
         v_sel = take(raw, "values", (page, tok, heads)).flatten(1, 2)           # [Hkv, k*c, D]
         return k_sel, v_sel, rows

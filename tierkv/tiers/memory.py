@@ -39,6 +39,7 @@ from tierkv.tiers.pool import BlockPool
 
 EXTENT_BYTES = 64 * 1024**2
 SPLIT_BYTES = 4 * 1024**2  # host gathers/scatters this big also run on torch's other intra-op threads
+INDEXED_BYTES = 64 * 1024  # host copies of blocks this small go by numpy indexing, not a memmove each
 
 
 class MemoryTier:
@@ -145,6 +146,9 @@ class MemoryTier:
         if not flat.is_contiguous() or flat.nbytes != need and (rows is None or flat.nbytes < need):
             raise ValueError(f"{tuple(flat.shape)} {flat.dtype}, contiguous={flat.is_contiguous()}: expected "
                              f"{need // bb} x {bb} = {need} contiguous bytes")
+        if flat.device.type == "cpu" and self.device.type == "cpu" and bb <= INDEXED_BYTES and len(slots) > 1:
+            self._copy_indexed(slots, flat, into_slots=into_slots, rows=rows)
+            return
         runs = self._runs(slots, range(len(slots)) if rows is None else rows)
         if flat.device.type == "cpu" and self.device.type == "cpu":
             base, moves = flat.data_ptr(), []
@@ -158,6 +162,28 @@ class MemoryTier:
             ours, theirs = self._extents[index][offset:offset + count].view(-1), flat[pos * bb:(pos + count) * bb]
             dst, src = (ours, theirs) if into_slots else (theirs, ours)
             dst.copy_(src)
+
+    def _copy_indexed(self, slots: Sequence[int], flat: torch.Tensor, *, into_slots: bool,
+                      rows: Sequence[int] | None) -> None:
+        """Host to host for small blocks (sparse pages): one numpy indexed copy per extent, no Python
+        per block. Pages read at random rarely sit in adjacent slots, and a memmove per 12 KiB page
+        costs several times the copy (4.0 against 0.9 ms for a layer's 526 pages)."""
+        at = np.asarray(slots, dtype=np.int64)
+        if at.min() < 0 or at.max() >= self.pool.capacity:
+            bad = int(at.min() if at.min() < 0 else at.max())
+            raise IndexError(f"slot={bad}: outside 0..{self.pool.capacity - 1} of tier {self.name}")
+        extent, offset = np.divmod(at, self.extent_slots)
+        top = int(extent.max())
+        if top >= len(self._extents):
+            self._grow(top)
+        blocks = flat.view(-1).view(torch.uint8).numpy().reshape(-1, self.block_bytes)
+        targets = np.arange(len(at)) if rows is None else np.asarray(rows, dtype=np.int64)
+        for index in np.unique(extent).tolist():
+            mine = np.flatnonzero(extent == index) if top else slice(None)
+            if into_slots:
+                self._arrays[index][offset[mine]] = blocks[targets[mine]]
+            else:
+                blocks[targets[mine]] = self._arrays[index][offset[mine]]
 
     def _memmove_all(self, moves: list[tuple[int, int, int]], nbytes: int) -> None:
         """``memmove(dst, src, n)`` each; the runs of a big batch are shared out as threads come free."""
