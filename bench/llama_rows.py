@@ -52,8 +52,9 @@ def _model_params(**fields):
 
 
 class LlamaDecoder:
-    """A ``Decoder`` of bench/decode.py over llama.cpp: the prompt evaluated (or its saved state loaded),
-    then one ``eval`` of one token per step, greedy."""
+    """A ``Decoder`` of bench/decode.py over llama.cpp: the prompt evaluated (or its saved state loaded:
+    it holds the KV, not the logits, so the first step's token comes from the caller), then one
+    ``eval`` of one token per step, greedy."""
 
     def __init__(self, gguf: Path, ids: list[int], n_ctx: int, threads: int, state_dir: Path | None = None) -> None:
         from llama_cpp import Llama
@@ -77,7 +78,6 @@ class LlamaDecoder:
                 with part.open("wb") as f:
                     pickle.dump(self.llm.save_state(), f)
                 part.rename(state)
-        self.first = self._argmax()
 
     def _argmax(self) -> int:
         logits = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
