@@ -125,8 +125,8 @@ class StagingPool:
     def take(self, count: int) -> Iterator[list[torch.Tensor]]:
         with self._lock:
             got, self._idle = self._idle[:count], self._idle[count:]
+            self.made += count - len(got)
         fresh = [host_buffer(self.nbytes, pinned=True) for _ in range(count - len(got))]
-        self.made += len(fresh)
         buffers = got + fresh
         try:
             yield buffers

@@ -2,8 +2,8 @@
 
 Tiers are ordered fastest first. ``acquire`` brings blocks into a tier and
 pins them for the caller; ``read`` pins those in place at once and starts
-loading the rest (the blocking facade's ``ReadFuture``); ``prefetch`` does the same in the background at a
-lower priority; ``put`` places new blocks; ``flush`` waits for write-backs.
+loading the rest (the blocking facade's ``ReadFuture``); ``prefetch`` loads
+in the background at a lower priority; ``put`` places new blocks; ``flush`` waits for write-backs.
 The pieces it orchestrates::
 
     TierManager  the calls above, the lifecycle, hit events, the access hook   (this module)
@@ -13,6 +13,7 @@ The pieces it orchestrates::
       Residency  slots committed / released / pinned, policies and stats told  residency.py
       Executor   transfers in priority order on a runner (worker threads)      executor.py
       remote     write-through to a shared store, read on a miss (optional)     remote.py
+      build      the tiers a TierConfig names                                   build.py
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from tierkv.knobs import IOKnobs
 from tierkv.errors import BudgetExceeded, ManagerClosed
 from tierkv.keys import BlockKey
 from tierkv.manager import placement
+from tierkv.manager.build import build_tiers
 from tierkv.manager.directory import BlockEntry, Directory, Place
 from tierkv.manager.executor import Executor
 from tierkv.manager.lease import Lease
@@ -41,8 +43,6 @@ from tierkv.manager.transfer import Priority
 from tierkv.policy import EvictionPolicy, ObservesScores, implements
 from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.tiers.base import Medium, Tier
-from tierkv.tiers.cpu import CpuTier
-from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.remote import RemoteStore
 
 _MAX_ATTEMPTS = 16  # re-loads of a block evicted before its reader could pin it
@@ -59,25 +59,6 @@ class AccessHook(Protocol):
     def on_put(self, key: BlockKey, layer: int | None) -> None: ...
 
     def on_acquire(self, keys: Sequence[BlockKey], layer: int | None) -> None: ...
-
-
-def build_tiers(config: TierConfig, *, namespace: str = "default",
-                knobs: IOKnobs | None = None) -> list[Tier]:
-    knobs = knobs or IOKnobs.from_env()
-    tiers: list[Tier] = []
-    if config.gpu:
-        tiers.append(GpuTier(config.block_bytes, config.gpu))
-    if config.cpu:
-        tiers.append(CpuTier(config.block_bytes, config.cpu))
-    if config.cxl:
-        from tierkv.tiers.cxl import CxlTier
-        tiers.append(CxlTier(config.block_bytes, config.cxl, config.cxl_link()))
-    if config.nvme_dir is not None:
-        from tierkv.tiers.nvme import NvmeTier
-        tiers.append(NvmeTier(config.nvme_dir, config.block_bytes, config.nvme_budget,
-                              namespace=namespace, backend=knobs.nvme_backend,
-                              io_threads=knobs.io_threads))
-    return tiers
 
 
 class TierManager:

@@ -110,9 +110,8 @@ class Engine:
         # reuse=False: blocks of earlier runs are not found (another root), those of this engine's
         # own sequences are (a reused document, a fork)
         self._salt = "" if config.reuse else "/" + os.urandom(8).hex()
-        tiers = manager.manager.tiers
-        self.buffers = BufferBudget(config.buffer if config.buffer is not None else
-                                    tiers["gpu"].pool.capacity * self.layout.block_bytes if "gpu" in tiers else 0)
+        gpu = manager.manager.tiers.get("gpu")          # the buffers' default: as many bytes as the gpu tier
+        self.buffers = BufferBudget(config.buffer if config.buffer is not None else gpu.budget_bytes if gpu else 0)
 
     def new_sequence(self) -> TieredSequence:
         persist = self.manager.manager.store is not None or self.manager.manager.remote is not None

@@ -26,7 +26,7 @@ from tierkv.config import TierConfig
 from tierkv.device import compute_device
 from tierkv.errors import ConfigError
 from tierkv.manager import BlockingTierManager, TierManager
-from tierkv.manager.manager import build_tiers
+from tierkv.manager.build import build_tiers
 from tierkv.model.arch import decoder_layers
 from tierkv.model.loading import LoadedModel
 from tierkv.schedule.compute import GpuBatch

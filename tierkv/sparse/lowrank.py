@@ -29,6 +29,8 @@ class KeyBasis:
         self.gram = torch.zeros(key_dims, key_dims, dtype=torch.float64)
         self.basis: Tensor | None = None      # [r, Hkv*D] float32
         self.energy_kept = 1.0                # share of the key energy inside the basis, at fit time
+        self._exact_of: Tensor | None = None  # the basis ``exact`` last looked at, and what it found
+        self._exact = False
 
     def add(self, keys: Tensor, *, sign: float = 1.0) -> None:
         """keys [t, Hkv*D] (pre-RoPE); ``sign=-1``: take them back out (a crop)."""
@@ -63,7 +65,7 @@ class KeyBasis:
         basis = self.basis
         if basis is None or basis.shape[0] != basis.shape[1]:
             return False
-        if getattr(self, "_exact_of", None) is not basis:
+        if self._exact_of is not basis:
             self._exact_of, self._exact = basis, bool(torch.equal(basis, torch.eye(basis.shape[0])))
         return self._exact
 
