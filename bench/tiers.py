@@ -56,9 +56,12 @@ QUICK_SIZES = (256 * KiB, 1 * MiB)
 RATIO_MIN_BLOCK = 256 * KiB          # ratios are the worst over blocks at least this big
 RAW_CHUNK = 4 * MiB                  # bytes per raw pwrite/preadv
 RAW_THREADS = (1, 4)
+PAGE = 12 * KiB                      # a sparse page of SmolLM2 in bf16: 16 tokens x 3 KV heads x 64 dims x K+V
+PAGES_PER_READ = 526                 # pages one layer of a 32K sparse step reads
 IO_THREADS = 4                       # NvmeTier io_threads, as TIERKV_IO_THREADS defaults
 RAMDISKS = ("tmpfs", "ramfs", "devtmpfs")
-TARGETS = {"nvme_write_vs_raw": 0.9, "nvme_read_vs_raw": 0.9, "cpu_gather_vs_memcpy": 0.8}
+TARGETS = {"nvme_write_vs_raw": 0.9, "nvme_read_vs_raw": 0.9, "cpu_gather_vs_memcpy": 0.8,
+           "manager_gather_vs_memcpy": 0.6, "page_reads_vs_raw": 0.8}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,7 @@ class Plan:
     total: int          # bytes moved per probe run, per block size
     rounds: int
     batch: int          # blocks per NvmeTier / manager call
+    page_total: int     # bytes of random pages read per round
 
     def blocks(self, block: int) -> int:
         return self.total // block
@@ -241,6 +245,84 @@ def nvme_probes(store: NvmeTier, src: CpuTier, landing: CpuTier, n: int, batch: 
     return [Probe("nvme-write", nbytes, n, write, prepare=recycle), Probe("nvme-read", nbytes, n, read)]
 
 
+# -- random pages -----------------------------------------------------------------
+def page_probes(workdir: Path, plan: Plan, stack: contextlib.ExitStack) -> list[Probe]:
+    """Random ``PAGE`` reads from disk, as a sparse decode step makes them: through the manager
+    (``read(keys, into=rows)``, ``PAGES_PER_READ`` keys a call, from the NVMe tier into a cpu tier a
+    quarter of their size) against raw O_DIRECT reads of the same slots, one ``pread`` per page,
+    in the same order, on as many threads as the store has I/O threads.
+
+    Every round reads every page in one fixed shuffled order, so under LRU each page left the
+    cpu tier a whole round before it comes round again: every read goes to the disk.
+    """
+    n = plan.page_total // PAGE
+    cpu = CpuTier(PAGE, n // 4 * PAGE)
+    store = NvmeTier(workdir / "pages", PAGE, n * PAGE, namespace="bench-pages", io_threads=IO_THREADS)
+    stack.callback(shutil.rmtree, workdir / "pages", ignore_errors=True)
+    manager = stack.enter_context(BlockingTierManager(TierManager([cpu, store], knobs=IOKnobs())))
+    keys = [BlockKey.of("bench-pages", PAGE, i) for i in range(n)]
+    src = host_buffer(n * PAGE, pinned=False)
+    fill_pattern(src, seed=PAGE)
+    pages = src.view(n, PAGE)
+    with ThreadPoolExecutor(4) as callers:  # untimed set-up: overlap the per-put hops to the loop
+        list(callers.map(lambda i: manager.put(keys[i], pages[i], tier="nvme"), range(n)))
+    order = list(range(n))
+    random.Random(PAGE).shuffle(order)
+    rows = host_buffer(PAGES_PER_READ * PAGE, pinned=False).view(PAGES_PER_READ, PAGE)
+    check = order[:PAGES_PER_READ]
+
+    def through_manager() -> None:
+        for lo in range(0, n, PAGES_PER_READ):
+            part = [keys[i] for i in order[lo:lo + PAGES_PER_READ]]
+            manager.read(part, into=rows[:len(part)], tier="cpu").wait()
+
+    def verify() -> None:
+        manager.read([keys[i] for i in check], into=rows, tier="cpu").wait()
+        if not torch.equal(rows, pages[check]):
+            raise RuntimeError("page reads through the manager returned different bytes")
+
+    raw = PageFile(store, [keys[i] for i in order])
+    stack.callback(raw.close)
+    return [Probe("raw-pages", n * PAGE, n, raw.read), Probe("manager-pages", n * PAGE, n, through_manager),
+            Probe("page-verify", PAGES_PER_READ * PAGE, PAGES_PER_READ, verify)]
+
+
+class PageFile:
+    """The store's own slot file opened O_DIRECT a second time, read one page per ``pread``, the given
+    blocks' slots dealt round-robin to ``IO_THREADS`` threads."""
+
+    def __init__(self, store: NvmeTier, keys: list[BlockKey]) -> None:
+        self.offsets = [store.lookup(key) * store.block_bytes for key in keys]
+        if any(offset is None for offset in self.offsets):
+            raise RuntimeError("raw pages: a block is not in the store")
+        self.fd = os.open(store.directory / "slots.dat", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        self.bufs = [memoryview(host_buffer(PAGE, pinned=False).numpy()) for _ in range(IO_THREADS)]
+        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="raw-pages")
+
+    def read(self) -> None:
+        def worker(t: int) -> None:
+            buf, fd = self.bufs[t], self.fd
+            for offset in self.offsets[t::IO_THREADS]:
+                if os.preadv(fd, [buf], offset) != PAGE:
+                    raise OSError(f"short O_DIRECT read at {offset}")
+        for future in [self.pool.submit(worker, t) for t in range(IO_THREADS)]:
+            future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        os.close(self.fd)
+
+
+def measure_pages(plan: Plan, workdir: Path) -> list[Probe]:
+    with contextlib.ExitStack() as stack:
+        raw, through, verify = page_probes(workdir, plan, stack)
+        for _ in range(plan.rounds):
+            raw.once()
+            through.once()
+        verify.once()
+        return [raw, through]
+
+
 # -- one block size -------------------------------------------------------------
 def measure_size(block: int, plan: Plan, workdir: Path) -> tuple[list[Probe], str]:
     """Every probe for one block size, interleaved round by round; returns them and the store backend."""
@@ -315,6 +397,30 @@ RATIOS = {  # name -> (path, what it divides)
 }
 
 
+def add_page_rows(report: Report, probes: list[Probe]) -> None:
+    raw, through = probes
+    for probe in probes:
+        against = {} if probe is raw else {
+            "limit_gbps": round(raw.gbps, 3), "limit_config": raw.config, "vs_limit": round(probe.gbps / raw.gbps, 3),
+            "vs_limit_paired_median": round(probe.paired_median([raw]), 3),
+            "extra_us_per_block": round(probe.us_per_block - raw.us_per_block, 2),
+            "extra_cpu_s_per_gb": round(probe.cpu_s_per_gb - raw.cpu_s_per_gb, 3)}
+        report.add_row(probe.config, "throughput", round(probe.gbps, 3), "GB/s", block_bytes=PAGE, **against,
+                       us_per_block=round(probe.us_per_block, 2), cpu_s_per_gb=round(probe.cpu_s_per_gb, 3),
+                       cpu_us_per_block=round(min(probe.cpu_seconds) / probe.nblocks * 1e6, 2),
+                       nbytes=probe.nbytes, rounds_gbps=[round(probe.nbytes / s / 1e9, 3) for s in probe.seconds])
+    ratio = round(through.gbps / raw.gbps, 3)
+    report.add_ratio("page_reads_vs_raw", ratio, TARGETS["page_reads_vs_raw"],
+                     f"random {format_size(PAGE)} pages through BlockingTierManager.read (nvme -> cpu tier, "
+                     f"{PAGES_PER_READ} keys a call, checksums verified) / raw O_DIRECT preads of the same slots in "
+                     f"the same order on {IO_THREADS} threads")
+    cpu_us = min(through.cpu_seconds) / through.nblocks * 1e6
+    report.add_bound(f"pages: {raw.nblocks} random {format_size(PAGE)} pages a round; raw {raw.us_per_block:.1f} us "
+                     f"per page ({raw.gbps * 1e9 / PAGE:,.0f} pages/s), through the manager {through.us_per_block:.1f} "
+                     f"us per page and {cpu_us:.1f} us of CPU per page (all threads; raw: "
+                     f"{min(raw.cpu_seconds) / raw.nblocks * 1e6:.1f})")
+
+
 def add_ratios(report: Report, plan: Plan) -> None:
     for name, (config, meaning) in RATIOS.items():
         rows = [r for r in report.rows if r["config"] == config and r["block_bytes"] >= RATIO_MIN_BLOCK]
@@ -366,6 +472,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where the temporary files go; must be a real disk, not tmpfs (default: .)")
     parser.add_argument("--total", help="bytes moved per path and block size (default 1GiB, quick 256MiB)")
     parser.add_argument("--rounds", type=int, help="rounds per path, best counts (default 5, quick 3)")
+    parser.add_argument("--pages", help="bytes of random 12 KiB pages read per round (default 256MiB, quick 64MiB)")
     parser.add_argument("--batch", type=int, default=64, help="blocks per NvmeTier / manager call (default 64)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     return parser.parse_args(argv)
@@ -376,7 +483,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
     total = parse_size(args.total or ("256MiB" if args.quick else "1GiB"), "--total")
     if total < max(sizes) or total % max(sizes):
         raise SystemExit(f"--total={total}: must be a multiple of the largest block ({max(sizes)} bytes)")
-    return Plan(sizes, total, args.rounds or (3 if args.quick else 5), args.batch)
+    pages = parse_size(args.pages or ("64MiB" if args.quick else "256MiB"), "--pages")
+    if pages < 4 * PAGES_PER_READ * PAGE:
+        raise SystemExit(f"--pages={pages}: at least {format_size(4 * PAGES_PER_READ * PAGE)} (4 reads)")
+    return Plan(sizes, total, args.rounds or (3 if args.quick else 5), args.batch, pages)
 
 
 def make_workdir(base: Path, plan: Plan) -> Path:
@@ -408,6 +518,7 @@ def main(argv: list[str] | None = None) -> Report:
         for block in plan.sizes:
             probes, backend = measure_size(block, plan, workdir)
             add_rows(report, block, probes, backend)
+        add_page_rows(report, measure_pages(plan, workdir))
         add_ratios(report, plan)
         add_limit_bounds(report, plan, workdir, backend)
     finally:

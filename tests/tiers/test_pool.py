@@ -41,6 +41,27 @@ def test_wrong_transitions_are_refused():
         pool.release(slot)
 
 
+def test_batch_transitions_match_single_ones_and_check_before_changing():
+    pool = BlockPool(6)
+    assert pool.reserve_many(3) == [0, 1, 2]
+    pool.commit_many([0, 1])
+    with pytest.raises(ValueError, match="slot=2: is reserved, expected ready"):
+        pool.pin_many([0, 2])
+    assert pool.pins(0) == 0                      # refused as a whole: slot 0 was not pinned either
+    pool.pin_many([0, 1, 0])
+    assert (pool.pins(0), pool.pins(1)) == (2, 1)
+    with pytest.raises(ValueError, match="slot=1: unpin without pin"):
+        pool.unpin_many([1, 1])
+    assert pool.pins(1) == 1
+    pool.unpin_many([0, 0, 1])
+    pool.release_many([0, 2])
+    assert pool.state(0) is SlotState.FREE and pool.state(2) is SlotState.FREE
+    assert pool.reserve_many(4) == [0, 2, 3, 4]   # released slots first, lowest first, then new ones
+    with pytest.raises(BudgetExceeded, match="2 asked"):
+        pool.reserve_many(2)
+    assert pool.used == 5                         # all or none
+
+
 def test_restore_marks_specific_slots_ready():
     pool = BlockPool(10)
     pool.restore([5, 2])

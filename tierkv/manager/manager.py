@@ -329,8 +329,12 @@ class TierManager:
             self.access.on_acquire(keys, layer)
         start = time.perf_counter()
         target = tier or self.memory_tiers[0]
-        found = self.directory.find(keys, self._readable(tier))
-        not_in_place = self._record_hits(found, layer)
+        if rest_of:   # `read` found none of them in place an instant ago, and recorded its hits
+            found: list[Place | None] = [None] * len(keys)
+            not_in_place = len(keys)
+        else:
+            found = self.directory.find(keys, self._readable(tier))
+            not_in_place = self._record_hits(found, layer)
         if not not_in_place:   # all in place: pinned with no await, nothing can evict them meanwhile
             return Lease(tuple(keys), self._residency.pin(keys, found), self.tiers, self._unpin)
         if any(k not in self.directory for k in keys):

@@ -75,8 +75,8 @@ class Moves:
         moves this call starts insert their blocks cold)."""
         joined: list[asyncio.Future] = []
         by_source: dict[str, list[BlockKey]] = {}
-        for key in dict.fromkeys(keys):
-            entry = self.directory.entry(key)
+        unique = list(dict.fromkeys(keys))
+        for key, entry in zip(unique, self.directory.entries(unique)):
             if dst in entry.copies:
                 continue
             if dst in entry.arriving:
@@ -103,8 +103,8 @@ class Moves:
     def claim(self, keys: Sequence[BlockKey], dst: str) -> asyncio.Future:
         """Announce a move of ``keys`` into ``dst`` (synchronously, so later readers join it)."""
         done = asyncio.get_running_loop().create_future()
-        for key in keys:
-            self.directory.entry(key).arrive(dst, done)
+        for entry in self.directory.entries(keys):
+            entry.arrive(dst, done)
         return done
 
     async def check_stored(self, keys: Sequence[BlockKey]) -> None:
@@ -134,16 +134,13 @@ class Moves:
         except BaseException as error:
             self._settle(keys, dst, done, error)
             raise
-        entry_of = self.directory.entry
-        copies = [entry_of(k).copies for k in keys]
+        copies = [entry.copies for entry in self.directory.entries(keys)]
         if any(src not in c for c in copies):  # evicted from the source while we made room: the caller retries
-            for slot in dst_slots:
-                self.tiers[dst].pool.release(slot)
+            self.tiers[dst].pool.release_many(dst_slots)
             self._settle(keys, dst, done, None)
             return []
-        src_slots, src_pool = [c[src] for c in copies], self.tiers[src].pool
-        for slot in src_slots:
-            src_pool.pin(slot)
+        src_slots = [c[src] for c in copies]
+        self.tiers[src].pool.pin_many(src_slots)
         wanted = self.directory.wanted.get    # .get: a Counter's [] calls Python code for every absent key
         if any(wanted((k, dst)) for k in keys):
             priority = Priority.NOW  # a caller started waiting while this move was prepared
@@ -156,14 +153,11 @@ class Moves:
         return await asyncio.shield(done)
 
     def _complete(self, t: Transfer, work: asyncio.Future, done: asyncio.Future) -> None:
-        src_pool = self.tiers[t.src].pool
-        for slot in t.src_slots:
-            src_pool.unpin(slot)
+        self.tiers[t.src].pool.unpin_many(t.src_slots)
         error = work.exception()
         failed = set() if error is not None else set(work.result())
         if error is not None:
-            for slot in t.dst_slots:
-                self.tiers[t.dst].pool.release(slot)
+            self.tiers[t.dst].pool.release_many(t.dst_slots)
         else:
             self.residency.commit(t.keys, t.dst, t.dst_slots, cold=t.cold, skip=failed)
         self.residency.stats[t.src].bytes_out += t.nbytes
@@ -203,7 +197,7 @@ class Moves:
             raise BudgetExceeded(f"tier {name}: {n} blocks requested, the budget holds {pool.capacity}")
         while not pool.can_reserve(n):
             await self._make_room(name, n - pool.free)
-        slots = [pool.reserve() for _ in range(n)]
+        slots = pool.reserve_many(n)
         self.residency.stats[name].peak_slots = max(self.residency.stats[name].peak_slots, pool.used)
         return slots
 
@@ -219,9 +213,7 @@ class Moves:
                                  "hold the only copy of protected blocks; raise its budget or add a lower tier")
         room = placement.room_below(name, self.order, self.tiers)
         demote, drop = placement.split_victims(victims, name, self.directory, self.order, room)
-        for key in drop:
-            self.residency.remove_copy(key, name)
-            self.directory.forget_if_empty(key)
+        self.residency.remove_copies(drop, name)
         if demote:
             await self._demote(demote, name)
 

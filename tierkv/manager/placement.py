@@ -80,10 +80,20 @@ class Unevictable(Container[Hashable]):
     """The keys a tier's policy must not choose (``evict(n, protected)``), checked lazily per candidate."""
 
     def __init__(self, name: str, directory: Directory, tiers: Mapping[str, Tier], order: Sequence[str]) -> None:
-        self._name, self._directory, self._tiers, self._order = name, directory, tiers, order
+        self._name, self._get, self._wanted = name, directory.get, directory.wanted
+        self._pins, self._last = tiers[name].pool.pins, tier_below(order, name) is None
 
     def __contains__(self, key: object) -> bool:
-        return not evictable(key, self._name, self._directory, self._tiers, self._order)  # type: ignore[arg-type]
+        """`evictable`, negated, with its lookups bound once (it runs for every candidate a policy offers)."""
+        entry = self._get(key)  # type: ignore[arg-type]
+        if entry is None:
+            return False
+        slot = entry.copies.get(self._name)
+        if slot is None:
+            return False
+        if self._pins(slot) or self._wanted.get((key, self._name)):
+            return True
+        return self._last and entry.holders > 0 and len(entry.copies) == 1
 
 
 def room_below(name: str, order: Sequence[str], tiers: Mapping[str, Tier]) -> int:
@@ -105,8 +115,7 @@ def split_victims(victims: Sequence[BlockKey], name: str, directory: Directory,
     below = tier_below(order, name)
     demote: list[BlockKey] = []
     drop: list[BlockKey] = []
-    for key in victims:
-        entry = directory.entry(key)
+    for key, entry in zip(victims, directory.entries(victims)):
         only_copy = len(entry.copies) == 1 and entry.protected and below is not None
         if only_copy or (len(demote) < room and below not in entry.copies):
             demote.append(key)

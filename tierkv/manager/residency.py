@@ -42,15 +42,17 @@ class Residency:
         (this runs for every block a load brings); ``skip``: keys whose slot is released instead
         (their source failed verification)."""
         pool, entry_of = self.tiers[name].pool, self.directory.entry
-        added = []
+        added, taken, spare = [], [], []
         for key, slot in zip(keys, slots):
             entry = None if key in skip else entry_of(key)
             if entry is None or name in entry.copies:  # failed, or already there (blocks are immutable)
-                pool.release(slot)
+                spare.append(slot)
                 continue
-            pool.commit(slot)
             entry.copies[name] = slot
             added.append(key)
+            taken.append(slot)
+        pool.commit_many(taken)
+        pool.release_many(spare)
         self.admit(name, added, cold=cold)
         self.stats[name].bytes_in += len(added) * self.block_bytes
 
@@ -80,6 +82,22 @@ class Residency:
         if tier.medium is Medium.NVME:
             tier.drop(key)
         tier.pool.release(slot)
+
+    def remove_copies(self, keys: Sequence[BlockKey], name: str) -> None:
+        """`remove_copy` of each of ``keys`` (chosen by ``name``'s policy), forgetting the entries left
+        with no copy: the eviction of many blocks at once."""
+        tier, directory = self.tiers[name], self.directory
+        cold, store = directory.cold, tier.medium is Medium.NVME
+        slots = []
+        for key, entry in zip(keys, directory.entries(keys)):
+            if cold:
+                cold.discard((key, name))
+            slots.append(entry.copies.pop(name))
+            if store:
+                tier.drop(key)
+            if not entry.copies and not entry.arriving:
+                directory.forget_if_empty(key)
+        tier.pool.release_many(slots)
 
     def forget_copy(self, key: BlockKey, name: str) -> None:
         """``remove_copy``, and ``name``'s policy forgets the block too."""
@@ -127,10 +145,11 @@ class Residency:
             fresh: Container[BlockKey] = ()) -> tuple[Place, ...]:
         """Pin every key where ``Directory.find`` found it, and tell the policies of the use
         (``fresh``: blocks loaded for this read, just inserted: not a reuse)."""
-        tiers, policies, cold = self.tiers, self.policies, self.directory.cold
-        for key, (name, slot) in zip(keys, places):
-            tiers[name].pool.pin(slot)
-            if (key, name) in cold:  # a guessed block's first use: no longer a guess
+        policies, cold = self.policies, self.directory.cold
+        for name, slots in _by_tier(places).items():
+            self.tiers[name].pool.pin_many(slots)
+        for key, (name, _) in zip(keys, places):
+            if cold and (key, name) in cold:  # a guessed block's first use: no longer a guess
                 cold.discard((key, name))
                 policies[name].touch(key)
             elif key not in fresh:
@@ -138,6 +157,17 @@ class Residency:
         return tuple(places)
 
     def unpin(self, places: Iterable[Place]) -> None:
-        for name, slot in places:
-            self.tiers[name].pool.unpin(slot)
+        for name, slots in _by_tier(places).items():
+            self.tiers[name].pool.unpin_many(slots)
         self.changed.set()
+
+
+def _by_tier(places: Iterable[Place]) -> dict[str, list[int]]:
+    """Slots grouped by tier (a read's blocks mostly sit in one)."""
+    groups: dict[str, list[int]] = {}
+    for name, slot in places:
+        group = groups.get(name)
+        if group is None:
+            group = groups[name] = []
+        group.append(slot)
+    return groups

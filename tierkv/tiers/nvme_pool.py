@@ -71,12 +71,13 @@ class SharedPool(BlockPool):
     # -- transitions -----------------------------------------------------
     def reserve(self) -> int:
         if not self.can_reserve():
-            others = [o for o in self._claims.read() if o != self._owner]
-            raise BudgetExceeded(f"NVMe store {self._claims.owners.parent}: no free slot for this process: it "
-                                 f"holds {len(self._own)} of {self.extents} extents of slots (at most "
-                                 f"{self._share()} while {self._claims.openers()} processes have the store open), "
-                                 f"others are held by pid(s) {', '.join(self._claims.pids(others)) or 'none'}")
+            raise self._full()
         return super().reserve()
+
+    def reserve_many(self, n: int) -> list[int]:
+        if not self.can_reserve(n):
+            raise self._full()
+        return super().reserve_many(n)
 
     def restore(self, slots: list[int]) -> None:
         """Mark these slots READY (blocks visible at open; no extent is this process's yet)."""
@@ -115,6 +116,13 @@ class SharedPool(BlockPool):
         return extents
 
     # -- internals -------------------------------------------------------
+    def _full(self) -> BudgetExceeded:
+        others = [o for o in self._claims.read() if o != self._owner]
+        return BudgetExceeded(f"NVMe store {self._claims.owners.parent}: no free slot for this process: it "
+                              f"holds {len(self._own)} of {self.extents} extents of slots (at most "
+                              f"{self._share()} while {self._claims.openers()} processes have the store open), "
+                              f"others are held by pid(s) {', '.join(self._claims.pids(others)) or 'none'}")
+
     def _claim(self) -> bool:
         """Claim the lowest unclaimed extent with a free slot, reaping dead owners if there is none."""
         with self._claims.locked():
