@@ -1,4 +1,5 @@
-"""The executor over a runner the test drives by hand: priority order, boosts, limits, close."""
+"""The executor over a runner the test drives by hand: priority order, boosts, limits, close; the thread
+runner finishing a transfer left on a device stream once its event is done."""
 from __future__ import annotations
 
 import asyncio
@@ -7,8 +8,8 @@ import pytest
 
 from tierkv.errors import ManagerClosed
 from tierkv.events import EventRecorder
-from tierkv.manager.executor import Executor, Finish, Job
-from tierkv.manager.transfer import Kind, Priority, Transfer
+from tierkv.manager.executor import Executor, Finish, Job, ThreadRunner
+from tierkv.manager.transfer import InFlight, Kind, Priority, Transfer
 
 from conftest import BLOCK, key
 
@@ -106,3 +107,30 @@ async def test_close_aborts_queued_jobs_waits_for_running_ones_then_closes_the_r
         await queued
     with pytest.raises(ManagerClosed, match="not running"):
         ex.submit(move(2), lambda: 2, Priority.NOW)
+
+
+class DeviceEvent:
+    """The part of ``torch.cuda.Event`` a runner uses: ``query()``, true once the device is done."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+async def test_a_transfer_left_on_a_device_stream_finishes_when_its_event_does_and_frees_its_worker() -> None:
+    event = DeviceEvent()
+    ex = Executor(2, 64 * BLOCK, EventRecorder(), ThreadRunner(1))   # two jobs may run, on one worker thread
+    ex.start()
+    copying = ex.submit(move(0), lambda: InFlight(event, [key(0)]), Priority.NOW)
+    plain = ex.submit(move(1), lambda: [], Priority.NOW)
+    assert await asyncio.wait_for(plain, 5) == []          # the worker was free while the copies ran
+    await asyncio.sleep(0.01)
+    assert not copying.done() and event.queries > 1       # polled, not waited on
+    event.done = True
+    assert await asyncio.wait_for(copying, 5) == [key(0)]
+    assert ex.inflight_bytes == 0
+    await ex.aclose()

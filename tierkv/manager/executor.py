@@ -13,6 +13,10 @@ A `Runner` decides where a started job's body runs and when it is over::
         ▲                            │             (the replay passes one that completes at
         └──── finish(job, result, error) on the loop      a modelled, virtual time)
 
+A body that leaves copies on a device stream returns `InFlight`; the thread
+runner frees its worker and finishes the job once the event's ``query()`` is
+true, polled from the loop: no thread waits in ``synchronize()``.
+
 ``Runner.clock`` stamps a job's submit and done times, so the events a run
 records and those a simulated run records share one time base each.
 """
@@ -31,8 +35,11 @@ from typing import Protocol
 from tierkv.errors import ManagerClosed
 from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.keys import BlockKey
-from tierkv.manager.transfer import Priority, Transfer
+from tierkv.manager.transfer import InFlight, Priority, Transfer
 from tierkv.profile.trace import profiler_range
+
+
+POLL_S = 50e-6   # how often the loop asks a device event whether a transfer's copies are done
 
 
 class JobState(enum.Enum):
@@ -84,8 +91,9 @@ class ThreadRunner:
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="tierkv-move")
 
     def run(self, job: Job, finish: Finish) -> None:
-        work = asyncio.get_running_loop().run_in_executor(self._pool, _timed, job)
-        work.add_done_callback(lambda done: finish(job, *_outcome(done)))
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._pool, _timed, job)
+        work.add_done_callback(lambda done: _when_landed(loop, job, finish, *_outcome(done)))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -98,6 +106,18 @@ def _timed(job: Job) -> object:
     t = job.transfer
     with profiler_range(f"tierkv {t.kind.value} {t.src or 'new'}->{t.dst}"):
         return job.body()
+
+
+def _when_landed(loop: asyncio.AbstractEventLoop, job: Job, finish: Finish, result: object,
+                 error: BaseException | None) -> None:
+    """Finish ``job`` once its body is over and, if it left copies on a device stream (`InFlight`),
+    once their event says they are done: polled from the loop, so the worker is free meanwhile."""
+    if error is None and isinstance(result, InFlight):
+        if not result.event.query():
+            loop.call_later(POLL_S, _when_landed, loop, job, finish, result, None)
+            return
+        result = result.failed
+    finish(job, result, error)
 
 
 def _outcome(done: asyncio.Future) -> tuple[object, BaseException | None]:

@@ -3,7 +3,8 @@
 Handlers that move the bytes are registered per (source medium, destination
 medium). A handler runs on a worker thread, never on the event loop, and
 returns the keys whose source bytes failed verification (the NVMe store's
-checksums); any exception fails the whole transfer. A pair with a cxl end
+checksums), or an `InFlight` while its copies still run on a device stream;
+any exception fails the whole transfer. A pair with a cxl end
 is wrapped by `through_link`, so its bytes cost what the pool's link model
 charges. Puts (a caller's new block) have one handler per destination medium.
 """
@@ -49,7 +50,15 @@ class Transfer:
     cold: bool = False     # a guessed prefetch: its blocks enter ``dst`` cold (tierkv.policy.AdmitsCold)
 
 
-Handler = Callable[[Transfer, object, object], list[BlockKey]]
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """What a handler returns while its copies still run on a device stream: the transfer is over
+    once ``event.query()`` says so (the runner polls it; no thread blocks in ``synchronize``)."""
+    event: object
+    failed: list[BlockKey]
+
+
+Handler = Callable[[Transfer, object, object], "list[BlockKey] | InFlight"]
 _HANDLERS: dict[tuple[Medium, Medium], Handler] = {}
 MEMORY = (Medium.GPU, Medium.CPU, Medium.CXL)
 
@@ -86,7 +95,7 @@ class _Streams:
 STREAMS = _Streams()
 
 
-def copy_memory(t: Transfer, src, dst) -> list[BlockKey]:
+def copy_memory(t: Transfer, src, dst) -> list[BlockKey] | InFlight:
     if src.device.type == "cpu" and dst.device.type == "cpu":
         src.copy_slots(t.src_slots, dst, t.dst_slots)
         return []
@@ -96,8 +105,7 @@ def copy_memory(t: Transfer, src, dst) -> list[BlockKey]:
         for s, d in zip(t.src_slots, t.dst_slots):
             dst.view(d).copy_(src.view(s), non_blocking=True)
         event.record()
-    event.synchronize()  # on this worker thread, not the loop
-    return []
+    return InFlight(event, [])   # one event per transfer, polled until the copies are done
 
 
 # A transfer's place in the NVMe store's I/O queue: a read a caller waits for overtakes a prefetch
