@@ -74,8 +74,7 @@ def measure_beams(report: Report, loaded: LoadedModel, prompt_tokens: int = 2048
         model.generate(ids, cache=cache, num_beams=4, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0)
         seconds = time.perf_counter() - start
-        mgr = cache.manager.manager
-        held = sum(mgr.used_bytes(name) for name in mgr.order)
+        held = sum(stats["final_bytes"] for stats in cache.manager.tier_stats().values())
         length = cache.get_seq_length()
         rows = len(cache.layers[0].rows)
     one = length * loaded.spec.kv_bytes_per_token

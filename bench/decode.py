@@ -212,8 +212,7 @@ class NativeDecoder:
                          "memory_blocks_at_start": self.resident}
 
     def _nvme_read(self) -> int:
-        stats = self.manager.manager.stats
-        return stats["nvme"].bytes_out if "nvme" in stats else 0
+        return self.manager.tier_stats().get("nvme", {}).get("bytes_read", 0)
 
     def close(self) -> None:
         self.seq.release(keep=False)

@@ -22,8 +22,7 @@ with torch.inference_mode(), tempfile.TemporaryDirectory() as spill:
     reference = model.generate(ids, max_new_tokens=8, do_sample=False, cache=DynamicCache(config=model.config))
     with TieredCache(model.config, gpu="2MiB", cpu="4MiB", nvme_dir=spill) as cache:
         tiered = model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache)
-        mgr = cache.manager.manager
-        where = {name: mgr.used_bytes(name) for name in mgr.order}
+        where = {name: stats["final_bytes"] for name, stats in cache.manager.tier_stats().items()}
 
 print("prompt tokens:", ids.shape[1])
 print("output       :", tok.decode(tiered[0, ids.shape[1]:]))

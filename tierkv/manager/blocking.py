@@ -24,8 +24,10 @@ from tierkv.config import TierConfig
 
 from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
-from tierkv.manager.manager import Lease, TierManager
-from tierkv.manager.remote import hold_or_fetch
+from tierkv.manager.manager import AccessHook, Lease, TierManager
+from tierkv.manager.remote import Recompute, hold_or_fetch
+from tierkv.tiers.base import Tier
+from tierkv.tiers.remote import RemoteStore
 from tierkv.events import EventRecorder
 
 T = TypeVar("T")
@@ -192,6 +194,54 @@ class BlockingTierManager:
     @property
     def wants_scores(self) -> bool:
         return self.manager.wants_scores
+
+    # -- what callers look at (set at start, read from any thread) --------
+    @property
+    def events(self) -> EventRecorder:
+        return self.manager.events
+
+    @property
+    def access(self) -> AccessHook | None:
+        """The hook told of every put and read (an access recorder), or None."""
+        return self.manager.access
+
+    @property
+    def remote(self) -> RemoteStore | None:
+        return self.manager.remote
+
+    @property
+    def has_store(self) -> bool:
+        """An NVMe store holds blocks past this process."""
+        return self.manager.store is not None
+
+    @property
+    def persists(self) -> bool:
+        """Blocks outlive this process: an NVMe store or a remote one holds them."""
+        return self.manager.store is not None or self.manager.remote is not None
+
+    def price_recompute(self, recompute: Recompute) -> None:
+        """What recomputing a block costs, against which a remote read is weighed (only with a remote)."""
+        self.manager.recompute = recompute
+
+    def tier(self, name: str) -> Tier | None:
+        return self.manager.tiers.get(name)
+
+    def tier_stats(self) -> dict[str, dict[str, object]]:
+        """Per tier, fastest first: budget, peak and final bytes, bytes read out and written in."""
+        mgr = self.manager
+        return {name: {"budget_bytes": mgr.tiers[name].budget_bytes,
+                       "peak_bytes": mgr.stats[name].peak_slots * mgr.block_bytes,
+                       "final_bytes": mgr.used_bytes(name), "bytes_read": mgr.stats[name].bytes_out,
+                       "bytes_written": mgr.stats[name].bytes_in} for name in mgr.order}
+
+    def busy_blocks(self) -> int:
+        """Blocks pinned or reserved in any tier now (0 once nothing reads or moves)."""
+        mgr = self.manager
+        return self._call(lambda: sum(mgr.tiers[name].pool.busy_slots() for name in mgr.order))
+
+    def held_blocks(self) -> int:
+        """Blocks some sequence holds."""
+        return self._call(lambda: sum(1 for entry in self.manager.directory if entry.holders))
 
     def persist(self, keys: Sequence[BlockKey]) -> None:
         self._call(self.manager.persist, keys)

@@ -103,18 +103,18 @@ class Engine:
         self.config = config
         self.layers = decoder_layers(self.model)
         self.layout = config.layout(spec)
-        if manager.manager.remote is not None:
-            manager.manager.recompute = Recompute(recompute_seconds(self.model, config.block_tokens))
+        if manager.remote is not None:
+            manager.price_recompute(Recompute(recompute_seconds(self.model, config.block_tokens)))
         self.prefetch = make_prefetch(config.prefetch)
         self.scores = manager.wants_scores   # a policy ranks blocks by attention (h2o): report it
         # reuse=False: blocks of earlier runs are not found (another root), those of this engine's
         # own sequences are (a reused document, a fork)
         self._salt = "" if config.reuse else "/" + os.urandom(8).hex()
-        gpu = manager.manager.tiers.get("gpu")          # the buffers' default: as many bytes as the gpu tier
+        gpu = manager.tier("gpu")          # the buffers' default: as many bytes as the gpu tier
         self.buffers = BufferBudget(config.buffer if config.buffer is not None else gpu.budget_bytes if gpu else 0)
 
     def new_sequence(self) -> TieredSequence:
-        persist = self.manager.manager.store is not None or self.manager.manager.remote is not None
+        persist = self.manager.persists
         seq = TieredSequence(self.manager, self.layout, model_id=self.loaded.model_id + self._salt, persist=persist,
                              budget=self.buffers if self.buffers.limit and not self.scores else None,
                              device=self.model.device)
@@ -209,7 +209,7 @@ class Engine:
         positions = torch.arange(pos, pos + len(chunk), device=self.model.device)
         cos, sin = rope_cos_sin(self.model, positions)
         h = embed(self.model, ids)
-        events, access = self.manager.manager.events, self.manager.manager.access
+        events, access = self.manager.events, self.manager.access
         if access is not None:
             access.begin_step("decode" if len(chunk) == 1 else "prefill", len(chunk))
         for index, layer in enumerate(self.layers):

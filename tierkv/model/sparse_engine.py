@@ -92,8 +92,8 @@ class SparseEngine:
         self.rank = config.key_rank(spec.num_kv_heads * spec.head_dim)
         self.layout = self.page_layout(loaded, config)
         self.config = config = replace(config, page_tokens=self.layout.tokens)
-        if manager.manager.remote is not None:
-            manager.manager.recompute = Recompute(recompute_seconds(self.model, self.layout.tokens))
+        if manager.remote is not None:
+            manager.price_recompute(Recompute(recompute_seconds(self.model, self.layout.tokens)))
         self.selector = make_selector(config.selector)
         bind = getattr(self.selector, "bind", None)
         if bind is not None:          # a selector that runs at a tier (near-memory) finds it here
@@ -170,7 +170,7 @@ class SparseEngine:
 
     def _begin_step(self, kind: str, tokens: int) -> None:
         """Mark a step in the access trace being recorded, if any (replay models compute per step)."""
-        access = self.manager.manager.access
+        access = self.manager.access
         if access is not None:
             access.begin_step(kind, tokens)
 
@@ -193,7 +193,7 @@ class SparseEngine:
 
     def _forward(self, seq: SparseSequence, chunk: Sequence[int], pos: int) -> Tensor:
         h = embed(self.model, torch.tensor([list(chunk)]))          # [1, T, hidden]
-        events, phase = self.manager.manager.events, seq.plan.phase(len(chunk))
+        events, phase = self.manager.events, seq.plan.phase(len(chunk))
         for index, layer in enumerate(self.layers):
             start = time.perf_counter()
             with profiler_range(f"tierkv sparse layer {index}"):
@@ -233,7 +233,7 @@ class SparseEngine:
     def _prefetch(self, seq: SparseSequence, layer: int, h: Tensor, pos: int) -> None:
         """Layer ``layer``'s pages to load during the layer before it, as the prefetcher plans them;
         while a trace is recorded, the speculative guess too (as a guess, not a load)."""
-        index, access = seq.index(layer), self.manager.manager.access
+        index, access = seq.index(layer), self.manager.access
         if not index.chunks:
             return
         recording = access is not None and hasattr(access, "on_guess")

@@ -38,7 +38,7 @@ class Backend:
 
     @property
     def events(self) -> EventRecorder:
-        return self.manager.manager.events
+        return self.manager.events
 
     def empty(self, prompt_tokens: int) -> KVState:
         """A state of no tokens, for a prompt of ``prompt_tokens`` (sparse settings resolve by it)."""
@@ -67,12 +67,8 @@ class Backend:
         return sparse_report(self.engine, state.seq)
 
     def tier_report(self) -> dict[str, dict[str, object]]:
-        mgr = self.manager.manager
-        return {name: {"budget_bytes": mgr.tiers[name].budget_bytes,
-                       "peak_bytes": mgr.stats[name].peak_slots * mgr.block_bytes,
-                       "final_bytes": mgr.used_bytes(name), "bytes_read": mgr.stats[name].bytes_out,
-                       "bytes_written": mgr.stats[name].bytes_in, "backend": _backend_name(mgr.tiers[name])}
-                for name in mgr.order}
+        return {name: {**stats, "backend": _backend_name(self.manager.tier(name))}
+                for name, stats in self.manager.tier_stats().items()}
 
     def buffer_report(self) -> dict[str, object] | None:
         """Dense mode: the bytes the layers' K/V buffers may take, took at most and hold now."""
@@ -84,7 +80,7 @@ class Backend:
 
     def remote_report(self) -> dict[str, object] | None:
         """The remote store's counts (blocks read, written, skipped, damaged) and its link; None without one."""
-        remote = self.manager.manager.remote
+        remote = self.manager.remote
         if remote is None:
             return None
         link = remote.measured_link()
@@ -93,13 +89,11 @@ class Backend:
 
     def pinned_blocks(self) -> int:
         """Blocks pinned or reserved in any tier now (0 once nothing reads or moves)."""
-        mgr = self.manager.manager
-        return self.manager.call(lambda: sum(mgr.tiers[name].pool.busy_slots() for name in mgr.order))
+        return self.manager.busy_blocks()
 
     def held_blocks(self) -> int:
         """Blocks some state holds (documents and conversations the session keeps)."""
-        mgr = self.manager.manager
-        return self.manager.call(lambda: sum(1 for entry in mgr.directory if entry.holders))
+        return self.manager.held_blocks()
 
     def close(self) -> None:
         self.manager.flush()

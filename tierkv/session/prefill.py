@@ -118,7 +118,7 @@ def _prefill(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, *, r
 def share_index(engine: SparseEngine, path: Path) -> None:
     """Put a stored index in the remote store; its pages went there as they were sealed, and the flush
     before the index was saved waited for them."""
-    remote = engine.manager.manager.remote
+    remote = engine.manager.remote
     if remote is not None:
         remote.put_file(path.name, path.read_bytes())
 
@@ -126,7 +126,7 @@ def share_index(engine: SparseEngine, path: Path) -> None:
 def fetch_index(engine: SparseEngine, shelf: Shelf, ids: Sequence[int], *, longer_than: int) -> bool:
     """Bring the remote store's index of the longest prefix of ``ids`` (longer than ``longer_than``
     tokens) onto the shelf; whether one came. Its checksums and pages are checked as it loads."""
-    remote = engine.manager.manager.remote
+    remote = engine.manager.remote
     if remote is None:
         return False
     best = None

@@ -102,7 +102,7 @@ class DenseState:
         self.seq.crop(tokens)
 
     def release(self) -> None:
-        self.seq.release(keep=self.engine.manager.manager.store is not None)
+        self.seq.release(keep=self.engine.manager.has_store)
 
 
 class SparseState:
@@ -147,4 +147,4 @@ class SparseState:
         del self.tokens[len(self.tokens) - tokens:]
 
     def release(self) -> None:
-        self.seq.release(keep=self.engine.manager.manager.store is not None)
+        self.seq.release(keep=self.engine.manager.has_store)
