@@ -68,6 +68,9 @@ class Directory:
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
+    def knows_all(self, keys: Iterable[BlockKey]) -> bool:
+        return all(map(self._entries.__contains__, keys))
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -87,7 +90,7 @@ class Directory:
         """`entry` of each key, in one call (a read's hundreds of keys)."""
         get = self._entries.get
         found = [get(key) for key in keys]
-        if None in found:
+        if not all(found):     # (not ``None in found``: that compares every entry with None)
             missing = [key for key, entry in zip(keys, found) if entry is None]
             raise BlockMissing(f"block {missing[0].hex()} is not stored in any tier", tuple(missing))
         return found  # type: ignore[return-value]

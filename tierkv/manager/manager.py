@@ -337,7 +337,7 @@ class TierManager:
             not_in_place = self._record_hits(found, layer)
         if not not_in_place:   # all in place: pinned with no await, nothing can evict them meanwhile
             return Lease(tuple(keys), self._residency.pin(keys, found), self.tiers, self._unpin)
-        if any(k not in self.directory for k in keys):
+        if not self.directory.knows_all(keys):
             self.refresh()   # another process may have stored them
         wanted = [(k, target) for k in keys]
         self.directory.want(wanted)  # blocks in (or arriving into) the target stay there until pinned
