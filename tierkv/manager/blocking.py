@@ -6,13 +6,14 @@ loop runs on a thread of its own. Each call hops to that loop and waits::
     caller thread                 loop thread
     mgr.acquire(keys) ───run──▶   await TierManager.acquire(keys)
          ◀──── Lease ───────────  (pinned views)
-    lease.release() ───call──▶    unpin
+    lease.release() ──queue──▶    unpin, before the next call runs (or within UNPIN_TICK_S)
 """
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from tierkv.tiers.remote import RemoteStore
 from tierkv.events import EventRecorder
 
 T = TypeVar("T")
+UNPIN_TICK_S = 0.01   # the loop unpins released blocks at least this often when no caller asks it anything
 
 
 def _thread_future(task: asyncio.Future) -> Future:
@@ -105,8 +107,10 @@ class BlockingTierManager:
         self._thread = threading.Thread(target=self._loop.run_forever, name="tierkv-loop", daemon=True)
         self._thread.start()
         self._closed = False
+        self._released: deque[Any] = deque()   # places callers let go of, not yet unpinned on the loop
         try:
             self._run(manager.start())
+            self._loop.call_soon_threadsafe(self._tick)
         except BaseException:
             self._stop_loop()
             raise
@@ -286,8 +290,21 @@ class BlockingTierManager:
         return lease
 
     def _unpin(self, places: Any) -> None:
-        """Fire and forget: the loop runs it before anything this thread asks for later."""
-        self._loop.call_soon_threadsafe(self.manager._unpin, places)
+        """Queued, not sent: the loop unpins them before anything a caller asks for later, and on its own
+        every ``UNPIN_TICK_S``. Waking the loop for each release would make this thread wait for the
+        interpreter's lock while the loop works (one wake per layer read, ~1 ms each on two cores)."""
+        self._released.append(places)
+
+    def _unpin_released(self) -> None:
+        """On the loop: unpin what callers released (a deque: appends from other threads are never lost)."""
+        released = self._released
+        while released:
+            self.manager._unpin(released.popleft())
+
+    def _tick(self) -> None:
+        self._unpin_released()
+        if not self._closed:
+            self._loop.call_later(UNPIN_TICK_S, self._tick)
 
     # -- lifecycle ------------------------------------------------------
     def close(self) -> None:
@@ -307,7 +324,11 @@ class BlockingTierManager:
 
     # -- plumbing -------------------------------------------------------
     def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return asyncio.run_coroutine_threadsafe(self._after_releases(coro), self._loop).result()
+
+    async def _after_releases(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
+        self._unpin_released()    # what this thread released before it asked
+        return await coro
 
     def call(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` run on the loop thread (a consistent look at the manager's state)."""
