@@ -75,6 +75,22 @@ def test_take_decodes_the_gathered_rows_as_a_whole_decode_would(name):
     assert torch.equal(layout.take(raws, "factors", (flat_page, flat_tok)), factors[flat_page, flat_tok])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_take_of_plain_pages_gathers_the_rows_a_strided_index_would(dtype):
+    layout = BlockLayout.page(16, H, D, R, dtype)
+    raws = torch.stack([layout.pack(sample((16, H, D), i), sample((16, R), i + 9)) for i in range(5)])
+    values, factors = layout.unpack(raws)
+    page = torch.tensor([[4, 0], [2, 2], [1, 3]]).unsqueeze(-1)            # [H, 2, 1]
+    tok = torch.tensor([[8, 0], [15, 3], [0, 7]]).unsqueeze(-1) + torch.arange(1)
+    heads = torch.arange(H).view(H, 1, 1)
+    got = layout.take(raws, "values", (page, tok, heads))
+    assert got.dtype == torch.float32 and torch.equal(got, values[page, tok, heads].float())
+    assert torch.equal(layout.take(raws, "factors", (page, tok)), factors[page, tok].float())
+    assert torch.equal(layout.take(raws, "values", (page, tok)), values[page, tok].float())    # [H, 2, 1, H, D]
+    wide = torch.cat([raws, raws], 1)[:, :layout.block_bytes]             # not contiguous: the strided path
+    assert not wide.is_contiguous() and torch.equal(layout.take(wide, "values", (page, tok, heads)), got)
+
+
 def test_dense_blocks_quantize_keys_per_channel_in_64_token_groups():
     layout = BlockLayout.kv(30, H, D, torch.bfloat16, 256, codec=KVCodec.parse("int8", key_group=64))
     k_codec, v_codec = (f.codec for f in layout.fields)
