@@ -71,6 +71,8 @@ def test_take_decodes_the_gathered_rows_as_a_whole_decode_would(name):
     heads = torch.arange(H).view(H, 1, 1)
     assert torch.equal(layout.take(raws, "factors", (page, tok)), factors[page, tok])
     assert torch.equal(layout.take(raws, "values", (page, tok, heads)), values[page, tok, heads])
+    with pytest.raises(ValueError, match="quantized"):
+        layout.take(raws, "factors", (page, tok, heads), split=D)
     flat_page, flat_tok = page.expand_as(tok).flatten(1), tok.flatten(1)   # rows one by one
     assert torch.equal(layout.take(raws, "factors", (flat_page, flat_tok)), factors[flat_page, flat_tok])
 
@@ -87,6 +89,8 @@ def test_take_of_plain_pages_gathers_the_rows_a_strided_index_would(dtype):
     assert got.dtype == torch.float32 and torch.equal(got, values[page, tok, heads].float())
     assert torch.equal(layout.take(raws, "factors", (page, tok)), factors[page, tok].float())
     assert torch.equal(layout.take(raws, "values", (page, tok)), values[page, tok].float())    # [H, 2, 1, H, D]
+    own = layout.take(raws, "factors", (page, tok, heads), split=D)       # each head's own columns
+    assert torch.equal(own, factors.view(5, 16, R // D, D)[page, tok, heads].float())
     wide = torch.cat([raws, raws], 1)[:, :layout.block_bytes]             # not contiguous: the strided path
     assert not wide.is_contiguous() and torch.equal(layout.take(wide, "values", (page, tok, heads)), got)
 

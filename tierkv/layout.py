@@ -163,28 +163,32 @@ class BlockLayout:
                          else f.codec.decode(part, (*lead, *f.shape), self.dtype))
         return tuple(views)
 
-    def take(self, raw: Tensor, name: str, index: tuple[Tensor, ...]) -> Tensor:
+    def take(self, raw: Tensor, name: str, index: tuple[Tensor, ...], *, split: int | None = None) -> Tensor:
         """Rows of the field ``name`` of blocks ``raw`` [n, block_bytes], float32: ``index`` has a tensor
         for each of the first dimensions of [n, *field shape] (at least the block's), and the result is
-        [*index shape, the dimensions left]. A quantized field decodes only those rows (its gather and
-        its decode are one pass)."""
+        [*index shape, the dimensions left]. ``split``: the field's last dimension seen as [-1, split]
+        (a plain field only: one KV head's columns of the key factors). A quantized field decodes only
+        those rows (its gather and its decode are one pass)."""
         i = next(i for i, f in enumerate(self.fields) if f.name == name)
         f, start = self.fields[i], self._offsets[i]
         part = raw[..., start:self._offsets[i + 1]]
+        shape = f.shape if split is None else (*f.shape[:-1], f.shape[-1] // split, split)
         if f.codec is not None:
+            if split is not None:
+                raise ValueError(f"field {name!r} is quantized ({f.codec.name}): it is taken whole, not split")
             return f.codec.take(part, f.shape, index)
-        left = f.shape[len(index) - 1:]
+        left = shape[len(index) - 1:]
         row = math.prod(left) * self.dtype.itemsize
         if raw.dim() == 2 and raw.is_contiguous() and not start % row and not raw.shape[-1] % row:
             # each wanted row is `row` contiguous bytes: one index_select over the buffer seen as rows
             # (3x faster than indexing the strided field view in several dimensions)
             flat, stride = index[0] * (raw.shape[-1] // row) + start // row, 1
-            for size, idx in zip(reversed(f.shape[:len(index) - 1]), reversed(index[1:])):
+            for size, idx in zip(reversed(shape[:len(index) - 1]), reversed(index[1:])):
                 flat = flat + idx * stride
                 stride *= size
             rows = raw.view(-1).view(self.dtype).view(-1, math.prod(left))
             return rows.index_select(0, flat.reshape(-1)).float().view(*flat.shape, *left)
-        return part.view(self.dtype).view(*raw.shape[:-1], *f.shape)[index].float()
+        return part.view(self.dtype).view(*raw.shape[:-1], *shape)[index].float()
 
     def field_bytes(self, name: str) -> int:
         """Bytes of the field ``name`` in one block."""

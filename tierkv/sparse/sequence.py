@@ -305,9 +305,8 @@ class SparseSequence:
             valid = torch.arange(at.shape[1]) < count.unsqueeze(1)
             row = rows.gather(1, at).clamp(min=0)
             page, tok = row.div(P, rounding_mode="floor"), row % P
-            factors = self.layout.take(raw, "factors", (page, tok))              # [Hkv, m, r]
-            keys = self.layers[layer].head_keys(factors)                       # [Hkv, m, D]
             heads = torch.arange(at.shape[0]).unsqueeze(1)
+            keys = self._head_keys(self.layers[layer], raw, page, tok, heads)   # [Hkv, m, D]
             return at, valid, keys, self.layout.take(raw, "values", (page, tok, heads))
         return Loading(missing, finish, future.cancel)
 
@@ -369,10 +368,18 @@ class SparseSequence:
             factors = take(raw, "factors", (page[0], tok[0])).flatten(0, 1)    # [k*c, r]
             k_sel = reconstruct(factors, state.basis.basis, H, exact=state.basis.exact).transpose(0, 1)
             return k_sel, take(raw, "values", (page[0], tok[0])).flatten(0, 1).transpose(0, 1), rows
-        k_sel = state.head_keys(take(raw, "factors", (page, tok)).flatten(1, 2))   # [Hkv, k*c, D]
         heads = torch.arange(H).view(H, 1, 1)
+        k_sel = self._head_keys(state, raw, page, tok, heads).flatten(1, 2)     # [Hkv, k*c, D]
         v_sel = take(raw, "values", (page, tok, heads)).flatten(1, 2)           # [Hkv, k*c, D]
         return k_sel, v_sel, rows
+
+    def _head_keys(self, state: LayerState, raw: Tensor, page: Tensor, tok: Tensor, heads: Tensor) -> Tensor:
+        """Each KV head's keys of rows (page, tok) of ``raw`` [Hkv, ...]: with the identity basis the
+        factors are the keys, and only the head's own columns are read; otherwise factors @ B_h."""
+        if state.basis.exact and self.layout.codec is None:
+            return self.layout.take(raw, "factors", (page, tok, heads), split=self.layout.head_dim)
+        factors = self.layout.take(raw, "factors", (page, tok))                  # [Hkv, ..., r]
+        return state.head_keys(factors.flatten(1, -2)).view(*factors.shape[:-1], -1)
 
     def _count(self, state: LayerState, pages: Tensor) -> None:
         self.stats.steps += 1
