@@ -19,7 +19,11 @@ from torch import Tensor
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, H, T, D], cos/sin [B, T, D] -> x rotated (transformers' rotate-half convention)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                 # [B, 1, T, D]
-    return x * cos + _rotate_half(x) * sin
+    half = x.shape[-1] // 2     # x*cos + rotate_half(x)*sin with no rotated copy of x, rounded as it is
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]
+    return out
 
 
 def unrope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
