@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -64,6 +64,7 @@ class Directory:
         self._entries: dict[BlockKey, BlockEntry] = {}
         self.wanted: Counter[tuple[BlockKey, str]] = Counter()  # blocks callers wait to pin, per tier
         self.cold: set[tuple[BlockKey, str]] = set()            # guesses inserted cold, not read yet
+        self.get: Callable[[BlockKey], BlockEntry | None] = self._entries.get   # the entry of a key, or None
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -76,9 +77,6 @@ class Directory:
 
     def __iter__(self) -> Iterator[BlockEntry]:
         return iter(self._entries.values())
-
-    def get(self, key: BlockKey) -> BlockEntry | None:
-        return self._entries.get(key)
 
     def entry(self, key: BlockKey) -> BlockEntry:
         entry = self._entries.get(key)

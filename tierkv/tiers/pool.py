@@ -17,6 +17,7 @@ import enum
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from tierkv.errors import BudgetExceeded
 
@@ -31,6 +32,9 @@ class SlotState(enum.Enum):
 class _Slot:
     state: SlotState
     pins: int = 0
+
+
+_STATE = attrgetter("state")
 
 
 class BlockPool:
@@ -167,9 +171,8 @@ class BlockPool:
 
     def _records_in(self, slots: Sequence[int], expected: SlotState) -> list[_Slot]:
         """The records of ``slots``, each checked to be in ``expected`` state before any changes."""
-        get = self._slots.get
-        records = [get(slot) for slot in slots]
-        if not all(record is not None and record.state is expected for record in records):
+        records = list(map(self._slots.get, slots))
+        if not all(records) or not {*map(_STATE, records)} <= {expected}:   # C-level passes, no __eq__
             for slot in slots:
                 self._record(slot, expected)   # raises, naming the first slot in another state
         return records  # type: ignore[return-value]
