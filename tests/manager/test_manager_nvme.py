@@ -1,4 +1,6 @@
-"""The manager over a real NVMe store: demotion, write-back, reopen, a full disk."""
+"""The manager over a real NVMe store: demotion, write-back, reopen, a full disk, a cancelled read."""
+import asyncio
+
 import pytest
 import torch
 
@@ -131,4 +133,21 @@ async def test_a_reader_that_never_unpins_makes_a_full_tier_fail_after_the_pin_w
         lease.release()
         await m.put(key(9), block(9))
         assert m.contains(key(9))
+        assert_quiescent(m)
+
+
+async def test_a_read_cancelled_before_its_loads_start_leaves_no_claim_behind(tmp_path, knobs):
+    async with TierManager(tiers(tmp_path / "s", gpu=16, cpu=4), knobs=knobs) as m:
+        for i in range(8):
+            await m.put(key(i), block(i), tier="nvme")
+        task = asyncio.ensure_future(m.acquire([key(i) for i in range(8)], "gpu"))
+        await asyncio.sleep(0)          # the read announced its loads; they have not started
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        lease = await asyncio.wait_for(m.acquire([key(0), key(1)], "gpu"), 10)   # joins no stale load
+        assert torch.equal(lease.views[1], block(1))
+        lease.release()
+        while m._executor.busy:
+            await m._executor.progress()
         assert_quiescent(m)

@@ -91,7 +91,10 @@ class Moves:
         kind = Kind.LOAD if priority is Priority.NOW else Kind.PREFETCH
         moves = [self._move(group, src, dst, kind, priority, layer, self.claim(group, dst), cold=cold)
                  for src, group in by_source.items()]
-        results = await asyncio.gather(*moves, *(asyncio.shield(f) for f in joined), return_exceptions=True)
+        # shielded: a caller cancelled before its moves start leaves them to run, so every claim made
+        # above settles (a move never started would leave later readers joined to it forever)
+        results = await asyncio.shield(asyncio.gather(*moves, *(asyncio.shield(f) for f in joined),
+                                                      return_exceptions=True))
         corrupt = [k for r in results if isinstance(r, list) for k in r]
         errors = [r for r in results if isinstance(r, BaseException)]
         if corrupt:
