@@ -14,11 +14,13 @@ nothing here measures or decides. Scripts in ``bench/`` import it as
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -58,6 +60,30 @@ def filesystem(path: str | Path) -> tuple[str, str, str]:
         if inside and len(mount) > best_len:
             best, best_len = (fstype, device, mount), len(mount)
     return best
+
+
+class DirectPages:
+    """Random page reads at the device's limit: one O_DIRECT ``pread`` of ``page_bytes`` at each of
+    ``offsets`` in ``path``, dealt round-robin to ``threads`` threads. Opening raises OSError where
+    O_DIRECT is refused."""
+
+    def __init__(self, path: Path, page_bytes: int, offsets: Sequence[int], threads: int) -> None:
+        self.path, self.page_bytes, self.offsets, self.threads = path, page_bytes, list(offsets), threads
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        self.bufs = [memoryview(mmap.mmap(-1, page_bytes)) for _ in range(threads)]   # page-aligned
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="raw-pages")
+
+    def read(self) -> None:
+        def worker(t: int) -> None:
+            for offset in self.offsets[t::self.threads]:
+                if os.preadv(self.fd, [self.bufs[t]], offset) != self.page_bytes:
+                    raise OSError(f"{self.path}: short O_DIRECT read at {offset}")
+        for done in [self.pool.submit(worker, t) for t in range(self.threads)]:
+            done.result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        os.close(self.fd)
 
 
 def _cpu_model() -> str:

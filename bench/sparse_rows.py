@@ -33,19 +33,16 @@ sparse at remapped ones, so the tokens differ; the rows compare speed, not text.
 """
 from __future__ import annotations
 
-import mmap
-import os
 import random
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from llama_rows import LlamaDecoder, version as llama_version
-from report import Report
+from report import DirectPages, Report
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager
@@ -236,24 +233,17 @@ def page_read_rate(path: Path, page_bytes: int, slots: list[int], threads: int, 
     """Random O_DIRECT reads of one stored page each, ``threads`` at a time, from the store's own
     file: reads per second (the device's limit for page loads; sequential GB/s says little about
     it). None where O_DIRECT is refused."""
+    offsets = [slot * page_bytes for slot in random.Random(0).choices(slots, k=reads)]
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        pages = DirectPages(path, page_bytes, offsets, threads)
     except OSError:
         return None
     try:
-        offsets = [slot * page_bytes for slot in random.Random(0).choices(slots, k=reads)]
-        bufs = [memoryview(mmap.mmap(-1, page_bytes)) for _ in range(threads)]   # page-aligned
-
-        def worker(t: int) -> None:
-            for offset in offsets[t::threads]:
-                os.preadv(fd, [bufs[t]], offset)
-
         start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(worker, range(threads)))
+        pages.read()
         return reads / (time.perf_counter() - start)
     finally:
-        os.close(fd)
+        pages.close()
 
 
 def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s: float,

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from report import Report, filesystem, machine
+from report import DirectPages, Report, filesystem, machine
 from tierkv.knobs import IOKnobs
 from tierkv.sizes import format_size, parse_size
 from tierkv.device import host_buffer
@@ -281,36 +281,11 @@ def page_probes(workdir: Path, plan: Plan, stack: contextlib.ExitStack) -> list[
         if not torch.equal(rows, pages[check]):
             raise RuntimeError("page reads through the manager returned different bytes")
 
-    raw = PageFile(store, [keys[i] for i in order])
+    raw = DirectPages(store.directory / "slots.dat", PAGE, [store.lookup(keys[i]) * PAGE for i in order],
+                      IO_THREADS)   # the store's own slot file, opened a second time
     stack.callback(raw.close)
     return [Probe("raw-pages", n * PAGE, n, raw.read), Probe("manager-pages", n * PAGE, n, through_manager),
             Probe("page-verify", PAGES_PER_READ * PAGE, PAGES_PER_READ, verify)]
-
-
-class PageFile:
-    """The store's own slot file opened O_DIRECT a second time, read one page per ``pread``, the given
-    blocks' slots dealt round-robin to ``IO_THREADS`` threads."""
-
-    def __init__(self, store: NvmeTier, keys: list[BlockKey]) -> None:
-        self.offsets = [store.lookup(key) * store.block_bytes for key in keys]
-        if any(offset is None for offset in self.offsets):
-            raise RuntimeError("raw pages: a block is not in the store")
-        self.fd = os.open(store.directory / "slots.dat", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-        self.bufs = [memoryview(host_buffer(PAGE, pinned=False).numpy()) for _ in range(IO_THREADS)]
-        self.pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="raw-pages")
-
-    def read(self) -> None:
-        def worker(t: int) -> None:
-            buf, fd = self.bufs[t], self.fd
-            for offset in self.offsets[t::IO_THREADS]:
-                if os.preadv(fd, [buf], offset) != PAGE:
-                    raise OSError(f"short O_DIRECT read at {offset}")
-        for future in [self.pool.submit(worker, t) for t in range(IO_THREADS)]:
-            future.result()
-
-    def close(self) -> None:
-        self.pool.shutdown()
-        os.close(self.fd)
 
 
 def measure_pages(plan: Plan, workdir: Path) -> list[Probe]:

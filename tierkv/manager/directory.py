@@ -151,6 +151,3 @@ class Directory:
                 self.wanted[item] = left
             else:
                 del self.wanted[item]
-
-    def is_wanted(self, key: BlockKey, tier: str) -> bool:
-        return bool(self.wanted.get((key, tier)))   # .get: a Counter's [] runs Python code for an absent key

@@ -13,7 +13,7 @@ The pieces it orchestrates::
       Residency  slots committed / released / pinned, policies and stats told  residency.py
       Executor   transfers in priority order on a runner (worker threads)      executor.py
       remote     write-through to a shared store, read on a miss (optional)     remote.py
-      build      the tiers a TierConfig names                                   build.py
+      build      the tiers a TierConfig names, and checks of a set of tiers     build.py
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from tierkv.knobs import IOKnobs
 from tierkv.errors import BudgetExceeded, ManagerClosed
 from tierkv.keys import BlockKey
 from tierkv.manager import placement
-from tierkv.manager.build import build_tiers
+from tierkv.manager.build import build_tiers, check_tiers
 from tierkv.manager.directory import BlockEntry, Directory, Place
 from tierkv.manager.executor import Executor
 from tierkv.manager.lease import Lease
@@ -68,14 +68,7 @@ class TierManager:
         """``executor`` replaces the default one on worker threads (the replay passes one whose runner
         completes transfers in modelled time); ``remote`` is a store below the tiers shared with other
         processes and machines (see tierkv.manager.remote)."""
-        if not tiers:
-            raise ValueError("a tier manager needs at least one tier")
-        sizes = {t.block_bytes for t in tiers}
-        if len(sizes) != 1:
-            raise ValueError(f"all tiers must share one block size, got {sorted(sizes)}")
-        self.block_bytes = sizes.pop()
-        if all(t.medium is Medium.NVME for t in tiers):
-            raise ValueError("a tier manager needs a memory tier (gpu or cpu) to read blocks into")
+        self.block_bytes = check_tiers(tiers)
         self.tiers = {t.name: t for t in tiers}
         self.order = [t.name for t in tiers]
         self.policies = {t.name: make_policy("lru", capacity=t.pool.capacity) for t in tiers} | (policies or {})

@@ -84,7 +84,7 @@ class Moves:
                 if priority is Priority.NOW:
                     self.executor.boost_moves(key, dst, Priority.NOW)
                 continue
-            source = next(filter(entry.copies.__contains__, self.order), None)   # placement.load_source
+            source = placement.load_source(entry, self.order)
             if source is None:
                 raise BlockMissing(f"block {key.hex()} is not stored in any tier", (key,))
             by_source.setdefault(source, []).append(key)

@@ -54,7 +54,7 @@ def in_place_tiers(order: Sequence[str], tiers: Mapping[str, Tier]) -> list[str]
 
 def load_source(entry: BlockEntry, order: Sequence[str]) -> str | None:
     """The tier a move copies ``entry`` from: the first of ``order`` holding it."""
-    return next((n for n in order if n in entry.copies), None)
+    return next(filter(entry.copies.__contains__, order), None)
 
 
 def tier_below(order: Sequence[str], name: str) -> str | None:
@@ -66,14 +66,9 @@ def tier_below(order: Sequence[str], name: str) -> str | None:
 def evictable(key: BlockKey, name: str, directory: Directory, tiers: Mapping[str, Tier],
               order: Sequence[str]) -> bool:
     """Whether ``name``'s policy may choose ``key``: not pinned there, not wanted there by a waiting
-    reader, and not the last copy of a protected block in the last tier."""
-    entry = directory.get(key)
-    if entry is None or name not in entry.copies:
-        return True  # stale in the policy; evicting it is harmless
-    if tiers[name].pool.pins(entry.copies[name]) or directory.is_wanted(key, name):
-        return False
-    last_copy = len(entry.copies) == 1
-    return not (entry.protected and last_copy and tier_below(order, name) is None)
+    reader, and not the last copy of a protected block in the last tier (a key stale in the policy
+    may go: evicting it is harmless)."""
+    return key not in Unevictable(name, directory, tiers, order)
 
 
 class Unevictable(Container[Hashable]):
@@ -84,7 +79,7 @@ class Unevictable(Container[Hashable]):
         self._pins, self._last = tiers[name].pool.pins, tier_below(order, name) is None
 
     def __contains__(self, key: object) -> bool:
-        """`evictable`, negated, with its lookups bound once (it runs for every candidate a policy offers)."""
+        """Not `evictable`; its lookups are bound once (this runs for every candidate a policy offers)."""
         entry = self._get(key)  # type: ignore[arg-type]
         if entry is None:
             return False
