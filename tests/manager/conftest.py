@@ -53,8 +53,8 @@ def assert_quiescent(manager) -> None:
     from tierkv.tiers.pool import SlotState
     for name, tier in manager.tiers.items():
         held = {e.copies[name] for e in manager.directory if name in e.copies}
-        for slot in list(tier.pool._slots):
+        for slot in tier.pool.slots_in_use():
             assert tier.pool.state(slot) is SlotState.READY, (name, slot)
             assert tier.pool.pins(slot) == 0, (name, slot)
-        assert held == set(tier.pool._slots), name
+        assert held == set(tier.pool.slots_in_use()), name
         assert tier.pool.used <= tier.pool.capacity

@@ -150,7 +150,7 @@ def test_a_corrupt_page_is_an_error_and_leaves_nothing_pinned(tmp_path):
         with pytest.raises(BlockCorrupt):
             seq.gather(0, torch.tensor([[10, 11], [0, 10]]))  # page 5 holds chunks 10-11
         for tier in manager.manager.tiers.values():
-            assert all(tier.pool.pins(s) == 0 for s in list(tier.pool._slots))
+            assert all(tier.pool.pins(s) == 0 for s in tier.pool.slots_in_use())
 
 
 async def test_cancelled_page_fetch_leaks_nothing(tmp_path):
@@ -173,7 +173,7 @@ async def test_cancelled_page_fetch_leaks_nothing(tmp_path):
         while manager._executor.busy:
             await manager._executor.progress()
         for name, tier in manager.tiers.items():
-            for slot in list(tier.pool._slots):
+            for slot in tier.pool.slots_in_use():
                 assert tier.pool.pins(slot) == 0, (name, slot)
         lease = await manager.acquire(keys[:4], "gpu")     # and the pages still read back
         lease.release()

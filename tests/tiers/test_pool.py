@@ -1,3 +1,5 @@
+import tracemalloc
+
 import pytest
 
 from tierkv.errors import BudgetExceeded
@@ -78,3 +80,30 @@ def test_restore_is_fast_for_large_stores_with_holes():
     pool = BlockPool(2_000_000)
     pool.restore(list(range(0, 1_000_000, 2)))
     assert pool.used == 500_000 and pool.reserve() == 1
+
+
+def test_a_release_is_checked_whole_before_any_slot_is_freed():
+    pool = BlockPool(8)
+    slots = pool.reserve_many(4)
+    pool.commit_many(slots)
+    pool.pin(2)
+    with pytest.raises(ValueError, match="slot=2: still pinned 1 time"):
+        pool.release_many([0, 1, 2])
+    with pytest.raises(ValueError, match="slot=1: already free"):
+        pool.release_many([1, 1])                  # named twice: the second would free a free slot
+    with pytest.raises(ValueError, match="slot=6: already free"):
+        pool.release_many([0, 6])
+    assert pool.slots_in_use() == [0, 1, 2, 3] and pool.used == 4   # nothing was freed
+    pool.unpin(2)
+    pool.release_many([3, 0])
+    assert pool.slots_in_use() == [1, 2] and pool.reserve_many(3) == [0, 3, 4]
+
+
+def test_a_huge_pool_costs_only_the_slots_it_has_used():
+    tracemalloc.start()
+    try:
+        pool = BlockPool(10**12)                   # a petabyte of 1 KiB slots: nothing up front
+        assert pool.reserve_many(3) == [0, 1, 2] and pool.state(10**11) is SlotState.FREE
+        assert tracemalloc.get_traced_memory()[1] < 64 * 1024
+    finally:
+        tracemalloc.stop()

@@ -86,8 +86,7 @@ class Directory:
 
     def entries(self, keys: Iterable[BlockKey]) -> list[BlockEntry]:
         """`entry` of each key, in one call (a read's hundreds of keys)."""
-        get = self._entries.get
-        found = [get(key) for key in keys]
+        found = list(map(self._entries.get, keys))
         if not all(found):     # (not ``None in found``: that compares every entry with None)
             missing = [key for key, entry in zip(keys, found) if entry is None]
             raise BlockMissing(f"block {missing[0].hex()} is not stored in any tier", tuple(missing))
@@ -127,6 +126,12 @@ class Directory:
         None. The hot path of every read: one dict lookup per key and tier."""
         get = self._entries.get
         found: list[Place | None] = []
+        if len(names) == 1:     # the common case, without the loop over tiers
+            name = names[0]
+            for entry in map(get, keys):
+                slot = None if entry is None else entry.copies.get(name)
+                found.append(None if slot is None else (name, slot))
+            return found
         for key in keys:
             entry = get(key)
             place = None

@@ -86,7 +86,7 @@ class Unevictable(Container[Hashable]):
         slot = entry.copies.get(self._name)
         if slot is None:
             return False
-        if self._pins(slot) or self._wanted.get((key, self._name)):
+        if self._pins(slot) or (self._wanted and self._wanted.get((key, self._name))):
             return True
         return self._last and entry.holders > 0 and len(entry.copies) == 1
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from tierkv.keys import BlockKey
 from tierkv.manager.directory import Directory, Place
@@ -41,12 +42,11 @@ class Residency:
         """Make block ``keys[i]`` resident in ``slots[i]`` of ``name`` and admit it to the tier's policy
         (this runs for every block a load brings); ``skip``: keys whose slot is released instead
         (their source failed verification)."""
-        pool, entry_of = self.tiers[name].pool, self.directory.entry
+        pool = self.tiers[name].pool
         added, taken, spare = [], [], []
-        for key, slot in zip(keys, slots):
-            entry = None if key in skip else entry_of(key)
-            if entry is None or name in entry.copies:  # failed, or already there (blocks are immutable)
-                spare.append(slot)
+        for key, slot, entry in zip(keys, slots, map(self.directory.get, keys)):
+            if entry is None or key in skip or name in entry.copies:  # gone, failed, or already there
+                spare.append(slot)                                      # (blocks are immutable)
                 continue
             entry.copies[name] = slot
             added.append(key)
@@ -163,7 +163,13 @@ class Residency:
 
 
 def _by_tier(places: Iterable[Place]) -> dict[str, list[int]]:
-    """Slots grouped by tier (a read's blocks mostly sit in one)."""
+    """Slots grouped by tier (a read's blocks mostly sit in one: then in C-level passes)."""
+    places = list(places)
+    if not places:
+        return {}
+    names = list(map(itemgetter(0), places))
+    if names.count(names[0]) == len(names):
+        return {names[0]: list(map(itemgetter(1), places))}
     groups: dict[str, list[int]] = {}
     for name, slot in places:
         group = groups.get(name)

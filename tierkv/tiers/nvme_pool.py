@@ -25,11 +25,12 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter
+
+import numpy as np
 
 from tierkv.errors import BudgetExceeded, StoreUnusable
 from tierkv.tiers.nvme_share import Claims
-from tierkv.tiers.pool import BlockPool, SlotState
+from tierkv.tiers.pool import FREE, READY, BlockPool
 
 REAP_EVERY_S = 1.0   # a process with no free slot tries a claim at each reserve; it checks owners this often
 
@@ -44,7 +45,7 @@ class SharedPool(BlockPool):
         self._extent = claims.extent_slots
         self._own: set[int] = set()
         self._unclaimed: set[int] = set()   # as the claims table said at the last look
-        self._records: Counter[int] = Counter()   # records per extent
+        self._records = np.zeros(self.extents, np.int64)   # slots in use per extent
         self._reaped = -math.inf
         self._look(claims.read())
 
@@ -58,7 +59,7 @@ class SharedPool(BlockPool):
 
     @property
     def free(self) -> int:
-        return len(self._freed) + sum(self._size(x) - self._records[x] for x in self._unclaimed)
+        return len(self._freed) + sum(self._size(x) - int(self._records[x]) for x in self._unclaimed)
 
     def can_reserve(self, n: int = 1) -> bool:
         """Whether ``n`` slots can be reserved now, claiming extents until they can, so that the
@@ -81,19 +82,15 @@ class SharedPool(BlockPool):
 
     def restore(self, slots: list[int]) -> None:
         """Mark these slots READY (blocks visible at open; no extent is this process's yet)."""
-        if self._slots:
+        if self.used:
             raise ValueError("restore needs a pool that has not been used yet")
-        bad = [s for s in slots if not 0 <= s < self.capacity]
-        if bad:
-            raise ValueError(f"slot={bad[0]}: outside 0..{self.capacity - 1}")
-        for slot in slots:
-            self._track(slot, SlotState.READY)
+        self._take(np.unique(self._inside(slots)), READY)
 
     def add_ready(self, slot: int) -> None:
         """A block another process wrote in ``slot`` is now visible here."""
-        if self.owns(slot) or slot in self._slots:
+        if self.owns(slot) or self.in_use(slot):
             raise ValueError(f"slot={slot}: is this process's or already in use")
-        self._track(slot, SlotState.READY)
+        self._take(self._inside((slot,)), READY)
 
     def claim_extent_of(self, slot: int) -> bool:
         """Make ``slot``'s extent this process's if nobody holds it; whether it is this process's now."""
@@ -162,19 +159,18 @@ class SharedPool(BlockPool):
         self._own.add(extent)
         self._unclaimed.discard(extent)
         first = extent * self._extent
-        for slot in range(first, first + self._size(extent)):
-            if slot not in self._slots:
-                heapq.heappush(self._freed, slot)
+        slots = np.arange(first, first + self._size(extent))
+        for slot in slots[self._states_at(slots) == FREE].tolist():
+            heapq.heappush(self._freed, slot)
 
     def _size(self, extent: int) -> int:
         return min(self._extent, self.capacity - extent * self._extent)
 
-    def _track(self, slot: int, state: SlotState) -> None:
-        super()._track(slot, state)
-        self._records[slot // self._extent] += 1
+    def _take(self, slots: np.ndarray, state: int) -> None:
+        super()._take(slots, state)
+        np.add.at(self._records, slots // self._extent, 1)
 
-    def _forget(self, slot: int) -> None:
-        del self._slots[slot]
-        self._records[slot // self._extent] -= 1
-        if self.owns(slot):
-            heapq.heappush(self._freed, slot)
+    def _released(self, slots: np.ndarray) -> None:
+        extents = slots // self._extent
+        np.subtract.at(self._records, extents, 1)
+        super()._released(slots[np.isin(extents, list(self._own))])

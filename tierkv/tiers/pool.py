@@ -7,8 +7,10 @@ reused::
                            |                      ^ pin()/unpin() count readers
                            +------release()-------+-> FREE  (a transfer failed)
 
-The pool holds no bytes, does no I/O and knows no policy. Records exist only
-for slots in use, so a pool of millions of slots costs nothing up front.
+The pool holds no bytes, does no I/O and knows no policy. States and pin
+counts live in two arrays (5 bytes a slot) that grow to the highest slot in use,
+so a pool of millions of slots costs nothing up front, and the load path's
+batch calls check and change hundreds of slots in a few vectorised passes.
 Lowest free slot first: files and arenas stay compact.
 """
 from __future__ import annotations
@@ -16,8 +18,8 @@ from __future__ import annotations
 import enum
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
-from operator import attrgetter
+
+import numpy as np
 
 from tierkv.errors import BudgetExceeded
 
@@ -28,13 +30,9 @@ class SlotState(enum.Enum):
     READY = "ready"        # holds a complete block
 
 
-@dataclass(slots=True)
-class _Slot:
-    state: SlotState
-    pins: int = 0
-
-
-_STATE = attrgetter("state")
+FREE, RESERVED, READY = 0, 1, 2                                    # codes in the state array
+_STATES = (SlotState.FREE, SlotState.RESERVED, SlotState.READY)
+_GROW = 4096                                                       # slots the arrays grow by, at least
 
 
 class BlockPool:
@@ -44,142 +42,180 @@ class BlockPool:
         if capacity < 0:
             raise ValueError(f"capacity={capacity}: must be >= 0")
         self.capacity = capacity
-        self._slots: dict[int, _Slot] = {}
-        self._freed: list[int] = []   # heap of released slots below _next
-        self._next = 0                # slots >= _next were never used
+        self._state = np.zeros(0, np.int8)    # per slot below len: FREE / RESERVED / READY
+        self._pins = np.zeros(0, np.int32)    # per slot below len: readers holding it
+        self._used = 0                        # slots not FREE
+        self._freed: list[int] = []           # heap of released slots below _next
+        self._next = 0                        # slots >= _next were never used
 
     # -- queries ---------------------------------------------------------
     def state(self, slot: int) -> SlotState:
-        record = self._slots.get(slot)
-        return SlotState.FREE if record is None else record.state
+        return _STATES[self._state.item(slot)] if 0 <= slot < len(self._state) else SlotState.FREE
 
     def pins(self, slot: int) -> int:
-        record = self._slots.get(slot)
-        return 0 if record is None else record.pins
+        return self._pins.item(slot) if 0 <= slot < len(self._pins) else 0
+
+    def in_use(self, slot: int) -> bool:
+        return 0 <= slot < len(self._state) and self._state.item(slot) != FREE
+
+    def slots_in_use(self) -> list[int]:
+        """Every slot that is not FREE, ascending."""
+        return np.flatnonzero(self._state).tolist()
 
     @property
     def used(self) -> int:
-        return len(self._slots)
+        return self._used
 
     @property
     def free(self) -> int:
-        return self.capacity - len(self._slots)
+        return self.capacity - self._used
 
     def busy_slots(self) -> int:
         """Slots that are pinned or reserved: room that a reader or a transfer will give back."""
-        return sum(1 for r in self._slots.values() if r.pins or r.state is SlotState.RESERVED)
+        return int(np.count_nonzero((self._pins > 0) | (self._state == RESERVED)))
 
     def can_reserve(self, n: int = 1) -> bool:
         return self.free >= n
 
     # -- transitions -----------------------------------------------------
     def reserve(self) -> int:
-        if not self.can_reserve():
-            raise BudgetExceeded(f"block pool full ({self.capacity} slots)")
-        slot = heapq.heappop(self._freed) if self._freed else self._take_new()
-        self._track(slot, SlotState.RESERVED)
-        return slot
+        return self.reserve_many(1)[0]
 
     def reserve_many(self, n: int) -> list[int]:
         """``n`` slots at once, lowest first (all or none)."""
         if not self.can_reserve(n):
             raise BudgetExceeded(f"block pool full ({self.capacity} slots, {self.free} free, {n} asked)")
-        freed = self._freed
-        slots = [heapq.heappop(freed) for _ in range(min(n, len(freed)))]
+        slots = self._lowest_freed(n)
         if len(slots) < n:
             first = self._next
             self._next += n - len(slots)
             slots.extend(range(first, self._next))
-        for slot in slots:
-            self._track(slot, SlotState.RESERVED)
+        self._take(np.array(slots, np.int64), RESERVED)
         return slots
 
     def restore(self, slots: list[int]) -> None:
         """Mark these slots READY in an unused pool (reopening a store that holds them)."""
-        if self._slots or self._next:
+        if self._used or self._next:
             raise ValueError("restore needs a pool that has not been used yet")
-        ready = set(slots)
-        bad = [s for s in ready if not 0 <= s < self.capacity]
-        if bad:
-            raise ValueError(f"slot={bad[0]}: outside 0..{self.capacity - 1}")
-        self._next = max(ready, default=-1) + 1
-        self._freed = [s for s in range(self._next) if s not in ready]  # ascending: already a heap
-        self._slots = {s: _Slot(SlotState.READY) for s in sorted(ready)}
+        ready = np.unique(self._inside(slots))
+        self._next = int(ready[-1]) + 1 if len(ready) else 0
+        self._freed = np.setdiff1d(np.arange(self._next), ready, assume_unique=True).tolist()  # ascending: a heap
+        self._take(ready, READY)
 
     def commit(self, slot: int) -> None:
-        record = self._record(slot, SlotState.RESERVED)
-        record.state = SlotState.READY
+        self._expect(slot, RESERVED)
+        self._state[slot] = READY
 
     def pin(self, slot: int) -> None:
-        self._record(slot, SlotState.READY).pins += 1
+        self._expect(slot, READY)
+        self._pins[slot] += 1
 
     def unpin(self, slot: int) -> None:
-        record = self._record(slot, SlotState.READY)
-        if record.pins == 0:
+        self._expect(slot, READY)
+        if self._pins.item(slot) == 0:
             raise ValueError(f"slot={slot}: unpin without pin")
-        record.pins -= 1
+        self._pins[slot] -= 1
+
+    def release(self, slot: int) -> None:
+        self.release_many((slot,))
 
     # -- the same, for many slots at once (the load path moves hundreds a call) --
     def commit_many(self, slots: Sequence[int]) -> None:
-        for record in self._records_in(slots, SlotState.RESERVED):
-            record.state = SlotState.READY
+        self._state[self._checked(slots, RESERVED)] = READY
 
     def pin_many(self, slots: Sequence[int]) -> None:
-        for record in self._records_in(slots, SlotState.READY):
-            record.pins += 1
+        np.add.at(self._pins, self._checked(slots, READY), 1)
 
     def unpin_many(self, slots: Sequence[int]) -> None:
-        records = self._records_in(slots, SlotState.READY)
-        for record in records:
-            record.pins -= 1
-        if any(record.pins < 0 for record in records):   # more unpins than pins (a slot may repeat)
-            slot = next(s for s, r in zip(slots, records) if r.pins < 0)
-            for record in records:
-                record.pins += 1
-            raise ValueError(f"slot={slot}: unpin without pin")
+        which, times = np.unique(self._checked(slots, READY), return_counts=True)
+        short = self._pins[which] < times          # more unpins than pins (a slot may repeat)
+        if short.any():
+            raise ValueError(f"slot={which[short][0]}: unpin without pin")
+        self._pins[which] -= times.astype(np.int32)
 
     def release_many(self, slots: Sequence[int]) -> None:
-        get, forget = self._slots.get, self._forget
-        for slot in slots:
-            record = get(slot)
-            if record is None or record.pins:
-                self.release(slot)   # raises, naming the slot
-            forget(slot)
-
-    def release(self, slot: int) -> None:
-        record = self._slots.get(slot)
-        if record is None:
-            raise ValueError(f"slot={slot}: already free")
-        if record.pins:
-            raise ValueError(f"slot={slot}: still pinned {record.pins} time(s)")
-        self._forget(slot)
+        """Free every slot of ``slots``, each checked (in use, unpinned, named once) before any is."""
+        at = np.array(slots, np.int64)
+        if len(at) == 0:
+            return
+        states = self._states_at(at)
+        if (states == FREE).any() or self._pins[at[states != FREE]].any() or len(np.unique(at)) < len(at):
+            seen: set[int] = set()
+            for slot in map(int, at):
+                if slot in seen or not self.in_use(slot):
+                    raise ValueError(f"slot={slot}: already free")
+                if self.pins(slot):
+                    raise ValueError(f"slot={slot}: still pinned {self.pins(slot)} time(s)")
+                seen.add(slot)
+        self._state[at] = FREE
+        self._used -= len(at)
+        self._released(at)
 
     # -- internals -------------------------------------------------------
-    def _track(self, slot: int, state: SlotState) -> None:
-        """Keep a record for ``slot`` (a subclass that counts records hooks in here)."""
-        self._slots[slot] = _Slot(state)
+    def _take(self, slots: np.ndarray, state: int) -> None:
+        """Put FREE ``slots`` in ``state`` (a subclass that counts slots per extent hooks in here)."""
+        if len(slots):
+            self._cover(int(slots.max()))
+            self._state[slots] = state
+            self._used += len(slots)
 
-    def _forget(self, slot: int) -> None:
-        """Drop ``slot``'s record: it is free to reserve again."""
-        del self._slots[slot]
-        heapq.heappush(self._freed, slot)
+    def _released(self, slots: np.ndarray) -> None:
+        """``slots`` just became FREE: reserve them again, lowest first."""
+        freed = self._freed
+        if 8 * len(slots) > len(freed):      # many at once: one heapify (C) beats a push per slot
+            freed.extend(slots.tolist())
+            heapq.heapify(freed)
+        else:
+            for slot in slots.tolist():
+                heapq.heappush(freed, slot)
 
-    def _take_new(self) -> int:
-        slot = self._next
-        self._next += 1
-        return slot
+    def _lowest_freed(self, n: int) -> list[int]:
+        """The ``n`` lowest released slots (fewer if fewer are), taken off the heap."""
+        freed = self._freed
+        if 8 * n > len(freed):              # a large part: sort once (a sorted list is a heap)
+            freed.sort()
+            slots, freed[:n] = freed[:n], []
+            return slots
+        return [heapq.heappop(freed) for _ in range(n)]
 
-    def _records_in(self, slots: Sequence[int], expected: SlotState) -> list[_Slot]:
-        """The records of ``slots``, each checked to be in ``expected`` state before any changes."""
-        records = list(map(self._slots.get, slots))
-        if not all(records) or not {*map(_STATE, records)} <= {expected}:   # C-level passes, no __eq__
-            for slot in slots:
-                self._record(slot, expected)   # raises, naming the first slot in another state
-        return records  # type: ignore[return-value]
+    def _cover(self, top: int) -> None:
+        """Grow the arrays to hold slot ``top``."""
+        size = len(self._state)
+        if top < size:
+            return
+        grown = min(self.capacity, max(top + 1, 2 * size, _GROW))
+        self._state = np.concatenate([self._state, np.zeros(grown - size, np.int8)])
+        self._pins = np.concatenate([self._pins, np.zeros(grown - size, np.int32)])
 
-    def _record(self, slot: int, expected: SlotState) -> _Slot:
-        record = self._slots.get(slot)
-        state = SlotState.FREE if record is None else record.state
-        if state is not expected:
-            raise ValueError(f"slot={slot}: is {state.value}, expected {expected.value}")
-        return record  # type: ignore[return-value]
+    def _inside(self, slots: Sequence[int]) -> np.ndarray:
+        at = np.array(slots, np.int64)
+        bad = at[(at < 0) | (at >= self.capacity)]
+        if len(bad):
+            raise ValueError(f"slot={bad[0]}: outside 0..{self.capacity - 1}")
+        return at
+
+    def _states_at(self, at: np.ndarray) -> np.ndarray:
+        """The state code of each slot of ``at`` (slots past the arrays are FREE)."""
+        size = len(self._state)
+        if len(at) == 0 or (at.min() >= 0 and at.max() < size):
+            return self._state[at]
+        inside = (at >= 0) & (at < size)
+        states = np.zeros(len(at), np.int8)
+        states[inside] = self._state[at[inside]]
+        return states
+
+    def _checked(self, slots: Sequence[int], expected: int) -> np.ndarray:
+        """``slots`` as an array, each checked to be in ``expected`` state before anything changes."""
+        at = np.array(slots, np.int64)
+        states = self._states_at(at)
+        wrong = np.flatnonzero(states != expected)
+        if len(wrong):
+            first = wrong[0]
+            raise ValueError(f"slot={at[first]}: is {_STATES[states[first]].value}, "
+                             f"expected {_STATES[expected].value}")
+        return at
+
+    def _expect(self, slot: int, expected: int) -> None:
+        state = self._state.item(slot) if 0 <= slot < len(self._state) else FREE
+        if state != expected:
+            raise ValueError(f"slot={slot}: is {_STATES[state].value}, expected {_STATES[expected].value}")
