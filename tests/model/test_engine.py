@@ -38,8 +38,8 @@ def greedy_native(engine, ids, n):
     return seq, out
 
 
-def test_native_loop_with_spilling_matches_dynamic_cache_on_4k_prompt(smollm2, tmp_path):
-    ids = passkey_prompt(smollm2.tokenizer, 4096).ids
+def test_native_loop_with_spilling_matches_dynamic_cache_on_2k_prompt(smollm2, tmp_path):
+    ids = passkey_prompt(smollm2.tokenizer, 2048).ids
     with torch.inference_mode():
         ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
                                      cache=DynamicCache(config=smollm2.model.config))
