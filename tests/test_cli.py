@@ -61,6 +61,14 @@ def test_missing_document_and_missing_model_are_clear(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
 
 
+def test_serve_with_a_store_directory_that_cannot_be_made_stops_at_once(tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    done = tierkv("serve", "--nvme-dir", str(taken / "kv"))      # not: listen, then fail every request
+    assert done.returncode == 2 and f"--nvme-dir {taken / 'kv'}: cannot create" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_help_lists_the_commands():
     done = tierkv("--help")
     assert done.returncode == 0 and "info" in done.stdout and "run" in done.stdout

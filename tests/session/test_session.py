@@ -143,3 +143,17 @@ def test_speculative_decoding_gives_greedy_decoding_s_tokens(smollm2, tmp_path):
         assert_only_documents_held(session)
         with pytest.raises(ConfigError, match="temperature 0"):
             session.ask("?", draft_tokens=4, temperature=0.5)
+
+
+def test_a_store_that_cannot_be_made_is_refused_before_the_model_loads(tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    for where, problem in ((taken / "kv", "cannot create the store's directory"),
+                           (taken, "exists and is not a directory")):
+        config = SessionConfig.of(model=str(tmp_path / "no-such-model.gguf"), nvme_dir=where)
+        with pytest.raises(ConfigError, match=f"--nvme-dir {where}: {problem}"):   # not the model's error
+            Session(config)
+    made = tmp_path / "new" / "kv"
+    with pytest.raises(ConfigError, match="no-such-model"):
+        Session(SessionConfig.of(model=str(tmp_path / "no-such-model.gguf"), nvme_dir=made))
+    assert made.is_dir() and made.stat().st_mode & 0o777 == 0o700

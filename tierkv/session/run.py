@@ -56,6 +56,7 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
     p = config.prompt
     if p.synthetic_tokens is not None and p.questions:
         raise ConfigError("--question asks about --doc; a synthetic prompt asks for its passkey")
+    text = read_document(p.doc) if p.synthetic_tokens is None else None   # a bad --doc fails before the model loads
     out = config.output
     with Session(config.session(), loaded=loaded, keep_events=out.trace is not None,
                  record_access=out.record_access is not None) as session:
@@ -70,7 +71,6 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
             on_prefill(done[0], result.document_tokens)
 
         if prompt is None:
-            text = read_document(p.doc)
             result.document_tokens = len(session.document_ids(text))
             session.read(text, progress=progress)
         else:

@@ -36,6 +36,7 @@ from tierkv.model.settings import SessionConfig
 from tierkv.session.backend import Backend, open_backend
 from tierkv.session.generation import Answer, Sampling, generate
 from tierkv.session.state import KVState, Progress
+from tierkv.tiers.nvme_share import make_private_dir
 
 Message = dict[str, str]
 
@@ -71,6 +72,7 @@ class Session:
         ``max_prompt_tokens``: longer prompts are refused (PromptTooLong) before any work."""
         self.max_prompt_tokens = max_prompt_tokens
         self.config = config
+        _prepare_store(config.tiers.nvme_dir)    # a store that cannot be made fails now, not at the first question
         self.loaded = loaded or load_model(config.engine.model, dtype=config.engine.torch_dtype)
         self.keep_events, self.record_access, self.max_states = keep_events, record_access, max_states
         self.backends: dict[str, Backend] = {}
@@ -287,3 +289,16 @@ def _check_messages(messages: Sequence[Message]) -> None:
                 not isinstance(m.get("content"), str):
             raise ConfigError(f"messages[{i}]: expected {{'role': 'system'|'user'|'assistant', 'content': "
                               f"text}}, got {m!r}")
+
+
+def _prepare_store(directory: Path | None) -> None:
+    """Make the store's directory (private, as the store makes it), or say why it cannot be."""
+    if directory is None:
+        return
+    try:
+        make_private_dir(directory)
+    except OSError as error:
+        raise ConfigError(f"--nvme-dir {directory}: cannot create the store's directory: "
+                          f"{error.strerror or error}") from None
+    if not directory.is_dir():
+        raise ConfigError(f"--nvme-dir {directory}: exists and is not a directory")
