@@ -7,9 +7,13 @@ configuration, which then runs the same greedy steps and must produce DynamicCac
     dynamic-cache        DynamicCache, memory                     torch.cat copies each layer, attention reads it
     static-cache         StaticCache, preallocated to ctx+steps   index_copy of one token; attention over the
                                                                   preallocated length, masked
-    tiered-cache         TieredCache, gpu tier holds all          every block gathered into a fresh tensor
-    tiered-cache-small   TieredCache, gpu tier 10 % + cpu         the same (blocks are read in place from any
-                                                                  memory tier; without CUDA gpu = host memory)
+    tiered-cache         TieredCache, gpu tier holds all          one appending buffer per layer; attention
+                                                                  "tierkv" (tierkv.hf: a decode step's query
+                                                                  heads folded onto their KV heads)
+    tiered-cache-small   TieredCache, gpu tier 10 % + cpu         blocks read in place from any memory tier
+                                                                  (without CUDA gpu = host memory); "tierkv"
+    dynamic-cache-folded DynamicCache, memory                     the dynamic-cache row with attention "tierkv":
+                                                                  what the attention alone gives
     native-ram           tierkv Engine, gpu tier holds all        blockwise attention + LSE merge (the loop's
                                                                   own cost, without disk)
     native-nvme          tierkv Engine, gpu 10 % + cpu 10 %,      blockwise attention + LSE merge; blocks that
@@ -57,7 +61,7 @@ from tiers import RawFile, fill_pattern
 from tierkv.config import TierConfig
 from tierkv.device import host_buffer
 from tierkv.errors import ConfigError
-from tierkv.hf import TieredCache
+from tierkv.hf import ATTENTION, TieredCache
 from tierkv.manager import BlockingTierManager
 from tierkv.model.engine import Engine
 from tierkv.session.run import RunResult, run
@@ -117,10 +121,11 @@ def prefill_hf(model, ids: list[int]) -> tuple[int, DynamicCache, float]:
 
 
 class HfDecoder:
-    """transformers' own forward over a cache; adds up the seconds attention spends in ``cache.update``."""
+    """transformers' own forward over a cache with the ``attention`` implementation (transformers' own
+    ``sdpa`` unless told); adds up the seconds attention spends in ``cache.update``."""
 
-    def __init__(self, model, cache, pos: int) -> None:
-        self.model, self.cache, self.pos = model, cache, pos
+    def __init__(self, model, cache, pos: int, attention: str = "sdpa") -> None:
+        self.model, self.cache, self.pos, self.attention = model, cache, pos, attention
         self.kv_seconds = 0.0
         inner = cache.update
 
@@ -135,6 +140,7 @@ class HfDecoder:
 
     @torch.inference_mode()
     def step(self, token: int) -> int:
+        self.model.set_attn_implementation(self.attention)   # configs share the model (~0.3 ms)
         out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[self.pos]]),
                          cache=self.cache, use_cache=True, logits_to_keep=1)
         self.pos += 1
@@ -271,8 +277,10 @@ def measure_context(report: Report, loaded: LoadedModel, ctx: int, steps: int, w
     builders: dict[str, Callable[[], Decoder]] = {
         "dynamic-cache": lambda: HfDecoder(model, copy.deepcopy(prefilled), pos),
         "static-cache": lambda: HfDecoder(model, static_from(prefilled, model.config, length), pos),
-        "tiered-cache": lambda: HfDecoder(model, tiered_from(prefilled, model.config, all_kv, 0), pos),
-        "tiered-cache-small": lambda: HfDecoder(model, tiered_from(prefilled, model.config, small, all_kv), pos),
+        "tiered-cache": lambda: HfDecoder(model, tiered_from(prefilled, model.config, all_kv, 0), pos, ATTENTION),
+        "tiered-cache-small": lambda: HfDecoder(model, tiered_from(prefilled, model.config, small, all_kv), pos,
+                                                ATTENTION),
+        "dynamic-cache-folded": lambda: HfDecoder(model, copy.deepcopy(prefilled), pos, ATTENTION),
         "native-ram": lambda: NativeDecoder(loaded, ids, prefilled, layout,
                                             TierConfig(layout.block_bytes, gpu=all_kv, cpu=0)),
         "native-nvme": lambda: NativeDecoder(loaded, ids, prefilled, layout, TierConfig(
@@ -319,7 +327,10 @@ def progress(text: str) -> None:
 
 
 VS_DYNAMIC = {  # ratio -> (config, what it divides by DynamicCache's decode tok/s in the same run)
-    "dense_tiered_vs_dynamic": ("tiered-cache", "decode tok/s of TieredCache with all KV in its gpu tier"),
+    "dense_tiered_vs_dynamic": ("tiered-cache", "decode tok/s of TieredCache with all KV in its gpu tier "
+                                                "(attention \"tierkv\"; DynamicCache: transformers' sdpa)"),
+    "dynamic_folded_vs_dynamic": ("dynamic-cache-folded", "decode tok/s of DynamicCache with attention \"tierkv\" "
+                                                          "(what the folded decode attention alone gives)"),
     "native_ram_vs_dynamic": ("native-ram", "decode tok/s of the native loop with all KV in memory"),
     "native_nvme_vs_dynamic": ("native-nvme", "decode tok/s of the native loop with ~80 % of KV only on NVMe"),
 }
@@ -330,6 +341,10 @@ def add_context_ratios(report: Report, ctx: int, runs: dict[str, Decoded]) -> No
     for name, (config, meaning) in VS_DYNAMIC.items():
         report.add_ratio(name + tag, round(runs[config].tokens_per_s / base, 3), TARGETS.get(name + tag),
                          f"{meaning} / DynamicCache all in memory, same run")
+    report.add_ratio(f"dense_tiered_vs_dynamic_folded{tag}",
+                     round(runs["tiered-cache"].tokens_per_s / runs["dynamic-cache-folded"].tokens_per_s, 3), None,
+                     "decode tok/s of TieredCache / DynamicCache, both with attention \"tierkv\": the cache's own "
+                     "share of dense_tiered_vs_dynamic, same run")
     if "llama-cpp" in runs:
         llama = runs["llama-cpp"].tokens_per_s
         report.add_ratio(f"dense_vs_llamacpp{tag}", round(runs["native-ram"].tokens_per_s / llama, 3),

@@ -7,7 +7,8 @@ import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from tierkv.errors import ConfigError  # noqa: E402
-from tierkv.hf import TieredCache  # noqa: E402
+import tierkv.hf  # noqa: E402
+from tierkv.hf import ATTENTION, TieredCache, folded_decode_attention  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096, initializer_range=0.2)
@@ -191,3 +192,50 @@ def test_a_batch_of_two_prompts_matches_dynamic_cache_row_by_row(tmp_path):
     alone = [greedy(model, ids[row:row + 1], DynamicCache(config=config), n=10) for row in range(2)]
     assert expected.tolist() == alone                  # a real batch: the rows differ and match alone
     assert alone[0] != alone[1]
+
+
+class Grouped(torch.nn.Module):
+    """What transformers' attention functions read off an attention module."""
+    num_key_value_groups, is_causal = 3, True
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_folded_decode_attention_is_sdpa_s_arithmetic_and_only_folds_one_token_queries(dtype, tol, monkeypatch):
+    calls = []
+    sdpa = tierkv.hf.sdpa_attention_forward
+    monkeypatch.setattr(tierkv.hf, "sdpa_attention_forward", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 2, 300, 16, dtype=dtype), torch.randn(2, 2, 300, 16, dtype=dtype)
+    padded = torch.ones(2, 1, 1, 300, dtype=torch.bool)
+    padded[1, ..., :40] = False                                 # row 1 is left-padded
+    for mask in (None, padded):
+        q = torch.randn(2, 6, 1, 16, dtype=dtype)
+        got, _ = folded_decode_attention(Grouped(), q, k, v, mask, scaling=0.25)
+        want, _ = sdpa(Grouped(), q, k, v, mask, scaling=0.25)
+        assert got.shape == want.shape == (2, 1, 6, 16)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert calls == []                                          # one-token queries: folded, not delegated
+    q = torch.randn(2, 6, 4, 16, dtype=dtype)                   # a draft's 4 tokens: transformers' own sdpa
+    causal = torch.ones(4, 300, dtype=torch.bool).tril(296)[None, None].expand(2, 1, 4, 300)
+    got, _ = folded_decode_attention(Grouped(), q, k, v, causal, scaling=0.25)
+    assert calls == [1]
+    assert torch.equal(got, sdpa(Grouped(), q, k, v, causal, scaling=0.25)[0])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tiered_cache_with_tierkv_attention_gives_sdpa_s_tokens_for_a_padded_batch_and_drafts(family, tmp_path):
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(1, 256, (2, 300))
+    ids[1, :25] = 0                                              # left padding: decode steps carry a mask
+    ids[0, 200:260] = ids[0, 100:160]
+    mask = (ids != 0).long()
+    kw = dict(max_new_tokens=10, attention_mask=mask)
+    expected = generate(model, ids, DynamicCache(config=config), **kw)
+    drafted = generate(model, ids[:1], DynamicCache(config=config), max_new_tokens=10, prompt_lookup_num_tokens=3)
+    model.set_attn_implementation(ATTENTION)
+    with spilling(config, tmp_path) as cache:
+        assert generate(model, ids, cache, **kw) == expected
+    with spilling(config, tmp_path / "drafts") as cache:
+        assert generate(model, ids[:1], cache, max_new_tokens=10, prompt_lookup_num_tokens=3) == drafted

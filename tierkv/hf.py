@@ -17,6 +17,12 @@ Rows branch without copying KV, which is what beam search and assisted decoding 
     reorder_cache(beam_idx)          row i := row beam_idx[i]: a row kept twice is forked (its
     batch_select_indices / _repeat   blocks held once more, its tail copied), a row dropped lets go
     crop(-n)                         the last n tokens of every row: a rejected draft
+
+Importing this module also registers an attention implementation, ``"tierkv"``
+(``model.set_attn_implementation("tierkv")``): transformers' ``sdpa``, except that a decode step of a
+GQA layer folds its query heads onto their KV heads. Without a mask (any unpadded cache but a static
+one) transformers sends a decode step through SDPA's ``enable_gqa`` path, which on a CPU in bf16 is
+~6x slower; with it a SmolLM2 step at 4K takes 82 ms instead of 140 (the same tokens).
 """
 from __future__ import annotations
 
@@ -26,7 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tierkv.codec import block_codec
 from tierkv.config import TierConfig
@@ -191,3 +200,33 @@ class TieredCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- attention ---------------------------------------------------------------------------------
+def folded_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                            scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` attention, except for a decode step of a GQA layer: its one query token's
+    heads are folded onto their KV heads (``[B, H, 1, D] -> [B, Hkv, G, D]``), one SDPA call with G query
+    rows per KV head, instead of SDPA's ``enable_gqa`` path that transformers takes when there is no mask.
+    On a CPU in bf16 that path is ~6x slower (2.5 ms against 0.4 ms a layer at 4K keys), which is what
+    made a step with ``DynamicCache`` twice as long as one with ``StaticCache`` (whose mask takes the
+    folded path). The same arithmetic as transformers' own folded call; every other case is its ``sdpa``."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    B, H, T, D = query.shape
+    if T != 1 or groups == 1 or dropout or kwargs.get("position_bias") is not None or kwargs.get("softcap"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    folded = query.reshape(B, H // groups, groups, D)
+    if attention_mask is not None and attention_mask.shape[1] != 1:     # a mask per query head: fold it too
+        attention_mask = attention_mask.reshape(B, H // groups, groups, attention_mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask,
+                                                           scale=scaling)
+    return out.reshape(out.shape[0], H, 1, D).transpose(1, 2).contiguous(), None
+
+
+ATTENTION = "tierkv"
+"""The name ``folded_decode_attention`` is registered under: ``model.set_attn_implementation("tierkv")`` or
+``from_pretrained(..., attn_implementation="tierkv")`` (once ``tierkv.hf`` is imported)."""
+AttentionInterface.register(ATTENTION, folded_decode_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)

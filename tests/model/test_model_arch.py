@@ -76,3 +76,27 @@ def test_smollm2_native_forward_matches_transformers(smollm2):
         got = native_logits(model, ids, chunk=128, block=64)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_projections_keep_both_forwards_and_share_the_weights(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(0, model.config.vocab_size, (2, 90), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want, native = model(ids).logits, native_logits(model, ids, chunk=48, block=32)
+    params = sum(p.numel() for p in model.parameters())
+    arch.fuse_projections(model)
+    attn, mlp = arch.decoder_layers(model)[0].self_attn, arch.decoder_layers(model)[0].mlp
+    fused = attn.__dict__[arch.FUSED]
+    assert fused.weight.shape[0] == sum(fused.sizes) == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    assert attn.k_proj.weight.data_ptr() == fused.weight[attn.q_proj.out_features].data_ptr()   # a view, no copy
+    assert arch.FUSED in mlp.__dict__ and sum(p.numel() for p in model.parameters()) == params
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, want)            # transformers' forward: bit for bit as before
+        x = torch.randn(1, 5, model.config.hidden_size)
+        q, k, v = arch._fused(attn, x)                          # the fused path is the one that runs
+        torch.testing.assert_close(k, attn.k_proj(x), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(native_logits(model, ids, chunk=48, block=32), native, atol=1e-5, rtol=1e-5)
+        attn.v_proj.weight = torch.nn.Parameter(torch.zeros_like(attn.v_proj.weight))   # replaced after fusing
+        assert arch._fused(attn, x) is None                     # each projection runs on its own again
+        assert not arch.project_qkv_pre(arch.decoder_layers(model)[0], x)[2].any()   # the new (zero) weights

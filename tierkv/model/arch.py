@@ -126,9 +126,10 @@ def project_qkv_pre(layer: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor
     attn = layer.self_attn
     x = layer.input_layernorm(h)                                   # [B, T, hidden]
     B, T, _ = x.shape
-    q = attn.q_proj(x).view(B, T, -1, attn.head_dim)               # [B, T, H, D]
-    k = attn.k_proj(x).view(B, T, -1, attn.head_dim)               # [B, T, Hkv, D]
-    v = attn.v_proj(x).view(B, T, -1, attn.head_dim)               # [B, T, Hkv, D]
+    q, k, v = _fused(attn, x) or (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+    q = q.view(B, T, -1, attn.head_dim)                            # [B, T, H, D]
+    k = k.view(B, T, -1, attn.head_dim)                            # [B, T, Hkv, D]
+    v = v.view(B, T, -1, attn.head_dim)                            # [B, T, Hkv, D]
     if hasattr(attn, "q_norm"):                                    # Qwen3: RMSNorm per head
         q, k = attn.q_norm(q), attn.k_norm(k)
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -154,7 +155,76 @@ def finish_attention(layer: nn.Module, attn_out: Tensor, residual: Tensor) -> Te
 
 def mlp_block(layer: nn.Module, h: Tensor) -> Tensor:
     """h [B, T, hidden] -> h + mlp(post_attention_layernorm(h))."""
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    mlp, x = layer.mlp, layer.post_attention_layernorm(h)
+    gate_up = _fused(mlp, x)
+    if gate_up is None:
+        return h + mlp(x)
+    gate, up = gate_up
+    return h + mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+# -- fused projections -------------------------------------------------------------------------
+FUSED = "tierkv_fused"     # the module attribute holding a `Fused`
+
+
+@dataclass(frozen=True, slots=True)
+class Fused:
+    weight: Tensor                      # [sum of outputs, in]: the projections' weights, one after another
+    bias: Tensor | None
+    sizes: list[int]                    # each projection's outputs
+    parts: tuple[tuple[str, nn.Linear, int, int], ...]  # (name, module, weight and bias addresses) when fused
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """One matmul where a layer has several over the same input: q, k and v, and gate and up. Their
+    weights become row slices of one tensor per layer; transformers' modules hold those slices (the same
+    values in the same [out, in] layout, no second copy), so its own forward is unchanged, and the
+    functions above run one matmul while the modules still hold the slices. Fewer, larger matmuls over
+    weights that do not fit a cache: the linear layers of a SmolLM2 decode step on 2 cores take 17 ms
+    instead of 26 in bf16 (`bench/RESULTS.md`). A module that is not a plain ``nn.Linear`` (quantized,
+    adapted) is left as it is."""
+    for layer in decoder_layers(model):
+        _fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+        _fuse(layer.mlp, ("gate_proj", "up_proj"))
+    return model
+
+
+def _fuse(module: nn.Module, names: tuple[str, ...]) -> None:
+    linears = [getattr(module, name, None) for name in names]
+    if not all(type(linear) is nn.Linear for linear in linears):
+        return
+    biases = [linear.bias for linear in linears]
+    if any(b is None for b in biases) != all(b is None for b in biases):
+        return
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    start, parts = 0, []
+    for name, linear in zip(names, linears):
+        rows = slice(start, start + linear.out_features)
+        linear.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[rows], requires_grad=False)
+        parts.append((name, linear, linear.weight.data_ptr(), _address(linear.bias)))
+        start = rows.stop
+    module.__dict__[FUSED] = Fused(weight, bias, [linear.out_features for linear in linears], tuple(parts))
+
+
+def _fused(module: nn.Module, x: Tensor) -> tuple[Tensor, ...] | None:
+    """The outputs of ``module``'s fused projections of ``x``, or None when it has none or one of their
+    parameters was replaced since (then each projection runs on its own)."""
+    fused = module.__dict__.get(FUSED)
+    if fused is None:
+        return None
+    modules = module._modules
+    for name, linear, weight, bias in fused.parts:    # (~1 us each: plain dict lookups, not nn.Module's)
+        params = linear._parameters
+        if modules[name] is not linear or params["weight"].data_ptr() != weight or _address(params["bias"]) != bias:
+            return None
+    return torch.nn.functional.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
+
+
+def _address(tensor: Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def final_logits(model: nn.Module, h: Tensor) -> Tensor:

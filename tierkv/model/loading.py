@@ -36,7 +36,7 @@ import xxhash
 
 from tierkv.knobs import cache_dir
 from tierkv.errors import ConfigError
-from tierkv.model.arch import ModelSpec, check_architecture, model_spec
+from tierkv.model.arch import ModelSpec, check_architecture, fuse_projections, model_spec
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ def load_model(spec: str = "smollm2", *, dtype: torch.dtype = torch.float32) -> 
     digest = weights_digest(source)
     folder = source if source.is_dir() else cached_gguf(source, digest)
     model, tokenizer = _load_folder(folder, dtype)
+    fuse_projections(model)
     return LoadedModel(model, tokenizer, f"{_display_name(source)}@{digest}", model_spec(model))
 
 
