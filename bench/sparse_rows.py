@@ -202,7 +202,7 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
         runs |= interleave({"llama-cpp": lambda: LlamaDecoder(resolve_source("smollm2"), ids[:-1], len(ids) + steps + 16,
                                                               torch.get_num_threads(), store / "llama-state")},
                            ids[-1], steps, together=False)
-    add_sparse_rows(report, ctx, runs, steps, prefill_s, rate)
+    add_sparse_rows(report, ctx, runs, steps, prefill_s, loaded, rate)
 
 
 def tier_sizes(loaded: LoadedModel, ctx: int, page_dtype: str):
@@ -246,7 +246,7 @@ def page_read_rate(path: Path, page_bytes: int, slots: list[int], threads: int, 
         pages.close()
 
 
-def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s: float,
+def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s: float, loaded: LoadedModel,
                     page_reads_per_s: float | None = None) -> None:
     tag = f"@{ctx // K}K"
     base = runs["dynamic-cache"].tokens_per_s if "dynamic-cache" in runs else None
@@ -268,7 +268,7 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
                        median_ms=round(d.ms(0.5), 1), p90_ms=round(d.ms(0.9), 1), steps=steps, **extra)
     report.add_row("sparse-prefill", "prefill_s", round(prefill_s, 1), "s", context=ctx,
                    note="0: reused from the store")
-    add_sparse_bounds(report, ctx, runs, steps, page_reads_per_s)
+    add_sparse_bounds(report, ctx, runs, steps, loaded, page_reads_per_s)
     ratio = lambda n: round(runs[n].tokens_per_s / base, 3) if base and n in runs else None   # noqa: E731
     at_target = ctx >= 128 * K    # the targets are set at 128K (and 32K for pages in memory); others report
     add(f"sparse_ram_vs_dynamic{tag}", ratio("sparse-ram"), 6.0 if at_target else 1.5 if ctx == 32 * K else None,
@@ -319,7 +319,10 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
                              "the same with every page in memory")
 
 
-def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int, page_reads_per_s: float | None) -> None:
+def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int, loaded: LoadedModel,
+                      page_reads_per_s: float | None) -> None:
+    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters()) // 2**20
+    dtype = str(loaded.spec.dtype).removeprefix("torch.")
     for name, d in runs.items():
         step_ms = 1e3 * sum(d.seconds) / len(d.seconds)
         if name == "llama-cpp":
@@ -328,7 +331,8 @@ def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int, page_rea
             continue
         if "pages_read" not in d.figures:
             report.add_bound(f"{name}@{ctx // K}K: {step_ms:.0f} ms/step; reads the whole KV "
-                             f"({ctx * 46 // 1024} MiB in float32) and torch.cat copies it each step")
+                             f"({ctx * loaded.spec.kv_bytes_per_token // 2**20} MiB in {dtype}) and torch.cat copies "
+                             "it each step")
             continue
         f = d.figures
         gathered = f["pages_read"] * f["page_bytes"] / steps
@@ -337,8 +341,8 @@ def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int, page_rea
                          f"per token, {f['nvme_read_bytes'] / steps / 2**20:.1f} MiB of them from NVMe; "
                          f"{100 * f['reuse_rate']:.0f} % of a layer's pages were read by it the step before; "
                          f"stall {100 * f['waited_s'] / sum(d.seconds):.0f} %; the rest is the weights "
-                         f"(513 MiB read per token) and per-layer selection, key rebuild and attention over "
-                         f"{f['tokens_per_layer_step'] / 1e3:.1f}K tokens per KV head beside sinks and window"
+                         f"({weights} MiB of {dtype} read per token) and per-layer selection, key rebuild and "
+                         f"attention over {f['tokens_per_layer_step'] / 1e3:.1f}K tokens per KV head beside sinks and window"
                          + _disk_share(f, steps, step_ms, page_reads_per_s) + _warmup(d.warmup))
 
 
