@@ -63,6 +63,7 @@ from tierkv.device import host_buffer
 from tierkv.errors import ConfigError
 from tierkv.hf import ATTENTION, TieredCache
 from tierkv.manager import BlockingTierManager
+from tierkv.model.arch import weight_bytes
 from tierkv.model.engine import Engine
 from tierkv.session.run import RunResult, run
 from tierkv.model.settings import DTYPES, RunConfig
@@ -411,7 +412,7 @@ def measure_limits(workdir: Path, nbytes: int = 256 * MiB, rounds: int = 3) -> d
 
 
 def add_bounds(report: Report, loaded: LoadedModel, limits: dict[str, float], workdir: Path) -> None:
-    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    weights = weight_bytes(loaded.model)
     fstype, device, _ = filesystem(workdir)
     report.add_bound(f"limits measured in this run (best of 3, 256 MiB): memcpy {limits['memcpy_gbps']} GB/s, "
                      f"read-only pass {limits['read_gbps']} GB/s, raw O_DIRECT read {limits['odirect_read_gbps']} "

@@ -47,6 +47,7 @@ from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager
 from tierkv.session.prefill import shelf_of, sparse_state
+from tierkv.model.arch import weight_bytes
 from tierkv.model.loading import LoadedModel, resolve_source
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sparse_engine import SparseEngine
@@ -321,7 +322,7 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
 
 def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int, loaded: LoadedModel,
                       page_reads_per_s: float | None) -> None:
-    weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters()) // 2**20
+    weights = weight_bytes(loaded.model) // 2**20
     dtype = str(loaded.spec.dtype).removeprefix("torch.")
     for name, d in runs.items():
         step_ms = 1e3 * sum(d.seconds) / len(d.seconds)
@@ -342,7 +343,8 @@ def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int, loaded: 
                          f"{100 * f['reuse_rate']:.0f} % of a layer's pages were read by it the step before; "
                          f"stall {100 * f['waited_s'] / sum(d.seconds):.0f} %; the rest is the weights "
                          f"({weights} MiB of {dtype} read per token) and per-layer selection, key rebuild and "
-                         f"attention over {f['tokens_per_layer_step'] / 1e3:.1f}K tokens per KV head beside sinks and window"
+                         f"attention over {f['tokens_per_layer_step'] / 1e3:.1f}K tokens per KV head beside sinks and "
+                         "window"
                          + _disk_share(f, steps, step_ms, page_reads_per_s) + _warmup(d.warmup))
 
 

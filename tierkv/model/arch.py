@@ -95,6 +95,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 
 
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters (each once: tied weights are not counted twice)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def embed(model: nn.Module, ids: Tensor) -> Tensor:
     """ids [B, T] -> h [B, T, hidden]."""
     return model.model.embed_tokens(ids)

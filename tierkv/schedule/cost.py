@@ -48,7 +48,7 @@ from torch import nn
 
 from tierkv.codec import KVCodec
 from tierkv.errors import ConfigError
-from tierkv.model.arch import decoder_layers, model_spec
+from tierkv.model.arch import decoder_layers, model_spec, weight_bytes
 from tierkv.schedule.compute import prefill_groups
 from tierkv.schedule.policy import WEIGHT_DTYPES, Placement, Policy
 
@@ -73,8 +73,7 @@ class ModelShape:
     def of(cls, model: nn.Module) -> ModelShape:
         spec = model_spec(model)
         layers = decoder_layers(model)
-        layer_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
-        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        layer_bytes, total = weight_bytes(layers[0]), weight_bytes(model)
         first = next(model.parameters())
         return cls(spec.num_layers, spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                    first.element_size(), layer_bytes, total - layer_bytes * spec.num_layers,
