@@ -1,6 +1,8 @@
+import pytest
 import torch
 
-from tierkv.scoring import bound_scores, landmark_scores, top_chunks
+import tierkv.scoring
+from tierkv.scoring import bound_scores, landmark_scores, quantize_landmarks, top_chunks
 
 
 def test_landmark_scores_take_the_max_over_each_group():
@@ -11,6 +13,22 @@ def test_landmark_scores_take_the_max_over_each_group():
         for c in range(10):
             best = max(float(query[h * 3 + j] @ landmarks[c, h]) for j in range(3))
             assert abs(scores[h, c].item() - best) < 1e-5
+
+
+@pytest.mark.parametrize("chunks", [1, 7, 8, 9, 21])
+def test_narrow_landmarks_score_as_their_float32_values_across_blocks(monkeypatch, chunks):
+    """bf16 and int8 landmarks, stored head-major as the index keeps them, are widened a block at a time;
+    every block, the last one partial, scores what the float32 values of the same landmarks score (up to
+    the order of a sum)."""
+    monkeypatch.setattr(tierkv.scoring, "BLOCK", 8)
+    g = torch.Generator().manual_seed(3)
+    query, means = torch.randn(6, 16, generator=g), torch.randn(2, chunks, 16, generator=g).permute(1, 0, 2)
+    bf16 = means.to(torch.bfloat16)
+    assert torch.allclose(landmark_scores(query, bf16), landmark_scores(query, bf16.float()), atol=1e-5)
+    codes, scale = quantize_landmarks(means)
+    values = codes.float() * scale.float().unsqueeze(-1)
+    assert torch.allclose(landmark_scores(query, codes, scale), landmark_scores(query, values), atol=1e-5)
+    assert landmark_scores(query, bf16[:0]).shape == (2, 0)
 
 
 def test_quest_bound_never_underestimates_the_best_key_in_a_page():
