@@ -86,11 +86,11 @@ def test_take_of_plain_pages_gathers_the_rows_a_strided_index_would(dtype):
     tok = torch.tensor([[8, 0], [15, 3], [0, 7]]).unsqueeze(-1) + torch.arange(1)
     heads = torch.arange(H).view(H, 1, 1)
     got = layout.take(raws, "values", (page, tok, heads))
-    assert got.dtype == torch.float32 and torch.equal(got, values[page, tok, heads].float())
-    assert torch.equal(layout.take(raws, "factors", (page, tok)), factors[page, tok].float())
-    assert torch.equal(layout.take(raws, "values", (page, tok)), values[page, tok].float())    # [H, 2, 1, H, D]
+    assert got.dtype == dtype and torch.equal(got, values[page, tok, heads])      # the stored dtype, no copy to fp32
+    assert torch.equal(layout.take(raws, "factors", (page, tok)), factors[page, tok])
+    assert torch.equal(layout.take(raws, "values", (page, tok)), values[page, tok])    # [H, 2, 1, H, D]
     own = layout.take(raws, "factors", (page, tok, heads), split=D)       # each head's own columns
-    assert torch.equal(own, factors.view(5, 16, R // D, D)[page, tok, heads].float())
+    assert torch.equal(own, factors.view(5, 16, R // D, D)[page, tok, heads])
     wide = torch.cat([raws, raws], 1)[:, :layout.block_bytes]             # not contiguous: the strided path
     assert not wide.is_contiguous() and torch.equal(layout.take(wide, "values", (page, tok, heads)), got)
 

@@ -164,7 +164,8 @@ class BlockLayout:
         return tuple(views)
 
     def take(self, raw: Tensor, name: str, index: tuple[Tensor, ...], *, split: int | None = None) -> Tensor:
-        """Rows of the field ``name`` of blocks ``raw`` [n, block_bytes], float32: ``index`` has a tensor
+        """Rows of the field ``name`` of blocks ``raw`` [n, block_bytes], in the layout's dtype (a quantized
+        field: decoded to float32): ``index`` has a tensor
         for each of the first dimensions of [n, *field shape] (at least the block's), and the result is
         [*index shape, the dimensions left]. ``split``: the field's last dimension seen as [-1, split]
         (a plain field only: one KV head's columns of the key factors). A quantized field decodes only
@@ -187,8 +188,8 @@ class BlockLayout:
                 flat = flat + idx * stride
                 stride *= size
             rows = raw.view(-1).view(self.dtype).view(-1, math.prod(left))
-            return rows.index_select(0, flat.reshape(-1)).float().view(*flat.shape, *left)
-        return part.view(self.dtype).view(*raw.shape[:-1], *shape)[index].float()
+            return rows.index_select(0, flat.reshape(-1)).view(*flat.shape, *left)
+        return part.view(self.dtype).view(*raw.shape[:-1], *shape)[index]
 
     def field_bytes(self, name: str) -> int:
         """Bytes of the field ``name`` in one block."""

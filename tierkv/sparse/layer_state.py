@@ -86,7 +86,7 @@ class LayerState:
         """Keys [Hkv, m, D] of each head's own rows of factors [Hkv, m, r]: ``factors[h] @ B_h``, or at
         full rank (the identity basis) head h's own columns, with no product."""
         if not self.basis.exact:
-            return torch.bmm(factors, self.head_basis())
+            return torch.bmm(factors.float(), self.head_basis())
         H, m = factors.shape[0], factors.shape[1]
         heads = torch.arange(H)
         return factors.view(H, m, H, -1)[heads, :, heads]

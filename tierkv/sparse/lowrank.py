@@ -80,6 +80,7 @@ def project(keys: Tensor, basis: Tensor) -> Tensor:
 
 
 def reconstruct(factors: Tensor, basis: Tensor, heads: int, *, exact: bool = False) -> Tensor:
-    """factors [t, r] -> keys [t, Hkv, D] (float32); ``exact``: the basis is the identity."""
-    keys = factors.float() if exact else factors.float() @ basis
+    """factors [t, r] -> keys [t, Hkv, D] (float32; ``exact``: the basis is the identity, and the keys
+    are the factors, in their dtype)."""
+    keys = factors if exact else factors.float() @ basis
     return keys.view(factors.shape[0], heads, -1)

@@ -58,7 +58,7 @@ class Loading:
         attend to those
 
     ``finish`` returns them per KV head, padded to the largest count: ``at`` [Hkv, m] (rows of
-    the gathered K, V), ``valid`` [Hkv, m] (False: padding), keys and values [Hkv, m, D] (float).
+    the gathered K, V), ``valid`` [Hkv, m] (False: padding), keys and values [Hkv, m, D] (as ``gather``).
     """
 
     def __init__(self, missing: Tensor, finish: Callable[[], tuple[Tensor, Tensor, Tensor, Tensor]],
@@ -248,9 +248,10 @@ class SparseSequence:
         return ids[self.layers[layer].index.candidates[ids]]
 
     def gather(self, layer: int, chunks: Tensor, *, shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """Chunks [Hkv, k] plus the outliers -> pre-RoPE K, V [Hkv, M, D] (float) and their token
-        positions [Hkv, M], in token order per head; ``shared``: every head has the same chunks
-        (keys rebuilt in one product, one order)."""
+        """Chunks [Hkv, k] plus the outliers -> pre-RoPE K, V [Hkv, M, D] and their token positions
+        [Hkv, M], in token order per head; ``shared``: every head has the same chunks (keys rebuilt in
+        one product, one order). K and V keep the pages' dtype (no float32 copy of what is only moved;
+        keys rebuilt through a basis, or decoded from quantized pages, are float32)."""
         return self._gather(layer, chunks, shared=shared, split=False)[:3]
 
     def gather_split(self, layer: int, chunks: Tensor, *,
@@ -273,8 +274,8 @@ class SparseSequence:
             parts_pos.append(self._positions(chunks))
         ids, k_out, v_out = state.index.exact()
         if ids.numel():
-            parts_k.append(k_out.float().transpose(0, 1))
-            parts_v.append(v_out.float().transpose(0, 1))
+            parts_k.append(k_out.transpose(0, 1))
+            parts_v.append(v_out.transpose(0, 1))
             parts_pos.append(self._positions(ids.expand(H, -1)))
         if not parts_k:
             D = self.layout.head_dim

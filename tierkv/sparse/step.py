@@ -71,8 +71,8 @@ def gather_context(seq: SparseSequence, layer: int, chunks: Tensor, *, shared: b
         k_mid[heads[valid], at[valid]], v_mid[heads[valid], at[valid]] = k_new[valid], v_new[valid]
         loading = None
     start = seq.length(layer) - win_k.shape[0]
-    k = torch.cat([sink_k.float().transpose(0, 1), k_mid, win_k.float().transpose(0, 1)], dim=1)
-    v = torch.cat([sink_v.float().transpose(0, 1), v_mid, win_v.float().transpose(0, 1)], dim=1)
+    k = torch.cat([sink_k.transpose(0, 1), k_mid, win_k.transpose(0, 1)], dim=1)
+    v = torch.cat([sink_v.transpose(0, 1), v_mid, win_v.transpose(0, 1)], dim=1)
     p = torch.cat([torch.arange(sink_k.shape[0]).expand(H, -1), p_mid,
                    torch.arange(start, start + win_k.shape[0]).expand(H, -1)], dim=1)
     return Context(k, v, p, loading, sink_k.shape[0], p_mid)
