@@ -36,11 +36,11 @@ def landmark_scores(query: Tensor, landmarks: Tensor, scale: Tensor | None = Non
     C, Hkv, D = landmarks.shape
     q = query.reshape(Hkv, -1, D).float()                          # [Hkv, G, D]
     per_head = landmarks.permute(1, 0, 2)                          # [Hkv, C, D]: no copy when stored head-major
-    scores = torch.empty(Hkv, C, device=landmarks.device)
+    scores = torch.empty(Hkv, C, dtype=torch.float32, device=landmarks.device)
     if per_head.dtype == torch.float32:
         torch.amax(torch.bmm(q, per_head.transpose(1, 2)), dim=1, out=scores)     # [Hkv, G, C] -> [Hkv, C]
     elif C:
-        block = torch.empty(Hkv, min(C, BLOCK), D, device=landmarks.device)
+        block = torch.empty(Hkv, min(C, BLOCK), D, dtype=torch.float32, device=landmarks.device)
         for start in range(0, C, BLOCK):
             rows = block[:, :min(BLOCK, C - start)].copy_(per_head[:, start:start + BLOCK])
             torch.amax(torch.bmm(q, rows.transpose(1, 2)), dim=1, out=scores[:, start:start + rows.shape[1]])

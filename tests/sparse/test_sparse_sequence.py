@@ -10,6 +10,7 @@ from tierkv.manager import BlockingTierManager, TierManager
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
+from tierkv.sparse.step import gather_context
 
 H, D = 2, 16
 
@@ -217,3 +218,27 @@ def test_a_crop_before_the_basis_is_fitted_takes_its_keys_out_of_the_gram_matrix
         assert cropped.length(0) == 55
         torch.testing.assert_close(cropped.layers[0].basis.gram, shorter.layers[0].basis.gram)
         torch.testing.assert_close(cropped.window(0)[0], shorter.window(0)[0])
+
+
+def test_late_pages_with_no_sinks_or_window_land_in_the_joined_keys(tmp_path):
+    """bf16 pages under a float32 model, and nothing to attend while they load (no sinks, no window): the
+    rows that arrive late are written into K and V as joined with the float32 outliers, each row what it
+    would be from a plain read (pages rounded to bf16, outliers exact)."""
+    cfg = config(sink_tokens=0, window_tokens=0, outlier_fraction=0.1)
+    layout = BlockLayout.page(cfg.page_tokens, H, D, H * D, torch.bfloat16)
+    tiers = TierConfig(block_bytes=layout.block_bytes, gpu=8 * layout.block_bytes, cpu=0, nvme_dir=tmp_path / "s")
+    with BlockingTierManager.from_config(tiers) as manager:
+        seq = SparseSequence(manager, cfg, layout, num_layers=1, dtype=torch.float32, needs=frozenset({"landmarks"}))
+        k, v = torch.randn(192, H, D), torch.randn(192, H, D)
+        seq.append(0, k, v)
+        seq.fit(0, H * D)                                   # 12 pages, the first ones on NVMe; no window left
+        outliers, candidates = sorted(seq.index(0).outliers), seq.index(0).candidates.nonzero().flatten()
+        assert outliers and seq.window(0)[0].shape[0] == 0
+        context = gather_context(seq, 0, torch.stack([candidates[:2], candidates[-2:]]), split=True)
+        assert context.loading is None and context.k.dtype == torch.float32
+        exact = {8 * c + j for c in outliers for j in range(8)}
+        for h in range(H):
+            for row, p in enumerate(context.p[h].tolist()):
+                want_k, want_v = (k[p, h], v[p, h]) if p in exact else (k[p, h].bfloat16().float(),
+                                                                         v[p, h].bfloat16().float())
+                assert torch.equal(context.k[h, row], want_k) and torch.equal(context.v[h, row], want_v)

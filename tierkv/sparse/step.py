@@ -68,7 +68,8 @@ def gather_context(seq: SparseSequence, layer: int, chunks: Tensor, *, shared: b
     if loading is not None and not (sink_k.shape[0] or win_k.shape[0]):
         at, valid, k_new, v_new = loading.finish()      # nothing to attend meanwhile: a head could
         heads = torch.arange(H).unsqueeze(1).expand_as(at)   # be left with no key at all
-        k_mid[heads[valid], at[valid]], v_mid[heads[valid], at[valid]] = k_new[valid], v_new[valid]
+        k_mid[heads[valid], at[valid]] = k_new[valid].to(k_mid.dtype)   # (joined with float32 outliers,
+        v_mid[heads[valid], at[valid]] = v_new[valid].to(v_mid.dtype)   # bf16 page rows were widened)
         loading = None
     start = seq.length(layer) - win_k.shape[0]
     k = torch.cat([sink_k.transpose(0, 1), k_mid, win_k.transpose(0, 1)], dim=1)
