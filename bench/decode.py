@@ -487,7 +487,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--branch-contexts", help="contexts of the speculative-decoding rows, or 'none' "
                                                   "(default 4K,32K; quick 4K); the beam row runs unless 'none'")
     parser.add_argument("--sparse-rows", help="only these sparse configurations, like "
-                                               "sparse-ram,sparse-nvme-no-prefetch (default: all, and dynamic-cache)")
+                                               "sparse-ram,sparse-nvme-no-prefetch,dynamic-cache-folded (default: all)")
     parser.add_argument("--sparse-page-dtypes", default="",
                         help="quantized pages measured beside bf16 in the sparse rows, like int4 (their own prefill)")
     parser.add_argument("--sparse-store", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-sparse-store",

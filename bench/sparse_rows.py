@@ -7,6 +7,8 @@ Configurations, one after another (they share the store's lock)::
 
     dynamic-cache      transformers DynamicCache holding the KV that the sparse prefill stored
                        (keys rebuilt at full length from the pages): every step reads all of it
+    dynamic-cache-folded   the same with attention "tierkv" (a decode step's GQA heads folded: the fast
+                       path of transformers' sdpa on a CPU in bf16, see bench/decode.py's dense rows)
     sparse-ram         SparseEngine, every page in the gpu tier (loaded before timing), no prefetch
     sparse-ram-chunks  the same, each KV head attending only its own chunks (attend="chunks"): the
                        cost of attending whole pages (the default)
@@ -52,6 +54,7 @@ from tierkv.model.loading import LoadedModel, resolve_source
 from tierkv.model.prompt import passkey_prompt
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.events import EventRecorder
+from tierkv.hf import ATTENTION
 from tierkv.sparse import SparseConfig
 
 K = 1024
@@ -196,9 +199,10 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
         report.add_bound(f"page reads@{ctx // K}K: the store's device serves {rate / 1e3:.1f}K random "
                          f"{layout.block_bytes // 1024} KiB O_DIRECT reads/s with {threads} threads "
                          f"({rate * layout.block_bytes / 1e6:.0f} MB/s), measured on the stored pages in this run")
-    if rows is None or "dynamic-cache" in rows:
-        runs |= interleave({"dynamic-cache": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store),
-                                                               len(ids) - 1)}, ids[-1], steps, together=False)
+    dense = {"dynamic-cache": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store), len(ids) - 1),
+             "dynamic-cache-folded": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store),
+                                                        len(ids) - 1, ATTENTION)}
+    runs |= interleave({k: v for k, v in dense.items() if rows is None or k in rows}, ids[-1], steps, together=False)
     if llama_version() is not None and (rows is None or "llama-cpp" in rows):   # dense, at real positions
         runs |= interleave({"llama-cpp": lambda: LlamaDecoder(resolve_source("smollm2"), ids[:-1], len(ids) + steps + 16,
                                                               torch.get_num_threads(), store / "llama-state")},
@@ -274,6 +278,10 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
     at_target = ctx >= 128 * K    # the targets are set at 128K (and 32K for pages in memory); others report
     add(f"sparse_ram_vs_dynamic{tag}", ratio("sparse-ram"), 6.0 if at_target else 1.5 if ctx == 32 * K else None,
                      "decode tok/s of sparse with every page in memory / DynamicCache all in memory, same run")
+    folded = runs.get("dynamic-cache-folded")
+    add(f"sparse_ram_vs_dynamic_folded{tag}", round(runs["sparse-ram"].tokens_per_s / folded.tokens_per_s, 3)
+        if folded and "sparse-ram" in runs else None, None,
+        "decode tok/s of sparse with every page in memory / DynamicCache with attention \"tierkv\", same run")
     add(f"sparse_nvme_vs_dynamic{tag}", ratio("sparse-nvme-no-prefetch"), 5.0 if at_target else None,
                      "decode tok/s of sparse with >= 80 % of the pages only on NVMe, default settings (no "
                      "prefetch) / DynamicCache")
