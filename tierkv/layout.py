@@ -165,11 +165,11 @@ class BlockLayout:
 
     def take(self, raw: Tensor, name: str, index: tuple[Tensor, ...], *, split: int | None = None) -> Tensor:
         """Rows of the field ``name`` of blocks ``raw`` [n, block_bytes], in the layout's dtype (a quantized
-        field: decoded to float32): ``index`` has a tensor
-        for each of the first dimensions of [n, *field shape] (at least the block's), and the result is
-        [*index shape, the dimensions left]. ``split``: the field's last dimension seen as [-1, split]
-        (a plain field only: one KV head's columns of the key factors). A quantized field decodes only
-        those rows (its gather and its decode are one pass)."""
+        field: decoded to float32): ``index`` has a tensor for each of the first dimensions of
+        [n, *field shape] (at least the block's), and the result is [*index shape, the dimensions left].
+        ``split``: the field's last dimension seen as [-1, split] (a plain field only: one KV head's
+        columns of the key factors). A quantized field decodes only those rows (its gather and its
+        decode are one pass)."""
         i = next(i for i, f in enumerate(self.fields) if f.name == name)
         f, start = self.fields[i], self._offsets[i]
         part = raw[..., start:self._offsets[i + 1]]
