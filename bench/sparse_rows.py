@@ -35,6 +35,8 @@ sparse at remapped ones, so the tokens differ; the rows compare speed, not text.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import random
 import sys
 import time
@@ -199,10 +201,12 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
         report.add_bound(f"page reads@{ctx // K}K: the store's device serves {rate / 1e3:.1f}K random "
                          f"{layout.block_bytes // 1024} KiB O_DIRECT reads/s with {threads} threads "
                          f"({rate * layout.block_bytes / 1e6:.0f} MB/s), measured on the stored pages in this run")
-    dense = {"dynamic-cache": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store), len(ids) - 1),
-             "dynamic-cache-folded": lambda: hf_decoder(loaded.model, dynamic_from_store(loaded, ids, store),
-                                                        len(ids) - 1, ATTENTION)}
+    stored = functools.cache(lambda: dynamic_from_store(loaded, ids, store))   # read from the store once
+    dense = {"dynamic-cache": lambda: hf_decoder(loaded.model, copy.deepcopy(stored()), len(ids) - 1),
+             "dynamic-cache-folded": lambda: hf_decoder(loaded.model, copy.deepcopy(stored()), len(ids) - 1,
+                                                        ATTENTION)}
     runs |= interleave({k: v for k, v in dense.items() if rows is None or k in rows}, ids[-1], steps, together=False)
+    stored.cache_clear()
     if llama_version() is not None and (rows is None or "llama-cpp" in rows):   # dense, at real positions
         runs |= interleave({"llama-cpp": lambda: LlamaDecoder(resolve_source("smollm2"), ids[:-1], len(ids) + steps + 16,
                                                               torch.get_num_threads(), store / "llama-state")},
