@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from tierkv.sizes import format_size
-from tierkv.device import auto_dtype, has_cuda, has_cuda_driver, native_bf16
+from tierkv.device import GDS_INSTALL, auto_dtype, has_cuda, has_cuda_driver, native_bf16
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.flags import add_flags, build, given, given_flags, nest
 from tierkv.profile.command import add_profile
@@ -71,7 +71,7 @@ def _gds_status() -> str:
     try:
         import kvikio  # noqa: F401
     except ImportError:
-        return "unavailable: kvikio not installed (pip install 'tierkv[gds]')"
+        return f"unavailable: kvikio not installed ({GDS_INSTALL})"
     return "available"
 
 

@@ -23,6 +23,10 @@ def align_up(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+GDS_INSTALL = "pip install 'tierkv-runtime[gds]' (CUDA 12) or 'tierkv-runtime[gds-cu13]' (CUDA 13)"
+"""How kvikio, the GDS backend, gets installed: the extra that matches the CUDA major version."""
+
+
 @functools.cache
 def has_cuda() -> bool:
     return torch.cuda.is_available()

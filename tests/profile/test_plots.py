@@ -13,7 +13,7 @@ from tierkv.profile.plots import plot_profile, timeline_window
 from tierkv.profile.summary import summarize
 
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                                      reason="matplotlib is not installed (pip install 'tierkv[profile]')")
+                                      reason="matplotlib is not installed (pip install 'tierkv-runtime[profile]')")
 
 MiB = 2**20
 MS = 1e-3

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tierkv.device import ALIGN, has_cuda_driver
+from tierkv.device import ALIGN, GDS_INSTALL, has_cuda_driver
 from tierkv.errors import ConfigError
 
 AUTO_ORDER = ("kvikio", "odirect", "buffered")
@@ -202,7 +202,7 @@ def probe_backend(name: str, directory: Path) -> str:
         try:
             import kvikio  # noqa: F401
         except ImportError as exc:
-            return f"kvikio is not installed ({exc}); pip install 'tierkv[gds]'"
+            return f"kvikio is not installed ({exc}); {GDS_INSTALL}"
     return _roundtrip(BACKENDS[name], Path(directory))
 
 
