@@ -117,7 +117,7 @@ def prefill_hf(model, ids: list[int]) -> tuple[int, DynamicCache, float]:
     """The prompt through transformers once: (first generated token, its DynamicCache, seconds)."""
     cache = DynamicCache(config=model.config)
     start = time.perf_counter()
-    out = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([ids], device=model.device), cache=cache, use_cache=True, logits_to_keep=1)
     return int(out.logits[0, -1].argmax()), cache, time.perf_counter() - start
 
 
@@ -142,7 +142,9 @@ class HfDecoder:
     @torch.inference_mode()
     def step(self, token: int) -> int:
         self.model.set_attn_implementation(self.attention)   # configs share the model (~0.3 ms)
-        out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[self.pos]]),
+        device = self.model.device
+        out = self.model(input_ids=torch.tensor([[token]], device=device),
+                         position_ids=torch.tensor([[self.pos]], device=device),
                          cache=self.cache, use_cache=True, logits_to_keep=1)
         self.pos += 1
         return int(out.logits[0, -1].argmax())
@@ -264,7 +266,14 @@ def decode_all(builders: dict[str, Callable[[], Decoder]], first: int, steps: in
     return runs
 
 
-def measure_context(report: Report, loaded: LoadedModel, ctx: int, steps: int, workdir: Path) -> dict[str, Decoded]:
+DENSE_ROWS = ("dynamic-cache", "static-cache", "tiered-cache", "tiered-cache-small", "dynamic-cache-folded",
+              "native-ram", "native-nvme", "native-nvme-no-events", "llama-cpp")
+
+
+def measure_context(report: Report, loaded: LoadedModel, ctx: int, steps: int, workdir: Path,
+                    rows: frozenset[str] | None = None) -> dict[str, Decoded]:
+    """The dense rows at one context; ``rows``: only these configurations (dynamic-cache always runs: every
+    ratio and token check is against it)."""
     model, spec = loaded.model, loaded.spec
     ids = passkey_prompt(loaded.tokenizer, ctx).ids
     first, prefilled, prefill_s = prefill_hf(model, ids)
@@ -291,6 +300,8 @@ def measure_context(report: Report, loaded: LoadedModel, ctx: int, steps: int, w
     }
     if llama_version() is not None:
         builders["llama-cpp"] = lambda: LlamaDecoder(resolve_source("smollm2"), ids, length + 16, torch.get_num_threads())
+    if rows is not None:
+        builders = {name: build for name, build in builders.items() if name in rows or name == "dynamic-cache"}
     kv_bytes = pos * spec.kv_bytes_per_token
     together = 8 * length * spec.kv_bytes_per_token < 0.5 * _available_ram()
     runs = decode_all(builders, first, steps, together)
@@ -338,21 +349,26 @@ VS_DYNAMIC = {  # ratio -> (config, what it divides by DynamicCache's decode tok
 
 
 def add_context_ratios(report: Report, ctx: int, runs: dict[str, Decoded]) -> None:
+    """The ratios whose rows ran (``--dense-rows`` may leave some out)."""
     tag, base = f"@{ctx // K}K", runs["dynamic-cache"].tokens_per_s
     for name, (config, meaning) in VS_DYNAMIC.items():
-        report.add_ratio(name + tag, round(runs[config].tokens_per_s / base, 3), TARGETS.get(name + tag),
-                         f"{meaning} / DynamicCache all in memory, same run")
-    report.add_ratio(f"dense_tiered_vs_dynamic_folded{tag}",
-                     round(runs["tiered-cache"].tokens_per_s / runs["dynamic-cache-folded"].tokens_per_s, 3), None,
-                     "decode tok/s of TieredCache / DynamicCache, both with attention \"tierkv\": the cache's own "
-                     "share of dense_tiered_vs_dynamic, same run")
-    if "llama-cpp" in runs:
+        if config in runs:
+            report.add_ratio(name + tag, round(runs[config].tokens_per_s / base, 3), TARGETS.get(name + tag),
+                             f"{meaning} / DynamicCache all in memory, same run")
+    if {"tiered-cache", "dynamic-cache-folded"} <= runs.keys():
+        report.add_ratio(f"dense_tiered_vs_dynamic_folded{tag}",
+                         round(runs["tiered-cache"].tokens_per_s / runs["dynamic-cache-folded"].tokens_per_s, 3),
+                         None, "decode tok/s of TieredCache / DynamicCache, both with attention \"tierkv\": the "
+                         "cache's own share of dense_tiered_vs_dynamic, same run")
+    if {"llama-cpp", "native-ram", "tiered-cache"} <= runs.keys():
         llama = runs["llama-cpp"].tokens_per_s
         report.add_ratio(f"dense_vs_llamacpp{tag}", round(runs["native-ram"].tokens_per_s / llama, 3),
                          TARGETS.get(f"dense_vs_llamacpp{tag}"),
                          "decode tok/s of the native loop with all KV in memory / llama.cpp on the same GGUF "
                          f"(its quantized weights, its own KV cache), same threads, same run; TieredCache / "
                          f"llama.cpp: {runs['tiered-cache'].tokens_per_s / llama:.3f}")
+    if not {"native-nvme", "native-nvme-no-events"} <= runs.keys():
+        return
     native = runs["native-nvme"]
     quiet = runs["native-nvme-no-events"]
     report.add_ratio(f"profiler_overhead{tag}", round(quiet.tokens_per_s / native.tokens_per_s - 1, 3), 0.03,
@@ -418,14 +434,22 @@ def add_bounds(report: Report, loaded: LoadedModel, limits: dict[str, float], wo
                      f"read-only pass {limits['read_gbps']} GB/s, raw O_DIRECT read {limits['odirect_read_gbps']} "
                      f"GB/s (4 threads, 4 MiB calls, {fstype} on {device}); every config reads the {weights / MiB:.0f}"
                      f" MiB of weights and the whole KV ({loaded.spec.kv_bytes_per_token} B/token) each step")
+    on_cuda = loaded.model.device.type == "cuda"
+    if on_cuda:
+        report.add_bound(f"device: the model, its caches and TieredCache's gpu tier are on {torch.cuda.get_device_name()}"
+                         f" (torch {torch.__version__}, CUDA {torch.version.cuda}); the cpu tier is pinned host "
+                         f"memory, so tiered-cache-small and native-nvme copy blocks over PCIe every step")
     for row in report.rows:
-        if row["metric"] == "decode_tokens_per_s" and "kv_bytes" in row and row["config"] != "llama-cpp":
+        if row["metric"] == "decode_tokens_per_s" and "kv_bytes" in row and row["config"] != "llama-cpp" \
+                and not on_cuda:   # the floors are host-memory ones
             report.add_bound(_row_bound(row, weights, limits))
     if not all(row.get("interleaved", True) for row in report.rows):
         report.add_bound("where a row says interleaved=false, RAM was short for every config's KV at once: the "
                          "configs ran one after another and the machine's load drift is not shared between them")
-    report.add_bound("tiered-cache-small: without CUDA its gpu tier is host memory too, and TieredCache reads a "
-                     "block in place from whichever memory tier holds it, so it moves no more bytes than tiered-cache")
+    if not on_cuda:
+        report.add_bound("tiered-cache-small: without CUDA its gpu tier is host memory too, and TieredCache reads a "
+                         "block in place from whichever memory tier holds it, so it moves no more bytes than "
+                         "tiered-cache")
     if any(row["config"] == "tierkv-run-second" for row in report.rows):
         report.add_bound("ttft reuse: a run adopts stored blocks only up to the last whole 1024-token chunk before the "
                          "prompt's last token, so the second run recomputes that chunk against the whole stored "
@@ -488,11 +512,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                   "(default 4K,32K; quick 4K); the beam row runs unless 'none'")
     parser.add_argument("--sparse-rows", help="only these sparse configurations, like "
                                                "sparse-ram,sparse-nvme-no-prefetch,dynamic-cache-folded (default: all)")
+    parser.add_argument("--dense-rows", help="only these dense configurations, like tiered-cache,native-ram "
+                                              f"(default: all; dynamic-cache always runs): {', '.join(DENSE_ROWS)}")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model and its caches compute (default cpu; cuda measures the dense rows only)")
     parser.add_argument("--sparse-page-dtypes", default="",
                         help="quantized pages measured beside bf16 in the sparse rows, like int4 (their own prefill)")
     parser.add_argument("--sparse-store", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-sparse-store",
                         help="NVMe store of the sparse rows, kept between runs: the prefill runs once")
     args = parser.parse_args(argv)
+    unknown = set(filter(None, (args.dense_rows or "").split(","))) - set(DENSE_ROWS)
+    if unknown:
+        parser.error(f"--dense-rows: {', '.join(sorted(unknown))} unknown; the dense rows are {', '.join(DENSE_ROWS)}")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here")
+        if any(given != "none" for given in (args.reuse_at, args.sparse_contexts, args.branch_contexts)):
+            parser.error("--device cuda measures the dense rows only: pass --reuse-at none --sparse-contexts none "
+                         "--branch-contexts none (the sparse engine and tierkv run compute on the CPU)")
     for name in filter(None, args.sparse_page_dtypes.split(",")):
         try:
             SparseConfig(page_dtype=name)
@@ -521,8 +558,10 @@ def main(argv: list[str] | None = None) -> Report:
     try:
         limits = measure_limits(workdir)
         loaded = load_model("smollm2", dtype=DTYPES[args.dtype])
+        loaded.model.to(args.device)
+        dense_rows = frozenset(args.dense_rows.split(",")) if args.dense_rows else None
         for ctx in contexts:
-            add_context_ratios(report, ctx, measure_context(report, loaded, ctx, steps, workdir))
+            add_context_ratios(report, ctx, measure_context(report, loaded, ctx, steps, workdir, dense_rows))
         for ctx in reuse_at:
             measure_reuse(report, loaded, ctx, args.dtype, workdir)
         for ctx in sparse_contexts:

@@ -65,3 +65,31 @@ def test_tiered_cache_on_the_device_gives_dynamic_cache_tokens(tmp_path):
         with TieredCache(config, gpu=4 * 32768, cpu=8 * 32768, nvme_dir=tmp_path / f"kv{buffer}", block_tokens=32,
                          buffer=buffer) as cache:
             assert greedy(cache) == expected
+
+
+def test_the_native_loop_on_the_device_gives_the_host_loop_logits(tmp_path):
+    from tinymodels import tiny_model
+
+    from tierkv.layout import BlockLayout
+    from tierkv.model.arch import model_spec
+    from tierkv.model.engine import Engine, EngineConfig
+    from tierkv.model.loading import LoadedModel
+    ids = torch.randint(0, 128, (150,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def logits_on(device: str) -> torch.Tensor:
+        model = tiny_model("llama").to(device)
+        loaded = LoadedModel(model, None, "tiny-llama", model_spec(model))
+        s = loaded.spec
+        layout = BlockLayout.kv(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype, 16)
+        config = TierConfig(layout.block_bytes, gpu=6 * layout.block_bytes, cpu=6 * layout.block_bytes,
+                            nvme_dir=tmp_path / device)                 # most blocks come back from the disk
+        with BlockingTierManager.from_config(config, namespace=layout.name) as mgr:
+            engine = Engine(loaded, mgr, EngineConfig(16, 32, reuse=False))
+            seq = engine.new_sequence()
+            logits, _ = engine.prefill(seq, ids)
+            out = [logits.cpu()]
+            for _ in range(6):
+                out.append(engine.decode(seq, int(out[-1].argmax())).cpu())
+            seq.release(keep=False)
+        return torch.stack(out)
+    torch.testing.assert_close(logits_on("cuda"), logits_on("cpu"), atol=1e-4, rtol=1e-3)
