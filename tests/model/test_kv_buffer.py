@@ -99,6 +99,21 @@ def test_a_buffer_refused_growth_is_emptied():
         BufferBudget(-1)
 
 
+def test_a_budget_sized_for_every_layer_keeps_every_layer_buffered_as_they_grow():
+    layers, blocks = 30, 64                         # the prompt fills 64 blocks a layer; one block each to spare
+    budget = BufferBudget(layers * (blocks + 1) * T * PER_TOKEN)
+    buffers = [KVBuffer(LAYOUT.fields[0].shape, torch.float32, "cpu", budget) for _ in range(layers)]
+    assert all(b.reserve(blocks * T) for b in buffers)
+    assert all(b.reserve(blocks * T + 1) for b in buffers)          # the first decode step: one more block each
+    assert budget.holders == layers and budget.used == budget.limit
+    spacious = BufferBudget(1 << 30)                                # a roomy budget still grows by 1/8
+    alone = KVBuffer(LAYOUT.fields[0].shape, torch.float32, "cpu", spacious)
+    assert alone.reserve(blocks * T) and alone.reserve(blocks * T + 1) and alone.capacity == blocks * T * 9 // 8
+    for b in [*buffers, alone]:
+        b.close()
+    assert budget.used == budget.holders == spacious.used == spacious.holders == 0
+
+
 @pytest.mark.model
 def test_the_engine_decodes_the_same_tokens_with_some_layers_buffered(smollm2):
     ids = passkey_prompt(smollm2.tokenizer, 1200).ids

@@ -10,7 +10,9 @@ copies the whole KV per step (the cost that also dominates transformers' ``Dynam
              read once from the tiers when it was not: a reused prefix, a fork)
 
 Every buffer takes its bytes from one ``BufferBudget``; a buffer that cannot grow gives its
-bytes back and its layer reads block by block again.
+bytes back and its layer reads block by block again. Room to grow is taken only within a buffer's
+fair share of what the budget has left (its free bytes over the buffers holding some), so a budget
+sized for every layer's KV never lets the first layers' growth room push the last ones out.
 """
 from __future__ import annotations
 
@@ -27,19 +29,29 @@ class BufferBudget:
         if limit < 0:
             raise ValueError(f"buffer budget {limit}: must be >= 0 bytes")
         self.limit, self.used, self.peak = limit, 0, 0
+        self.holders = 0          # buffers holding some bytes
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> bool:
+    def fair_share(self) -> int:
+        """Free bytes over the buffers holding some (itself too): the most one may take as room to grow."""
+        with self._lock:
+            return (self.limit - self.used) // max(1, self.holders)
+
+    def take(self, nbytes: int, *, first: bool = False) -> bool:
+        """``nbytes`` more, if they fit; ``first``: the taker held none before."""
         with self._lock:
             if self.used + nbytes > self.limit:
                 return False
             self.used += nbytes
+            self.holders += first
             self.peak = max(self.peak, self.used)
             return True
 
-    def give(self, nbytes: int) -> None:
+    def give(self, nbytes: int, *, last: bool = False) -> None:
+        """``nbytes`` back; ``last``: the giver holds none now."""
         with self._lock:
             self.used -= nbytes
+            self.holders -= last
 
 
 class KVBuffer:
@@ -66,9 +78,12 @@ class KVBuffer:
         if tokens <= self.capacity:
             return True
         per_token = 2 * self.rows * self.heads * self.dim * self.k.element_size()
-        for want in (max(tokens, self.capacity * 9 // 8), tokens):      # room to grow, else just enough
-            grown = -(-want // self.block) * self.block
-            if self.budget.take((grown - self.capacity) * per_token):
+        enough = -(-tokens // self.block) * self.block
+        roomy = -(-max(tokens, self.capacity * 9 // 8) // self.block) * self.block
+        if (roomy - enough) * per_token > self.budget.fair_share():
+            roomy = enough                                  # growth room within its share, else just enough
+        for grown in dict.fromkeys((roomy, enough)):
+            if self.budget.take((grown - self.capacity) * per_token, first=not self.capacity):
                 break
         else:
             self.close()
@@ -91,6 +106,6 @@ class KVBuffer:
 
     def close(self) -> None:
         if self.capacity:
-            self.budget.give(self.nbytes)
+            self.budget.give(self.nbytes, last=True)
         self.k = self.v = torch.empty(self.rows, self.heads, 0, self.dim, dtype=self.dtype, device=self.device)
         self.filled = 0

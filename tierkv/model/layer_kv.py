@@ -38,7 +38,9 @@ class LayerKV:
         self.manager, self.layout, self.layer, self.read_tier = manager, layout, layer, read_tier
         self.blocks: list[BlockKey] = []
         shape = layout.fields[0].shape                                   # [B, Hkv, T, D]
-        self.tail_k, self.tail_v = torch.empty(shape, dtype=layout.dtype), torch.empty(shape, dtype=layout.dtype)
+        # on the compute device: a step's K/V are appended and read back without leaving it
+        self.tail_k = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.tail_v = torch.empty(shape, dtype=layout.dtype, device=device)
         self.tail_len = 0
         self.budget, self.device = budget, device
         self.buffer: KVBuffer | None = None      # made at the first read that can use one
@@ -62,7 +64,7 @@ class LayerKV:
 
     def _seal(self, key: BlockKey, persist: bool) -> None:
         index, T = len(self.blocks), self.layout.tokens
-        raw = self.layout.pack(self.tail_k, self.tail_v)
+        raw = self.layout.pack(self.tail_k.cpu(), self.tail_v.cpu())     # blocks are sealed from host memory
         self.manager.put(key, raw, layer=self.layer, index=index, persist=persist)
         self.blocks.append(key)
         self.tail_len = 0
