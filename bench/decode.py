@@ -68,6 +68,7 @@ from tierkv.model.engine import Engine
 from tierkv.session.run import RunResult, run
 from tierkv.model.settings import DTYPES, RunConfig
 from tierkv.model.loading import LoadedModel, load_model, resolve_source
+from tierkv.model.weights import WEIGHTS
 from tierkv.model.prompt import passkey_prompt
 from tierkv.sparse import SparseConfig
 from tierkv.layout import BlockLayout
@@ -460,7 +461,9 @@ def add_bounds(report: Report, loaded: LoadedModel, limits: dict[str, float], wo
     else:
         gguf = resolve_source("smollm2")
         report.add_bound(f"llama-cpp {llama_version()}: {gguf.name} ({gguf.stat().st_size / MiB:.0f} MiB of quantized "
-                         f"weights per step against tierkv's {weights / MiB:.0f} MiB of {loaded.spec.dtype} ones), "
+                         f"weights per step against tierkv's {weights / MiB:.0f} MiB"
+                         + (" (4-bit layers, 8-bit head, embedding table)" if loaded.model_id.endswith("+int4")
+                            else f" of {loaded.spec.dtype} ones") + "), "
                          f"its own KV cache (f16), {torch.get_num_threads()} threads"
                          + (", use_extra_bufts off (AMX)" if repacking_off() else ""))
 
@@ -514,6 +517,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                "sparse-ram,sparse-nvme-no-prefetch,dynamic-cache-folded (default: all)")
     parser.add_argument("--dense-rows", help="only these dense configurations, like tiered-cache,native-ram "
                                               f"(default: all; dynamic-cache always runs): {', '.join(DENSE_ROWS)}")
+    parser.add_argument("--weights", choices=WEIGHTS, help="keep the weights quantized in memory (tierkv.model.weights; "
+                                                          "every row, transformers' too, runs on them; CPU only)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model and its caches compute (default cpu; cuda measures the dense rows only)")
     parser.add_argument("--sparse-page-dtypes", default="",
@@ -525,6 +530,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--dense-rows: {', '.join(sorted(unknown))} unknown; the dense rows are {', '.join(DENSE_ROWS)}")
     if args.device == "cuda":
+        if args.weights:
+            parser.error(f"--weights {args.weights} runs on the CPU only; leave it out with --device cuda")
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device here")
         if any(given != "none" for given in (args.reuse_at, args.sparse_contexts, args.branch_contexts)):
@@ -557,7 +564,7 @@ def main(argv: list[str] | None = None) -> Report:
     started = time.perf_counter()
     try:
         limits = measure_limits(workdir)
-        loaded = load_model("smollm2", dtype=DTYPES[args.dtype])
+        loaded = load_model("smollm2", dtype=DTYPES[args.dtype], weights=args.weights)
         loaded.model.to(args.device)
         dense_rows = frozenset(args.dense_rows.split(",")) if args.dense_rows else None
         for ctx in contexts:
@@ -576,7 +583,8 @@ def main(argv: list[str] | None = None) -> Report:
     report.seconds = round(time.perf_counter() - started, 1)
     report.add_bound(f"load: 1-min load average {report.machine['load_avg_1m']} at start, {os.getloadavg()[0]:.2f} "
                      f"at end, on {report.machine['threads']} CPUs; OMP_WAIT_POLICY="
-                     f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; dtype {args.dtype}, {steps} timed steps per config")
+                     f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; dtype {args.dtype}"
+                     + (f", {args.weights} weights" if args.weights else "") + f", {steps} timed steps per config")
     if args.out:
         report.write_json(args.out)
     report.print_table(TABLE_COLUMNS)

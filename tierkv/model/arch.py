@@ -96,8 +96,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes of ``module``'s parameters (each once: tied weights are not counted twice)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of ``module``'s parameters and buffers (quantized weights are buffers), each once: tied
+    weights are not counted twice."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def embed(model: nn.Module, ids: Tensor) -> Tensor:

@@ -13,7 +13,8 @@ Converted GGUF models are cached as safetensors (fp32: exactly the dequantised w
 A cache entry is built in a temp folder beside it and renamed into place, so it is either whole
 or absent; one whose files disagree with its manifest is rebuilt.
 
-``model_id`` is ``<name>@<xxh3-128 of the weight files>``: KV of different weights never mixes.
+``model_id`` is ``<name>@<xxh3-128 of the weight files>`` (``+int4`` with 4-bit weights): KV of different
+weights never mixes.
 Nothing is downloaded: hub access is off (HF_HUB_OFFLINE=1 and local_files_only everywhere).
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ import xxhash
 from tierkv.knobs import cache_dir
 from tierkv.errors import ConfigError
 from tierkv.model.arch import ModelSpec, check_architecture, fuse_projections, model_spec
+from tierkv.model.weights import WEIGHTS, quantize_weights
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +54,27 @@ class LoadedModel:
     spec: ModelSpec
 
 
-def load_model(spec: str = "smollm2", *, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a model by name, ``.gguf`` path or Hugging Face folder (see the module docstring)."""
+def load_model(spec: str = "smollm2", *, dtype: torch.dtype = torch.float32,
+               weights: str | None = None) -> LoadedModel:
+    """Load a model by name, ``.gguf`` path or Hugging Face folder (see the module docstring).
+
+    ``weights="int4"``: the decoder's linear layers kept in 4 bits (``tierkv.model.weights``; CPU
+    only), computing in ``dtype``; its KV is not the full-precision model's (``model_id`` says so)."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"dtype={dtype!r}: expected a floating torch dtype such as torch.float32")
+    if weights is not None and weights not in WEIGHTS:
+        raise ConfigError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}, or none (the model's dtype)")
     source = resolve_source(spec)
     digest = weights_digest(source)
     folder = source if source.is_dir() else cached_gguf(source, digest)
-    model, tokenizer = _load_folder(folder, dtype)
-    fuse_projections(model)
-    return LoadedModel(model, tokenizer, f"{_display_name(source)}@{digest}", model_spec(model))
+    if weights is None:
+        model, tokenizer = _load_folder(folder, dtype)
+        fuse_projections(model)
+    else:                               # quantized from the full-precision values, not from rounded ones
+        model, tokenizer = _load_folder(folder, torch.float32)
+        quantize_weights(model, weights, dtype)
+    model_id = f"{_display_name(source)}@{digest}" + (f"+{weights}" if weights else "")
+    return LoadedModel(model, tokenizer, model_id, model_spec(model))
 
 
 # --- where the weights are ----------------------------------------------------------------------

@@ -4,7 +4,7 @@ settings class whose fields are also the command line's flags (``tierkv.flags``)
     RunConfig
       prompt  PromptSettings     --doc | --synthetic-tokens, --question, haystack knobs
       tiers   TierSettings       budgets, the NVMe store, the CXL pool, eviction policies
-      engine  EngineSettings     model, mode, dtype, blocks, chunks, prefetch, reuse, checkpoints
+      engine  EngineSettings     model, mode, dtype, weights, blocks, chunks, prefetch, reuse, checkpoints
       sparse  SparseConfig       sparse mode (tierkv.sparse.config)
       output  OutputSettings     tokens to generate, traces
 
@@ -24,6 +24,7 @@ import torch
 from policies import make_policy
 from tierkv.config import TierConfig
 from tierkv.device import auto_dtype
+from tierkv.model.weights import WEIGHTS
 from tierkv.errors import ConfigError
 from tierkv.flags import build, nest, setting
 from tierkv.model.engine import EngineConfig
@@ -106,6 +107,9 @@ class EngineSettings:
                                 "sparse past the model's trained window, dense within it", choices=MODES)
     dtype: str = setting("float32", "compute dtype; auto: bfloat16 where the machine computes it natively (CUDA, "
                                     "AMX, AVX512-BF16; tierkv info says), float32 elsewhere", choices=("auto", *DTYPES))
+    weights: str | None = setting(None, "keep the decoder's weights quantized in memory: int4 (4 bits in groups of 32, "
+                                        "the output head in 8; a Q4_1 GGUF such as smollm2 keeps its own values; "
+                                        "CPU only; default: the weights in --dtype)", metavar="int4")
     block_tokens: int = setting(256, "tokens per KV block (dense mode)", metavar="N")
     kv_dtype: str | None = setting(None, "dense mode: store sealed KV blocks quantized, int8, int4 or int2 (keys per "
                                          "channel, values per token; options -g<N> channels per value scale, "
@@ -129,6 +133,8 @@ class EngineSettings:
             raise ConfigError(f"mode={self.mode!r}: allowed: {', '.join(MODES)}")
         if self.dtype not in DTYPES and self.dtype != "auto":
             raise ConfigError(f"dtype={self.dtype!r}: allowed: auto, {', '.join(DTYPES)}")
+        if self.weights is not None and self.weights not in WEIGHTS:
+            raise ConfigError(f"weights={self.weights!r}: allowed: {', '.join(WEIGHTS)} (or none: the weights in --dtype)")
         if self.draft_tokens < 0:
             raise ConfigError(f"draft_tokens={self.draft_tokens}: must be >= 0 (0: no drafts)")
         if not self.checkpoint_every >= 0:

@@ -73,7 +73,8 @@ class Session:
         self.max_prompt_tokens = max_prompt_tokens
         self.config = config
         _prepare_store(config.tiers.nvme_dir)    # a store that cannot be made fails now, not at the first question
-        self.loaded = loaded or load_model(config.engine.model, dtype=config.engine.torch_dtype)
+        self.loaded = loaded or load_model(config.engine.model, dtype=config.engine.torch_dtype,
+                                             weights=config.engine.weights)
         self.keep_events, self.record_access, self.max_states = keep_events, record_access, max_states
         self.backends: dict[str, Backend] = {}
         self.document: KVState | None = None            # what read() took in

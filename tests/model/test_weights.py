@@ -1,0 +1,81 @@
+"""Weights kept quantized in memory: 4-bit layers find a Q4_1 GGUF's own values again, and transformers'
+forward and tierkv's own layer functions (the native and sparse engines') run on them alike."""
+import pytest
+import torch
+from torch import nn
+
+from tinymodels import native_logits, tiny_model
+
+from tierkv.errors import ConfigError
+from tierkv.model.arch import weight_bytes
+from tierkv.model.loading import load_model
+from tierkv.model.weights import GROUP, Int4Linear, Int8Linear, quantize_weights
+
+
+def q4_1_weights(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """What a Q4_1 GGUF dequantizes to: each group of 32 is d * q + m, with q 0..15 reaching both
+    ends (llama.cpp takes m and m + 15 d from the group's min and max), d and m in fp16."""
+    g = torch.Generator().manual_seed(seed)
+    groups = in_features // GROUP
+    q = torch.randint(0, 16, (out_features, groups, GROUP), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out_features, groups, 1, generator=g) * 0.05 + 1e-3).half().float()
+    m = (torch.randn(out_features, groups, 1, generator=g) * 0.1).half().float()
+    return (d * q + m).reshape(out_features, in_features)
+
+
+def test_4_bit_layers_find_a_q4_1_gguf_values_again():
+    linear = nn.Linear(96, 48, bias=True)
+    linear.weight.data = q4_1_weights(48, 96)
+    x = torch.randn(3, 5, 96)
+    quant = Int4Linear(linear, torch.float32)
+    # the same products as the dequantized weights: q, d and m recovered, only float32 rounding differs
+    torch.testing.assert_close(quant(x), linear(x), atol=2e-4, rtol=1e-4)
+    assert quant.packed.dtype == torch.uint8 and quant.packed.numel() == 48 * 96 // 2
+
+
+def test_8_bit_head_and_4_bit_layers_of_any_weights_stay_close():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 304, bias=False)
+    x = torch.randn(2, 64)
+    rel = lambda got: ((got - linear(x)).norm() / linear(x).norm()).item()   # noqa: E731
+    assert rel(Int8Linear(linear, torch.float32)(x)) < 0.01
+    assert rel(Int4Linear(linear, torch.float32)(x)) < 0.15                   # lossy: plain random weights
+    for inputs, outputs in ((48, 16), (64, 8)):
+        with pytest.raises(ConfigError, match="multiples of 32, outputs of 16"):
+            Int4Linear(nn.Linear(inputs, outputs), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_path_runs_on_the_quantized_weights(dtype):
+    model = tiny_model("llama")
+    full = weight_bytes(model)
+    quantize_weights(model, "int4", dtype)
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.q_proj) is Int4Linear and type(layer.mlp.down_proj) is Int4Linear
+    assert type(model.lm_head) is Int8Linear and model.model.embed_tokens.weight.dtype == dtype
+    assert weight_bytes(model) < full
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model(ids).logits[0].float()
+    got = native_logits(model, ids, chunk=32, block=16)[0].float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    else:        # bf16: the two attentions round differently (float32 above tells the weights apart)
+        torch.testing.assert_close(got, expected, atol=0.15, rtol=0.05)
+
+
+@pytest.mark.model
+def test_the_model_id_keeps_kv_of_quantized_weights_apart(smollm2):
+    quant = load_model("smollm2", dtype=torch.bfloat16, weights="int4")
+    assert quant.model_id == smollm2.model_id + "+int4"
+    assert weight_bytes(quant.model) < 0.6 * weight_bytes(smollm2.model) / 2       # against bf16: 257 -> 144 MiB
+    with pytest.raises(ConfigError, match="weights='int3'"):
+        load_model("smollm2", weights="int3")
+
+
+def test_the_settings_name_what_weights_are_allowed():
+    from tierkv.model.settings import EngineSettings
+    assert EngineSettings(weights="int4").weights == "int4"
+    with pytest.raises(ConfigError, match="weights='int8': allowed: int4"):
+        EngineSettings(weights="int8")

@@ -1,0 +1,95 @@
+"""Weights kept quantized in memory: ``load_model(..., weights="int4")``.
+
+A decode step reads every weight once; on a CPU a bf16 SmolLM2 step spends most of its time in
+the matmuls over 257 MiB of weights. llama.cpp reads the GGUF's 4-bit weights as they are. Here
+each linear layer of the decoder becomes an ``Int4Linear``: 4-bit values in groups of 32 along the
+input, a bf16 scale and offset per group, multiplied by PyTorch's int4 CPU kernel (no full-precision
+copy is ever made). The output head becomes an ``Int8Linear``: 8 bits, one scale per output row.
+
+From a Q4_1 GGUF (SmolLM2's) nothing is lost but the scales' precision: Q4_1 stores each group of 32
+as ``d * q + m`` with q in 0..15, d and m fp16, and takes m and m + 15 d from the group's min and max,
+so quantizing the dequantized weights by each group's min and max finds the same q, d and m again;
+d and m are then kept in the compute dtype (a bf16 model rounds every weight anyway). From
+any other model the 4-bit weights are a lossy copy. The embedding table, norms and biases stay in
+the model's dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from tierkv.errors import ConfigError
+
+WEIGHTS = ("int4",)
+GROUP = 32          # inputs per scale and offset
+ROWS = 16           # the int4 kernel packs outputs in multiples of this
+
+
+def packable(linear: nn.Linear) -> bool:
+    return linear.in_features % GROUP == 0 and linear.out_features % ROWS == 0
+
+
+class Int4Linear(nn.Module):
+    """``nn.Linear`` with 4-bit weights in groups of ``GROUP`` inputs (an asymmetric min/max scale)."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if not packable(linear):
+            raise ConfigError(f"int4 weights: a linear layer of {self.in_features} inputs and {self.out_features} "
+                              f"outputs; the kernel takes inputs in multiples of {GROUP}, outputs of {ROWS}")
+        w = linear.weight.detach().float().reshape(self.out_features, -1, GROUP)      # [N, K/g, g]
+        low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = ((w - low) / scale).round_().clamp_(0, 15).to(torch.int32).reshape(self.out_features, -1)
+        # the kernel computes (q - 8) * scale + zero
+        scales_zeros = torch.stack([scale.squeeze(-1), (low + 8 * scale).squeeze(-1)], dim=-1)   # [N, K/g, 2]
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales_zeros", scales_zeros.transpose(0, 1).contiguous().to(dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "cpu":
+            raise ConfigError(f"int4 weights run on the CPU only; this input is on {x.device}")
+        flat = x.reshape(-1, self.in_features).to(self.scales_zeros.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` with 8-bit weights, one scale per output row (symmetric)."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("q", (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(dtype))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.scale.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def quantize_weights(model: nn.Module, weights: str, dtype: torch.dtype) -> nn.Module:
+    """Replace the decoder's linear layers by ``Int4Linear`` (those of shapes the kernel takes: all of
+    SmolLM2's, Llama's, Qwen's) and the output head by ``Int8Linear``, quantized from the model's current
+    (full-precision) values; the rest is cast to ``dtype``."""
+    if weights not in WEIGHTS:
+        raise ConfigError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
+    from tierkv.model.arch import decoder_layers
+    for layer in decoder_layers(model):
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear and packable(child):       # any other stays as it is, in dtype
+                    setattr(parent, name, Int4Linear(child, dtype))
+    model.lm_head = Int8Linear(model.lm_head, dtype)      # unties it from the embedding, which stays as it is
+    model.config.tie_word_embeddings = False
+    return model.to(dtype)
