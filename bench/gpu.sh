@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA checks in one run, under 8 minutes on one GPU: the CUDA- and GDS-marked tests, then the GPU
+# The CUDA checks in one run, about 8 minutes at most on one GPU (10 when the fallback decode runs): the CUDA- and GDS-marked tests, then the GPU
 # rows of the benches (dense decode at 4K and 16K with the model, TieredCache and the native loop on the
 # device, the tier bandwidths). Figures go to bench/out/gpu-*.json; the summary lines print at the end.
 #
@@ -34,7 +34,8 @@ step() {   # step NAME SECONDS COMMAND...: run with a time limit, note a failure
 }
 wants() { [[ $steps == *" $1 "* ]]; }
 # only the files with marked tests: collecting the whole suite would import every optional extra
-wants tests && step "cuda and gds tests" 150 "$PY" -m pytest -q -m "cuda or gds" $(grep -rlE "mark\.(cuda|gds)" tests)
+marked=$(grep -rlE "mark\.(cuda|gds)" tests)
+wants tests && step "cuda and gds tests" 150 "$PY" -m pytest -q -m "cuda or gds" ${marked:?no test file is marked cuda or gds}
 wants tiers && step "tiers" 120 "$PY" bench/tiers.py --quick --out "$OUT/gpu-tiers.json"
 # the model, its caches and the gpu tier on the device, bf16 (what --dtype auto picks on CUDA)
 dense=(bench/decode.py --device cuda --dtype bfloat16 --contexts 4K,16K --steps 16 --reuse-at none

@@ -87,6 +87,7 @@ def test_the_native_loop_on_the_device_gives_the_host_loop_logits(tmp_path):
             engine = Engine(loaded, mgr, EngineConfig(16, 32, reuse=False))
             seq = engine.new_sequence()
             logits, _ = engine.prefill(seq, ids)
+            assert seq.layers[0].tail_k.device.type == torch.device(device).type   # the tail never leaves it
             out = [logits.cpu()]
             for _ in range(6):
                 out.append(engine.decode(seq, int(out[-1].argmax())).cpu())

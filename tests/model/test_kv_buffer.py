@@ -112,6 +112,24 @@ def test_a_budget_sized_for_every_layer_keeps_every_layer_buffered_as_they_grow(
     for b in [*buffers, alone]:
         b.close()
     assert budget.used == budget.holders == spacious.used == spacious.holders == 0
+    roomier = BufferBudget(layers * (blocks + 3) * T * PER_TOKEN)     # three spare blocks each: room, shared
+    buffers = [KVBuffer(LAYOUT.fields[0].shape, torch.float32, "cpu", roomier) for _ in range(layers)]
+    assert all(b.reserve(blocks * T) for b in buffers) and all(b.reserve(blocks * T + 1) for b in buffers)
+    assert buffers[0].capacity > (blocks + 1) * T                   # not one block at a time: it took room
+    for b in buffers:
+        b.close()
+
+
+def test_a_failed_allocation_gives_the_budget_its_bytes_back(monkeypatch):
+    budget = BufferBudget(1 << 20)
+    buffer = KVBuffer(LAYOUT.fields[0].shape, torch.float32, "cpu", budget)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory")
+    monkeypatch.setattr(torch, "empty", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        buffer.reserve(3 * T)
+    assert budget.used == budget.holders == 0 and buffer.capacity == 0
 
 
 @pytest.mark.model

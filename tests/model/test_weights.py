@@ -40,6 +40,8 @@ def test_8_bit_head_and_4_bit_layers_of_any_weights_stay_close():
     x = torch.randn(2, 64)
     rel = lambda got: ((got - linear(x)).norm() / linear(x).norm()).item()   # noqa: E731
     assert rel(Int8Linear(linear, torch.float32)(x)) < 0.01
+    biased = nn.Linear(64, 304)
+    torch.testing.assert_close(Int8Linear(biased, torch.float32)(x), biased(x), atol=0.02, rtol=0.02)
     assert rel(Int4Linear(linear, torch.float32)(x)) < 0.15                   # lossy: plain random weights
     for inputs, outputs in ((48, 16), (64, 8)):
         with pytest.raises(ConfigError, match="multiples of 32, outputs of 16"):
@@ -54,6 +56,7 @@ def test_every_path_runs_on_the_quantized_weights(dtype):
     layer = model.model.layers[0]
     assert type(layer.self_attn.q_proj) is Int4Linear and type(layer.mlp.down_proj) is Int4Linear
     assert type(model.lm_head) is Int8Linear and model.model.embed_tokens.weight.dtype == dtype
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32        # RoPE's angles stay exact
     assert weight_bytes(model) < full
     ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -68,7 +71,7 @@ def test_every_path_runs_on_the_quantized_weights(dtype):
 @pytest.mark.model
 def test_the_model_id_keeps_kv_of_quantized_weights_apart(smollm2):
     quant = load_model("smollm2", dtype=torch.bfloat16, weights="int4")
-    assert quant.model_id == smollm2.model_id + "+int4"
+    assert quant.model_id == smollm2.model_id + "+int4g32h8"          # the scheme: a new one never mixes KV
     assert weight_bytes(quant.model) < 0.6 * weight_bytes(smollm2.model) / 2       # against bf16: 257 -> 144 MiB
     with pytest.raises(ConfigError, match="weights='int3'"):
         load_model("smollm2", weights="int3")

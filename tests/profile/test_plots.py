@@ -85,6 +85,6 @@ def test_renders_without_steps_or_without_stall(tmp_path: Path) -> None:
 
 def test_without_matplotlib_plotting_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)   # import fails as if not installed
-    with pytest.raises(ConfigError, match=r"pip install 'tierkv\[profile\]'"):
+    with pytest.raises(ConfigError, match=r"pip install 'tierkv-runtime\[profile\]'"):
         render(decode(), tmp_path / "p.png")
     assert not (tmp_path / "p.png").exists()

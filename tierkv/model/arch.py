@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from tierkv.errors import ConfigError
+from tierkv.model.weights import quantized_params
 from tierkv.ops.rope import apply_rope
 
 # transformers `model_type` -> what it is; every one runs through the functions below.
@@ -245,9 +246,9 @@ def recompute_seconds(model: nn.Module, tokens: int, *, repeats: int = 3) -> flo
     ``repeats``). Attention over earlier tokens is left out: a lower bound, so a remote read has to beat
     the cheapest recompute."""
     layer = decoder_layers(model)[0]
-    params = sum(p.numel() for p in layer.parameters())
+    params = sum(p.numel() for p in layer.parameters()) + quantized_params(layer)   # 4-bit weights are buffers
     weight = next(layer.parameters())
-    width = weight.shape[-1]
+    width = model.config.hidden_size
     a = torch.randn(512, width, dtype=weight.dtype, device=weight.device)
     b = torch.randn(width, 4 * width, dtype=weight.dtype, device=weight.device)
     best = float("inf")

@@ -32,10 +32,11 @@ class BufferBudget:
         self.holders = 0          # buffers holding some bytes
         self._lock = threading.Lock()
 
-    def fair_share(self) -> int:
-        """Free bytes over the buffers holding some (itself too): the most one may take as room to grow."""
+    def fair_share(self, needed: int = 0) -> int:
+        """What is free besides the ``needed`` bytes, over the buffers holding some (the asker too): the
+        most one may take as room to grow."""
         with self._lock:
-            return (self.limit - self.used) // max(1, self.holders)
+            return max(0, self.limit - self.used - needed) // max(1, self.holders)
 
     def take(self, nbytes: int, *, first: bool = False) -> bool:
         """``nbytes`` more, if they fit; ``first``: the taker held none before."""
@@ -80,16 +81,21 @@ class KVBuffer:
         per_token = 2 * self.rows * self.heads * self.dim * self.k.element_size()
         enough = -(-tokens // self.block) * self.block
         roomy = -(-max(tokens, self.capacity * 9 // 8) // self.block) * self.block
-        if (roomy - enough) * per_token > self.budget.fair_share():
-            roomy = enough                                  # growth room within its share, else just enough
+        share = self.budget.fair_share((enough - self.capacity) * per_token) // (per_token * self.block) * self.block
+        roomy = min(roomy, enough + share)              # growth room within its share of what is free
+        first = not self.capacity
         for grown in dict.fromkeys((roomy, enough)):
-            if self.budget.take((grown - self.capacity) * per_token, first=not self.capacity):
+            if self.budget.take((grown - self.capacity) * per_token, first=first):
                 break
         else:
             self.close()
             return False
-        k = torch.empty(self.rows, self.heads, grown, self.dim, dtype=self.dtype, device=self.device)
-        v = torch.empty_like(k)
+        try:
+            k = torch.empty(self.rows, self.heads, grown, self.dim, dtype=self.dtype, device=self.device)
+            v = torch.empty_like(k)
+        except BaseException:                           # out of device memory: the budget gets its bytes back
+            self.budget.give((grown - self.capacity) * per_token, last=first)
+            raise
         k[:, :, :self.filled].copy_(self.k[:, :, :self.filled])
         v[:, :, :self.filled].copy_(self.v[:, :, :self.filled])
         self.k, self.v = k, v

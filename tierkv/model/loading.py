@@ -13,7 +13,7 @@ Converted GGUF models are cached as safetensors (fp32: exactly the dequantised w
 A cache entry is built in a temp folder beside it and renamed into place, so it is either whole
 or absent; one whose files disagree with its manifest is rebuilt.
 
-``model_id`` is ``<name>@<xxh3-128 of the weight files>`` (``+int4`` with 4-bit weights): KV of different
+``model_id`` is ``<name>@<xxh3-128 of the weight files>`` (``+int4g32h8`` with 4-bit weights): KV of different
 weights never mixes.
 Nothing is downloaded: hub access is off (HF_HUB_OFFLINE=1 and local_files_only everywhere).
 """
@@ -38,7 +38,7 @@ import xxhash
 from tierkv.knobs import cache_dir
 from tierkv.errors import ConfigError
 from tierkv.model.arch import ModelSpec, check_architecture, fuse_projections, model_spec
-from tierkv.model.weights import WEIGHTS, quantize_weights
+from tierkv.model.weights import SCHEMES, WEIGHTS, quantize_weights
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ def load_model(spec: str = "smollm2", *, dtype: torch.dtype = torch.float32,
     """Load a model by name, ``.gguf`` path or Hugging Face folder (see the module docstring).
 
     ``weights="int4"``: the decoder's linear layers kept in 4 bits (``tierkv.model.weights``; CPU
-    only), computing in ``dtype``; its KV is not the full-precision model's (``model_id`` says so)."""
+    only), computing in ``dtype``; its KV is not the full-precision model's (``model_id`` says so). It is
+    quantized from the float32 weights, so loading takes the float32 model's memory for a moment."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"dtype={dtype!r}: expected a floating torch dtype such as torch.float32")
     if weights is not None and weights not in WEIGHTS:
@@ -73,7 +74,7 @@ def load_model(spec: str = "smollm2", *, dtype: torch.dtype = torch.float32,
     else:                               # quantized from the full-precision values, not from rounded ones
         model, tokenizer = _load_folder(folder, torch.float32)
         quantize_weights(model, weights, dtype)
-    model_id = f"{_display_name(source)}@{digest}" + (f"+{weights}" if weights else "")
+    model_id = f"{_display_name(source)}@{digest}" + (f"+{SCHEMES[weights]}" if weights else "")
     return LoadedModel(model, tokenizer, model_id, model_spec(model))
 
 

@@ -23,6 +23,7 @@ from tierkv.errors import ConfigError
 WEIGHTS = ("int4",)
 GROUP = 32          # inputs per scale and offset
 ROWS = 16           # the int4 kernel packs outputs in multiples of this
+SCHEMES = {"int4": f"int4g{GROUP}h8"}     # what model_id names: a change of scheme never mixes KV
 
 
 def packable(linear: nn.Linear) -> bool:
@@ -84,12 +85,18 @@ def quantize_weights(model: nn.Module, weights: str, dtype: torch.dtype) -> nn.M
     (full-precision) values; the rest is cast to ``dtype``."""
     if weights not in WEIGHTS:
         raise ConfigError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
-    from tierkv.model.arch import decoder_layers
-    for layer in decoder_layers(model):
+    for layer in model.model.layers:            # the decoder's layers (arch.decoder_layers, which imports this)
         for parent in (layer.self_attn, layer.mlp):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and packable(child):       # any other stays as it is, in dtype
                     setattr(parent, name, Int4Linear(child, dtype))
     model.lm_head = Int8Linear(model.lm_head, dtype)      # unties it from the embedding, which stays as it is
     model.config.tie_word_embeddings = False
-    return model.to(dtype)
+    for param in model.parameters():      # parameters only: buffers such as RoPE's inv_freq stay float32
+        param.data = param.data.to(dtype)
+    return model
+
+
+def quantized_params(module: nn.Module) -> int:
+    """Weights held by the quantized layers inside ``module`` (buffers, not parameters)."""
+    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, (Int4Linear, Int8Linear)))

@@ -10,7 +10,7 @@
     +--------------------+--------------------+-------------------+
 
 Drawn with matplotlib's Agg canvas (no display, no pyplot state); matplotlib
-is an optional dependency: ``pip install 'tierkv[profile]'``.
+is an optional dependency: ``pip install 'tierkv-runtime[profile]'``.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ConfigError("plots need matplotlib: pip install 'tierkv[profile]'") from None
+        raise ConfigError("plots need matplotlib: pip install 'tierkv-runtime[profile]'") from None
     return Figure, FigureCanvasAgg
 
 

@@ -258,7 +258,7 @@ def plot_ranking(ranked: Sequence[Ranked], path: Path, top: int = 20) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'tierkv[profile]'") from None
+        raise ConfigError("--plot needs matplotlib: pip install 'tierkv-runtime[profile]'") from None
     shown = [r for r in ranked if r.result is not None][:top]
     labels = [" ".join(r.point.values()) for r in shown]
     fig = Figure(figsize=(10, 2 + 0.35 * len(shown)), layout="constrained")
