@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The CUDA checks in one run, about 8 minutes at most on one GPU (10 when the fallback decode runs): the CUDA- and GDS-marked tests, then the GPU
-# rows of the benches (dense decode at 4K and 16K with the model, TieredCache and the native loop on the
-# device, the tier bandwidths). Figures go to bench/out/gpu-*.json; the summary lines print at the end.
+# The CUDA checks in one run, about 8 minutes at most on one GPU (10 when the fallback decode runs): the
+# CUDA- and GDS-marked tests, then the GPU rows of the benches (dense decode at 4K and 16K with the model,
+# TieredCache and the native loop on the device, the tier bandwidths). Figures go to bench/out/gpu-*.json;
+# the summary lines print at the end.
 #
 #     bash bench/gpu.sh                 # PY=path/to/python to use another interpreter
 #     bash bench/gpu.sh tests tiers     # only these steps: tests, tiers, decode (default: all three)
 set -uo pipefail
 steps=" ${*:-tests tiers decode} "
 for s in $steps; do
-    case $s in tests|tiers|decode) ;; *) echo "gpu.sh: unknown step '$s'; the steps are tests, tiers, decode" >&2; exit 2;; esac
+    case $s in
+        tests|tiers|decode) ;;
+        *) echo "gpu.sh: unknown step '$s'; the steps are tests, tiers, decode" >&2; exit 2;;
+    esac
 done
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
@@ -35,7 +39,8 @@ step() {   # step NAME SECONDS COMMAND...: run with a time limit, note a failure
 wants() { [[ $steps == *" $1 "* ]]; }
 # only the files with marked tests: collecting the whole suite would import every optional extra
 marked=$(grep -rlE "mark\.(cuda|gds)" tests)
-wants tests && step "cuda and gds tests" 150 "$PY" -m pytest -q -m "cuda or gds" ${marked:?no test file is marked cuda or gds}
+wants tests && step "cuda and gds tests" 150 "$PY" -m pytest -q -m "cuda or gds" \
+    ${marked:?no test file is marked cuda or gds}
 wants tiers && step "tiers" 120 "$PY" bench/tiers.py --quick --out "$OUT/gpu-tiers.json"
 # the model, its caches and the gpu tier on the device, bf16 (what --dtype auto picks on CUDA)
 dense=(bench/decode.py --device cuda --dtype bfloat16 --contexts 4K,16K --steps 16 --reuse-at none

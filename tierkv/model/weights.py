@@ -30,12 +30,31 @@ def packable(linear: nn.Linear) -> bool:
     return linear.in_features % GROUP == 0 and linear.out_features % ROWS == 0
 
 
-class Int4Linear(nn.Module):
-    """``nn.Linear`` with 4-bit weights in groups of ``GROUP`` inputs (an asymmetric min/max scale)."""
+class _QuantizedLinear(nn.Module):
+    """What both kinds share: the shapes, the bias in the compute dtype, and a forward over rows."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self._matmul(x.reshape(-1, self.in_features))
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def _matmul(self, rows: Tensor) -> Tensor:          # rows [M, in] -> [M, out], in the weights' dtype
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int4Linear(_QuantizedLinear):
+    """``nn.Linear`` with 4-bit weights in groups of ``GROUP`` inputs (an asymmetric min/max scale)."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__(linear, dtype)
         if not packable(linear):
             raise ConfigError(f"int4 weights: a linear layer of {self.in_features} inputs and {self.out_features} "
                               f"outputs; the kernel takes inputs in multiples of {GROUP}, outputs of {ROWS}")
@@ -47,36 +66,26 @@ class Int4Linear(nn.Module):
         scales_zeros = torch.stack([scale.squeeze(-1), (low + 8 * scale).squeeze(-1)], dim=-1)   # [N, K/g, 2]
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales_zeros", scales_zeros.transpose(0, 1).contiguous().to(dtype))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu":
-            raise ConfigError(f"int4 weights run on the CPU only; this input is on {x.device}")
-        flat = x.reshape(-1, self.in_features).to(self.scales_zeros.dtype)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
-        out = out.reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
+    def _matmul(self, rows: Tensor) -> Tensor:
+        if rows.device.type != "cpu":
+            raise ConfigError(f"int4 weights run on the CPU only; this input is on {rows.device}")
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(self.scales_zeros.dtype), self.packed, GROUP,
+                                                          self.scales_zeros)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_QuantizedLinear):
     """``nn.Linear`` with 8-bit weights, one scale per output row (symmetric)."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear, dtype)
         w = linear.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         self.register_buffer("q", (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(dtype))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scale.dtype)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale).reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+    def _matmul(self, rows: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows.to(self.scale.dtype), self.q, self.scale)
 
 
 def quantize_weights(model: nn.Module, weights: str, dtype: torch.dtype) -> nn.Module:
@@ -99,4 +108,4 @@ def quantize_weights(model: nn.Module, weights: str, dtype: torch.dtype) -> nn.M
 
 def quantized_params(module: nn.Module) -> int:
     """Weights held by the quantized layers inside ``module`` (buffers, not parameters)."""
-    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, (Int4Linear, Int8Linear)))
+    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, _QuantizedLinear))
