@@ -4,7 +4,7 @@ The same ordered queue as LRU, minus the move-to-end on use.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from policies.lru import LRUPolicy
@@ -18,6 +18,9 @@ class FIFOPolicy(LRUPolicy):
         self._order.setdefault(key, None)  # a key already queued keeps its place
 
     def touch(self, key: Hashable) -> None:
+        pass
+
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
         pass
 
     insert_cold = None   # not LRU's: a use could never lift a cold block again (see tierkv.policy.AdmitsCold)

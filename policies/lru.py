@@ -1,8 +1,8 @@
 """Least recently used: one OrderedDict, oldest use first."""
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Container, Hashable
+from collections import OrderedDict, deque
+from collections.abc import Container, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from policies.capacity import validate_capacity
@@ -31,6 +31,10 @@ class LRUPolicy:
     def touch(self, key: Hashable) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
+        order = self._order
+        deque(map(order.move_to_end, filter(order.__contains__, keys)), maxlen=0)   # C speed
 
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)

@@ -21,6 +21,8 @@ unchanged::
                                      either may be None (unknown)
     observe(key, score)              attention mass the block just received (summed
                                      over heads and query rows); the policy adds it up
+    touch_many(keys)                 ``touch`` each key in order, in one call (a read's
+                                     hundreds of blocks; without it, one ``touch`` each)
 
 A hint for a key the policy does not hold is allowed: ``describe`` ignores
 it, ``observe`` may remember it for when the block comes back.
@@ -50,7 +52,7 @@ that layer chose in the previous step::
 """
 from __future__ import annotations
 
-from collections.abc import Container, Hashable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -91,6 +93,12 @@ class AdmitsCold(Protocol):
     def insert_cold(self, key: Hashable) -> None:
         """A block loaded on a guess (a prefetch) became resident: rank it for early eviction
         until it is used (``touch``), so a wrong guess does not push out blocks in use."""
+
+
+@runtime_checkable
+class TouchesMany(Protocol):
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
+        """``touch`` each of ``keys``, in order."""
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ import pytest
 from policies import available, make_policy
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
-from tierkv.policy import EvictionPolicy
+from tierkv.policy import EvictionPolicy, TouchesMany, implements
 
 NAMES = available()
 SEEDS = range(6)
@@ -217,3 +217,16 @@ def test_a_cold_block_is_first_to_go_until_it_is_used(name):
 def test_fifo_does_not_admit_cold():
     from tierkv.policy import AdmitsCold, implements
     assert implements(make_policy("lru"), AdmitsCold) and not implements(make_policy("fifo"), AdmitsCold)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", [n for n in NAMES if implements(make_policy(n), TouchesMany)])
+def test_touch_many_is_touch_of_each_key_in_order(name: str, seed: int) -> None:
+    """A read's one call leaves the policy as one ``touch`` per key would (unknown keys included)."""
+    policy, model = history(name, seed)
+    twin, _ = history(name, seed)
+    keys = random.Random(seed).sample(_universe(seed), 12)
+    policy.touch_many(keys)
+    for key in keys:
+        twin.touch(key)
+    assert drain(policy) == drain(twin)

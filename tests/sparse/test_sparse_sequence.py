@@ -7,6 +7,7 @@ from tierkv.config import TierConfig
 from tierkv.keys import BlockKey
 from tierkv.errors import BlockCorrupt
 from tierkv.manager import BlockingTierManager, TierManager
+from tierkv.manager.lease import Lease
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
@@ -82,6 +83,28 @@ def test_full_rank_gather_returns_the_exact_keys_values_and_positions():
         chunks = torch.stack([free[[0, 3, 9]], free[[2, 3, 17]]])
         assert outliers and not set(outliers) & set(chunks.flatten().tolist())
         assert_exact(seq.gather(0, chunks), k, v, [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)])
+
+
+def test_pages_in_two_host_tiers_are_read_in_place_then_unpinned(monkeypatch):
+    """A read whose pages lie in the gpu and the cpu tier (both host memory here) takes their rows
+    where they lie: nothing is copied out whole, the keys and values are exact, and nothing stays
+    pinned. Forced through a copy, the same read gives the same tensors."""
+    cfg = config(outlier_fraction=0.2)
+    block = BlockLayout.page(cfg.page_tokens, H, D, H * D, torch.float32).block_bytes
+    with pages_manager(cfg, gpu=8 * block) as manager:
+        seq, k, v, outliers, free = indexed_tokens(manager, cfg)
+        tiers = {name: manager.where(page)[0] for name, page in (("first", seq.layers[0].pages[0]),
+                                                                ("last", seq.layers[0].pages[-1]))}
+        assert set(tiers.values()) == {"cpu", "gpu"}              # the gpu tier holds 8 of 11 pages
+        chunks = torch.stack([free[[0, -1]], free[[1, -2]]])      # the first and the last pages
+        monkeypatch.setattr(BlockingTierManager, "copy_out", lambda *a: pytest.fail("pages copied out"))
+        got = seq.gather(0, chunks)
+        assert_exact(got, k, v, [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)])
+        assert manager.busy_blocks() == 0
+        monkeypatch.undo()
+        monkeypatch.setattr(Lease, "in_place", lambda self: None)
+        assert all(torch.equal(a, b) for a, b in zip(seq.gather(0, chunks), got))
+        assert manager.busy_blocks() == 0
 
 
 def test_whole_pages_give_every_head_every_indexed_chunk_of_the_pages_read():

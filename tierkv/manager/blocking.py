@@ -171,19 +171,23 @@ class BlockingTierManager:
             raise
         return future
 
+    def copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+        """Copy ``lease``'s blocks into ``out`` [n, block_bytes], block i into row i (or ``rows[i]``,
+        ascending), one tier gather per tier. The lease stays the caller's to release."""
+        by_tier: dict[str, list[tuple[int, int]]] = {}
+        for row, (name, slot) in zip(range(len(lease.places)) if rows is None else rows, lease.places):
+            by_tier.setdefault(name, []).append((row, slot))
+        tiers = self.manager.tiers
+        for name, pairs in by_tier.items():
+            if len(pairs) == len(out):     # every row, in order
+                tiers[name].gather([slot for _, slot in pairs], out)
+            else:
+                tiers[name].gather([slot for _, slot in pairs], out, [row for row, _ in pairs])
+
     def _copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int]) -> None:
-        """Copy ``lease``'s blocks into ``rows`` (ascending) of ``out``, one tier gather per tier, then
-        release it."""
+        """``copy_out``, then release the lease."""
         try:
-            by_tier: dict[str, list[tuple[int, int]]] = {}
-            for row, (name, slot) in zip(rows, lease.places):
-                by_tier.setdefault(name, []).append((row, slot))
-            tiers = self.manager.tiers
-            for name, pairs in by_tier.items():
-                if len(pairs) == len(out):     # every row, in order
-                    tiers[name].gather([slot for _, slot in pairs], out)
-                else:
-                    tiers[name].gather([slot for _, slot in pairs], out, [row for row, _ in pairs])
+            self.copy_out(lease, out, rows)
         finally:
             lease.release()
 

@@ -123,26 +123,19 @@ class Directory:
 
     def find(self, keys: Sequence[BlockKey], names: Sequence[str]) -> list[Place | None]:
         """Where each key can be read in place: (tier, slot) in the first of ``names`` holding it, or
-        None. The hot path of every read: one dict lookup per key and tier."""
-        get = self._entries.get
-        found: list[Place | None] = []
-        if len(names) == 1:     # the common case, without the loop over tiers
-            name = names[0]
-            for entry in map(get, keys):
-                slot = None if entry is None else entry.copies.get(name)
-                found.append(None if slot is None else (name, slot))
-            return found
-        for key in keys:
-            entry = get(key)
-            place = None
-            if entry is not None:
-                copies = entry.copies
-                for name in names:
-                    slot = copies.get(name)
-                    if slot is not None:
-                        place = (name, slot)
-                        break
-            found.append(place)
+        None. The hot path of every read: one dict lookup per key, then one per tier for the keys
+        the tiers before it do not hold."""
+        entries = list(map(self._entries.get, keys))
+        found: list[Place | None] = [None] * len(entries)
+        left = range(len(entries))
+        for name in names:
+            slots = [None if entry is None else entry.copies.get(name) for entry in map(entries.__getitem__, left)]
+            for i, slot in zip(left, slots):
+                if slot is not None:
+                    found[i] = (name, slot)
+            left = [i for i, slot in zip(left, slots) if slot is None]
+            if not left:
+                break
         return found
 
     # -- readers waiting ---------------------------------------------------------

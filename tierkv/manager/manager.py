@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import cached_property, partial
+from operator import itemgetter
 from typing import Protocol
 
 import torch
@@ -390,7 +391,7 @@ class TierManager:
 
     def _record_hits(self, found: Sequence[Place | None], layer: int | None) -> int:
         """Record a ``hit`` event per tier for the blocks found in place; returns how many are not."""
-        hits = Counter(name for name, _ in filter(None, found))
+        hits = Counter(map(itemgetter(0), filter(None, found)))
         if self.events.enabled:
             now = time.perf_counter()
             for name, n in hits.items():

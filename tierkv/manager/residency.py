@@ -19,7 +19,7 @@ from operator import itemgetter
 
 from tierkv.keys import BlockKey
 from tierkv.manager.directory import Directory, Place
-from tierkv.policy import AdmitsCold, DescribesBlocks, EvictionPolicy, implements
+from tierkv.policy import AdmitsCold, DescribesBlocks, EvictionPolicy, TouchesMany, implements
 from tierkv.tiers.base import Medium, Tier
 
 
@@ -146,8 +146,14 @@ class Residency:
         """Pin every key where ``Directory.find`` found it, and tell the policies of the use
         (``fresh``: blocks loaded for this read, just inserted: not a reuse)."""
         policies, cold = self.policies, self.directory.cold
-        for name, slots in _by_tier(places).items():
+        groups = _by_tier(places)
+        for name, slots in groups.items():
             self.tiers[name].pool.pin_many(slots)
+        if not cold and not fresh:      # the common read: every key a reuse, in one call per tier
+            for name in groups:
+                mine = keys if len(groups) == 1 else [key for key, (n, _) in zip(keys, places) if n == name]
+                touch_all(policies[name], mine)
+            return tuple(places)
         for key, (name, _) in zip(keys, places):
             if cold and (key, name) in cold:  # a guessed block's first use: no longer a guess
                 cold.discard((key, name))
@@ -160,6 +166,15 @@ class Residency:
         for name, slots in _by_tier(places).items():
             self.tiers[name].pool.unpin_many(slots)
         self.changed.set()
+
+
+def touch_all(policy: EvictionPolicy, keys: Sequence[BlockKey]) -> None:
+    """``policy.touch`` each key: in one call where the policy takes them so (``TouchesMany``)."""
+    if implements(policy, TouchesMany):
+        policy.touch_many(keys)
+    else:
+        for key in keys:
+            policy.touch(key)
 
 
 def _by_tier(places: Iterable[Place]) -> dict[str, list[int]]:

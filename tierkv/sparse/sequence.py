@@ -43,7 +43,7 @@ from tierkv.sparse.index import ChunkIndex
 from tierkv.sparse.layer_state import LayerState
 from tierkv.sparse.lowrank import project, reconstruct
 from tierkv.sparse.plan import StepPlan
-from tierkv.layout import BlockLayout
+from tierkv.layout import BlockLayout, Blocks
 
 if TYPE_CHECKING:
     from tierkv.sparse.restore import Origin
@@ -95,7 +95,7 @@ class _Read:
     k: Tensor
     v: Tensor
     rows: Tensor
-    raw: Tensor
+    raw: Tensor | None                 # the pages copied out (None: read in place)
     future: ReadFuture | None
     loading: Tensor | None = None      # [pages] bool: still loading into raw
 
@@ -307,8 +307,9 @@ class SparseSequence:
             row = rows.gather(1, at).clamp(min=0)
             page, tok = row.div(P, rounding_mode="floor"), row % P
             heads = torch.arange(at.shape[0]).unsqueeze(1)
-            keys = self._head_keys(self.layers[layer], raw, page, tok, heads)   # [Hkv, m, D]
-            return at, valid, keys, self.layout.take(raw, "values", (page, tok, heads))
+            blocks = Blocks(self.layout, [raw])
+            keys = self._head_keys(self.layers[layer], blocks, page, tok, heads)   # [Hkv, m, D]
+            return at, valid, keys, blocks.take("values", (page, tok, heads))
         return Loading(missing, finish, future.cancel)
 
     def _positions(self, chunks: Tensor) -> Tensor:
@@ -325,14 +326,29 @@ class SparseSequence:
             V[h]     = values[rows[h], h]
 
         ``shared``: every head has the same chunks; their keys come from one product A[rows] @ B.
-        ``split``: pages not in place are left loading (their rows zero; see ``gather_split``);
-        a read of more than half the fastest tier splits its last group only.
+        Pages pinned in host memory are read in place (only the rows wanted are copied); otherwise
+        they are copied out first, at most half the fastest tier at once. ``split``: pages not in
+        place are left loading (their rows zero; see ``gather_split``); a read of more than half the
+        fastest tier splits its last group only.
         """
         state = self.layers[layer]
-        pages = self.chunk_pages(chunks)
+        pages, page = torch.unique(chunks // (self.layout.tokens // self.config.chunk_tokens), return_inverse=True)
         self._count(state, pages)
-        raw = torch.empty(len(pages), self.layout.block_bytes, dtype=torch.uint8)
         keys, step = [state.pages[p] for p in pages.tolist()], self.manager.pin_group(self.read_tier)
+        if not split and len(keys) <= step:
+            lease = self.manager.acquire(keys, self.read_tier, layer=layer)
+            try:
+                found = lease.in_place()
+                if found is not None:
+                    buffers, part, rows = found
+                    blocks = Blocks(self.layout, buffers, torch.from_numpy(part), torch.from_numpy(rows))
+                    return _Read(*self._rebuild(state, chunks, page, blocks, shared), None, None)
+                raw = torch.empty(len(pages), self.layout.block_bytes, dtype=torch.uint8)
+                self.manager.copy_out(lease, raw)
+            finally:
+                lease.release()
+            return _Read(*self._rebuild(state, chunks, page, Blocks(self.layout, [raw]), shared), raw, None)
+        raw = torch.empty(len(pages), self.layout.block_bytes, dtype=torch.uint8)
         # pinned at most half the fastest tier at once; split: the last group is left loading
         groups = [(first, first + step) for first in range(0, len(keys), step)]
         for first, end in groups[:-1] if split else groups:
@@ -349,37 +365,38 @@ class SparseSequence:
                 raw.numpy()[late] = 0                   # (numpy: 20x faster than torch's index_put here)
                 loading = torch.zeros(len(keys), dtype=torch.bool)
                 loading[late] = True
-            k_sel, v_sel, rows = self._rebuild(state, chunks, pages, raw, shared)
+            k_sel, v_sel, rows = self._rebuild(state, chunks, page, Blocks(self.layout, [raw]), shared)
         except BaseException:
             if future is not None:
                 future.cancel()
             raise
         return _Read(k_sel, v_sel, rows, raw, future, loading)
 
-    def _rebuild(self, state: LayerState, chunks: Tensor, pages: Tensor, raw: Tensor,
+    def _rebuild(self, state: LayerState, chunks: Tensor, page: Tensor, blocks: Blocks,
                  shared: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """Keys and values [Hkv, k*c, D] of ``chunks`` from their pages in ``raw`` (a page still
-        loading is zeros there, and so are its tokens' keys), and each token's row [Hkv, k*c]."""
+        """Keys and values [Hkv, k*c, D] of ``chunks`` from their pages ``blocks`` (``page`` [Hkv, k]:
+        each chunk's page among them; a page still loading is zeros, and so are its tokens' keys),
+        and each token's row [Hkv, k*c]."""
         c, P, H = self.config.chunk_tokens, self.layout.tokens, self.layout.num_kv_heads
-        page = torch.searchsorted(pages, chunks // (P // c)).unsqueeze(-1)      # [Hkv, k, 1]: page slot
+        page = page.unsqueeze(-1)                                               # [Hkv, k, 1]: page slot
         tok = (chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)           # [Hkv, k, c]: row in page
         rows = (page * P + tok).flatten(1)                                      # [Hkv, k*c]: row in raw
-        take = self.layout.take              # decodes only these rows when pages are quantized
+        take = blocks.take                   # decodes only these rows when pages are quantized
         if shared:
-            factors = take(raw, "factors", (page[0], tok[0])).flatten(0, 1)    # [k*c, r]
+            factors = take("factors", (page[0], tok[0])).flatten(0, 1)         # [k*c, r]
             k_sel = reconstruct(factors, state.basis.basis, H, exact=state.basis.exact).transpose(0, 1)
-            return k_sel, take(raw, "values", (page[0], tok[0])).flatten(0, 1).transpose(0, 1), rows
+            return k_sel, take("values", (page[0], tok[0])).flatten(0, 1).transpose(0, 1), rows
         heads = torch.arange(H).view(H, 1, 1)
-        k_sel = self._head_keys(state, raw, page, tok, heads).flatten(1, 2)     # [Hkv, k*c, D]
-        v_sel = take(raw, "values", (page, tok, heads)).flatten(1, 2)           # [Hkv, k*c, D]
+        k_sel = self._head_keys(state, blocks, page, tok, heads).flatten(1, 2)  # [Hkv, k*c, D]
+        v_sel = take("values", (page, tok, heads)).flatten(1, 2)                # [Hkv, k*c, D]
         return k_sel, v_sel, rows
 
-    def _head_keys(self, state: LayerState, raw: Tensor, page: Tensor, tok: Tensor, heads: Tensor) -> Tensor:
-        """Each KV head's keys of rows (page, tok) of ``raw`` [Hkv, ...]: with the identity basis the
+    def _head_keys(self, state: LayerState, blocks: Blocks, page: Tensor, tok: Tensor, heads: Tensor) -> Tensor:
+        """Each KV head's keys of rows (page, tok) of ``blocks`` [Hkv, ...]: with the identity basis the
         factors are the keys, and only the head's own columns are read; otherwise factors @ B_h."""
         if state.basis.exact and self.layout.codec is None:
-            return self.layout.take(raw, "factors", (page, tok, heads), split=self.layout.head_dim)
-        factors = self.layout.take(raw, "factors", (page, tok))                  # [Hkv, ..., r]
+            return blocks.take("factors", (page, tok, heads), split=self.layout.head_dim)
+        factors = blocks.take("factors", (page, tok))                            # [Hkv, ..., r]
         return state.head_keys(factors.flatten(1, -2)).view(*factors.shape[:-1], -1)
 
     def _count(self, state: LayerState, pages: Tensor) -> None:

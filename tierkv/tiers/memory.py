@@ -8,7 +8,11 @@ budget, so a large budget costs nothing until blocks arrive::
     view(s) = extents[s // extent_slots][s % extent_slots]     (an extent is [slots, block_bytes])
 
 Host extents start on a 4096-byte boundary so the NVMe tier can read and
-write them with O_DIRECT without a bounce buffer.
+write them with O_DIRECT without a bounce buffer. Plain host extents are large
+(`EXTENT_BYTES`): the OS commits their pages only as they are first written, and
+a caller that reads blocks in place (`locate_many`) then finds a read's blocks in
+one or two of them. Pinned and device memory is committed when allocated, so its
+extents stay small (`PINNED_EXTENT_BYTES`).
 
 `gather` and `scatter` move many slots to or from one contiguous tensor,
 adjacent slots of one extent as one copy (a run; runs stop at extent edges)::
@@ -33,11 +37,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from tierkv.device import ALIGN, host_buffer
+from tierkv.device import ALIGN, has_cuda, host_buffer
 from tierkv.tiers.base import Medium
 from tierkv.tiers.pool import BlockPool
 
-EXTENT_BYTES = 64 * 1024**2
+EXTENT_BYTES = 1024**3             # plain host memory: committed as it is written
+PINNED_EXTENT_BYTES = 64 * 1024**2  # pinned host and device memory: committed when allocated
 SPLIT_BYTES = 4 * 1024**2  # host gathers/scatters this big also run on torch's other intra-op threads
 INDEXED_BYTES = 64 * 1024  # host copies of blocks this small go by numpy indexing, not a memmove each
 
@@ -53,7 +58,8 @@ class MemoryTier:
         self.block_bytes = block_bytes
         self.pinned = pinned
         self.pool = BlockPool(budget // block_bytes)
-        self.extent_slots = max(1, min(self.pool.capacity, EXTENT_BYTES // block_bytes))
+        extent_bytes = EXTENT_BYTES if device.type == "cpu" and not (pinned and has_cuda()) else PINNED_EXTENT_BYTES
+        self.extent_slots = max(1, min(self.pool.capacity, extent_bytes // block_bytes))
         self._extents: list[torch.Tensor] = []  # each [slots, block_bytes] uint8
         self._arrays: list[np.ndarray] = []     # host tiers: the same extents as numpy arrays
         self._grow_lock = threading.Lock()
@@ -83,6 +89,18 @@ class MemoryTier:
             for slot in slots:
                 self._locate(slot)
         return [arrays[slot // per][slot % per] for slot in slots]
+
+    def locate_many(self, slots: Sequence[int]) -> tuple[list[torch.Tensor], np.ndarray, np.ndarray]:
+        """Where ``slots`` lie, to be read in place (while they are pinned): the extents
+        [slots, block_bytes], and per slot the extent's position in that list and its row in it."""
+        at = np.asarray(slots, dtype=np.int64)
+        if at.size and (at.min() < 0 or at.max() >= self.pool.capacity):
+            bad = int(at.min() if at.min() < 0 else at.max())
+            raise IndexError(f"slot={bad}: outside 0..{self.pool.capacity - 1} of tier {self.name}")
+        extent, offset = np.divmod(at, self.extent_slots)
+        if at.size and int(extent.max()) >= len(self._extents):
+            self._grow(int(extent.max()))
+        return list(self._extents), extent, offset
 
     def gather(self, slots: Sequence[int], out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """Copy the blocks in ``slots``, in that order, into ``out``: contiguous, ``len(slots) * block_bytes``
