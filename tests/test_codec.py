@@ -154,24 +154,20 @@ def test_a_flipped_byte_in_the_scales_fails_the_checksum(tmp_path: Path):
 
 
 @pytest.mark.parametrize("name", [None, "int4"])
-def test_blocks_left_in_place_across_buffers_take_what_the_copied_blocks_give(name):
-    """Pages read where they lie (block j = buffers[part[j]][rows[j]], a tier's extents) give the rows
-    the same pages copied into one buffer give: plain, a head's own columns, quantized, and with every
-    page in one buffer or none wanted from some."""
+def test_blocks_left_in_place_take_what_the_copied_blocks_give(name):
+    """Pages read where they lie (block j = extent[rows[j]]) give the rows the same pages copied out in
+    order give: plain, a head's own columns, quantized."""
     layout = BlockLayout.page(16, H, D, R, torch.bfloat16, codec=None if name is None else KVCodec.parse(name))
     raws = torch.stack([layout.pack(sample((16, H, D), i), sample((16, R), i + 9)) for i in range(5)])
-    buffers = [torch.zeros(4, layout.block_bytes, dtype=torch.uint8) for _ in range(3)]
-    part, rows = torch.tensor([2, 0, 2, 1, 0]), torch.tensor([3, 1, 0, 2, 0])
-    for j in range(5):
-        buffers[part[j]][rows[j]] = raws[j]
-    copied, in_place = Blocks(layout, [raws]), Blocks(layout, buffers, part, rows)
+    extent = torch.zeros(9, layout.block_bytes, dtype=torch.uint8)
+    rows = torch.tensor([7, 0, 3, 8, 5])
+    extent[rows] = raws
+    copied, in_place = Blocks(layout, raws), Blocks(layout, extent, rows)
     heads = torch.arange(H).view(H, 1, 1)
-    for page in (torch.tensor([[4, 0], [2, 2], [1, 3]]).unsqueeze(-1),     # pages of all three buffers
-                 torch.tensor([[0, 2], [2, 0], [0, 0]]).unsqueeze(-1),     # only buffer 2's
-                 torch.empty(H, 0, 1, dtype=torch.long)):                  # none
-        tok = torch.tensor([[8, 0], [14, 3], [0, 7]])[:, :page.shape[1]].unsqueeze(-1) + torch.arange(2)
-        for field, index in (("values", (page, tok, heads)), ("factors", (page, tok))):
-            assert torch.equal(in_place.take(field, index), copied.take(field, index))
-        if name is None:
-            own = in_place.take("factors", (page, tok, heads), split=D)
-            assert torch.equal(own, copied.take("factors", (page, tok, heads), split=D))
+    page = torch.tensor([[4, 0], [2, 2], [1, 3]]).unsqueeze(-1)
+    tok = torch.tensor([[8, 0], [14, 3], [0, 7]]).unsqueeze(-1) + torch.arange(2)
+    for field, index in (("values", (page, tok, heads)), ("factors", (page, tok))):
+        assert torch.equal(in_place.take(field, index), copied.take(field, index))
+    if name is None:
+        own = in_place.take("factors", (page, tok, heads), split=D)
+        assert torch.equal(own, copied.take("factors", (page, tok, heads), split=D))

@@ -198,42 +198,23 @@ class BlockLayout:
 
 
 class Blocks:
-    """Blocks of one layout to ``take`` rows of, wherever they lie: in one buffer [n, block_bytes]
-    (a copy), or left in place in several (the extents of the tiers holding them), block j being row
-    ``rows[j]`` of ``buffers[part[j]]``. Taking in place moves only the rows wanted: no copy of whole
-    blocks first (a 32K sparse step: 526 pages of 12 KiB a layer, 1.2 ms copied then taken against
-    0.2 ms taken in place)::
+    """Blocks of one layout to ``take`` rows of, wherever they lie in one buffer [n, block_bytes]:
+    copied there in order, or left in place (a tier's extent, block j being row ``rows[j]``).
+    Taking in place moves only the rows wanted, no whole block (a 32K sparse step: 526 pages of
+    12 KiB a layer, 1.2 ms copied then taken against 0.2 ms taken in place)::
 
-        Blocks(layout, [raw])                            block j = raw[j]
-        Blocks(layout, extents, part, rows)              block j = extents[part[j]][rows[j]]
+        Blocks(layout, raw)                  block j = raw[j]
+        Blocks(layout, extent, rows)         block j = extent[rows[j]]
     """
 
-    def __init__(self, layout: BlockLayout, buffers: list[Tensor], part: Tensor | None = None,
-                 rows: Tensor | None = None) -> None:
-        self.layout, self.buffers, self.part, self.rows = layout, buffers, part, rows
+    def __init__(self, layout: BlockLayout, buffer: Tensor, rows: Tensor | None = None) -> None:
+        self.layout, self.buffer, self.rows = layout, buffer, rows
 
     def take(self, name: str, index: tuple[Tensor, ...], *, split: int | None = None) -> Tensor:
         """``BlockLayout.take`` over these blocks: ``index[0]`` numbers them 0..n-1."""
-        take = self.layout.take
-        if self.rows is None:
-            return take(self.buffers[0], name, index, split=split)
-        block, rest = index[0], index[1:]
-        used = torch.unique(self.part[block]) if len(self.buffers) > 1 else None
-        if used is None or used.numel() <= 1:
-            first = 0 if used is None or not used.numel() else int(used)
-            return take(self.buffers[first], name, (self.rows[block], *rest), split=split)
-        shape = torch.broadcast_shapes(*(i.shape for i in index))
-        flat = [i.expand(shape).reshape(-1) for i in index]
-        which = self.part[flat[0]]
-        out: Tensor | None = None
-        for b in used.tolist():
-            at = (which == b).nonzero().squeeze(1)
-            got = take(self.buffers[b], name, (self.rows[flat[0][at]], *(f[at] for f in flat[1:])), split=split)
-            if out is None:
-                out = got.new_empty(flat[0].numel(), *got.shape[1:])
-            out[at] = got
-        assert out is not None
-        return out.view(*shape, *out.shape[1:])
+        if self.rows is not None:
+            index = (self.rows[index[0]], *index[1:])
+        return self.layout.take(self.buffer, name, index, split=split)
 
 
 def _kv_fields(half: tuple[int, ...], codec: KVCodec | None) -> tuple[Field, Field]:

@@ -7,7 +7,6 @@ from tierkv.config import TierConfig
 from tierkv.keys import BlockKey
 from tierkv.errors import BlockCorrupt
 from tierkv.manager import BlockingTierManager, TierManager
-from tierkv.manager.lease import Lease
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
@@ -85,26 +84,28 @@ def test_full_rank_gather_returns_the_exact_keys_values_and_positions():
         assert_exact(seq.gather(0, chunks), k, v, [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)])
 
 
-def test_pages_in_two_host_tiers_are_read_in_place_then_unpinned(monkeypatch):
-    """A read whose pages lie in the gpu and the cpu tier (both host memory here) takes their rows
-    where they lie: nothing is copied out whole, the keys and values are exact, and nothing stays
-    pinned. Forced through a copy, the same read gives the same tensors."""
+def test_pages_in_one_host_tier_are_read_in_place_pages_in_two_are_copied(monkeypatch):
+    """A read whose pages all lie in one host tier takes their rows where they lie (nothing copied out
+    whole); one whose pages lie in the gpu and the cpu tier (both host memory here) copies them out
+    first. Both give the exact keys and values, and leave nothing pinned."""
     cfg = config(outlier_fraction=0.2)
     block = BlockLayout.page(cfg.page_tokens, H, D, H * D, torch.float32).block_bytes
+    copies: list[int] = []
+    real = BlockingTierManager.copy_out
+    monkeypatch.setattr(BlockingTierManager, "copy_out", lambda self, lease, out, rows=None: (
+        copies.append(len(lease.places)), real(self, lease, out, rows))[1])
     with pages_manager(cfg, gpu=8 * block) as manager:
         seq, k, v, outliers, free = indexed_tokens(manager, cfg)
-        tiers = {name: manager.where(page)[0] for name, page in (("first", seq.layers[0].pages[0]),
-                                                                ("last", seq.layers[0].pages[-1]))}
-        assert set(tiers.values()) == {"cpu", "gpu"}              # the gpu tier holds 8 of 11 pages
-        chunks = torch.stack([free[[0, -1]], free[[1, -2]]])      # the first and the last pages
-        monkeypatch.setattr(BlockingTierManager, "copy_out", lambda *a: pytest.fail("pages copied out"))
-        got = seq.gather(0, chunks)
-        assert_exact(got, k, v, [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)])
-        assert manager.busy_blocks() == 0
-        monkeypatch.undo()
-        monkeypatch.setattr(Lease, "in_place", lambda self: None)
-        assert all(torch.equal(a, b) for a, b in zip(seq.gather(0, chunks), got))
-        assert manager.busy_blocks() == 0
+        per_page = cfg.page_tokens // cfg.chunk_tokens
+        tier_of = {int(c): manager.where(seq.layers[0].pages[int(c) // per_page])[0] for c in free}
+        on_gpu = [c for c, tier in tier_of.items() if tier == "gpu"]
+        on_cpu = [c for c, tier in tier_of.items() if tier == "cpu"]
+        assert on_gpu and on_cpu                                  # the gpu tier holds 8 of 11 pages
+        for chunks, copied in ((torch.tensor([[on_gpu[0]], [on_gpu[-1]]]), []),    # one tier: in place
+                               (torch.tensor([[on_gpu[0]], [on_cpu[0]]]), [2])):    # two: copied out
+            copies.clear()
+            assert_exact(seq.gather(0, chunks), k, v, [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)])
+            assert copies == copied and manager.busy_blocks() == 0
 
 
 def test_whole_pages_give_every_head_every_indexed_chunk_of_the_pages_read():
@@ -227,6 +228,7 @@ def test_a_split_gather_returns_what_is_in_place_and_brings_the_rest(tmp_path):
             assert torch.equal(v_new[h, valid[h]], v[rows, h])
         with pytest.raises(RuntimeError, match="already"):
             loading.finish()
+        assert manager.busy_blocks() == 0
         assert seq.gather_split(0, chunks)[3] is None                     # every page is in place now
 
 

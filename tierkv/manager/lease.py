@@ -35,7 +35,7 @@ class Lease:
         its row there. None where a block is in device memory, or behind a modelled link (a CXL pool
         charges its link per copy): read those through a copy."""
         names = {name for name, _ in self.places}
-        if not all(_host_arena(self.tiers[name]) for name in names):
+        if not all(host_arena(self.tiers[name]) for name in names):
             return None
         buffers: list[torch.Tensor] = []
         part = np.empty(len(self.places), dtype=np.int64)
@@ -55,7 +55,7 @@ class Lease:
             self.unpin(self.places)
 
 
-def _host_arena(tier: Tier) -> bool:
+def host_arena(tier: Tier) -> bool:
     """``tier`` keeps its blocks in host memory that a reader may use directly."""
     return getattr(tier, "device", None) == torch.device("cpu") and hasattr(tier, "locate_many") \
         and getattr(tier, "reads_in_place", True)

@@ -307,7 +307,7 @@ class SparseSequence:
             row = rows.gather(1, at).clamp(min=0)
             page, tok = row.div(P, rounding_mode="floor"), row % P
             heads = torch.arange(at.shape[0]).unsqueeze(1)
-            blocks = Blocks(self.layout, [raw])
+            blocks = Blocks(self.layout, raw)
             keys = self._head_keys(self.layers[layer], blocks, page, tok, heads)   # [Hkv, m, D]
             return at, valid, keys, blocks.take("values", (page, tok, heads))
         return Loading(missing, finish, future.cancel)
@@ -335,19 +335,8 @@ class SparseSequence:
         pages, page = torch.unique(chunks // (self.layout.tokens // self.config.chunk_tokens), return_inverse=True)
         self._count(state, pages)
         keys, step = [state.pages[p] for p in pages.tolist()], self.manager.pin_group(self.read_tier)
-        if not split and len(keys) <= step:
-            lease = self.manager.acquire(keys, self.read_tier, layer=layer)
-            try:
-                found = lease.in_place()
-                if found is not None:
-                    buffers, part, rows = found
-                    blocks = Blocks(self.layout, buffers, torch.from_numpy(part), torch.from_numpy(rows))
-                    return _Read(*self._rebuild(state, chunks, page, blocks, shared), None, None)
-                raw = torch.empty(len(pages), self.layout.block_bytes, dtype=torch.uint8)
-                self.manager.copy_out(lease, raw)
-            finally:
-                lease.release()
-            return _Read(*self._rebuild(state, chunks, page, Blocks(self.layout, [raw]), shared), raw, None)
+        if not split and len(keys) <= step and self.manager.reads_in_place(self.read_tier):
+            return self._read_in_place(state, layer, keys, chunks, page, shared)
         raw = torch.empty(len(pages), self.layout.block_bytes, dtype=torch.uint8)
         # pinned at most half the fastest tier at once; split: the last group is left loading
         groups = [(first, first + step) for first in range(0, len(keys), step)]
@@ -365,12 +354,30 @@ class SparseSequence:
                 raw.numpy()[late] = 0                   # (numpy: 20x faster than torch's index_put here)
                 loading = torch.zeros(len(keys), dtype=torch.bool)
                 loading[late] = True
-            k_sel, v_sel, rows = self._rebuild(state, chunks, page, Blocks(self.layout, [raw]), shared)
+            k_sel, v_sel, rows = self._rebuild(state, chunks, page, Blocks(self.layout, raw), shared)
         except BaseException:
             if future is not None:
                 future.cancel()
             raise
         return _Read(k_sel, v_sel, rows, raw, future, loading)
+
+    def _read_in_place(self, state: LayerState, layer: int, keys: list[BlockKey], chunks: Tensor,
+                       page: Tensor, shared: bool) -> _Read:
+        """``_read`` of pages pinned in host memory: where they all lie in one extent of one tier,
+        their rows are taken there, no page copied whole; pages spread over several are copied out
+        first (a take over several buffers, measured, cost about what the copy does)."""
+        lease = self.manager.acquire(keys, self.read_tier, layer=layer)
+        try:
+            found = lease.in_place()
+            if found is None or (found[1] != found[1][0]).any():
+                raw = torch.empty(len(keys), self.layout.block_bytes, dtype=torch.uint8)
+                self.manager.copy_out(lease, raw)
+                return _Read(*self._rebuild(state, chunks, page, Blocks(self.layout, raw), shared), raw, None)
+            extents, extent, offset = found
+            blocks = Blocks(self.layout, extents[int(extent[0])], torch.from_numpy(offset))
+            return _Read(*self._rebuild(state, chunks, page, blocks, shared), None, None)
+        finally:
+            lease.release()
 
     def _rebuild(self, state: LayerState, chunks: Tensor, page: Tensor, blocks: Blocks,
                  shared: bool) -> tuple[Tensor, Tensor, Tensor]:
