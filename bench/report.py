@@ -86,6 +86,21 @@ class DirectPages:
         os.close(self.fd)
 
 
+def random_read_rate(path: Path, page_bytes: int, offsets: Sequence[int], threads: int) -> float | None:
+    """``DirectPages`` over ``offsets`` once: reads per second (a device's limit for random page loads;
+    sequential GB/s says little about it). None where O_DIRECT is refused."""
+    try:
+        pages = DirectPages(path, page_bytes, offsets, threads)
+    except OSError:
+        return None
+    try:
+        start = time.perf_counter()
+        pages.read()
+        return len(offsets) / (time.perf_counter() - start)
+    finally:
+        pages.close()
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from report import DirectPages, Report, machine
+from report import Report, machine, random_read_rate
 from tierkv.device import auto_dtype
 
 GiB = 1024**3
@@ -149,19 +149,8 @@ def page_read_rate(path: Path | None, page_bytes: int, reads: int = 3000, thread
     than any cache): reads per second. None without the file or O_DIRECT."""
     if path is None:
         return None
-    slots = path.stat().st_size // page_bytes
-    rng = random.Random()     # other pages at each call: none of them read (and cached) by an earlier one
-    offsets = [rng.randrange(slots) * page_bytes for _ in range(reads)]
-    try:
-        pages = DirectPages(path, page_bytes, offsets, threads)
-    except OSError:
-        return None
-    try:
-        start = time.perf_counter()
-        pages.read()
-        return reads / (time.perf_counter() - start)
-    finally:
-        pages.close()
+    slots, rng = path.stat().st_size // page_bytes, random.Random()   # other pages each call: none cached
+    return random_read_rate(path, page_bytes, [rng.randrange(slots) * page_bytes for _ in range(reads)], threads)
 
 
 def passkey(report: Report, tokens: int, depths: list[float], mode: str, store: Path,

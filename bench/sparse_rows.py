@@ -46,7 +46,7 @@ import torch
 from transformers import DynamicCache
 
 from llama_rows import LlamaDecoder, version as llama_version
-from report import DirectPages, Report
+from report import Report, random_read_rate
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager
@@ -240,19 +240,9 @@ def quantized_rows(report: Report, loaded: LoadedModel, ids: list[int], ctx: int
 
 def page_read_rate(path: Path, page_bytes: int, slots: list[int], threads: int, reads: int = 4000) -> float | None:
     """Random O_DIRECT reads of one stored page each, ``threads`` at a time, from the store's own
-    file: reads per second (the device's limit for page loads; sequential GB/s says little about
-    it). None where O_DIRECT is refused."""
+    file: reads per second. None where O_DIRECT is refused."""
     offsets = [slot * page_bytes for slot in random.Random(0).choices(slots, k=reads)]
-    try:
-        pages = DirectPages(path, page_bytes, offsets, threads)
-    except OSError:
-        return None
-    try:
-        start = time.perf_counter()
-        pages.read()
-        return reads / (time.perf_counter() - start)
-    finally:
-        pages.close()
+    return random_read_rate(path, page_bytes, offsets, threads)
 
 
 def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s: float, loaded: LoadedModel,
