@@ -326,10 +326,10 @@ class SparseSequence:
             V[h]     = values[rows[h], h]
 
         ``shared``: every head has the same chunks; their keys come from one product A[rows] @ B.
-        Pages pinned in host memory are read in place (only the rows wanted are copied); otherwise
-        they are copied out first, at most half the fastest tier at once. ``split``: pages not in
-        place are left loading (their rows zero; see ``gather_split``); a read of more than half the
-        fastest tier splits its last group only.
+        Pages pinned in one extent of a host tier are read in place (only the rows wanted are
+        copied; ``_read_in_place``); otherwise they are copied out first, at most half the fastest
+        tier at once. ``split``: pages not in place are left loading (their rows zero; see
+        ``gather_split``); a read of more than half the fastest tier splits its last group only.
         """
         state = self.layers[layer]
         pages, page = torch.unique(chunks // (self.layout.tokens // self.config.chunk_tokens), return_inverse=True)
