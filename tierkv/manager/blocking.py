@@ -25,7 +25,6 @@ from tierkv.config import TierConfig
 
 from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
-from tierkv.manager.lease import host_arena
 from tierkv.manager.manager import AccessHook, Lease, TierManager
 from tierkv.manager.remote import Recompute, hold_or_fetch
 from tierkv.tiers.base import Tier
@@ -171,13 +170,6 @@ class BlockingTierManager:
             future.cancel()
             raise
         return future
-
-    def reads_in_place(self, tier: str | None = None) -> bool:
-        """Every tier a read of ``tier`` finds or loads blocks in keeps them in host memory a caller may
-        read directly (``Lease.in_place`` gives their places)."""
-        mgr = self.manager
-        names = {tier} if tier is not None else {*mgr.in_place_tiers, mgr.memory_tiers[0]}
-        return all(host_arena(mgr.tiers[name]) for name in names)
 
     def copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """Copy ``lease``'s blocks into ``out`` [n, block_bytes], block i into row i (or ``rows[i]``,

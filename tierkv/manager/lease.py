@@ -29,33 +29,22 @@ class Lease:
             self._views = tuple(self.tiers[name].view(slot) for name, slot in self.places)
         return self._views
 
-    def in_place(self) -> tuple[list[torch.Tensor], np.ndarray, np.ndarray] | None:
-        """The blocks where they lie, to be read in place until the lease is released: buffers [n,
-        block_bytes] (the extents of host tiers), and per key its buffer's position in that list and
-        its row there. None where a block is in device memory, or behind a modelled link (a CXL pool
-        charges its link per copy): read those through a copy."""
+    def in_place(self) -> tuple[torch.Tensor, np.ndarray] | None:
+        """Where the blocks lie, to be read in place until the lease is released: the one extent
+        [slots, block_bytes] of a host tier holding them all, and each key's row in it. None where they
+        lie in several tiers or extents, in device memory, or behind a modelled link (a CXL pool
+        charges its link per copy): copy those out."""
         names = {name for name, _ in self.places}
-        if not all(host_arena(self.tiers[name]) for name in names):
+        if len(names) != 1:
             return None
-        buffers: list[torch.Tensor] = []
-        part = np.empty(len(self.places), dtype=np.int64)
-        rows = np.empty(len(self.places), dtype=np.int64)
-        for name in names:
-            at = [i for i, (tier, _) in enumerate(self.places) if tier == name] if len(names) > 1 \
-                else slice(None)
-            extents, extent, offset = self.tiers[name].locate_many(
-                [slot for tier, slot in self.places if tier == name])
-            part[at], rows[at] = extent + len(buffers), offset
-            buffers += extents
-        return buffers, part, rows
+        tier = self.tiers[names.pop()]
+        if getattr(tier, "device", None) != torch.device("cpu") or not hasattr(tier, "locate_many") \
+                or not getattr(tier, "reads_in_place", True):
+            return None
+        return tier.locate_many([slot for _, slot in self.places])
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.unpin(self.places)
 
-
-def host_arena(tier: Tier) -> bool:
-    """``tier`` keeps its blocks in host memory that a reader may use directly."""
-    return getattr(tier, "device", None) == torch.device("cpu") and hasattr(tier, "locate_many") \
-        and getattr(tier, "reads_in_place", True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -36,48 +35,17 @@ from torch import Tensor
 from tierkv.errors import BlockMissing
 from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager
-from tierkv.manager.blocking import ReadFuture
 from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
 from tierkv.sparse.layer_state import LayerState
 from tierkv.sparse.lowrank import project, reconstruct
 from tierkv.sparse.plan import StepPlan
+from tierkv.sparse.reads import LayerRead, Loading
 from tierkv.layout import BlockLayout, Blocks
 
 if TYPE_CHECKING:
     from tierkv.sparse.restore import Origin
-
-
-class Loading:
-    """The chunk tokens of a ``gather_split`` whose pages were still loading when it returned::
-
-        k, v, pos, loading = seq.gather_split(layer, chunks)
-        attend to the rows where not loading.missing        (the missing ones are zeros)
-        at, valid, k2, v2 = loading.finish()                 waits; the missing rows' keys and values
-        attend to those
-
-    ``finish`` returns them per KV head, padded to the largest count: ``at`` [Hkv, m] (rows of
-    the gathered K, V), ``valid`` [Hkv, m] (False: padding), keys and values [Hkv, m, D] (as ``gather``).
-    """
-
-    def __init__(self, missing: Tensor, finish: Callable[[], tuple[Tensor, Tensor, Tensor, Tensor]],
-                 abandon: Callable[[], None]) -> None:
-        self.missing = missing          # [Hkv, M] bool, in the order of the gathered rows
-        self._finish, self._abandon = finish, abandon
-        self.done = False
-
-    def finish(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        if self.done:
-            raise RuntimeError("Loading.finish: already finished or abandoned")
-        self.done = True
-        return self._finish()
-
-    def abandon(self) -> None:
-        """Not going to ``finish`` (an error on the way): the pages are released when they arrive."""
-        if not self.done:
-            self.done = True
-            self._abandon()
 
 
 @dataclass(slots=True)
@@ -86,18 +54,6 @@ class ReadStats:
     pages: int = 0            # pages read
     reused: int = 0           # of those, pages the same layer read in the previous step
     tokens: int = 0           # tokens attended from pages and outliers (per KV head)
-
-
-@dataclass(slots=True)
-class _Read:
-    """A layer's chunks read from their pages: keys and values [Hkv, k*c, D], each token's row in
-    ``raw`` [Hkv, k*c], and, for a split read, the pages still loading into ``raw``."""
-    k: Tensor
-    v: Tensor
-    rows: Tensor
-    raw: Tensor | None                 # the pages copied out (None: read in place)
-    future: ReadFuture | None
-    loading: Tensor | None = None      # [pages] bool: still loading into raw
 
 
 class SparseSequence:
@@ -293,7 +249,7 @@ class SparseSequence:
         rows = torch.cat([read.rows, torch.full((H, pos.shape[1] - read.rows.shape[1]), -1)], 1)   # outliers: -1
         return k, v, pos, self._loading(layer, read, rows[:, order] if shared else _per_head(rows, order))
 
-    def _loading(self, layer: int, read: _Read, rows: Tensor) -> Loading:
+    def _loading(self, layer: int, read: LayerRead, rows: Tensor) -> Loading:
         """What brings the gathered rows whose page ``read`` is still loading; ``rows`` [Hkv, M]:
         each gathered token's row in the read's pages (-1: an outlier, never missing)."""
         future, raw, P = read.future, read.raw, self.layout.tokens
@@ -318,7 +274,7 @@ class SparseSequence:
         first = self.config.sink_tokens + chunks * c
         return (first.unsqueeze(-1) + torch.arange(c)).flatten(1)
 
-    def _read(self, layer: int, chunks: Tensor, *, shared: bool = False, split: bool = False) -> _Read:
+    def _read(self, layer: int, chunks: Tensor, *, shared: bool = False, split: bool = False) -> LayerRead:
         """Pin the pages of ``chunks`` [Hkv, k]; rebuild each head's keys of its chunks only::
 
             rows[h]  = page slot * P + chunk offset in page * c + 0..c-1      [Hkv, k*c]
@@ -327,7 +283,7 @@ class SparseSequence:
 
         ``shared``: every head has the same chunks; their keys come from one product A[rows] @ B.
         Pages pinned in one extent of a host tier are read in place (only the rows wanted are
-        copied; ``_read_in_place``); otherwise they are copied out first, at most half the fastest
+        copied; ``_read_pinned``); otherwise they are copied out first, at most half the fastest
         tier at once. ``split``: pages not in place are left loading (their rows zero; see
         ``gather_split``); a read of more than half the fastest tier splits its last group only.
         """
@@ -335,8 +291,8 @@ class SparseSequence:
         pages, page = torch.unique(chunks // (self.layout.tokens // self.config.chunk_tokens), return_inverse=True)
         self._count(state, pages)
         keys, step = [state.pages[p] for p in pages.tolist()], self.manager.pin_group(self.read_tier)
-        if not split and len(keys) <= step and self.manager.reads_in_place(self.read_tier):
-            return self._read_in_place(state, layer, keys, chunks, page, shared)
+        if not split and len(keys) <= step:
+            return self._read_pinned(state, layer, keys, chunks, page, shared)
         raw = torch.empty(len(pages), self.layout.block_bytes, dtype=torch.uint8)
         # pinned at most half the fastest tier at once; split: the last group is left loading
         groups = [(first, first + step) for first in range(0, len(keys), step)]
@@ -359,23 +315,23 @@ class SparseSequence:
             if future is not None:
                 future.cancel()
             raise
-        return _Read(k_sel, v_sel, rows, raw, future, loading)
+        return LayerRead(k_sel, v_sel, rows, raw, future, loading)
 
-    def _read_in_place(self, state: LayerState, layer: int, keys: list[BlockKey], chunks: Tensor,
-                       page: Tensor, shared: bool) -> _Read:
-        """``_read`` of pages pinned in host memory: where they all lie in one extent of one tier,
-        their rows are taken there, no page copied whole; pages spread over several are copied out
-        first (a take over several buffers, measured, cost about what the copy does)."""
+    def _read_pinned(self, state: LayerState, layer: int, keys: list[BlockKey], chunks: Tensor,
+                     page: Tensor, shared: bool) -> LayerRead:
+        """``_read`` of pages pinned at once: where they all lie in one extent of a host tier, their
+        rows are taken there, no page copied whole; otherwise they are copied out first (a take
+        over several buffers, measured, cost about what the copy does)."""
         lease = self.manager.acquire(keys, self.read_tier, layer=layer)
         try:
-            found = lease.in_place()
-            if found is None or (found[1] != found[1][0]).any():
+            found, raw = lease.in_place(), None
+            if found is not None:
+                blocks = Blocks(self.layout, found[0], torch.from_numpy(found[1]))
+            else:
                 raw = torch.empty(len(keys), self.layout.block_bytes, dtype=torch.uint8)
                 self.manager.copy_out(lease, raw)
-                return _Read(*self._rebuild(state, chunks, page, Blocks(self.layout, raw), shared), raw, None)
-            extents, extent, offset = found
-            blocks = Blocks(self.layout, extents[int(extent[0])], torch.from_numpy(offset))
-            return _Read(*self._rebuild(state, chunks, page, blocks, shared), None, None)
+                blocks = Blocks(self.layout, raw)
+            return LayerRead(*self._rebuild(state, chunks, page, blocks, shared), raw, None)
         finally:
             lease.release()
 

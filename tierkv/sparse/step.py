@@ -26,7 +26,8 @@ from torch import Tensor
 from tierkv.ops.attention import attend, merge
 from tierkv.ops.rope import RopeTable, apply_rope
 from tierkv.sparse.plan import Positions
-from tierkv.sparse.sequence import Loading, SparseSequence
+from tierkv.sparse.reads import Loading
+from tierkv.sparse.sequence import SparseSequence
 
 
 @dataclass(slots=True)

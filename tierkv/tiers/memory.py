@@ -90,17 +90,21 @@ class MemoryTier:
                 self._locate(slot)
         return [arrays[slot // per][slot % per] for slot in slots]
 
-    def locate_many(self, slots: Sequence[int]) -> tuple[list[torch.Tensor], np.ndarray, np.ndarray]:
-        """Where ``slots`` lie, to be read in place (while they are pinned): the extents
-        [slots, block_bytes], and per slot the extent's position in that list and its row in it."""
+    def locate_many(self, slots: Sequence[int]) -> tuple[torch.Tensor, np.ndarray] | None:
+        """Where ``slots`` lie, to be read in place while they are pinned: the one extent
+        [slots, block_bytes] holding them all and each one's row in it; None where they span extents."""
         at = np.asarray(slots, dtype=np.int64)
-        if at.size and (at.min() < 0 or at.max() >= self.pool.capacity):
+        if not at.size:
+            return None
+        if at.min() < 0 or at.max() >= self.pool.capacity:
             bad = int(at.min() if at.min() < 0 else at.max())
             raise IndexError(f"slot={bad}: outside 0..{self.pool.capacity - 1} of tier {self.name}")
         extent, offset = np.divmod(at, self.extent_slots)
-        if at.size and int(extent.max()) >= len(self._extents):
-            self._grow(int(extent.max()))
-        return list(self._extents), extent, offset
+        if (extent != extent[0]).any():
+            return None
+        if int(extent[0]) >= len(self._extents):
+            self._grow(int(extent[0]))
+        return self._extents[int(extent[0])], offset
 
     def gather(self, slots: Sequence[int], out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """Copy the blocks in ``slots``, in that order, into ``out``: contiguous, ``len(slots) * block_bytes``
