@@ -2,7 +2,7 @@
 
 Layers, bottom to top (docs/architecture.md draws them)::
 
-    0  errors keys device events sizes knobs scoring policy   what everything shares
+    0  errors keys keytable device events sizes knobs ...     what everything shares
     1  tiers                                                   bytes and their I/O
     2  policies                                                rank keys; bottom imports only
     3  config                                                  typed settings of the tiers
@@ -27,7 +27,7 @@ import tierkv
 
 ROOT = Path(tierkv.__file__).parent.parent
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["tierkv.errors", "tierkv.keys", "tierkv.device", "tierkv.events", "tierkv.sizes",
+    **dict.fromkeys(["tierkv.errors", "tierkv.keys", "tierkv.keytable", "tierkv.device", "tierkv.events", "tierkv.sizes",
                      "tierkv.knobs", "tierkv.scoring", "tierkv.policy", "tierkv.codec", "tierkv.layout", "tierkv.ops",
                      "tierkv.failpoints", "tierkv.flags"], 0),
     "tierkv.tiers": 1, "policies": 2, "tierkv.config": 3, "tierkv.profile": 4, "tierkv.manager": 5,

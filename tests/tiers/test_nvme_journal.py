@@ -6,6 +6,7 @@ import os
 import stat
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tierkv.keys import BlockKey
@@ -155,3 +156,43 @@ def test_an_append_cuts_a_record_torn_by_a_writer_that_died(tmp_path: Path) -> N
     log.close()
     state = Journal(path).state
     assert (state.damaged, state.cut_bytes, len(state.index)) == (0, 0, 2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vectorised_replay_equals_applying_records_one_by_one(seed: int) -> None:
+    """`replay` finds the live PUTs in array passes; applying every record in order must agree, for
+    journals where keys move, slots are rewritten and DROP / DROP_AT records hit and miss."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for _ in range(3000):
+        op = rng.choice([Op.PUT, Op.PUT, Op.PUT, Op.DROP, Op.DROP_AT])
+        key, slot = k(int(rng.integers(200))), int(rng.integers(120))
+        records.append(Record(op, key, 0 if op == Op.DROP else slot, int(rng.integers(1 << 63)) if op == Op.PUT else 0))
+    raw = b"".join(r.encode() for r in records)
+    one_by_one = journal.Index()
+    for r in records:
+        one_by_one.apply(r.op, r.key.digest, r.slot, r.checksum)
+    expected = sorted((key.digest, e.slot, e.checksum) for key, e in one_by_one.items())
+    state, _ = replay(raw)
+    assert sorted((key.digest, e.slot, e.checksum) for key, e in state.index.items()) == expected
+    limited, _ = replay(raw, slots=60)   # entries at or past slot 60 are lost, the rest kept
+    assert sorted((key.digest, e.slot, e.checksum) for key, e in limited.index.items()) == \
+        [row for row in expected if row[1] < 60]
+    assert sorted((key.digest, slot) for key, slot in limited.lost) == sorted(row[:2] for row in expected if row[1] >= 60)
+    for key, e in one_by_one.items():   # lookups one by one and in bulk agree with the entries
+        assert limited.index.get(key) is None if e.slot >= 60 else limited.index.get(key).slot == e.slot
+    slots, sums = state.index.find_many([key for key, _ in one_by_one.items()] + [k(999)])
+    assert slots.tolist() == [e.slot for _, e in one_by_one.items()] + [-1]
+    assert sums[:-1].tolist() == [e.checksum for _, e in one_by_one.items()]
+
+
+def test_index_takes_a_million_blocks_in_arrays() -> None:
+    """The store's index of a 1M-token document (a million pages): tens of bytes a block, not hundreds."""
+    n = 1_000_000
+    digests = np.random.default_rng(0).integers(0, 1 << 63, (n, 2), dtype=np.uint64)
+    index = journal.Index()
+    index.load(digests, np.arange(n), np.arange(n, dtype=np.uint64))
+    assert len(index) == n and index.nbytes() / n < 48
+    probe = [digests[i].tobytes() for i in (0, 1234, n - 1)]
+    assert index.find_many(probe)[0].tolist() == [0, 1234, n - 1]
+    assert index.get(probe[1]).checksum == 1234

@@ -133,7 +133,8 @@ class NvmeTier:
         self.backend = choose_backend(backend, self.directory, self.block_bytes)
         self._file = BACKENDS[self.backend](self.directory / "slots.dat")
         self._data_size = os.fstat(self._file.fd).st_size
-        self._journal = Journal(self.directory / "index.log", repair=self._share.alone)
+        whole_slots = min(self._capacity, self._data_size // self.block_bytes)
+        self._journal = Journal(self.directory / "index.log", repair=self._share.alone, slots=whole_slots)
         self._index = self._journal.state.index
         self._io = StripedIO(self._file, self.block_bytes, io_threads)
         self.pool = SharedPool(self._capacity, self._share.claims, self._share.owner.id)
@@ -185,27 +186,22 @@ class NvmeTier:
         with self._lock:
             with self._disk_full_raised(len(records)):
                 self._journal.append_encoded(records)
-            for digest, slot, checksum in zip(digests, slots, sums):
-                self._index.put(digest, slot, checksum)
+            self._index.put_many(digests, slots, sums)
 
     def read(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT,
              aligned: bool = False) -> list[BlockKey]:
         """Read blocks into the given tensors; the keys that failed (their tensors hold garbage).
         ``priority`` and ``aligned`` as for `write`."""
         self._check_open()
+        asked = np.fromiter((slot for _, slot, _ in items), np.int64, count=len(items))
         with self._lock:
-            entries = [self._index.get(key) for key, _, _ in items]
-        failed: set[BlockKey] = set()
-        wanted: list[tuple[BlockKey, int]] = []
-        slots: list[int] = []
-        tensors: list[torch.Tensor] = []
-        for (key, slot, tensor), entry in zip(items, entries):
-            if entry is None or entry.slot != slot:
-                failed.add(key)
-                continue
-            wanted.append((key, entry.checksum))
-            slots.append(slot)
-            tensors.append(tensor)
+            found, expected = self._index.find_many([key for key, _, _ in items])
+        here = found == asked   # a key gone, or now in another slot, fails
+        failed: set[BlockKey] = {items[i][0] for i in np.flatnonzero(~here).tolist()}
+        kept = np.flatnonzero(here).tolist()
+        wanted = [(items[i][0], checksum) for i, checksum in zip(kept, expected[here].tolist())]
+        slots = asked[here].tolist()
+        tensors = [items[i][2] for i in kept]
         if slots:
             bufs = [self._buffer(tensor) for tensor in tensors]
             misaligned = set() if aligned else self._misaligned(tensors)
@@ -276,22 +272,19 @@ class NvmeTier:
     # -- internals -----------------------------------------------------------
     def _recover(self) -> None:
         """Hide entries the data cannot back (alone: journal it, compact); mark visible slots READY."""
-        whole_slots = min(self._capacity, self._data_size // self.block_bytes)
-        lost = [(key, entry.slot) for key, entry in self._index.items() if entry.slot >= whole_slots]
+        lost = self._journal.state.lost   # left out of the index by the replay
         if lost:
             log.warning("%s: %d block(s) lie past the budget or past the end of slots.dat; %s", self.directory,
                         len(lost), "dropped" if self._share.alone else "hidden from this process")
-            for key, _ in lost:
-                self._index.drop(key.digest)
         if self._share.alone:
             self._repair([Record(Op.DROP_AT, key, slot) for key, slot in lost])
-        self.pool.restore(self._index.slots())
+        self.pool.restore(self._index.slot_array())
 
     def _repair(self, drops: list[Record]) -> None:
         """Journal ``drops``, or compact the journal if it is mostly garbage (only when alone)."""
         state = self._journal.state
         try:
-            if state.damaged or state.garbage + len(drops) > max(COMPACT_MIN_GARBAGE, len(self._index)):
+            if state.damaged or state.garbage > max(COMPACT_MIN_GARBAGE, len(self._index)):   # (lost ones included)
                 self._journal.rewrite(self._index)
             elif drops:
                 self._journal.append(drops)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -80,7 +81,7 @@ class SharedPool(BlockPool):
             raise self._full()
         return super().reserve_many(n)
 
-    def restore(self, slots: list[int]) -> None:
+    def restore(self, slots: Sequence[int] | np.ndarray) -> None:
         """Mark these slots READY (blocks visible at open; no extent is this process's yet)."""
         if self.used:
             raise ValueError("restore needs a pool that has not been used yet")
@@ -168,7 +169,7 @@ class SharedPool(BlockPool):
 
     def _take(self, slots: np.ndarray, state: int) -> None:
         super()._take(slots, state)
-        np.add.at(self._records, slots // self._extent, 1)
+        self._records += np.bincount(slots // self._extent, minlength=len(self._records)).astype(self._records.dtype)
 
     def _released(self, slots: np.ndarray) -> None:
         extents = slots // self._extent

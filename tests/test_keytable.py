@@ -1,0 +1,46 @@
+"""KeyTable: block keys in numpy arrays, found one by one and in bulk, through removals and rebuilds."""
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+
+from tierkv.keytable import KeyTable, split
+
+
+def test_keys_found_one_by_one_and_in_bulk_through_removals_and_rebuilds() -> None:
+    rng = random.Random(3)
+    keys = [os.urandom(16) for _ in range(20_000)]
+    keys += [i.to_bytes(16, "little") for i in range(3000)] + [bytes([i]) * 16 for i in range(256)]  # patterned
+    keys = list(dict.fromkeys(keys))
+    table, expected = KeyTable(), {}
+    for i, key in enumerate(keys[:500]):                # one at a time, then the rest in bulk
+        table.add(key, i)
+        expected[key] = i
+    table.add_many(split(keys[500:]), np.arange(500, len(keys)))
+    expected.update((key, i) for i, key in enumerate(keys) if i >= 500)
+    for _ in range(3):                                   # remove a third, add some back under new ids
+        for key in rng.sample(sorted(expected), len(expected) // 3):
+            table.remove(expected.pop(key))
+        spare = iter(sorted(set(range(2 * len(keys))) - set(expected.values())))
+        for key in keys:
+            if key not in expected and rng.random() < 0.5:
+                expected[key] = next(spare)
+                table.add(key, expected[key])
+    absent = [os.urandom(16) for _ in range(100)]
+    assert len(table) == len(expected)
+    assert [table.find(key) for key in keys + absent] == [expected.get(key, -1) for key in keys + absent]
+    assert table.find_many(keys + absent).tolist() == [expected.get(key, -1) for key in keys + absent]
+    assert sorted(table.ids().tolist()) == sorted(expected.values())
+    assert all(table.key(i) == key for key, i in expected.items())
+    assert table.find_many([]).tolist() == [] and KeyTable().find(keys[0]) == -1
+
+
+def test_a_million_keys_cost_tens_of_bytes_each() -> None:
+    n = 1_000_000
+    halves = np.random.default_rng(1).integers(0, 1 << 63, (n, 2), dtype=np.uint64)
+    table = KeyTable(n)
+    table.add_many(halves, np.arange(n))
+    assert table.nbytes() / n < 40
+    assert table.find(halves[777].tobytes()) == 777

@@ -1,0 +1,164 @@
+"""Block keys in numpy arrays: every key has an id (a store slot, a directory row), found by open addressing.
+
+A dict of a million 16-byte keys to small objects costs ~250 bytes a key in
+Python objects; here a key costs its 16 bytes, a live flag, and ~11 bytes of
+table (4-byte cells, between a quarter and half full)::
+
+    keys   id 0 | id 1 | id 2 | ...      (lo, hi) uint64 pairs: the digest's two halves
+    live   1      0      1               ids in use
+    cells  [ 0  3  0  0  1  0  ...]      id + 1 where a key's probe sequence stops; 0 empty, -1 gone
+
+A key's probe starts at a Fibonacci hash of its halves and walks forward to the
+first empty cell. `find_many` walks every key of a batch at once (a read's
+hundreds of keys in a few numpy passes); `find` walks one in Python, through
+memoryviews of the arrays (plain ints, no numpy scalars). Removal leaves a
+"gone" cell so later keys of the chain are still found; the table is rebuilt
+(vectorised) when live and gone cells pass half of it.
+
+The caller owns the ids: it adds a key under an id that is not live and
+removes ids. Keys must be unique (`add` of a key already present under another
+id is the caller's error; see tierkv.tiers.journal and tierkv.manager.directory).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tierkv.keys import KEY_BYTES
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+_EMPTY, _GONE = 0, -1
+_MIN_BITS = 10
+
+
+def split(keys: Sequence[bytes]) -> np.ndarray:
+    """16-byte keys as an (n, 2) array of their little-endian uint64 halves."""
+    if not len(keys):
+        return np.empty((0, 2), np.uint64)
+    return np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
+
+
+class KeyTable:
+    def __init__(self, ids: int = 0) -> None:
+        """``ids``: room for ids 0..ids-1 before the arrays first grow."""
+        self.keys = np.zeros((max(ids, 16), 2), np.uint64)
+        self.live = np.zeros(max(ids, 16), bool)
+        self._count = 0
+        self._gone = 0
+        self._size_for(max(ids, 1))
+
+    # -- queries ------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self.find(key) >= 0
+
+    def find(self, key: bytes) -> int:
+        """The id of ``key``, or -1."""
+        lo = int.from_bytes(key[:8], "little")
+        hi = int.from_bytes(key[8:KEY_BYTES], "little")
+        cells, keys, mask = self._cells_view, self._keys_view, self._mask
+        at = (((lo ^ hi) * _GOLDEN) & _MASK64) >> self._shift
+        while True:
+            cell = cells[at]
+            if cell == _EMPTY:
+                return -1
+            if cell > 0 and keys[2 * cell - 2] == lo and keys[2 * cell - 1] == hi:
+                return cell - 1
+            at = (at + 1) & mask
+
+    def find_many(self, keys: Sequence[bytes] | np.ndarray) -> np.ndarray:
+        """The id of each key (int64; -1 where absent). ``keys``: bytes, or their `split` halves."""
+        halves = keys if isinstance(keys, np.ndarray) else split(keys)
+        found = np.full(len(halves), -1, np.int64)
+        if not len(halves) or not self._count:
+            return found
+        at = self._home(halves)
+        pending = np.arange(len(halves))
+        while len(pending):
+            cells = self._cells[at].astype(np.int64)
+            ids = np.maximum(cells - 1, 0)
+            hit = (cells > 0) & (self.keys[ids, 0] == halves[pending, 0]) & (self.keys[ids, 1] == halves[pending, 1])
+            found[pending[hit]] = ids[hit]
+            walk = ~hit & (cells != _EMPTY)
+            pending, at = pending[walk], (at[walk] + 1) & self._mask
+        return found
+
+    def key(self, id: int) -> bytes:
+        return self.keys[id].tobytes()
+
+    def ids(self) -> np.ndarray:
+        """The live ids, in order."""
+        return np.flatnonzero(self.live)
+
+    # -- changes -----------------------------------------------------------
+    def add(self, key: bytes, id: int) -> None:
+        """File ``key`` (not present) under ``id`` (not live)."""
+        self.add_many(split([key]), np.array([id]))
+
+    def add_many(self, halves: np.ndarray, ids: np.ndarray) -> None:
+        """`add` of each (key halves, id) pair, at once."""
+        if not len(ids):
+            return
+        self._reserve_ids(int(ids.max()) + 1)
+        self.keys[ids] = halves
+        self.live[ids] = True
+        self._count += len(ids)
+        if 2 * (self._count + self._gone) > len(self._cells):
+            self._rebuild()
+        else:
+            self._place(ids)
+
+    def remove(self, id: int) -> None:
+        """Forget the key of ``id`` (live)."""
+        lo, hi = (int(half) for half in self.keys[id])
+        at = (((lo ^ hi) * _GOLDEN) & _MASK64) >> self._shift
+        while self._cells_view[at] != id + 1:
+            at = (at + 1) & self._mask
+        self._cells[at] = _GONE
+        self.live[id] = False
+        self._count -= 1
+        self._gone += 1
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.live.nbytes + self._cells.nbytes
+
+    # -- inside ------------------------------------------------------------
+    def _home(self, halves: np.ndarray) -> np.ndarray:
+        mixed = (halves[:, 0] ^ halves[:, 1]) * np.uint64(_GOLDEN)   # wraps modulo 2**64, as intended
+        return (mixed >> np.uint64(self._shift)).astype(np.int64)
+
+    def _place(self, ids: np.ndarray) -> None:
+        """Put ``ids`` (live, not in the table) into their keys' first free cells."""
+        pending, at = ids, self._home(self.keys[ids])
+        while len(pending):
+            cells = self._cells[at]
+            free = cells <= 0
+            taken, first = np.unique(at[free], return_index=True)   # one id per free cell this pass
+            self._gone -= int(np.count_nonzero(self._cells[taken] == _GONE))
+            self._cells[taken] = pending[free][first] + 1
+            placed = np.zeros(len(pending), bool)
+            placed[np.flatnonzero(free)[first]] = True
+            pending, at = pending[~placed], (at[~placed] + 1) & self._mask
+
+    def _rebuild(self) -> None:
+        self._size_for(self._count)
+        self._place(self.ids())
+
+    def _size_for(self, count: int) -> None:
+        bits = max(_MIN_BITS, (4 * count - 1).bit_length())   # a quarter full at most once rebuilt
+        self._cells = np.zeros(1 << bits, np.int32)
+        self._mask, self._shift, self._gone = (1 << bits) - 1, 64 - bits, 0
+        self._cells_view = memoryview(self._cells)
+        self._keys_view = memoryview(self.keys).cast("B").cast("Q")
+
+    def _reserve_ids(self, n: int) -> None:
+        if n <= len(self.live):
+            return
+        grown = max(n, 2 * len(self.live))
+        self.keys = np.concatenate([self.keys, np.zeros((grown - len(self.keys), 2), np.uint64)])
+        self.live = np.concatenate([self.live, np.zeros(grown - len(self.live), bool)])
+        self._keys_view = memoryview(self.keys).cast("B").cast("Q")
