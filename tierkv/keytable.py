@@ -31,6 +31,7 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 _EMPTY, _GONE = 0, -1
 _MIN_BITS = 10
+_SCALAR_BELOW = 12   # batches smaller than this are looked up key by key (numpy's per-call cost)
 
 
 def split(keys: Sequence[bytes]) -> np.ndarray:
@@ -40,11 +41,20 @@ def split(keys: Sequence[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
 
 
+def widen(array: np.ndarray, rows: int) -> np.ndarray:
+    """``array`` with ``rows`` rows, the new ones zero. The OS commits the zero pages of a large
+    array only when they are written, so room for growth costs no memory until used."""
+    grown = np.zeros((rows, *array.shape[1:]), array.dtype)
+    grown[:len(array)] = array
+    return grown
+
+
 class KeyTable:
     def __init__(self, ids: int = 0) -> None:
         """``ids``: room for ids 0..ids-1 before the arrays first grow."""
         self.keys = np.zeros((max(ids, 16), 2), np.uint64)
         self.live = np.zeros(max(ids, 16), bool)
+        self._live_view = memoryview(self.live)
         self._count = 0
         self._gone = 0
         self._size_for(max(ids, 1))
@@ -58,8 +68,29 @@ class KeyTable:
 
     def find(self, key: bytes) -> int:
         """The id of ``key``, or -1."""
-        lo = int.from_bytes(key[:8], "little")
-        hi = int.from_bytes(key[8:KEY_BYTES], "little")
+        return self._find(int.from_bytes(key[:8], "little"), int.from_bytes(key[8:KEY_BYTES], "little"))
+
+    def find_many(self, keys: Sequence[bytes] | np.ndarray) -> np.ndarray:
+        """The id of each key (int64; -1 where absent). ``keys``: bytes, or their `split` halves.
+
+        Every key's first cell is checked in one numpy pass; the keys whose first cell holds
+        another key walk on one by one, as do batches too small to gain from numpy."""
+        if not isinstance(keys, np.ndarray) and len(keys) < _SCALAR_BELOW:
+            return np.fromiter(map(self.find, keys), np.int64, count=len(keys))
+        halves = keys if isinstance(keys, np.ndarray) else split(keys)
+        if not len(halves) or not self._count:
+            return np.full(len(halves), -1, np.int64)
+        lo, hi = halves[:, 0], halves[:, 1]
+        ids = self._cells.take(self._home(halves)).astype(np.int64) - 1   # -1: empty, -2: gone
+        flat = self.keys.reshape(-1)
+        hit = (ids >= 0) & (flat.take(2 * ids) == lo) & (flat.take(2 * ids + 1) == hi)
+        found = np.where(hit, ids, -1)
+        walk = np.flatnonzero(~hit & (ids != -1))   # the first cell held another key (or a gone one)
+        for i, (key_lo, key_hi) in zip(walk.tolist(), halves[walk].tolist()):
+            found[i] = self._find(key_lo, key_hi)
+        return found
+
+    def _find(self, lo: int, hi: int) -> int:
         cells, keys, mask = self._cells_view, self._keys_view, self._mask
         at = (((lo ^ hi) * _GOLDEN) & _MASK64) >> self._shift
         while True:
@@ -69,23 +100,6 @@ class KeyTable:
             if cell > 0 and keys[2 * cell - 2] == lo and keys[2 * cell - 1] == hi:
                 return cell - 1
             at = (at + 1) & mask
-
-    def find_many(self, keys: Sequence[bytes] | np.ndarray) -> np.ndarray:
-        """The id of each key (int64; -1 where absent). ``keys``: bytes, or their `split` halves."""
-        halves = keys if isinstance(keys, np.ndarray) else split(keys)
-        found = np.full(len(halves), -1, np.int64)
-        if not len(halves) or not self._count:
-            return found
-        at = self._home(halves)
-        pending = np.arange(len(halves))
-        while len(pending):
-            cells = self._cells[at].astype(np.int64)
-            ids = np.maximum(cells - 1, 0)
-            hit = (cells > 0) & (self.keys[ids, 0] == halves[pending, 0]) & (self.keys[ids, 1] == halves[pending, 1])
-            found[pending[hit]] = ids[hit]
-            walk = ~hit & (cells != _EMPTY)
-            pending, at = pending[walk], (at[walk] + 1) & self._mask
-        return found
 
     def key(self, id: int) -> bytes:
         return self.keys[id].tobytes()
@@ -97,7 +111,22 @@ class KeyTable:
     # -- changes -----------------------------------------------------------
     def add(self, key: bytes, id: int) -> None:
         """File ``key`` (not present) under ``id`` (not live)."""
-        self.add_many(split([key]), np.array([id]))
+        self._reserve_ids(id + 1)
+        lo = int.from_bytes(key[:8], "little")
+        hi = int.from_bytes(key[8:KEY_BYTES], "little")
+        self._keys_view[2 * id], self._keys_view[2 * id + 1] = lo, hi
+        self._live_view[id] = True
+        self._count += 1
+        if 2 * (self._count + self._gone) > len(self._cells):
+            self._rebuild()
+            return
+        cells, mask = self._cells_view, self._mask
+        at = (((lo ^ hi) * _GOLDEN) & _MASK64) >> self._shift
+        while cells[at] > 0:
+            at = (at + 1) & mask
+        if cells[at] == _GONE:
+            self._gone -= 1
+        cells[at] = id + 1
 
     def add_many(self, halves: np.ndarray, ids: np.ndarray) -> None:
         """`add` of each (key halves, id) pair, at once."""
@@ -129,7 +158,7 @@ class KeyTable:
     # -- inside ------------------------------------------------------------
     def _home(self, halves: np.ndarray) -> np.ndarray:
         mixed = (halves[:, 0] ^ halves[:, 1]) * np.uint64(_GOLDEN)   # wraps modulo 2**64, as intended
-        return (mixed >> np.uint64(self._shift)).astype(np.int64)
+        return (mixed >> np.uint64(self._shift)).view(np.int64)
 
     def _place(self, ids: np.ndarray) -> None:
         """Put ``ids`` (live, not in the table) into their keys' first free cells."""
@@ -159,6 +188,6 @@ class KeyTable:
         if n <= len(self.live):
             return
         grown = max(n, 2 * len(self.live))
-        self.keys = np.concatenate([self.keys, np.zeros((grown - len(self.keys), 2), np.uint64)])
-        self.live = np.concatenate([self.live, np.zeros(grown - len(self.live), bool)])
+        self.keys, self.live = widen(self.keys, grown), widen(self.live, grown)
         self._keys_view = memoryview(self.keys).cast("B").cast("Q")
+        self._live_view = memoryview(self.live)

@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from tierkv.errors import BlockCorrupt, BlockMissing, BudgetExceeded
+from tierkv.errors import BlockCorrupt, BudgetExceeded
 from tierkv.keys import BlockKey
 from tierkv.manager import placement
 from tierkv.manager.executor import Executor
@@ -73,21 +73,11 @@ class Moves:
                     priority: Priority, *, cold: bool = False) -> None:
         """Make every key resident in ``dst`` (joining moves already in flight; ``cold``: the
         moves this call starts insert their blocks cold)."""
-        joined: list[asyncio.Future] = []
-        by_source: dict[str, list[BlockKey]] = {}
-        unique = list(dict.fromkeys(keys))
-        for key, entry in zip(unique, self.directory.entries(unique)):
-            if dst in entry.copies:
-                continue
-            if dst in entry.arriving:
-                joined.append(entry.arriving[dst])
-                if priority is Priority.NOW:
-                    self.executor.boost_moves(key, dst, Priority.NOW)
-                continue
-            source = placement.load_source(entry, self.order)
-            if source is None:
-                raise BlockMissing(f"block {key.hex()} is not stored in any tier", (key,))
-            by_source.setdefault(source, []).append(key)
+        by_source, joins = self.directory.plan_loads(list(dict.fromkeys(keys)), dst, self.order)
+        joined = [move for _, move in joins]
+        if priority is Priority.NOW:
+            for key, _ in joins:
+                self.executor.boost_moves(key, dst, Priority.NOW)
         kind = Kind.LOAD if priority is Priority.NOW else Kind.PREFETCH
         moves = [self._move(group, src, dst, kind, priority, layer, self.claim(group, dst), cold=cold)
                  for src, group in by_source.items()]
@@ -106,8 +96,7 @@ class Moves:
     def claim(self, keys: Sequence[BlockKey], dst: str) -> asyncio.Future:
         """Announce a move of ``keys`` into ``dst`` (synchronously, so later readers join it)."""
         done = asyncio.get_running_loop().create_future()
-        for entry in self.directory.entries(keys):
-            entry.arrive(dst, done)
+        self.directory.arrive(keys, dst, done)
         return done
 
     async def check_stored(self, keys: Sequence[BlockKey]) -> None:
@@ -137,12 +126,12 @@ class Moves:
         except BaseException as error:
             self._settle(keys, dst, done, error)
             raise
-        copies = [entry.copies for entry in self.directory.entries(keys)]
-        if any(src not in c for c in copies):  # evicted from the source while we made room: the caller retries
+        found = self.directory.slots_in(keys, src)
+        if found.min() < 0:  # evicted from the source while we made room: the caller retries
             self.tiers[dst].pool.release_many(dst_slots)
             self._settle(keys, dst, done, None)
             return []
-        src_slots = [c[src] for c in copies]
+        src_slots = found.tolist()
         self.tiers[src].pool.pin_many(src_slots)
         wanted = self.directory.wanted.get    # .get: a Counter's [] calls Python code for every absent key
         if any(wanted((k, dst)) for k in keys):
@@ -177,13 +166,7 @@ class Moves:
 
     def _settle(self, keys: Sequence[BlockKey], dst: str, done: asyncio.Future,
                 error: BaseException | None, failed: list[BlockKey] | None = None) -> None:
-        get = self.directory.get
-        for key in keys:
-            entry = get(key)
-            if entry is not None:
-                entry.settle(dst, done)
-                if not entry.copies and not entry.arriving:
-                    self.directory.forget_if_empty(key)
+        self.directory.settle(keys, dst, done)
         if done.done():
             return
         if error is None:

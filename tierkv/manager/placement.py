@@ -75,20 +75,18 @@ class Unevictable(Container[Hashable]):
     """The keys a tier's policy must not choose (``evict(n, protected)``), checked lazily per candidate."""
 
     def __init__(self, name: str, directory: Directory, tiers: Mapping[str, Tier], order: Sequence[str]) -> None:
-        self._name, self._get, self._wanted = name, directory.get, directory.wanted
+        self._name, self._guard, self._wanted = name, directory.guard, directory.wanted
         self._pins, self._last = tiers[name].pool.pins, tier_below(order, name) is None
 
     def __contains__(self, key: object) -> bool:
         """Not `evictable`; its lookups are bound once (this runs for every candidate a policy offers)."""
-        entry = self._get(key)  # type: ignore[arg-type]
-        if entry is None:
+        state = self._guard(key, self._name)  # type: ignore[arg-type]
+        if state is None or state[0] < 0:
             return False
-        slot = entry.copies.get(self._name)
-        if slot is None:
-            return False
+        slot, holders, copies = state
         if self._pins(slot) or (self._wanted and self._wanted.get((key, self._name))):
             return True
-        return self._last and entry.holders > 0 and len(entry.copies) == 1
+        return self._last and holders > 0 and copies == 1
 
 
 def room_below(name: str, order: Sequence[str], tiers: Mapping[str, Tier]) -> int:
@@ -110,9 +108,10 @@ def split_victims(victims: Sequence[BlockKey], name: str, directory: Directory,
     below = tier_below(order, name)
     demote: list[BlockKey] = []
     drop: list[BlockKey] = []
-    for key, entry in zip(victims, directory.entries(victims)):
-        only_copy = len(entry.copies) == 1 and entry.protected and below is not None
-        if only_copy or (len(demote) < room and below not in entry.copies):
+    holders, copies, below_has = directory.counts(victims, below)
+    for key, held, n, has in zip(victims, holders.tolist(), copies.tolist(), below_has.tolist()):
+        only_copy = n == 1 and held > 0 and below is not None
+        if only_copy or (len(demote) < room and not has):
             demote.append(key)
         else:
             drop.append(key)

@@ -43,14 +43,7 @@ class Residency:
         (this runs for every block a load brings); ``skip``: keys whose slot is released instead
         (their source failed verification)."""
         pool = self.tiers[name].pool
-        added, taken, spare = [], [], []
-        for key, slot, entry in zip(keys, slots, map(self.directory.get, keys)):
-            if entry is None or key in skip or name in entry.copies:  # gone, failed, or already there
-                spare.append(slot)                                      # (blocks are immutable)
-                continue
-            entry.copies[name] = slot
-            added.append(key)
-            taken.append(slot)
+        added, taken, spare = self.directory.commit(keys, name, slots, skip)
         pool.commit_many(taken)
         pool.release_many(spare)
         self.admit(name, added, cold=cold)
@@ -86,18 +79,13 @@ class Residency:
     def remove_copies(self, keys: Sequence[BlockKey], name: str) -> None:
         """`remove_copy` of each of ``keys`` (chosen by ``name``'s policy), forgetting the entries left
         with no copy: the eviction of many blocks at once."""
-        tier, directory = self.tiers[name], self.directory
-        cold, store = directory.cold, tier.medium is Medium.NVME
-        slots = []
-        for key, entry in zip(keys, directory.entries(keys)):
-            if cold:
-                cold.discard((key, name))
-            slots.append(entry.copies.pop(name))
-            if store:
+        tier, cold = self.tiers[name], self.directory.cold
+        if cold:
+            cold.difference_update((key, name) for key in keys)
+        if tier.medium is Medium.NVME:
+            for key in keys:
                 tier.drop(key)
-            if not entry.copies and not entry.arriving:
-                directory.forget_if_empty(key)
-        tier.pool.release_many(slots)
+        tier.pool.release_many(self.directory.remove_copies(keys, name))
 
     def forget_copy(self, key: BlockKey, name: str) -> None:
         """``remove_copy``, and ``name``'s policy forgets the block too."""
@@ -109,9 +97,10 @@ class Residency:
         tier = self.tiers[name]
         if tier.medium is not Medium.NVME:
             return
-        for key, slot in tier.items():
-            self.directory.add(key, hold=False).copies[name] = slot
-            self.admit(name, (key,))
+        items = tier.items()
+        keys = [key for key, _ in items]
+        self.directory.add_copies(keys, name, [slot for _, slot in items])
+        self.admit(name, keys)
         self.stats[name].peak_slots = tier.pool.used
 
     def refresh_store(self, name: str) -> bool:

@@ -55,7 +55,7 @@ import numpy as np
 
 from tierkv.failpoints import due, failpoint, kill
 from tierkv.keys import KEY_BYTES, BlockKey
-from tierkv.keytable import KeyTable, split
+from tierkv.keytable import KeyTable, split, widen
 from tierkv.tiers.nvme_io import flocked, fsync_dir, open_private
 
 log = logging.getLogger(__name__)
@@ -214,9 +214,8 @@ class Index:
 
     def _fit(self) -> None:
         """Room in the checksums for every slot the table has room for."""
-        grown = len(self._table.live) - len(self._sums)
-        if grown > 0:
-            self._sums = np.concatenate([self._sums, np.zeros(grown, np.uint64)])
+        if len(self._table.live) > len(self._sums):
+            self._sums = widen(self._sums, len(self._table.live))
 
 
 @dataclass(slots=True)
