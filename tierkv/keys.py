@@ -37,6 +37,14 @@ class BlockKey(bytes):
         return bytes(self)
 
     @classmethod
+    def many(cls, raw: bytes) -> list[BlockKey]:
+        """The keys of ``raw``, digests back to back (a store's index: a million at once)."""
+        if len(raw) % KEY_BYTES:
+            raise ValueError(f"{len(raw)} bytes: not whole {KEY_BYTES}-byte digests")
+        new = bytes.__new__
+        return [new(cls, raw[at:at + KEY_BYTES]) for at in range(0, len(raw), KEY_BYTES)]
+
+    @classmethod
     def of(cls, *parts: bytes | str | int) -> BlockKey:
         """A key hashed from arbitrary parts (tests, ad-hoc blocks)."""
         h = xxhash.xxh3_128()

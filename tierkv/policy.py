@@ -96,6 +96,12 @@ class AdmitsCold(Protocol):
 
 
 @runtime_checkable
+class InsertsMany(Protocol):
+    def insert_many(self, keys: Sequence[Hashable]) -> None:
+        """``insert`` each of ``keys``, in order (a reopened store's million blocks)."""
+
+
+@runtime_checkable
 class TouchesMany(Protocol):
     def touch_many(self, keys: Iterable[Hashable]) -> None:
         """``touch`` each of ``keys``, in order."""

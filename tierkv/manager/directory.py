@@ -159,6 +159,9 @@ class Copies:
     def __bool__(self) -> bool:
         return any(True for _ in self)
 
+    def keys(self) -> list[str]:
+        return list(self)
+
     def items(self) -> list[tuple[str, int]]:
         return [(name, self[name]) for name in self]
 
@@ -178,6 +181,7 @@ class Directory:
         self._meta: dict[str, np.ndarray] = {}       # holders, layer + 1, index + 1, generation per row
         self._tiers: dict[str, np.ndarray] = {}      # tier -> slot + 1 per row (0: no copy there)
         self._slots: dict[str, memoryview] = {}      # the same, for reads of one row
+        self._orders: dict[str, np.ndarray] = {}     # tier -> a policy's stamp per row (see ArrayLRU)
         self._grow(16)
         self.wanted: Counter[tuple[BlockKey, str]] = Counter()  # blocks callers wait to pin, per tier
         self.cold: set[tuple[BlockKey, str]] = set()            # guesses inserted cold, not read yet
@@ -199,7 +203,8 @@ class Directory:
 
     def nbytes(self) -> int:
         """The bytes the directory's arrays take (moves in flight, waiting readers and guesses apart)."""
-        return self._table.nbytes() + sum(a.nbytes for a in (*self._meta.values(), *self._tiers.values()))
+        arrays = (*self._meta.values(), *self._tiers.values(), *self._orders.values())
+        return self._table.nbytes() + sum(a.nbytes for a in arrays)
 
     def get(self, key: BlockKey) -> BlockEntry | None:
         """The entry of a key, or None."""
@@ -217,6 +222,14 @@ class Directory:
         rows = self.rows(keys)
         gens = self._meta["gen"][rows].tolist()
         return [BlockEntry(key, self, row, gen) for key, row, gen in zip(keys, rows.tolist(), gens)]
+
+    def find_row(self, key: BlockKey) -> int:
+        """The row of ``key``, or -1."""
+        return self._table.find(key)
+
+    def find_rows(self, keys: Sequence[BlockKey]) -> np.ndarray:
+        """The row of each key (-1 where unknown)."""
+        return self._table.find_many(keys)
 
     def rows(self, keys: Sequence[BlockKey]) -> np.ndarray:
         """The row of each key; BlockMissing names those stored nowhere."""
@@ -275,6 +288,8 @@ class Directory:
             self._table.remove(row)
             self._gens[row] += 1
             self._holders[row] = self._layers[row] = self._indexes[row] = 0
+            for stamps in self._orders.values():
+                stamps[row] = 0
             self._free.append(row)
 
     # -- lookups ------------------------------------------------------------
@@ -434,6 +449,16 @@ class Directory:
         self._rows += 1
         return self._rows - 1
 
+    def order(self, name: str) -> np.ndarray:
+        """A column of int64 stamps per row for ``name``'s eviction order, zeroed when a row is
+        forgotten (tierkv.manager.array_lru); fetch it anew after rows are added (it grows)."""
+        if name not in self._orders:
+            self._orders[name] = np.zeros(len(self._gens), np.int64)
+        return self._orders[name]
+
+    def key_of(self, row: int) -> BlockKey:
+        return BlockKey(self._table.key(row))
+
     def _column(self, name: str) -> memoryview:
         if name not in self._slots:
             self._tiers[name] = np.zeros(len(self._gens), np.int32)
@@ -447,5 +472,7 @@ class Directory:
         for name in self._tiers:
             self._tiers[name] = widen(self._tiers[name], rows)
             self._slots[name] = memoryview(self._tiers[name])
+        for name in self._orders:
+            self._orders[name] = widen(self._orders[name], rows)
         self._holders, self._layers = memoryview(self._meta["holders"]), memoryview(self._meta["layer"])
         self._indexes, self._gens = memoryview(self._meta["index"]), memoryview(self._meta["gen"])

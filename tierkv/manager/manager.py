@@ -8,6 +8,7 @@ The pieces it orchestrates::
 
     TierManager  the calls above, the lifecycle, hit events, the access hook   (this module)
       Directory  which block is where, who waits to pin it, guesses not read   directory.py
+      ArrayLRU   the NVMe store's LRU order, a stamp per directory row          array_lru.py
       placement  pure decisions: put order, sources, evictable, demote/drop    placement.py
       Moves      the two-phase protocol prepare -> transfer -> complete        moves.py
       Residency  slots committed / released / pinned, policies and stats told  residency.py
@@ -28,11 +29,13 @@ from typing import Protocol
 import torch
 
 from policies import make_policy
+from policies.lru import LRUPolicy
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.errors import BudgetExceeded, ManagerClosed
 from tierkv.keys import BlockKey
 from tierkv.manager import placement
+from tierkv.manager.array_lru import ArrayLRU
 from tierkv.manager.build import build_tiers, check_tiers
 from tierkv.manager.directory import BlockEntry, Directory, Place
 from tierkv.manager.executor import Executor
@@ -79,6 +82,9 @@ class TierManager:
             if getattr(tier, "link", None) is not None and tier.link.recorder is None:
                 tier.link.recorder = self.events
         self.directory = Directory()
+        for tier in tiers:   # the store's LRU order in the directory's arrays: the same victims, 8 bytes a block
+            if tier.medium is Medium.NVME and type(self.policies[tier.name]) is LRUPolicy:
+                self.policies[tier.name] = ArrayLRU(self.directory, tier.name)
         self._residency = Residency(self.tiers, self.policies, self.directory, self.block_bytes)
         self.stats = self._residency.stats
         self._executor = executor or Executor(self.knobs.copy_threads, self.knobs.inflight_bytes, self.events)

@@ -19,7 +19,7 @@ from operator import itemgetter
 
 from tierkv.keys import BlockKey
 from tierkv.manager.directory import Directory, Place
-from tierkv.policy import AdmitsCold, DescribesBlocks, EvictionPolicy, TouchesMany, implements
+from tierkv.policy import AdmitsCold, DescribesBlocks, EvictionPolicy, InsertsMany, TouchesMany, implements
 from tierkv.tiers.base import Medium, Tier
 
 
@@ -57,6 +57,8 @@ class Residency:
             for key in keys:
                 policy.insert_cold(key)
             self.directory.cold.update((key, name) for key in keys)
+        elif implements(policy, InsertsMany):
+            policy.insert_many(keys)
         else:
             for key in keys:
                 policy.insert(key)
@@ -97,9 +99,8 @@ class Residency:
         tier = self.tiers[name]
         if tier.medium is not Medium.NVME:
             return
-        items = tier.items()
-        keys = [key for key, _ in items]
-        self.directory.add_copies(keys, name, [slot for _, slot in items])
+        keys, slots = tier.keys_and_slots()
+        self.directory.add_copies(keys, name, slots)
         self.admit(name, keys)
         self.stats[name].peak_slots = tier.pool.used
 

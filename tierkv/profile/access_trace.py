@@ -257,9 +257,12 @@ def _where_ok(where: np.ndarray, tiers: int) -> bool:
 
 
 def _policy_name(policy: object) -> str:
-    """The registered name of this instance's class, else its ``module:Class`` (``make_policy`` takes both)."""
+    """The registered name of this instance's class (or the one it stands in for, ``registered_as``), else
+    its ``module:Class`` (``make_policy`` takes both)."""
     from policies import available, make_policy  # a sibling package: only when a manager is described
 
     cls = type(policy)
+    if isinstance(getattr(policy, "registered_as", None), str):
+        return policy.registered_as  # type: ignore[attr-defined]
     return next((name for name in available() if type(make_policy(name)) is cls),
                 f"{cls.__module__}:{cls.__qualname__}")

@@ -149,10 +149,13 @@ class Index:
         return self._table.key(slot) if 0 <= slot < len(live) and live[slot] else None
 
     def items(self) -> list[tuple[BlockKey, Entry]]:
+        keys, slots = self.keys_and_slots()
+        return [(key, Entry(slot, checksum)) for key, slot, checksum in zip(keys, slots, self._sums[slots].tolist())]
+
+    def keys_and_slots(self) -> tuple[list[BlockKey], list[int]]:
+        """Every key and its slot, by slot."""
         slots = self._table.ids()
-        raw = self._table.keys[slots].tobytes()
-        return [(BlockKey(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]), Entry(slot, checksum))
-                for i, (slot, checksum) in enumerate(zip(slots.tolist(), self._sums[slots].tolist()))]
+        return BlockKey.many(self._table.keys[slots].tobytes()), slots.tolist()
 
     def slots(self) -> list[int]:
         return self._table.ids().tolist()
@@ -370,9 +373,8 @@ class Journal:
         tmp = self.path.with_name(self.path.name + ".compact")
         fd = open_private(tmp, os.O_TRUNC)
         try:
-            items = index.items()
-            data = encode_puts([key.digest for key, _ in items], [e.slot for _, e in items],
-                               [e.checksum for _, e in items])
+            keys, slots = index.keys_and_slots()
+            data = encode_puts(keys, slots, [index.get(key).checksum for key in keys])
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

@@ -152,8 +152,12 @@ class NvmeTier:
         return None if entry is None else entry.slot
 
     def items(self) -> list[tuple[BlockKey, int]]:
+        return list(zip(*self.keys_and_slots()))
+
+    def keys_and_slots(self) -> tuple[list[BlockKey], list[int]]:
+        """Every stored block's key and slot (a million at 1M tokens: two lists, no tuple each)."""
         with self._lock:
-            return [(key, entry.slot) for key, entry in self._index.items()]
+            return self._index.keys_and_slots()
 
     def __len__(self) -> int:
         return len(self._index)

@@ -103,6 +103,9 @@ class SimStore:
     def items(self) -> list[tuple[BlockKey, int]]:
         return list(self._index.items())
 
+    def keys_and_slots(self) -> tuple[list[BlockKey], list[int]]:
+        return list(self._index), list(self._index.values())
+
     def __len__(self) -> int:
         return len(self._index)
 

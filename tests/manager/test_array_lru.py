@@ -1,0 +1,69 @@
+"""ArrayLRU (the store's LRU order in the directory's arrays) chooses what LRUPolicy chooses."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from policies.lru import LRUPolicy
+from tierkv.keys import BlockKey
+from tierkv.manager.array_lru import ArrayLRU
+from tierkv.manager.directory import Directory
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_same_victims_as_lru_on_random_histories(seed: int) -> None:
+    rng = random.Random(seed)
+    universe = [BlockKey.of("array-lru", i) for i in range(60)]
+    directory = Directory()
+    for key in universe:
+        directory.add(key, hold=False).copies["nvme"] = 0
+    array, plain = ArrayLRU(directory, "nvme"), LRUPolicy()
+    known: set[BlockKey] = set()
+    for _ in range(3000):
+        roll, key = rng.random(), rng.choice(universe)
+        if roll < 0.3:
+            array.insert(key), plain.insert(key)
+            known.add(key)
+        elif roll < 0.38:
+            array.insert_cold(key), plain.insert_cold(key)
+            known.add(key)
+        elif roll < 0.55:
+            array.touch(key), plain.touch(key)
+        elif roll < 0.65:
+            keys = rng.sample(universe, rng.randint(1, 8)) * rng.randint(1, 2)
+            array.touch_many(keys), plain.touch_many(keys)
+        elif roll < 0.75:
+            array.remove(key), plain.remove(key)
+            known.discard(key)
+        else:
+            protected = frozenset(rng.sample(universe, rng.randint(0, 40)))
+            n = rng.randint(0, 6)
+            chosen = array.evict(n, protected)
+            assert chosen == plain.evict(n, protected)
+            known.difference_update(chosen or ())
+        assert len(array) == len(plain) == len(known)
+
+
+def test_a_forgotten_row_leaves_the_order_and_a_million_stamps_cost_8_bytes_each() -> None:
+    directory = Directory()
+    a, b = BlockKey.of("a"), BlockKey.of("b")
+    directory.add(a, hold=False).copies["nvme"] = 1
+    lru = ArrayLRU(directory, "nvme")
+    lru.insert(a)
+    directory.get(a).copies.pop("nvme")
+    directory.forget_if_empty(a)
+    directory.add(b, hold=False).copies["nvme"] = 2     # reuses a's row, which must not look ordered
+    assert len(lru) == 0 and lru.evict(1, frozenset()) is None
+    with pytest.raises(KeyError):
+        lru.insert(a)
+    n = 1_000_000
+    digests = np.random.default_rng(3).integers(0, 1 << 63, (n, 2), dtype=np.uint64).tobytes()
+    keys = [BlockKey(digests[i * 16:(i + 1) * 16]) for i in range(n)]
+    directory.add_copies(keys, "nvme", range(n))
+    before = directory.nbytes()
+    for key in keys[:1000]:
+        lru.insert(key)
+    assert (directory.nbytes() - before) / n <= 16 and len(lru) == 1000   # the column, grown by doubling
+    assert lru.evict(2, frozenset(keys[:1])) == keys[1:3]

@@ -1,0 +1,82 @@
+"""The directory's rows: views that go stale safely, bulk lookups equal to one-by-one ones, a million blocks in arrays."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tierkv.errors import BlockMissing
+from tierkv.keys import BlockKey
+from tierkv.manager.directory import Directory
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey.of("directory", i)
+
+
+def test_a_view_of_a_forgotten_block_reads_empty_after_its_row_is_reused() -> None:
+    d = Directory()
+    old = d.add(key(1), hold=True, layer=2, index=7)
+    old.copies["cpu"] = 5
+    assert (old.holders, old.layer, old.index, dict(old.copies)) == (1, 2, 7, {"cpu": 5})
+    old.copies.pop("cpu")
+    d.forget_if_empty(key(1))
+    new = d.add(key(2), hold=False)          # takes the forgotten row
+    new.copies["nvme"] = 9
+    assert not old.live and old.holders == 0 and not old.copies and old.layer is None
+    old.copies["cpu"] = 1                    # writes through a stale view go nowhere
+    old.holders = 4
+    assert dict(new.copies) == {"nvme": 9} and new.holders == 0 and key(1) not in d
+
+
+def test_bulk_lookups_agree_with_entries_one_by_one() -> None:
+    d = Directory()
+    for i in range(300):
+        entry = d.add(key(i), hold=i % 3 == 0)
+        if i % 2:
+            entry.copies["cpu"] = i
+        if i % 5:
+            entry.copies["nvme"] = 1000 + i
+    keys = [key(i) for i in range(300)]
+    found = d.find(keys + [key(999)], ["cpu", "nvme"])
+    assert found[:-1] == [("cpu", i) if i % 2 else ("nvme", 1000 + i) if i % 5 else None for i in range(300)]
+    assert found[-1] is None
+    holders, copies, has_cpu = d.counts(keys, "cpu")
+    assert holders.tolist() == [d.get(k).holders for k in keys]
+    assert copies.tolist() == [len(d.get(k).copies) for k in keys]
+    assert has_cpu.tolist() == ["cpu" in d.get(k).copies for k in keys]
+    assert d.slots_in(keys, "nvme").tolist() == [1000 + i if i % 5 else -1 for i in range(300)]
+    with pytest.raises(BlockMissing):
+        d.rows([key(1), key(999)])
+    loads, joins = d.plan_loads([key(i) for i in (1, 2, 5)], "cpu", ["cpu", "nvme"])
+    assert loads == {"nvme": [key(2)]} and joins == []   # 1 and 5 are in the cpu tier already
+    with pytest.raises(BlockMissing):
+        d.plan_loads([key(999)], "cpu", ["cpu", "nvme"])
+
+
+def test_moves_in_flight_are_joined_and_settled() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        d = Directory()
+        for i in range(4):
+            d.add(key(i), hold=False).copies["nvme"] = i
+        done = loop.create_future()
+        d.arrive([key(0), key(1)], "cpu", done)
+        loads, joins = d.plan_loads([key(0), key(1), key(2)], "cpu", ["cpu", "nvme"])
+        assert loads == {"nvme": [key(2)]} and joins == [(key(0), done), (key(1), done)]
+        d.commit([key(0)], "cpu", [3])
+        d.settle([key(0), key(1)], "cpu", done)
+        assert not d.get(key(0)).arriving and dict(d.get(key(0)).copies) == {"nvme": 0, "cpu": 3}
+    finally:
+        loop.close()
+
+
+def test_a_million_blocks_take_tens_of_bytes_each() -> None:
+    d = Directory()
+    n = 1_000_000
+    digests = np.random.default_rng(2).integers(0, 1 << 63, (n, 2), dtype=np.uint64).tobytes()
+    keys = [BlockKey(digests[i * 16:(i + 1) * 16]) for i in range(n)]
+    d.add_copies(keys, "nvme", range(n))
+    assert len(d) == n and d.nbytes() / n < 64
+    assert d.find([keys[123_456]], ["cpu", "nvme"]) == [("nvme", 123_456)]
