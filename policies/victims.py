@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Container, Hashable, Iterable
-from itertools import islice
+from itertools import compress, islice
 
 
 def check_count(n: int) -> None:
@@ -15,8 +15,19 @@ def first_unprotected(
 ) -> list[Hashable] | None:
     """The first ``n`` of ``keys`` outside ``protected``, or None when fewer exist.
 
-    Costs O(n + protected keys passed over); reads ``keys`` only.
+    Costs O(n + protected keys passed over); reads ``keys`` only. A ``protected`` with a ``screen(keys)
+    -> list[bool]`` method (the tier manager's, which looks keys up in arrays) is asked about the
+    candidates in batches of about ``n`` instead of one by one.
     """
     check_count(n)
-    found = list(islice((key for key in keys if key not in protected), n))
-    return found if len(found) == n else None
+    screen = getattr(protected, "screen", None)
+    if screen is None:
+        found = list(islice((key for key in keys if key not in protected), n))
+        return found if len(found) == n else None
+    found, candidates = [], iter(keys)
+    while len(found) < n:
+        batch = list(islice(candidates, max(n - len(found), 8)))
+        if not batch:
+            return None
+        found += compress(batch, [not hit for hit in screen(batch)])
+    return found[:n]

@@ -73,21 +73,24 @@ class KeyTable:
     def find_many(self, keys: Sequence[bytes] | np.ndarray) -> np.ndarray:
         """The id of each key (int64; -1 where absent). ``keys``: bytes, or their `split` halves.
 
-        Every key's first cell is checked in one numpy pass; the keys whose first cell holds
-        another key walk on one by one, as do batches too small to gain from numpy."""
+        The keys walk their probe sequences together, a numpy pass per step, until few are left;
+        those walk on one by one, as do batches too small to gain from numpy."""
         if not isinstance(keys, np.ndarray) and len(keys) < _SCALAR_BELOW:
             return np.fromiter(map(self.find, keys), np.int64, count=len(keys))
         halves = keys if isinstance(keys, np.ndarray) else split(keys)
         if not len(halves) or not self._count:
             return np.full(len(halves), -1, np.int64)
-        lo, hi = halves[:, 0], halves[:, 1]
-        ids = self._cells.take(self._home(halves)).astype(np.int64) - 1   # -1: empty, -2: gone
+        found = np.full(len(halves), -1, np.int64)
+        pending, at = np.arange(len(halves)), self._home(halves)
         flat = self.keys.reshape(-1)
-        hit = (ids >= 0) & (flat.take(2 * ids) == lo) & (flat.take(2 * ids + 1) == hi)
-        found = np.where(hit, ids, -1)
-        walk = np.flatnonzero(~hit & (ids != -1))   # the first cell held another key (or a gone one)
-        for i, (key_lo, key_hi) in zip(walk.tolist(), halves[walk].tolist()):
-            found[i] = self._find(key_lo, key_hi)
+        while len(pending) >= _SCALAR_BELOW:   # a numpy pass per probe step while enough keys walk on
+            ids = self._cells.take(at).astype(np.int64) - 1      # -1: empty, -2: gone
+            hit = (ids >= 0) & (flat.take(2 * ids) == halves[pending, 0]) & (flat.take(2 * ids + 1) == halves[pending, 1])
+            found[pending[hit]] = ids[hit]
+            walk = ~hit & (ids != -1)   # the cell held another key (or a gone one): try the next
+            pending, at = pending[walk], (at[walk] + 1) & self._mask
+        for i, (lo, hi) in zip(pending.tolist(), halves[pending].tolist()):
+            found[i] = self._find(lo, hi)
         return found
 
     def _find(self, lo: int, hi: int) -> int:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from policies.victims import first_unprotected
 from tierkv.keys import BlockKey
 from tierkv.manager import placement
 from tierkv.manager.directory import Directory
@@ -110,3 +111,17 @@ def test_nothing_is_demoted_to_the_store_to_keep_it_warm() -> None:
     assert placement.room_below("nvme", ORDER, t) == 0
     cache, kept = store(d, t, 0, "cpu"), store(d, t, 1, "cpu", protected=True)
     assert placement.split_victims([cache, kept], "cpu", d, ORDER, 0) == ([kept], [cache])
+
+
+@pytest.mark.parametrize("name", ["cpu", "nvme"])
+def test_screening_candidates_in_a_batch_agrees_with_asking_one_by_one(name: str) -> None:
+    """Unevictable.screen (one lookup for a policy's batch of candidates) says what ``in`` says."""
+    t, d = tiers(gpu=2, cpu=8, nvme=16), Directory()
+    keys = [store(d, t, 0, "cpu"), store(d, t, 1, "cpu", "nvme", protected=True), store(d, t, 2, "nvme", protected=True),
+            store(d, t, 3, "nvme"), store(d, t, 4, "cpu", protected=True), store(d, t, 5, "gpu"), key(99)]
+    t["cpu"].pool.pin(d.get(key(0)).copies["cpu"])
+    d.want([(key(3), name), (key(4), name)])
+    guard = placement.Unevictable(name, d, t, ORDER)
+    assert guard.screen(keys) == [k in guard for k in keys]
+    assert any(guard.screen(keys)) and not all(guard.screen(keys))
+    assert first_unprotected(keys, 2, guard) == first_unprotected(keys, 2, set(k for k in keys if k in guard))

@@ -334,6 +334,17 @@ class Directory:
                 copies += 1
         return slot, self._holders[row], copies
 
+    def guards(self, keys: Sequence[BlockKey], name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`guard` of each key, in one lookup: holders, tiers holding a copy, slot in ``name`` (-1: none
+        there, or the key is unknown)."""
+        rows = self._table.find_many(keys)
+        known = rows >= 0
+        at = np.where(known, rows, 0)
+        copies = sum(((column[at] > 0).astype(np.int64) for column in self._tiers.values()),
+                     np.zeros(len(rows), np.int64))
+        slots = self._tiers[name][at].astype(np.int64) - 1 if name in self._tiers else np.full(len(rows), -1)
+        return self._meta["holders"][at], copies, np.where(known, slots, -1)
+
     def counts(self, keys: Sequence[BlockKey], name: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per key: holders, tiers holding a copy, and whether ``name`` holds one (BlockMissing names
         keys stored nowhere)."""

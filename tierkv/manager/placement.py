@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Container, Hashable, Mapping, Sequence
 
+import numpy as np
+
 from tierkv.keys import BlockKey
 from tierkv.manager.directory import BlockEntry, Directory
 from tierkv.tiers.base import Medium, Tier
@@ -76,7 +78,20 @@ class Unevictable(Container[Hashable]):
 
     def __init__(self, name: str, directory: Directory, tiers: Mapping[str, Tier], order: Sequence[str]) -> None:
         self._name, self._guard, self._wanted = name, directory.guard, directory.wanted
+        self._directory, self._pins_of = directory, tiers[name].pool.pins_of
         self._pins, self._last = tiers[name].pool.pins, tier_below(order, name) is None
+
+    def screen(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """``key in self`` for each of ``keys``, in one lookup (a policy's batch of candidates)."""
+        holders, copies, slots = self._directory.guards(keys, self._name)
+        here = slots >= 0
+        pinned = np.zeros(len(keys), bool)
+        pinned[here] = self._pins_of(slots[here]) > 0
+        out = pinned | (here & self._last & (holders > 0) & (copies == 1))
+        if self._wanted:
+            name, wanted = self._name, self._wanted.get
+            out |= here & np.fromiter((bool(wanted((key, name))) for key in keys), bool, count=len(keys))
+        return out.tolist()
 
     def __contains__(self, key: object) -> bool:
         """Not `evictable`; its lookups are bound once (this runs for every candidate a policy offers)."""

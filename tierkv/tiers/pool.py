@@ -52,6 +52,11 @@ class BlockPool:
     def state(self, slot: int) -> SlotState:
         return _STATES[self._state.item(slot)] if 0 <= slot < len(self._state) else SlotState.FREE
 
+    def pins_of(self, slots: np.ndarray) -> np.ndarray:
+        """`pins` of each slot, in one pass."""
+        inside = slots < len(self._pins)
+        return np.where(inside, self._pins[np.where(inside, slots, 0)] if len(self._pins) else 0, 0)
+
     def pins(self, slot: int) -> int:
         return self._pins.item(slot) if 0 <= slot < len(self._pins) else 0
 
