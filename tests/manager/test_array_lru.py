@@ -2,14 +2,19 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from policies.lru import LRUPolicy
+from tierkv.config import TierConfig
 from tierkv.keys import BlockKey
 from tierkv.manager.array_lru import ArrayLRU
 from tierkv.manager.directory import Directory
+from tierkv.manager.manager import TierManager
+from tierkv.tiers.cpu import CpuTier
+from tierkv.tiers.nvme import NvmeTier
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -67,3 +72,29 @@ def test_a_forgotten_row_leaves_the_order_and_a_million_stamps_cost_8_bytes_each
         lru.insert(key)
     assert (directory.nbytes() - before) / n <= 16 and len(lru) == 1000   # the column, grown by doubling
     assert lru.evict(2, frozenset(keys[:1])) == keys[1:3]
+
+
+def test_a_store_gets_the_array_lru_by_default_and_keeps_a_policy_it_is_given(tmp_path) -> None:
+    made: list[TierManager] = []
+
+    def manager(**kw: object) -> TierManager:
+        tiers = [CpuTier(4096, 4 * 4096), NvmeTier(tmp_path / str(len(made)), 4096, 16 * 4096, namespace="t")]
+        made.append(TierManager(tiers, **kw))
+        return made[-1]
+
+    def from_config(config: TierConfig) -> TierManager:
+        made.append(TierManager.from_config(config))
+        return made[-1]
+
+    try:
+        assert isinstance(manager().policies["nvme"], ArrayLRU)
+        assert isinstance(manager().policies["cpu"], LRUPolicy)
+        given = LRUPolicy()
+        assert manager(policies={"nvme": given}).policies["nvme"] is given
+        config = TierConfig(block_bytes=4096, cpu=4 * 4096, nvme_dir=tmp_path / "c", nvme_budget=16 * 4096)
+        assert isinstance(from_config(config).policies["nvme"], ArrayLRU)
+        assert type(from_config(replace(config, nvme_dir=tmp_path / "d", nvme_policy="fifo")).policies["nvme"]) \
+            .__name__ == "FIFOPolicy"
+    finally:
+        for m in made:
+            m.store.close()

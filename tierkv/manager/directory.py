@@ -255,7 +255,7 @@ class Directory:
 
     def add_copies(self, keys: Sequence[BlockKey], name: str, slots: Sequence[int]) -> None:
         """``keys[i]`` READY in ``slots[i]`` of ``name``, made where new and held by nobody (a reopened
-        store's blocks: a million at once)."""
+        store's blocks: a million at once). The keys are distinct and have no copy in ``name`` yet."""
         rows = self._table.find_many(keys)
         new = np.flatnonzero(rows < 0)
         if len(new):
@@ -274,6 +274,13 @@ class Directory:
         row = self._table.find(key)
         if row >= 0:
             self._forget_if_empty(row)
+
+    def _copy_counts(self, rows: np.ndarray) -> np.ndarray:
+        """How many tiers hold a copy of each row's block."""
+        counts = np.zeros(len(rows), np.int64)
+        for column in self._tiers.values():
+            counts += column[rows] > 0
+        return counts
 
     def _forget_empty(self, rows: np.ndarray) -> None:
         """`_forget_if_empty` of each row, the rows with a copy skipped in one pass."""
@@ -340,17 +347,14 @@ class Directory:
         rows = self._table.find_many(keys)
         known = rows >= 0
         at = np.where(known, rows, 0)
-        copies = sum(((column[at] > 0).astype(np.int64) for column in self._tiers.values()),
-                     np.zeros(len(rows), np.int64))
         slots = self._tiers[name][at].astype(np.int64) - 1 if name in self._tiers else np.full(len(rows), -1)
-        return self._meta["holders"][at], copies, np.where(known, slots, -1)
+        return self._meta["holders"][at], self._copy_counts(at), np.where(known, slots, -1)
 
     def counts(self, keys: Sequence[BlockKey], name: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per key: holders, tiers holding a copy, and whether ``name`` holds one (BlockMissing names
         keys stored nowhere)."""
         rows = self.rows(keys)
-        copies = sum(((column[rows] > 0).astype(np.int64) for column in self._tiers.values()),
-                     np.zeros(len(rows), np.int64))
+        copies = self._copy_counts(rows)
         there = self._tiers[name][rows] > 0 if name in self._tiers else np.zeros(len(rows), bool)
         return self._meta["holders"][rows], copies, there
 

@@ -29,7 +29,6 @@ from typing import Protocol
 import torch
 
 from policies import make_policy
-from policies.lru import LRUPolicy
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.errors import BudgetExceeded, ManagerClosed
@@ -82,8 +81,8 @@ class TierManager:
             if getattr(tier, "link", None) is not None and tier.link.recorder is None:
                 tier.link.recorder = self.events
         self.directory = Directory()
-        for tier in tiers:   # the store's LRU order in the directory's arrays: the same victims, 8 bytes a block
-            if tier.medium is Medium.NVME and type(self.policies[tier.name]) is LRUPolicy:
+        for tier in tiers:   # the store's default LRU order in the directory's arrays: same victims, 8 bytes a block
+            if tier.medium is Medium.NVME and tier.name not in (policies or {}):
                 self.policies[tier.name] = ArrayLRU(self.directory, tier.name)
         self._residency = Residency(self.tiers, self.policies, self.directory, self.block_bytes)
         self.stats = self._residency.stats
@@ -104,7 +103,8 @@ class TierManager:
         tiers = build_tiers(config, namespace=namespace, knobs=knobs)
         policies = {"gpu": config.gpu_policy, "cpu": config.cpu_policy, "cxl": config.cxl_policy,
                     "nvme": config.nvme_policy}
-        chosen = {t.name: make_policy(policies[t.name], capacity=t.pool.capacity) for t in tiers}
+        chosen = {t.name: make_policy(policies[t.name], capacity=t.pool.capacity) for t in tiers
+                  if not (t.medium is Medium.NVME and policies[t.name] == "lru")}   # the default: ArrayLRU
         remote = None if config.remote is None else RemoteStore(config.remote, namespace, ttl_s=config.remote_ttl)
         return cls(tiers, policies=chosen, knobs=knobs, recorder=recorder, remote=remote)
 
