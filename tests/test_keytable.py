@@ -44,3 +44,16 @@ def test_a_million_keys_cost_tens_of_bytes_each() -> None:
     table.add_many(halves, np.arange(n))
     assert table.nbytes() / n < 40
     assert table.find(halves[777].tobytes()) == 777
+
+
+def test_a_remembered_batch_lookup_never_outlives_a_change() -> None:
+    keys = [os.urandom(16) for _ in range(40)]
+    table = KeyTable()
+    table.add_many(split(keys), np.arange(40))
+    first = table.find_many(keys)
+    first[:] = -7                                     # a caller's copy: the table's memory is untouched
+    assert table.find_many(keys).tolist() == list(range(40))
+    table.remove(5)
+    assert table.find_many(keys)[5] == -1
+    table.add(keys[5], 77)
+    assert table.find_many(keys)[5] == 77 and table.find_many(list(keys)).tolist() == table.find_many(keys).tolist()

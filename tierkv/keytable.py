@@ -31,6 +31,8 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 _EMPTY, _GONE = 0, -1
 _MIN_BITS = 10
+_RECENT = 4          # batch lookups remembered until the table next changes (a read asks for the same keys
+                     # several times: where they are, what to load, what arrived, what to pin)
 _SCALAR_BELOW = 12   # batches smaller than this are looked up key by key (numpy's per-call cost)
 
 
@@ -57,6 +59,8 @@ class KeyTable:
         self._live_view = memoryview(self.live)
         self._count = 0
         self._gone = 0
+        self._version = 0    # bumped by every change: lookups remembered before it are stale
+        self._recent: list[tuple[int, tuple[bytes, ...], np.ndarray]] = []
         self._size_for(max(ids, 1))
 
     # -- queries ------------------------------------------------------------
@@ -74,13 +78,24 @@ class KeyTable:
         """The id of each key (int64; -1 where absent). ``keys``: bytes, or their `split` halves.
 
         The keys walk their probe sequences together, a numpy pass per step, until few are left;
-        those walk on one by one, as do batches too small to gain from numpy."""
-        if not isinstance(keys, np.ndarray) and len(keys) < _SCALAR_BELOW:
+        those walk on one by one, as do batches too small to gain from numpy. The last few batches'
+        answers are remembered until the table changes."""
+        if isinstance(keys, np.ndarray):
+            return self._find_many(keys)
+        if len(keys) < _SCALAR_BELOW:
             return np.fromiter(map(self.find, keys), np.int64, count=len(keys))
-        halves = keys if isinstance(keys, np.ndarray) else split(keys)
-        if not len(halves) or not self._count:
-            return np.full(len(halves), -1, np.int64)
+        asked = tuple(keys)
+        for version, recent, found in self._recent:
+            if version == self._version and recent == asked:
+                return found.copy()
+        found = self._find_many(split(keys))
+        self._recent = [(self._version, asked, found), *self._recent[:_RECENT - 1]]
+        return found.copy()
+
+    def _find_many(self, halves: np.ndarray) -> np.ndarray:
         found = np.full(len(halves), -1, np.int64)
+        if not len(halves) or not self._count:
+            return found
         pending, at = np.arange(len(halves)), self._home(halves)
         flat = self.keys.reshape(-1)
         while len(pending) >= _SCALAR_BELOW:   # a numpy pass per probe step while enough keys walk on
@@ -115,6 +130,7 @@ class KeyTable:
     def add(self, key: bytes, id: int) -> None:
         """File ``key`` (not present) under ``id`` (not live)."""
         self._reserve_ids(id + 1)
+        self._version += 1
         lo = int.from_bytes(key[:8], "little")
         hi = int.from_bytes(key[8:KEY_BYTES], "little")
         self._keys_view[2 * id], self._keys_view[2 * id + 1] = lo, hi
@@ -136,6 +152,7 @@ class KeyTable:
         if not len(ids):
             return
         self._reserve_ids(int(ids.max()) + 1)
+        self._version += 1
         self.keys[ids] = halves
         self.live[ids] = True
         self._count += len(ids)
@@ -151,6 +168,7 @@ class KeyTable:
         while self._cells_view[at] != id + 1:
             at = (at + 1) & self._mask
         self._cells[at] = _GONE
+        self._version += 1
         self.live[id] = False
         self._count -= 1
         self._gone += 1
