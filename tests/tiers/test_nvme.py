@@ -5,6 +5,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import stat
 import subprocess
 import sys
@@ -419,6 +420,15 @@ def test_plan_runs_coalesces_adjacent_slots() -> None:
     assert plan_runs([3, 4, 5, 6, 9, 10, 20], 4) == [(0, 4), (4, 6), (6, 7)]
     assert plan_runs([0, 1, 2, 3, 4], 2) == [(0, 2), (2, 4), (4, 5)]
     assert plan_runs([], 4) == []
+    rng = random.Random(5)
+    for _ in range(500):   # against cutting one slot at a time
+        slots, limit = sorted(rng.sample(range(80), rng.randint(1, 60))), rng.randint(1, 9)
+        cuts, lo = [], 0
+        for i in range(1, len(slots) + 1):
+            if i == len(slots) or slots[i] != slots[i - 1] + 1 or i - lo == limit:
+                cuts.append((lo, i))
+                lo = i
+        assert plan_runs(slots, limit) == cuts
 
 
 @pytest.mark.gds

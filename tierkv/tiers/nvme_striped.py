@@ -87,15 +87,20 @@ def is_aligned(array: np.ndarray) -> bool:
     return array.ctypes.data % ALIGN == 0 and array.nbytes % ALIGN == 0
 
 
-def plan_runs(slots: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
-    """Split ascending ``slots`` into ``[lo, hi)`` runs of adjacent slots, at most ``max_blocks`` long."""
-    runs: list[tuple[int, int]] = []
-    lo = 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1 or i - lo == max_blocks:
-            runs.append((lo, i))
-            lo = i
-    return runs
+def plan_runs(slots: Sequence[int] | np.ndarray, max_blocks: int) -> list[tuple[int, int]]:
+    """Split ascending ``slots`` into ``[lo, hi)`` runs of adjacent slots, at most ``max_blocks`` long
+    (in array passes: a sparse read's hundreds of scattered pages are as many runs)."""
+    at = np.asarray(slots, np.int64)
+    if not len(at):
+        return []
+    breaks = np.flatnonzero(np.diff(at) != 1) + 1
+    starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(at)]])
+    pieces = -(-(ends - starts) // max_blocks)              # a run longer than max_blocks is cut
+    first = np.repeat(starts, pieces)
+    nth = np.arange(len(first)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    lo = first + nth * max_blocks
+    hi = np.minimum(lo + max_blocks, np.repeat(ends, pieces))
+    return list(zip(lo.tolist(), hi.tolist()))
 
 
 def plan_tasks(runs: list[Run], count: int) -> list[Task]:
@@ -296,10 +301,11 @@ class StripedIO:
     def _submit(self, work: Work, batch: Batch, tasks_per_thread: int, *, verify_tail: bool,
                 priority: int) -> Job:
         """Queue the batch as tasks of runs in slot order, about ``tasks_per_thread`` for each worker."""
-        slots = batch.slots
-        order = sorted(range(len(slots)), key=slots.__getitem__)
+        slots = np.asarray(batch.slots, np.int64)
+        ranked = np.argsort(slots, kind="stable")
         max_blocks = min(self._max_run, math.ceil(len(slots) / (self.threads * tasks_per_thread)))
-        runs = [order[lo:hi] for lo, hi in plan_runs([slots[i] for i in order], max_blocks)]
+        order = ranked.tolist()
+        runs = [order[lo:hi] for lo, hi in plan_runs(slots[ranked], max_blocks)]
         tasks = plan_tasks(runs, self.threads * tasks_per_thread)
         wave = min(self.threads, len(tasks))
         job = Job(work, batch, tasks, tail=len(tasks) - self.threads if verify_tail else len(tasks), wave=wave,
