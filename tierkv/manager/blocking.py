@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Awaitable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from operator import itemgetter
 from typing import Any, TypeVar
 
 import torch
@@ -174,10 +175,20 @@ class BlockingTierManager:
     def copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """Copy ``lease``'s blocks into ``out`` [n, block_bytes], block i into row i (or ``rows[i]``,
         ascending), one tier gather per tier. The lease stays the caller's to release."""
+        places, tiers = lease.places, self.manager.tiers
+        if not places:
+            return
+        names = list(map(itemgetter(0), places))
+        if names.count(names[0]) == len(names):   # the common read: one tier, in C-level passes
+            slots = list(map(itemgetter(1), places))
+            if len(slots) == len(out):     # every row, in order
+                tiers[names[0]].gather(slots, out)
+            else:
+                tiers[names[0]].gather(slots, out, list(range(len(slots))) if rows is None else list(rows))
+            return
         by_tier: dict[str, list[tuple[int, int]]] = {}
-        for row, (name, slot) in zip(range(len(lease.places)) if rows is None else rows, lease.places):
+        for row, (name, slot) in zip(range(len(places)) if rows is None else rows, places):
             by_tier.setdefault(name, []).append((row, slot))
-        tiers = self.manager.tiers
         for name, pairs in by_tier.items():
             if len(pairs) == len(out):     # every row, in order
                 tiers[name].gather([slot for _, slot in pairs], out)
