@@ -82,10 +82,12 @@ class ArrayLRU:
         while len(victims) < n and ranked < len(rows):
             more = min(len(rows), max(2 * ranked, n + 64))   # rank a few more than asked; more if protected
             part = rows[np.argpartition(stamps[rows], more - 1)[:more]] if more < len(rows) else rows
-            part = part[np.argsort(stamps[part], kind="stable")][ranked:]
-            for row in part.tolist():
-                key = self._directory.key_of(row)
-                if key not in protected:
+            part = part[np.argsort(stamps[part], kind="stable")][ranked:].tolist()
+            keys = [self._directory.key_of(row) for row in part]
+            screen = getattr(protected, "screen", None)   # the manager's guard answers a batch at once
+            kept = screen(keys) if screen is not None else [key in protected for key in keys]
+            for row, key, keep in zip(part, keys, kept):
+                if not keep:
                     victims.append(key)
                     taken.append(row)
                     if len(victims) == n:
