@@ -42,7 +42,7 @@ GPU, CPU = "256MiB", "512MiB"   # page tiers; the index (landmarks, outliers, wi
 # the second decode from the stored 1M prefill: attend to the pages in memory while the rest load, load
 # the pages the layer read last step, and page tiers grown into the budget's room (peak RSS ~0.95)
 OVERLAP_1M = ["--sparse-overlap", "--sparse-prefetch", "previous-step", "--cpu-budget", "1GiB"]
-PAGE_TOKENS_1M = 32             # 1M tokens in 16-token pages: 2M blocks, ~2 GiB of tier-manager bookkeeping
+PAGE_TOKENS_1M = 32             # 1M tokens in 16-token pages: 2M blocks to look up and bookkeep (~110 B each)
 
 
 LOG = Path(tempfile.gettempdir()) / "tierkv-scale-child.log"   # the running child's progress bar: tail it
