@@ -148,7 +148,8 @@ class NvmeTier:
         return self._capacity * self.block_bytes
 
     def lookup(self, key: BlockKey) -> int | None:
-        entry = self._index.get(key)
+        with self._lock:   # the index's arrays change under writes on other threads
+            entry = self._index.get(key)
         return None if entry is None else entry.slot
 
     def items(self) -> list[tuple[BlockKey, int]]:
