@@ -33,6 +33,7 @@ _EMPTY, _GONE = 0, -1
 _MIN_BITS = 10
 _RECENT = 4          # batch lookups remembered until the table next changes (a read asks for the same keys
                      # several times: where they are, what to load, what arrived, what to pin)
+_RECENT_KEYS = 8192   # ... of at most this many keys (a layer's read)
 _SCALAR_BELOW = 12   # batches smaller than this are looked up key by key (numpy's per-call cost)
 
 
@@ -84,6 +85,8 @@ class KeyTable:
             return self._find_many(keys)
         if len(keys) < _SCALAR_BELOW:
             return np.fromiter(map(self.find, keys), np.int64, count=len(keys))
+        if len(keys) > _RECENT_KEYS:   # a store's million keys: not worth keeping alive
+            return self._find_many(split(keys))
         asked = tuple(keys)
         for version, recent, found in self._recent:
             if version == self._version and recent == asked:

@@ -178,22 +178,21 @@ class BlockingTierManager:
         places, tiers = lease.places, self.manager.tiers
         if not places:
             return
+        at = list(range(len(places))) if rows is None else list(rows)
         names = list(map(itemgetter(0), places))
-        if names.count(names[0]) == len(names):   # the common read: one tier, in C-level passes
-            slots = list(map(itemgetter(1), places))
+        if names.count(names[0]) == len(names):   # the common read: one tier, grouped in C-level passes
+            groups = {names[0]: (list(map(itemgetter(1), places)), at)}
+        else:
+            groups = {}
+            for row, (name, slot) in zip(at, places):
+                slots, into = groups.setdefault(name, ([], []))
+                slots.append(slot)
+                into.append(row)
+        for name, (slots, into) in groups.items():
             if len(slots) == len(out):     # every row, in order
-                tiers[names[0]].gather(slots, out)
+                tiers[name].gather(slots, out)
             else:
-                tiers[names[0]].gather(slots, out, list(range(len(slots))) if rows is None else list(rows))
-            return
-        by_tier: dict[str, list[tuple[int, int]]] = {}
-        for row, (name, slot) in zip(range(len(places)) if rows is None else rows, places):
-            by_tier.setdefault(name, []).append((row, slot))
-        for name, pairs in by_tier.items():
-            if len(pairs) == len(out):     # every row, in order
-                tiers[name].gather([slot for _, slot in pairs], out)
-            else:
-                tiers[name].gather([slot for _, slot in pairs], out, [row for row, _ in pairs])
+                tiers[name].gather(slots, out, into)
 
     def _copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int]) -> None:
         """``copy_out``, then release the lease."""

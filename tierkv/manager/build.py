@@ -1,11 +1,15 @@
 """The tiers a ``TierConfig`` names, fastest first: gpu, cpu, the simulated CXL pool, the NVMe store;
-and what any set of tiers must be for a manager to run over it."""
+what any set of tiers must be for a manager to run over it; and the eviction policies it runs them by."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from policies import make_policy
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
+from tierkv.manager.array_lru import ArrayLRU
+from tierkv.manager.directory import Directory
+from tierkv.policy import EvictionPolicy
 from tierkv.tiers.base import Medium, Tier
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier
@@ -40,3 +44,18 @@ def check_tiers(tiers: Sequence[Tier]) -> int:
     if all(t.medium is Medium.NVME for t in tiers):
         raise ValueError("a tier manager needs a memory tier (gpu or cpu) to read blocks into")
     return sizes.pop()
+
+
+def named_policies(config: TierConfig, tiers: Sequence[Tier]) -> dict[str, EvictionPolicy]:
+    """The policy ``config`` names for each tier; a store's "lru" is left to `build_policies`."""
+    names = {"gpu": config.gpu_policy, "cpu": config.cpu_policy, "cxl": config.cxl_policy, "nvme": config.nvme_policy}
+    return {t.name: make_policy(names[t.name], capacity=t.pool.capacity) for t in tiers
+            if not (t.medium is Medium.NVME and names[t.name] == "lru")}
+
+
+def build_policies(tiers: Sequence[Tier], directory: Directory,
+                   given: Mapping[str, EvictionPolicy] | None) -> dict[str, EvictionPolicy]:
+    """``given``, and LRU for every other tier: a memory tier's in its own order (it holds few blocks
+    and evicts on most loads), a store's in ``directory``'s arrays (the same victims, 8 bytes a block)."""
+    return {t.name: ArrayLRU(directory, t.name) if t.medium is Medium.NVME
+            else make_policy("lru", capacity=t.pool.capacity) for t in tiers} | dict(given or {})

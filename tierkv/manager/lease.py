@@ -47,4 +47,3 @@ class Lease:
         if not self.released:
             self.released = True
             self.unpin(self.places)
-

@@ -6,15 +6,16 @@ loading the rest (the blocking facade's ``ReadFuture``); ``prefetch`` loads
 in the background at a lower priority; ``put`` places new blocks; ``flush`` waits for write-backs.
 The pieces it orchestrates::
 
-    TierManager  the calls above, the lifecycle, hit events, the access hook   (this module)
-      Directory  which block is where, who waits to pin it, guesses not read   directory.py
+    TierManager  the calls above, the lifecycle, hit events, the access hook    (this module)
+      Directory  which block is where, who waits to pin it, guesses not read    directory.py
+      Rows       a block's bookkeeping in arrays; BlockEntry, a view of a row   rows.py
       ArrayLRU   the NVMe store's LRU order, a stamp per directory row          array_lru.py
-      placement  pure decisions: put order, sources, evictable, demote/drop    placement.py
-      Moves      the two-phase protocol prepare -> transfer -> complete        moves.py
-      Residency  slots committed / released / pinned, policies and stats told  residency.py
-      Executor   transfers in priority order on a runner (worker threads)      executor.py
+      placement  pure decisions: put order, sources, evictable, demote/drop     placement.py
+      Moves      the two-phase protocol prepare -> transfer -> complete         moves.py
+      Residency  slots committed / released / pinned, policies and stats told   residency.py
+      Executor   transfers in priority order on a runner (worker threads)       executor.py
       remote     write-through to a shared store, read on a miss (optional)     remote.py
-      build      the tiers a TierConfig names, and checks of a set of tiers     build.py
+      build      the tiers and policies a TierConfig names, checks of tiers     build.py
 """
 from __future__ import annotations
 
@@ -28,15 +29,14 @@ from typing import Protocol
 
 import torch
 
-from policies import make_policy
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.errors import BudgetExceeded, ManagerClosed
 from tierkv.keys import BlockKey
 from tierkv.manager import placement
-from tierkv.manager.array_lru import ArrayLRU
-from tierkv.manager.build import build_tiers, check_tiers
-from tierkv.manager.directory import BlockEntry, Directory, Place
+from tierkv.manager.build import build_policies, build_tiers, check_tiers, named_policies
+from tierkv.manager.directory import Directory, Place
+from tierkv.manager.rows import BlockEntry
 from tierkv.manager.executor import Executor
 from tierkv.manager.lease import Lease
 from tierkv.manager.moves import Moves
@@ -74,16 +74,13 @@ class TierManager:
         self.block_bytes = check_tiers(tiers)
         self.tiers = {t.name: t for t in tiers}
         self.order = [t.name for t in tiers]
-        self.policies = {t.name: make_policy("lru", capacity=t.pool.capacity) for t in tiers} | (policies or {})
+        self.directory = Directory()
+        self.policies = build_policies(tiers, self.directory, policies)
         self.knobs = knobs or IOKnobs.from_env()
         self.events = recorder or EventRecorder()
         for tier in tiers:  # a pool's link model records its queue and link slices with ours
             if getattr(tier, "link", None) is not None and tier.link.recorder is None:
                 tier.link.recorder = self.events
-        self.directory = Directory()
-        for tier in tiers:   # the store's default LRU order in the directory's arrays: same victims, 8 bytes a block
-            if tier.medium is Medium.NVME and tier.name not in (policies or {}):
-                self.policies[tier.name] = ArrayLRU(self.directory, tier.name)
         self._residency = Residency(self.tiers, self.policies, self.directory, self.block_bytes)
         self.stats = self._residency.stats
         self._executor = executor or Executor(self.knobs.copy_threads, self.knobs.inflight_bytes, self.events)
@@ -101,12 +98,8 @@ class TierManager:
                     knobs: IOKnobs | None = None, recorder: EventRecorder | None = None) -> TierManager:
         knobs = knobs or IOKnobs.from_env()
         tiers = build_tiers(config, namespace=namespace, knobs=knobs)
-        policies = {"gpu": config.gpu_policy, "cpu": config.cpu_policy, "cxl": config.cxl_policy,
-                    "nvme": config.nvme_policy}
-        chosen = {t.name: make_policy(policies[t.name], capacity=t.pool.capacity) for t in tiers
-                  if not (t.medium is Medium.NVME and policies[t.name] == "lru")}   # the default: ArrayLRU
         remote = None if config.remote is None else RemoteStore(config.remote, namespace, ttl_s=config.remote_ttl)
-        return cls(tiers, policies=chosen, knobs=knobs, recorder=recorder, remote=remote)
+        return cls(tiers, policies=named_policies(config, tiers), knobs=knobs, recorder=recorder, remote=remote)
 
     # -- lifecycle ------------------------------------------------------
     async def start(self) -> TierManager:

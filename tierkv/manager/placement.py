@@ -20,7 +20,8 @@ from collections.abc import Container, Hashable, Mapping, Sequence
 import numpy as np
 
 from tierkv.keys import BlockKey
-from tierkv.manager.directory import BlockEntry, Directory
+from tierkv.manager.directory import Directory
+from tierkv.manager.rows import BlockEntry
 from tierkv.tiers.base import Medium, Tier
 
 
