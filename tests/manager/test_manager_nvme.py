@@ -43,6 +43,39 @@ async def test_persisted_blocks_survive_reopen(tmp_path, knobs):
             await again.acquire([key(i) for i in range(10)], "cpu")
 
 
+async def test_a_put_of_many_blocks_places_them_together_and_writes_them_back_in_one_write(tmp_path, knobs, monkeypatch):
+    """12 new blocks (one named twice) over a gpu tier of 2 and a cpu tier of 4 slots: the free slots
+    take 6 in two transfers, room is made in the gpu tier for the rest; ``persist`` writes back each
+    source tier's blocks in one store write. Reopened, every block reads back exactly."""
+    writes, real = [], NvmeTier.write
+    monkeypatch.setattr(NvmeTier, "write", lambda self, items, **kw: (writes.append(len(items)),
+                                                                      real(self, items, **kw))[1])
+    items = [(key(i), block(i)) for i in range(12)] + [(key(3), block(3))]
+    async with TierManager(tiers(tmp_path / "s"), knobs=knobs) as m:
+        await m.put_many(items, layer=0, first_index=0, persist=True)
+        await m.flush()
+        puts = [(e.dst, e.blocks) for e in m.events.of_kind("put")]
+        assert puts[:2] == [("gpu", 2), ("cpu", 4)] and sum(n for _, n in puts) == 12
+        assert m.directory.entry(key(3)).holders == 2                   # named twice: held twice, stored once
+        assert sum(writes) == 12 and len(writes) < 12                   # demotions and write-backs in batches
+        assert_quiescent(m)
+    async with TierManager(tiers(tmp_path / "s"), knobs=knobs) as again:
+        assert all(again.where(key(i)) == ["nvme"] for i in range(12))
+        for first in range(0, 12, 4):
+            lease = await again.acquire([key(i) for i in range(first, first + 4)], "cpu")
+            assert all(torch.equal(v, block(i)) for i, v in enumerate(lease.views, start=first))
+            lease.release()
+
+
+async def test_a_put_of_many_that_finds_no_room_stores_none_of_what_it_could_not_place(knobs):
+    async with TierManager([CpuTier(BLOCK, 3 * BLOCK)], knobs=knobs) as m:
+        await m.put_many([(key(i), block(i)) for i in range(2)])
+        with pytest.raises(BudgetExceeded, match="cpu"):
+            await m.put_many([(key(i), block(i)) for i in range(2, 5)])   # one fits, two cannot
+        assert m.contains(key(2)) and not m.contains(key(3)) and not m.contains(key(4))
+        assert_quiescent(m)
+
+
 async def test_unprotected_store_blocks_are_evicted_under_the_cap(tmp_path, knobs):
     async with TierManager(tiers(tmp_path / "s", nvme=8), knobs=knobs) as m:
         for i in range(8):

@@ -51,11 +51,24 @@ def test_a_put_tries_the_tier_asked_for_or_every_tier_fastest_first() -> None:
 
 def test_a_free_slot_anywhere_beats_evicting_from_the_fastest_tier() -> None:
     t, d = tiers(gpu=1, cpu=1), Directory()
-    assert placement.put_attempts(ORDER, t) == ["gpu"]
+    assert placement.put_attempts(ORDER, t) == [("gpu", 1)]
     store(d, t, 0, "gpu")
-    assert placement.put_attempts(ORDER, t) == ["cpu"]
+    assert placement.put_attempts(ORDER, t) == [("cpu", 1)]
     store(d, t, 1, "cpu")
-    assert placement.put_attempts(["gpu", "cpu"], t) == ["gpu", "cpu"]   # all full: each makes room in turn
+    assert placement.put_attempts(["gpu", "cpu"], t) == [("gpu", 1), ("cpu", 1)]   # all full: each makes room
+
+
+def test_a_put_of_many_blocks_fills_free_slots_fastest_first_then_makes_room_for_what_each_tier_holds() -> None:
+    t, d = tiers(gpu=3, cpu=4), Directory()
+    store(d, t, 0, "gpu")
+    assert placement.put_attempts(ORDER, t, 5) == [("gpu", 2)]             # the rest: the next call's
+    store(d, t, 1, "gpu")
+    store(d, t, 2, "gpu")
+    assert placement.put_attempts(ORDER, t, 5) == [("cpu", 4)]
+    for i in range(3, 7):
+        store(d, t, i, "cpu")
+    assert placement.put_attempts(["gpu", "cpu"], t, 5) == [("gpu", 3), ("cpu", 4)]
+    assert placement.put_attempts(["gpu", "cpu"], tiers(gpu=0, cpu=0), 5) == [("gpu", 1), ("cpu", 1)]  # none: reserve raises
 
 
 def test_a_modelled_pool_is_read_in_place_only_when_it_is_the_only_memory() -> None:

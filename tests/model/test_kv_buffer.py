@@ -155,3 +155,29 @@ def test_the_engine_decodes_the_same_tokens_with_some_layers_buffered(smollm2):
             assert engine.buffers.used == 0
     assert tokens[0][1] == 0 and 5 <= tokens[7 * layer_bytes][1] <= 7
     assert tokens[0][0] == tokens[7 * layer_bytes][0]
+
+
+def test_a_chunk_seals_its_whole_blocks_in_one_put_and_a_failed_put_leaves_the_layer_as_it_was(manager, monkeypatch):
+    """78 tokens in one append over a 5-token tail: 5 whole blocks go into the tiers in one put, the
+    3 left over stay in the tail. When that put fails, the layer keeps what it had (its 5 tail tokens),
+    and the same append then succeeds."""
+    layer = LayerKV(manager, LAYOUT, 0)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, HKV, 83, D, generator=g), torch.randn(1, HKV, 83, D, generator=g)
+    layer.append(k[:, :, :5], v[:, :, :5], keys_for(3), persist=False)
+    puts, real = [], BlockingTierManager.put_many
+
+    def failing(self, items, **kw):
+        puts.append(len(items))
+        raise OSError("the tier refused the write")
+    monkeypatch.setattr(BlockingTierManager, "put_many", failing)
+    with pytest.raises(OSError, match="refused"):
+        layer.append(k[:, :, 5:], v[:, :, 5:], keys_for(3), persist=False)
+    assert layer.length == 5 and not layer.blocks and torch.equal(layer.tail()[0], k[:, :, :5])
+    monkeypatch.setattr(BlockingTierManager, "put_many", lambda self, items, **kw: (puts.append(len(items)),
+                                                                                  real(self, items, **kw))[1])
+    layer.append(k[:, :, 5:], v[:, :, 5:], keys_for(3), persist=False)
+    assert puts == [5, 5] and len(layer.blocks) == 5 and layer.tail_len == 3
+    got_k, got_v = by_blocks(layer)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    layer.release(keep=False)

@@ -133,13 +133,9 @@ class BlockingTierManager:
 
     def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]], *, layer: int | None = None,
                  first_index: int | None = None, persist: bool = False) -> None:
-        """``put`` each (key, data) in order, in one hop to the loop thread; block i gets index
-        ``first_index + i``."""
-        async def put_all() -> None:
-            for i, (key, data) in enumerate(items):
-                index = None if first_index is None else first_index + i
-                await self.manager.put(key, data, layer=layer, index=index, persist=persist)
-        self._run(put_all())
+        """``put`` each (key, data), in one hop to the loop thread and one placement (see
+        `TierManager.put_many`); block i gets index ``first_index + i``."""
+        self._run(self.manager.put_many(items, layer=layer, first_index=first_index, persist=persist))
 
     def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Lease:
         return self._callers(self._run(self.manager.acquire(keys, tier, **kw)))

@@ -201,38 +201,68 @@ class TierManager:
         ``layer`` and ``index`` (the block's position in its layer) are hints
         for policies that rank by position (see tierkv.policy).
         """
+        await self.put_many([(key, data)], tier=tier, layer=layer, first_index=index, protect=protect,
+                            persist=persist, share=share)
+
+    async def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]], *, tier: str | None = None,
+                       layer: int | None = None, first_index: int | None = None, protect: bool = True,
+                       persist: bool = False, share: bool = True) -> None:
+        """``put`` each (key, data); block i gets index ``first_index + i``. The new blocks go into one
+        tier together: one reservation (one eviction), one copy, one write-back."""
         self._check_running()
-        raw = _as_bytes(data, self.block_bytes)
-        if self.access is not None:
-            self.access.on_put(key, layer)
-        entry = self.directory.add(key, hold=protect, layer=layer, index=index)
-        if entry.copies or entry.arriving:
+        raws = [_as_bytes(data, self.block_bytes) for _, data in items]
+        new: dict[BlockKey, torch.Tensor] = {}   # a key already stored (or twice in items) only gains a holder
+        for i, ((key, _), raw) in enumerate(zip(items, raws)):
+            if self.access is not None:
+                self.access.on_put(key, layer)
+            index = None if first_index is None else first_index + i
+            entry = self.directory.add(key, hold=protect, layer=layer, index=index)
+            if not (entry.copies or entry.arriving or key in new):
+                new[key] = raw
+        if not new:
             return
-        order = placement.put_order(tier, self.order)
-        for name in placement.put_attempts(order, self.tiers):
-            try:
-                slot = (await self._moves.reserve(name, 1))[0]
-            except BudgetExceeded:
-                if name == order[-1]:
-                    self.directory.forget_if_empty(key)
-                    raise
-                continue
-            await self._moves.place(entry.key, name, slot, raw, layer)
-            break
+        await self._place(list(new), torch.stack(list(new.values())), tier, layer)
         if persist:
-            self.persist([key])
+            self.persist(new)
             if share and self._write_through is not None:
-                self._write_through.offer(key, raw.cpu().numpy().tobytes())
+                for key, raw in new.items():
+                    self._write_through.offer(key, raw.cpu().numpy().tobytes())
+
+    async def _place(self, keys: list[BlockKey], rows: torch.Tensor, tier: str | None, layer: int | None) -> None:
+        """New blocks ``rows`` into ``tier`` (None: free slots fastest tier first, then room made in the
+        fastest tier that can), as few transfers as the tiers' room allows."""
+        order = placement.put_order(tier, self.order)
+        first = 0
+        while first < len(keys):
+            for name, count in placement.put_attempts(order, self.tiers, len(keys) - first):
+                try:
+                    slots = await self._moves.reserve(name, count)
+                except BudgetExceeded:
+                    if name != order[-1]:
+                        continue
+                    for key in keys[first:]:
+                        self.directory.forget_if_empty(key)
+                    raise
+                end = first + count
+                await self._moves.place(keys[first:end], name, slots, rows[first:end], layer)
+                first = end
+                break
+            else:   # only a tier with free slots was tried, and it had none after all
+                raise BudgetExceeded(f"no tier of {', '.join(order)} could take a new block")
 
     def persist(self, keys: Iterable[BlockKey]) -> None:
-        """Write blocks back to the NVMe store in the background; ``flush`` waits."""
+        """Write blocks back to the NVMe store in the background (one move per source tier); ``flush``
+        waits."""
         store = self.store
         if store is None:
             return
-        for key in keys:
+        todo = []
+        for key in dict.fromkeys(keys):
             entry = self.directory.entry(key)
             if store.name not in entry.copies and store.name not in entry.arriving:
-                self._spawn(self._moves.writeback(key, store.name, self._moves.claim([key], store.name)))
+                todo.append(key)
+        if todo:
+            self._spawn(self._moves.writeback(todo, store.name, self._moves.claim(todo, store.name)))
 
     async def flush(self) -> None:
         """Wait for pending write-backs and make the store durable; raise their first error."""

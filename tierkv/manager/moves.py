@@ -46,27 +46,39 @@ class Moves:
         self.pin_wait_s = 10.0            # how long a full tier waits for readers to unpin
 
     # -- new blocks and write-backs ---------------------------------------
-    async def place(self, key: BlockKey, name: str, slot: int, raw: torch.Tensor, layer: int | None) -> None:
-        """Write a caller's new block into ``slot`` (reserved) of ``name``."""
+    async def place(self, keys: Sequence[BlockKey], name: str, slots: Sequence[int], rows: torch.Tensor,
+                    layer: int | None) -> None:
+        """Write a caller's new blocks ``rows`` [n, block_bytes] into ``slots`` (reserved) of ``name``:
+        one transfer for them all."""
         tier = self.tiers[name]
-        transfer = Transfer(Kind.PUT, "", name, (key,), (), (slot,), self.block_bytes, layer)
-        body = partial(put_handler_for(tier.medium), transfer, raw, tier)
+        transfer = Transfer(Kind.PUT, "", name, tuple(keys), (), tuple(slots), len(keys) * self.block_bytes, layer)
+        body = partial(put_handler_for(tier.medium), transfer, rows, tier)
         try:
             await asyncio.shield(self.executor.submit(transfer, body, Priority.NOW))
         except BaseException:
-            tier.pool.release(slot)
-            self.directory.forget_if_empty(key)
+            tier.pool.release_many(list(slots))
+            for key in keys:
+                self.directory.forget_if_empty(key)
             raise
-        self.residency.commit((key,), name, (slot,))
+        self.residency.commit(transfer.keys, name, transfer.dst_slots)
 
-    async def writeback(self, key: BlockKey, store: str, done: asyncio.Future) -> None:
-        """Copy ``key`` (claimed into ``store`` by ``done``) from the fastest memory tier holding it."""
-        entry = self.directory.get(key)
-        source = None if entry is None else placement.load_source(entry, self.memory_tiers)
-        if source is None:  # evicted meanwhile: a protected block was demoted, so it is stored
-            self._settle([key], store, done, None)
-            return
-        await self._move([key], source, store, Kind.WRITEBACK, Priority.WRITEBACK, None, done)
+    async def writeback(self, keys: Sequence[BlockKey], store: str, done: asyncio.Future) -> None:
+        """Copy ``keys`` (claimed into ``store`` by ``done``) from the fastest memory tier holding each:
+        one move per source tier. A key no memory tier holds any more was demoted (so it is stored)
+        or dropped, and is settled with nothing to copy."""
+        by_source: dict[str, list[BlockKey]] = {}
+        for key in keys:
+            entry = self.directory.get(key)
+            source = None if entry is None else placement.load_source(entry, self.memory_tiers)
+            if source is not None:
+                by_source.setdefault(source, []).append(key)
+        # each group is claimed by its own move; what still names ``done`` (nothing to copy) settles now
+        moves = [self._move(group, source, store, Kind.WRITEBACK, Priority.WRITEBACK, None, self.claim(group, store))
+                 for source, group in by_source.items()]
+        self._settle(keys, store, done, None)
+        errors = [r for r in await asyncio.gather(*moves, return_exceptions=True) if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
 
     # -- moves ---------------------------------------------------------------
     async def bring(self, keys: Sequence[BlockKey], dst: str, layer: int | None,

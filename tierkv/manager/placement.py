@@ -35,11 +35,15 @@ def put_order(tier: str | None, order: Sequence[str]) -> list[str]:
     return [tier]
 
 
-def put_attempts(order: Sequence[str], tiers: Mapping[str, Tier]) -> list[str]:
-    """The tiers a put tries in turn: the first of ``order`` with a free slot alone (a free slot
-    anywhere beats evicting from the fastest tier), else all of ``order``, each making room."""
-    free = [n for n in order if tiers[n].pool.can_reserve()][:1]
-    return free or list(order)
+def put_attempts(order: Sequence[str], tiers: Mapping[str, Tier], blocks: int = 1) -> list[tuple[str, int]]:
+    """Where a put of ``blocks`` new blocks tries to place the next of them, in turn, and how many:
+    the first tier of ``order`` with free slots alone, as many as fit there (a free slot anywhere
+    beats evicting from the fastest tier); else every tier of ``order``, each making room for as many
+    as it holds."""
+    free = next((n for n in order if tiers[n].pool.free), None)
+    if free is not None:
+        return [(free, min(blocks, tiers[free].pool.free))]
+    return [(n, max(1, min(blocks, tiers[n].pool.capacity))) for n in order]   # 0 slots: reserve says why
 
 
 def memory_tiers(order: Sequence[str], tiers: Mapping[str, Tier]) -> list[str]:

@@ -174,8 +174,8 @@ for _pair, _handler in list(_HANDLERS.items()):
         _HANDLERS[_pair] = through_link(_handler)
 
 
-# -- puts: a caller's new block into a tier ------------------------------------------
-PutHandler = Callable[[Transfer, torch.Tensor, object], list[BlockKey]]
+# -- puts: a caller's new blocks into a tier ------------------------------------------
+PutHandler = Callable[[Transfer, torch.Tensor, object], list[BlockKey]]   # rows [n, block_bytes] into dst_slots
 _PUTS: dict[Medium, PutHandler] = {}
 
 
@@ -183,19 +183,20 @@ def put_handler_for(medium: Medium) -> PutHandler:
     return _PUTS[medium]
 
 
-def put_memory(t: Transfer, raw: torch.Tensor, tier) -> list[BlockKey]:
-    tier.view(t.dst_slots[0]).copy_(raw)
+def put_memory(t: Transfer, rows: torch.Tensor, tier) -> list[BlockKey]:
+    tier.scatter(t.dst_slots, rows)
     return []
 
 
-def put_store(t: Transfer, raw: torch.Tensor, store) -> list[BlockKey]:
-    store.write([(t.keys[0], t.dst_slots[0], raw.cpu())])
+def put_store(t: Transfer, rows: torch.Tensor, store) -> list[BlockKey]:
+    store.write(list(zip(t.keys, t.dst_slots, rows.cpu())))
     return []
 
 
-def put_pool(t: Transfer, raw: torch.Tensor, pool) -> list[BlockKey]:
+def put_pool(t: Transfer, rows: torch.Tensor, pool) -> list[BlockKey]:
     booked = _book(pool, Direction.WRITE, t.dst_slots, "new", t.layer)
-    put_memory(t, raw, pool)
+    for slot, row in zip(t.dst_slots, rows):   # views: the link is booked above, with the layer
+        pool.view(slot).copy_(row)
     if booked is not None:
         booked[0].wait(booked[1])
     return []

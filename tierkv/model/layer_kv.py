@@ -51,27 +51,33 @@ class LayerKV:
 
     # -- writing --------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor, key_of: KeyOf, *, persist: bool) -> None:
-        """K/V ``[B, Hkv, t, D]`` of new tokens; every block that fills is sealed into the tiers."""
-        T, done = self.layout.tokens, 0
-        while done < k.shape[2]:
-            take = min(T - self.tail_len, k.shape[2] - done)
-            self.tail_k[:, :, self.tail_len:self.tail_len + take].copy_(k[:, :, done:done + take])
-            self.tail_v[:, :, self.tail_len:self.tail_len + take].copy_(v[:, :, done:done + take])
-            self.tail_len += take
-            done += take
-            if self.tail_len == T:
-                self._seal(key_of(len(self.blocks)), persist)
+        """K/V ``[B, Hkv, t, D]`` of new tokens; the blocks that fill are sealed into the tiers together
+        (one put), and only then does the tail take the rest (a failed put changes nothing)."""
+        T, t, have = self.layout.tokens, k.shape[2], self.tail_len
+        full = (have + t) // T
+        if full:
+            ks = torch.cat([self.tail_k[:, :, :have], k], dim=2) if have else k
+            vs = torch.cat([self.tail_v[:, :, :have], v], dim=2) if have else v
+            self._seal(ks[:, :, :full * T], vs[:, :, :full * T], key_of, persist)
+            k, v, have = ks[:, :, full * T:], vs[:, :, full * T:], 0
+        self.tail_k[:, :, have:have + k.shape[2]].copy_(k)
+        self.tail_v[:, :, have:have + v.shape[2]].copy_(v)
+        self.tail_len = have + k.shape[2]
 
-    def _seal(self, key: BlockKey, persist: bool) -> None:
-        index, T = len(self.blocks), self.layout.tokens
-        raw = self.layout.pack(self.tail_k.cpu(), self.tail_v.cpu())     # blocks are sealed from host memory
-        self.manager.put(key, raw, layer=self.layer, index=index, persist=persist)
-        self.blocks.append(key)
-        self.tail_len = 0
+    def _seal(self, k: torch.Tensor, v: torch.Tensor, key_of: KeyOf, persist: bool) -> None:
+        """Whole blocks of K/V ``[B, Hkv, n*T, D]`` into the tiers, in one put."""
+        first, T = len(self.blocks), self.layout.tokens
+        n = k.shape[2] // T
+        as_blocks = [x.unflatten(2, (n, T)).movedim(2, 0).cpu() for x in (k, v)]   # [n, B, Hkv, T, D]
+        raws = self.layout.pack(*as_blocks)                  # [n, block_bytes]; sealed from host memory
+        keys = [key_of(first + i) for i in range(n)]
+        self.manager.put_many(list(zip(keys, raws)), layer=self.layer, first_index=first, persist=persist)
+        self.blocks.extend(keys)
         buffer = self.buffer
-        if buffer is not None and buffer.filled == index * T and buffer.reserve(self.length):
-            buffer.write(index * T, *self.layout.unpack(raw))      # as stored: a lossy codec's values
-            buffer.filled += T
+        for index, raw in enumerate(raws, start=first):
+            if buffer is not None and buffer.filled == index * T and buffer.reserve((index + 1) * T):
+                buffer.write(index * T, *self.layout.unpack(raw))      # as stored: a lossy codec's values
+                buffer.filled += T
 
     def adopt(self, key: BlockKey) -> None:
         """Take a block already stored (and held for this sequence) as the next one."""
