@@ -141,6 +141,10 @@ def test_small_blocks_copy_by_index_into_rows_growing_extents_and_checking_slots
     out = torch.zeros(6, BB, dtype=torch.uint8)
     tier.gather([5, 9, 0], out, rows=[4, 0, 2])
     assert [int(block[0]) for block in out] == [100, 0, 101, 0, 102, 0]
+    tier.scatter([1, 2], src[:2] + 10)
+    tier.gather([2, 0, 1], out[1:4])             # one extent into a run of rows: one indexed copy in place
+    tier.gather([5, 9], out, rows=[4, 5])        # a run of rows over two extents
+    assert [int(block[0]) for block in out] == [100, 111, 101, 110, 102, 100]
     assert sizes == []                           # no memmove per block
     with pytest.raises(IndexError, match="slot=10"):
         tier.gather([1, 10], torch.zeros(2, BB, dtype=torch.uint8))

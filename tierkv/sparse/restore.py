@@ -12,7 +12,7 @@ the same state), so it comes back byte for byte and the pages after it need noth
                                  metadata checksummed, as a stored index is)
 
 The prefill saves one between chunks every ``spacing(tokens)`` tokens (a 32nd of the prompt,
-at least 4K), once every layer has its key basis: a repair then computes at most that much
+at least 2K), once every layer has its key basis: a repair then computes at most that much
 and the window. A point holds the window and the outliers exact (32-43 MB for SmolLM2 in float32,
 measured at 32K and 128K), so the 32 of a long document take about 1.4 GB (at 128K: beside an
 8 GiB page file).
@@ -32,7 +32,7 @@ from tierkv.sparse.layer_state import LayerState
 from tierkv.sparse.sequence import SparseSequence
 from tierkv.sparse.store import VERSION, checked, read_checked_meta, write_checked
 
-MIN_SPACING = 4096
+MIN_SPACING = 2048   # a repair of a short document replays at most this and the window (a 16th at 32K)
 
 
 @dataclass(slots=True)

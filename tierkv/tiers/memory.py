@@ -187,8 +187,8 @@ class MemoryTier:
 
     def _copy_indexed(self, slots: Sequence[int], flat: torch.Tensor, *, into_slots: bool,
                       rows: Sequence[int] | None) -> None:
-        """Host to host for small blocks (sparse pages): one numpy indexed copy per extent, no Python
-        per block. Pages read at random rarely sit in adjacent slots, and a memmove per 12 KiB page
+        """Host to host for small blocks (sparse pages): one indexed copy per extent, no Python per
+        block. Pages read at random rarely sit in adjacent slots, and a memmove per 12 KiB page
         costs several times the copy (4.0 against 0.9 ms for a layer's 526 pages)."""
         at = np.asarray(slots, dtype=np.int64)
         if at.min() < 0 or at.max() >= self.pool.capacity:
@@ -198,14 +198,21 @@ class MemoryTier:
         top = int(extent.max())
         if top >= len(self._extents):
             self._grow(top)
-        blocks = flat.view(-1).view(torch.uint8).numpy().reshape(-1, self.block_bytes)
+        rows_of = flat.view(-1).view(torch.uint8).view(-1, self.block_bytes)
+        blocks = rows_of.numpy()
         targets = np.arange(len(at)) if rows is None else np.asarray(rows, dtype=np.int64)
         for index in np.unique(extent).tolist():
             mine = np.flatnonzero(extent == index) if top else slice(None)
+            dst, src = targets[mine], offset[mine]
             if into_slots:
-                self._arrays[index][offset[mine]] = blocks[targets[mine]]
+                self._arrays[index][src] = blocks[dst]
+            elif len(dst) and dst[-1] - dst[0] == len(dst) - 1 and (len(dst) == 1 or (np.diff(dst) == 1).all()):
+                # rows in a run: torch's indexed copy lands them in place (numpy's builds a temporary;
+                # 0.2 against 0.55 ms for a layer's 526 pages of 12 KiB)
+                torch.index_select(self._extents[index], 0, torch.from_numpy(src),
+                                   out=rows_of[int(dst[0]):int(dst[0]) + len(dst)])
             else:
-                blocks[targets[mine]] = self._arrays[index][offset[mine]]
+                blocks[dst] = self._arrays[index][src]
 
     def _memmove_all(self, moves: list[tuple[int, int, int]], nbytes: int) -> None:
         """``memmove(dst, src, n)`` each; the runs of a big batch are shared out as threads come free."""
