@@ -73,6 +73,9 @@ async def test_a_put_of_many_that_finds_no_room_stores_none_of_what_it_could_not
         with pytest.raises(BudgetExceeded, match="cpu"):
             await m.put_many([(key(i), block(i)) for i in range(2, 5)])   # one fits, two cannot
         assert m.contains(key(2)) and not m.contains(key(3)) and not m.contains(key(4))
+        assert m.directory.entry(key(2)).holders == 0            # the failed call holds nothing
+        await m.put_many([(key(2), block(2))])                   # asked again: held, not stored twice
+        assert m.directory.entry(key(2)).holders == 1 and m.used_bytes("cpu") == 3 * BLOCK
         assert_quiescent(m)
 
 

@@ -207,8 +207,9 @@ class TierManager:
     async def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]], *, tier: str | None = None,
                        layer: int | None = None, first_index: int | None = None, protect: bool = True,
                        persist: bool = False, share: bool = True) -> None:
-        """``put`` each (key, data); block i gets index ``first_index + i``. The new blocks go into one
-        tier together: one reservation (one eviction), one copy, one write-back."""
+        """``put`` each (key, data); block i gets index ``first_index + i``. The new blocks go into the
+        tiers together: a reservation (an eviction) and a copy per tier, one write-back. A call that
+        raises holds none of them (what it placed stays as cache nobody holds)."""
         self._check_running()
         raws = [_as_bytes(data, self.block_bytes) for _, data in items]
         new: dict[BlockKey, torch.Tensor] = {}   # a key already stored (or twice in items) only gains a holder
@@ -221,7 +222,12 @@ class TierManager:
                 new[key] = raw
         if not new:
             return
-        await self._place(list(new), torch.stack(list(new.values())), tier, layer)
+        try:
+            await self._place(list(new), torch.stack(list(new.values())), tier, layer)
+        except BaseException:
+            if protect:
+                self.unprotect(key for key, _ in items)
+            raise
         if persist:
             self.persist(new)
             if share and self._write_through is not None:
@@ -230,25 +236,29 @@ class TierManager:
 
     async def _place(self, keys: list[BlockKey], rows: torch.Tensor, tier: str | None, layer: int | None) -> None:
         """New blocks ``rows`` into ``tier`` (None: free slots fastest tier first, then room made in the
-        fastest tier that can), as few transfers as the tiers' room allows."""
+        fastest tier that can), as few transfers as the tiers' room allows. A block not placed when this
+        raises is forgotten (the ones placed before it stay)."""
         order = placement.put_order(tier, self.order)
         first = 0
-        while first < len(keys):
-            for name, count in placement.put_attempts(order, self.tiers, len(keys) - first):
-                try:
-                    slots = await self._moves.reserve(name, count)
-                except BudgetExceeded:
-                    if name != order[-1]:
-                        continue
-                    for key in keys[first:]:
-                        self.directory.forget_if_empty(key)
-                    raise
-                end = first + count
-                await self._moves.place(keys[first:end], name, slots, rows[first:end], layer)
-                first = end
-                break
-            else:   # only a tier with free slots was tried, and it had none after all
-                raise BudgetExceeded(f"no tier of {', '.join(order)} could take a new block")
+        try:
+            while first < len(keys):
+                for name, count in placement.put_attempts(order, self.tiers, len(keys) - first):
+                    try:
+                        slots = await self._moves.reserve(name, count)
+                    except BudgetExceeded:
+                        if name != order[-1]:
+                            continue
+                        raise
+                    end = first + count
+                    await self._moves.place(keys[first:end], name, slots, rows[first:end], layer)
+                    first = end
+                    break
+                else:   # only a tier with free slots was tried, and it had none after all
+                    raise BudgetExceeded(f"no tier of {', '.join(order)} could take a new block")
+        except BaseException:
+            for key in keys[first:]:
+                self.directory.forget_if_empty(key)
+            raise
 
     def persist(self, keys: Iterable[BlockKey]) -> None:
         """Write blocks back to the NVMe store in the background (one move per source tier); ``flush``
