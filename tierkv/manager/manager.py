@@ -192,25 +192,22 @@ class TierManager:
     async def put(self, key: BlockKey, data: torch.Tensor, *, tier: str | None = None,
                   layer: int | None = None, index: int | None = None, protect: bool = True,
                   persist: bool = False, share: bool = True) -> None:
-        """Store a new block (exactly ``block_bytes``) in ``tier`` (default: the fastest with room).
-
-        A key names its content: putting a key that is already stored only
-        adds a holder (``protect``: the caller holds the block until it ``drop``s
-        or ``unprotect``s it). ``persist`` also writes it back to the NVMe store and, with
-        ``share``, through to the remote store.
-        ``layer`` and ``index`` (the block's position in its layer) are hints
-        for policies that rank by position (see tierkv.policy).
-        """
+        """Store a new block (exactly ``block_bytes``): `put_many` of one, ``index`` its position in its layer."""
         await self.put_many([(key, data)], tier=tier, layer=layer, first_index=index, protect=protect,
                             persist=persist, share=share)
 
     async def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]], *, tier: str | None = None,
                        layer: int | None = None, first_index: int | None = None, protect: bool = True,
                        persist: bool = False, share: bool = True) -> None:
-        """``put`` each (key, data); block i gets index ``first_index + i``. The new blocks go into the
-        tiers together: a reservation (an eviction) and a copy per tier, one write-back. A call that
-        raises holds none of them (what it placed stays as cache nobody holds)."""
+        """Store new blocks in ``tier`` (default: the fastest with room), together: a reservation (an
+        eviction) and a copy per tier, one write-back. A key names its content: putting a key that is
+        already stored only adds a holder (``protect``: the caller holds the block until it ``drop``s or
+        ``unprotect``s it). ``persist`` also writes them back to the NVMe store and, with ``share``,
+        through to the remote store. ``layer`` and ``first_index + i`` (block i's position in its layer)
+        are hints for policies that rank by position (see tierkv.policy). A call that raises holds none
+        of them (what it placed stays as cache nobody holds)."""
         self._check_running()
+        order = placement.put_order(tier, self.order)
         raws = [_as_bytes(data, self.block_bytes) for _, data in items]
         new: dict[BlockKey, torch.Tensor] = {}   # a key already stored (or twice in items) only gains a holder
         for i, ((key, _), raw) in enumerate(zip(items, raws)):
@@ -223,7 +220,7 @@ class TierManager:
         if not new:
             return
         try:
-            await self._place(list(new), torch.stack(list(new.values())), tier, layer)
+            await self._moves.put_new(list(new), torch.stack(list(new.values())), order, layer)
         except BaseException:
             if protect:
                 self.unprotect(key for key, _ in items)
@@ -234,43 +231,14 @@ class TierManager:
                 for key, raw in new.items():
                     self._write_through.offer(key, raw.cpu().numpy().tobytes())
 
-    async def _place(self, keys: list[BlockKey], rows: torch.Tensor, tier: str | None, layer: int | None) -> None:
-        """New blocks ``rows`` into ``tier`` (None: free slots fastest tier first, then room made in the
-        fastest tier that can), as few transfers as the tiers' room allows. A block not placed when this
-        raises is forgotten (the ones placed before it stay)."""
-        order = placement.put_order(tier, self.order)
-        first = 0
-        try:
-            while first < len(keys):
-                for name, count in placement.put_attempts(order, self.tiers, len(keys) - first):
-                    try:
-                        slots = await self._moves.reserve(name, count)
-                    except BudgetExceeded:
-                        if name != order[-1]:
-                            continue
-                        raise
-                    end = first + count
-                    await self._moves.place(keys[first:end], name, slots, rows[first:end], layer)
-                    first = end
-                    break
-                else:   # only a tier with free slots was tried, and it had none after all
-                    raise BudgetExceeded(f"no tier of {', '.join(order)} could take a new block")
-        except BaseException:
-            for key in keys[first:]:
-                self.directory.forget_if_empty(key)
-            raise
-
     def persist(self, keys: Iterable[BlockKey]) -> None:
         """Write blocks back to the NVMe store in the background (one move per source tier); ``flush``
         waits."""
         store = self.store
         if store is None:
             return
-        todo = []
-        for key in dict.fromkeys(keys):
-            entry = self.directory.entry(key)
-            if store.name not in entry.copies and store.name not in entry.arriving:
-                todo.append(key)
+        entries = ((key, self.directory.entry(key)) for key in dict.fromkeys(keys))
+        todo = [key for key, e in entries if store.name not in e.copies and store.name not in e.arriving]
         if todo:
             self._spawn(self._moves.writeback(todo, store.name, self._moves.claim(todo, store.name)))
 

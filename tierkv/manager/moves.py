@@ -46,6 +46,32 @@ class Moves:
         self.pin_wait_s = 10.0            # how long a full tier waits for readers to unpin
 
     # -- new blocks and write-backs ---------------------------------------
+    async def put_new(self, keys: list[BlockKey], rows: torch.Tensor, order: Sequence[str],
+                      layer: int | None) -> None:
+        """A caller's new blocks ``rows`` [n, block_bytes] into the tiers of ``order`` (placement.put_order):
+        free slots fastest tier first, then room made in the fastest tier that can; as few transfers as
+        the tiers' room allows. A block not placed when this raises is forgotten (those placed stay)."""
+        first = 0
+        try:
+            while first < len(keys):
+                for name, count in placement.put_attempts(order, self.tiers, len(keys) - first):
+                    try:
+                        slots = await self.reserve(name, count)
+                    except BudgetExceeded:
+                        if name != order[-1]:
+                            continue
+                        raise
+                    end = first + count
+                    await self.place(keys[first:end], name, slots, rows[first:end], layer)
+                    first = end
+                    break
+                else:   # only a tier with free slots was tried, and it had none after all
+                    raise BudgetExceeded(f"no tier of {', '.join(order)} could take a new block")
+        except BaseException:
+            for key in keys[first:]:
+                self.directory.forget_if_empty(key)
+            raise
+
     async def place(self, keys: Sequence[BlockKey], name: str, slots: Sequence[int], rows: torch.Tensor,
                     layer: int | None) -> None:
         """Write a caller's new blocks ``rows`` [n, block_bytes] into ``slots`` (reserved) of ``name``:

@@ -149,13 +149,16 @@ class Index:
         return self._table.key(slot) if 0 <= slot < len(live) and live[slot] else None
 
     def items(self) -> list[tuple[BlockKey, Entry]]:
-        keys, slots = self.keys_and_slots()
-        return [(key, Entry(slot, checksum)) for key, slot, checksum in zip(keys, slots, self._sums[slots].tolist())]
+        return [(key, Entry(slot, checksum)) for key, slot, checksum in zip(*self.records())]
 
     def keys_and_slots(self) -> tuple[list[BlockKey], list[int]]:
         """Every key and its slot, by slot."""
+        return self.records()[:2]
+
+    def records(self) -> tuple[list[BlockKey], list[int], list[int]]:
+        """Every key, its slot and its checksum, by slot (three lists, no object per block)."""
         slots = self._table.ids()
-        return BlockKey.many(self._table.keys[slots].tobytes()), slots.tolist()
+        return BlockKey.many(self._table.keys[slots].tobytes()), slots.tolist(), self._sums[slots].tolist()
 
     def slots(self) -> list[int]:
         return self._table.ids().tolist()
@@ -373,8 +376,7 @@ class Journal:
         tmp = self.path.with_name(self.path.name + ".compact")
         fd = open_private(tmp, os.O_TRUNC)
         try:
-            keys, slots = index.keys_and_slots()
-            data = encode_puts(keys, slots, [index.get(key).checksum for key in keys])
+            data = encode_puts(*index.records())
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
