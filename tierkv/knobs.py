@@ -5,6 +5,7 @@ variable                   default   meaning
 =========================  ========  ===============================================
 TIERKV_IO_THREADS          4         worker threads of the NVMe tier (O_DIRECT/buffered)
 TIERKV_NVME_BACKEND        auto      force a backend: auto, kvikio, odirect, buffered
+TIERKV_NVME_AIO            1         0: O_DIRECT reads on the worker threads, not by native AIO
 TIERKV_COPY_THREADS        2         worker threads for host/device copies
 TIERKV_INFLIGHT_BYTES      256MiB    bytes the manager keeps in flight at most
 TIERKV_CACHE_DIR           ~/.cache/tierkv  converted models (GGUF -> safetensors) under models/
@@ -31,6 +32,7 @@ class IOKnobs:
 
     io_threads: int = 4
     nvme_backend: str = "auto"
+    nvme_aio: bool = True
     copy_threads: int = 2
     inflight_bytes: int = 256 * 1024**2
     backends: tuple[str, ...] = field(default=("auto", "kvikio", "odirect", "buffered"), repr=False)
@@ -56,9 +58,14 @@ class IOKnobs:
             except ValueError:
                 raise ConfigError(f"{name}={raw!r}: expected an integer") from None
 
+        aio = env.get("TIERKV_NVME_AIO", "1").strip().lower()
+        if aio not in ("0", "1", "off", "on", "false", "true", "no", "yes"):
+            raise ConfigError(f"TIERKV_NVME_AIO={env['TIERKV_NVME_AIO']!r}: allowed: 1 (native AIO reads) or 0 "
+                              "(reads on worker threads)")
         return cls(
             io_threads=integer("TIERKV_IO_THREADS", defaults["io_threads"]),
             nvme_backend=env.get("TIERKV_NVME_BACKEND", defaults["nvme_backend"]),
+            nvme_aio=aio in ("1", "on", "true", "yes"),
             copy_threads=integer("TIERKV_COPY_THREADS", defaults["copy_threads"]),
             inflight_bytes=parse_size(env.get("TIERKV_INFLIGHT_BYTES", defaults["inflight_bytes"]),
                                       "TIERKV_INFLIGHT_BYTES"),

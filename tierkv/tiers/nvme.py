@@ -128,15 +128,16 @@ class NvmeTier:
 
     def _open(self, backend: str, io_threads: int) -> None:
         self._share.join(self._capacity, self.block_bytes, self.namespace)
+        knobs = IOKnobs.from_env()
         if backend == "auto":  # TIERKV_NVME_BACKEND overrides only the automatic choice
-            backend = IOKnobs.from_env().nvme_backend
+            backend = knobs.nvme_backend
         self.backend = choose_backend(backend, self.directory, self.block_bytes)
         self._file = BACKENDS[self.backend](self.directory / "slots.dat")
         self._data_size = os.fstat(self._file.fd).st_size
         whole_slots = min(self._capacity, self._data_size // self.block_bytes)
         self._journal = Journal(self.directory / "index.log", repair=self._share.alone, slots=whole_slots)
         self._index = self._journal.state.index
-        self._io = StripedIO(self._file, self.block_bytes, io_threads)
+        self._io = StripedIO(self._file, self.block_bytes, io_threads, native_reads=knobs.nvme_aio)
         self.pool = SharedPool(self._capacity, self._share.claims, self._share.owner.id)
         self._recover()
         self._view = SharedView(self._index, self.pool)

@@ -1,5 +1,9 @@
 """Batches of whole blocks on the NVMe block file: persistent workers, checksums off the I/O path.
 
+Reads of an O_DIRECT file skip the workers where the kernel allows native AIO: the calling
+thread submits the whole batch and verifies blocks as they land (`tierkv.tiers.nvme_aio`). What
+follows is how the workers write, and read for the other backends and bounce-buffered batches.
+
 A batch is sorted by slot and cut into runs of adjacent slots, one vectored
 call each, at most `MAX_RUN_BYTES`. The runs are dealt in order into about
 `WRITE_TASKS_PER_THREAD` (`READ_TASKS_PER_THREAD`) tasks per worker; a worker
@@ -62,6 +66,7 @@ import numpy as np
 import xxhash
 
 from tierkv.device import ALIGN
+from tierkv.tiers import nvme_aio
 from tierkv.tiers.nvme_io import BlockFile, Buffer
 
 log = logging.getLogger(__name__)
@@ -74,6 +79,9 @@ URGENT, BACKGROUND, LAST = 0, 1, 2   # job priorities: a caller waits / a guess 
 # more), for ~0.01 s/GB more CPU.
 WRITE_TASKS_PER_THREAD = 2
 READ_TASKS_PER_THREAD = 2
+# Native reads in flight at once per call: a read a caller waits for puts its whole batch before the
+# device; a guess or a write-back's read a few at a time, so a caller's read queues behind few of them.
+NATIVE_DEPTH = {URGENT: nvme_aio.MAX_DEPTH, BACKGROUND: 32, LAST: 16}
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 
@@ -243,10 +251,13 @@ class JobQueue:
 class StripedIO:
     """Reads and writes batches of whole blocks on ``threads`` persistent workers."""
 
-    def __init__(self, file: BlockFile, block_bytes: int, threads: int) -> None:
+    def __init__(self, file: BlockFile, block_bytes: int, threads: int, *, native_reads: bool = False) -> None:
         self.file = file
         self.block_bytes = block_bytes
         self.threads = threads
+        # reads by native AIO on the calling thread (tierkv.tiers.nvme_aio): O_DIRECT files only
+        self.native_reads = (native_reads and file.name == "odirect" and block_bytes % ALIGN == 0
+                             and nvme_aio.available())
         self._max_run = max(1, min(IOV_MAX, MAX_RUN_BYTES // block_bytes))
         self._queue = JobQueue()
         self._local = threading.local()
@@ -280,6 +291,8 @@ class StripedIO:
              misaligned: Collection[int] | None = None, *, priority: int = URGENT) -> list[int | None]:
         """Read every block; checksum per block, None where it could not be read whole."""
         batch = Batch(slots, bufs, misaligned, [None] * len(slots))
+        if self.native_reads and self._read_native(batch, priority):
+            return batch.sums
         job = self._submit(self._read_task, batch, READ_TASKS_PER_THREAD, verify_tail=True, priority=priority)
         try:  # verify task k while the workers read the tasks after it
             for index, whole_blocks in job.completions():
@@ -322,6 +335,26 @@ class StripedIO:
         """Between two runs of a job of ``priority``: serve every job more urgent than it first."""
         while self._queue.more_urgent(priority) and (job := self._queue.take_more_urgent(priority)):
             job.do_tasks(self._yield_to)
+
+    def _read_native(self, batch: Batch, priority: int) -> bool:
+        """Read ``batch`` by native AIO, verifying blocks as they land; False where its buffers need
+        the workers (a bounce buffer, device memory) or the kernel refused it."""
+        if batch.misaligned:
+            return False
+        try:
+            addresses = np.fromiter((buf.ctypes.data for buf in batch.bufs), np.uint64, len(batch.bufs))
+        except AttributeError:   # device buffers
+            return False
+        if batch.misaligned is None and (addresses % ALIGN).any():
+            return False
+        try:
+            nvme_aio.read_blocks(self.file.fd, np.asarray(batch.slots, np.int64), addresses, self.block_bytes,
+                                 batch.hash_blocks, depth=NATIVE_DEPTH[priority])
+        except nvme_aio.AioRefused as exc:
+            log.warning("native AIO refused a read (%s): this store reads on its worker threads from now on", exc)
+            self.native_reads = False
+            return False
+        return True
 
     def _write_task(self, task: Task, batch: Batch, _verify: bool, pause: Pause) -> int:
         for run in task:

@@ -1,0 +1,181 @@
+"""Native AIO reads of the NVMe tier: real O_DIRECT files, short reads, refusals, interrupted batches."""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tierkv.device import host_buffer
+from tierkv.errors import ConfigError
+from tierkv.keys import BlockKey
+from tierkv.knobs import IOKnobs
+from tierkv.tiers import nvme_aio
+from tierkv.tiers.nvme import NvmeTier
+from tierkv.tiers.nvme_io import o_direct_supported
+
+BB = 16 * 1024
+
+
+@pytest.fixture
+def direct_file(tmp_path: Path):
+    """A 64-block file of known bytes (block i: byte i + 1 and its offset pattern), open O_DIRECT."""
+    if not o_direct_supported(tmp_path) or not nvme_aio.available():
+        pytest.skip("no O_DIRECT or no native AIO here")
+    path = tmp_path / "blocks.dat"
+    data = np.arange(64 * BB, dtype=np.uint32).astype(np.uint8).reshape(64, BB)
+    data[:, 0] = np.arange(1, 65)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    yield fd, data
+    os.close(fd)
+
+
+def landing(n: int) -> tuple[torch.Tensor, np.ndarray]:
+    rows = host_buffer(n * BB, pinned=False).view(n, BB)
+    rows.zero_()
+    addresses = rows.data_ptr() + np.arange(n, dtype=np.uint64) * BB
+    return rows, addresses
+
+
+def test_a_batch_of_random_slots_lands_whole_and_each_block_is_reported_once(direct_file) -> None:
+    fd, data = direct_file
+    slots = np.random.default_rng(3).permutation(64)[:40]
+    rows, addresses = landing(len(slots))
+    seen: list[int] = []
+    results = nvme_aio.read_blocks(fd, slots, addresses, BB, seen.extend, depth=7)
+    assert (results == BB).all()
+    assert sorted(seen) == list(range(len(slots)))
+    assert np.array_equal(rows.numpy(), data[slots])
+
+
+def test_a_block_past_the_end_of_the_file_is_short_and_not_reported(direct_file) -> None:
+    fd, data = direct_file
+    slots = np.array([5, 64, 70, 6])
+    rows, addresses = landing(4)
+    seen: list[int] = []
+    results = nvme_aio.read_blocks(fd, slots, addresses, BB, seen.extend)
+    assert results.tolist() == [BB, 0, 0, BB]
+    assert sorted(seen) == [0, 3]
+    assert np.array_equal(rows.numpy()[[0, 3]], data[[5, 6]])
+
+
+def test_a_misaligned_buffer_fails_that_block_or_is_refused_whole(direct_file) -> None:
+    fd, data = direct_file
+    rows, addresses = landing(3)
+    addresses[1] += 8   # O_DIRECT wants aligned buffers
+    seen: list[int] = []
+    try:
+        results = nvme_aio.read_blocks(fd, np.array([1, 2, 3]), addresses, BB, seen.extend)
+    except nvme_aio.AioRefused as exc:
+        assert exc.errno == errno.EINVAL and not seen   # the kernel took none of it: nothing landed
+        return
+    assert results[0] == BB and results[1] < 0 and 1 not in seen
+
+
+def test_a_batch_the_kernel_refuses_raises_before_anything_lands() -> None:
+    if not nvme_aio.available():
+        pytest.skip("no native AIO here")
+    rows, addresses = landing(2)
+    with pytest.raises(nvme_aio.AioRefused, match="io_submit of 2 reads"):
+        nvme_aio.read_blocks(1 << 20, np.array([0, 1]), addresses, BB, lambda done: None)   # no such fd
+
+
+def test_an_error_while_blocks_land_reaps_every_read_before_it_propagates(direct_file) -> None:
+    fd, data = direct_file
+    rows, addresses = landing(48)
+
+    def stop(done: list[int]) -> None:
+        raise KeyError("stop")
+
+    with pytest.raises(KeyError):
+        nvme_aio.read_blocks(fd, np.arange(48), addresses, BB, stop, depth=48)
+    # nothing of that batch is left in this thread's context: a new batch gets only its own completions
+    rows, addresses = landing(16)
+    seen: list[int] = []
+    assert (nvme_aio.read_blocks(fd, np.arange(16, 32), addresses, BB, seen.extend) == BB).all()
+    assert sorted(seen) == list(range(16)) and np.array_equal(rows.numpy(), data[16:32])
+
+
+def test_threads_read_at_once_each_with_its_own_completions(direct_file) -> None:
+    fd, data = direct_file
+    bad: list[str] = []
+
+    def reader(k: int) -> None:
+        slots = np.random.default_rng(k).permutation(64)
+        rows, addresses = landing(64)
+        for _ in range(5):
+            seen: list[int] = []
+            nvme_aio.read_blocks(fd, slots, addresses, BB, seen.extend, depth=16)
+            if sorted(seen) != list(range(64)) or not np.array_equal(rows.numpy(), data[slots]):
+                bad.append(f"reader {k}")
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == []
+
+
+# -- through the store ---------------------------------------------------------
+def key(i: int) -> BlockKey:
+    return BlockKey.of("aio-block", i)
+
+
+@pytest.mark.parametrize("aio", ["1", "0"])
+def test_the_store_reads_by_aio_or_on_its_workers_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        aio: str) -> None:
+    if not o_direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    monkeypatch.setenv("TIERKV_NVME_AIO", aio)
+    with NvmeTier(tmp_path / "store", BB, 64 * BB, backend="odirect") as tier:
+        assert tier._io.native_reads == (aio == "1" and nvme_aio.available())
+        blocks = torch.randint(0, 256, (24, BB), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        items = [(key(i), tier.pool.reserve(), blocks[i]) for i in range(24)]
+        tier.write(items)
+        for _, slot, _ in items:
+            tier.pool.commit(slot)
+        tier.flush()
+        with open(tmp_path / "store" / "slots.dat", "r+b") as f:   # one flipped byte: that block fails
+            f.seek(items[7][1] * BB + 99)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 1]))
+        os.truncate(tmp_path / "store" / "slots.dat", 20 * BB + 100)   # blocks in slots 20.. are lost
+        rows = host_buffer(24 * BB, pinned=False).view(24, BB)
+        failed = tier.read([(k, slot, rows[i]) for i, (k, slot, _) in enumerate(items)], aligned=True)
+        lost = {k for k, slot, _ in items if slot >= 20} | {items[7][0]}
+        assert set(failed) == lost
+        for i, (k, _, _) in enumerate(items):
+            if k not in lost:
+                assert torch.equal(rows[i], blocks[i]), i
+
+
+def test_a_refused_read_falls_back_to_the_workers_for_good(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not o_direct_supported(tmp_path) or not nvme_aio.available():
+        pytest.skip("no O_DIRECT or no native AIO here")
+    with NvmeTier(tmp_path / "store", BB, 8 * BB, backend="odirect") as tier:
+        block = host_buffer(BB, pinned=False).fill_(7)
+        slot = tier.pool.reserve()
+        tier.write([(key(0), slot, block)])
+        tier.pool.commit(slot)
+
+        def refuse(*args, **kw):
+            raise nvme_aio.AioRefused(errno.ENOSYS, "io_submit: refused")
+
+        monkeypatch.setattr(nvme_aio, "read_blocks", refuse)
+        out = host_buffer(BB, pinned=False)
+        assert tier.read([(key(0), slot, out)], aligned=True) == []
+        assert torch.equal(out, block) and not tier._io.native_reads
+
+
+def test_the_aio_knob_takes_on_and_off_only() -> None:
+    assert IOKnobs.from_env({"TIERKV_NVME_AIO": "0"}).nvme_aio is False
+    assert IOKnobs.from_env({}).nvme_aio is True
+    with pytest.raises(ConfigError, match="TIERKV_NVME_AIO='maybe'.*allowed: 1"):
+        IOKnobs.from_env({"TIERKV_NVME_AIO": "maybe"})
