@@ -241,10 +241,14 @@ def test_overlapped_decode_over_pages_on_nvme_equals_dense_attention(positions, 
     in place while the rest load, then to those, is still exact (and so equal to decoding without
     overlap). With neither sinks nor window, a head could have nothing in place to attend to when
     the window is empty: that read is not split. With 20 gpu pages a read goes in groups of 10,
-    the last one split."""
+    the last one split. The buffers pages are copied into start as NaNs (bytes 0xFF), so the rows of
+    pages still loading must be kept out of the first pass, not found zero by chance."""
     import transformers
     from tinymodels import TINY
+    from tierkv.sparse import sequence
     from tierkv.sparse.sequence import Loading
+    monkeypatch.setattr(sequence, "pages_buffer",
+                        lambda pages, block_bytes: torch.full((pages, block_bytes), 255, dtype=torch.uint8))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY | {"num_hidden_layers": 4}))
     lm = LoadedModel(model.eval().requires_grad_(False), None, "tiny-llama-4", model_spec(model))
