@@ -22,6 +22,16 @@ def test_info_json_reports_the_machine_and_probes_the_nvme_dir(tmp_path, capsys)
     assert not (tmp_path / "not-yet").exists()  # probing creates nothing
 
 
+def test_info_says_whether_reads_go_by_native_aio(tmp_path, capsys, monkeypatch):
+    from tierkv.tiers import nvme_aio
+    assert main(["info", "--json", "--nvme-dir", str(tmp_path)]) == 0
+    nvme = json.loads(capsys.readouterr().out)["nvme"]
+    assert nvme["native_aio_reads"] == (nvme["o_direct"] and nvme_aio.available())
+    monkeypatch.setenv("TIERKV_NVME_AIO", "0")
+    assert main(["info", "--nvme-dir", str(tmp_path)]) == 0
+    assert "reads by native AIO no (on the I/O worker threads)" in capsys.readouterr().out
+
+
 def test_info_text(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out

@@ -76,14 +76,18 @@ def _gds_status() -> str:
 
 
 def _nvme_facts(directory: Path) -> dict[str, object]:
+    from tierkv.knobs import IOKnobs
+    from tierkv.tiers import nvme_aio
     from tierkv.tiers.nvme_io import o_direct_supported, probe_backends
     probe_dir = directory if directory.exists() else _existing_parent(directory)
     usage = shutil.disk_usage(probe_dir)
+    o_direct = o_direct_supported(probe_dir)
     return {
         "dir": str(directory),
         "free_bytes": usage.free,
-        "o_direct": o_direct_supported(probe_dir),
+        "o_direct": o_direct,
         "backends": probe_backends(probe_dir),
+        "native_aio_reads": o_direct and nvme_aio.available() and IOKnobs.from_env().nvme_aio,
     }
 
 
@@ -106,7 +110,8 @@ def _print_facts(facts: dict[str, object]) -> None:
     nvme = facts.get("nvme")
     if nvme:
         print(f"NVMe dir   {nvme['dir']}: {format_size(nvme['free_bytes'])} free, "
-              f"O_DIRECT {'yes' if nvme['o_direct'] else 'no'}")
+              f"O_DIRECT {'yes' if nvme['o_direct'] else 'no'}, reads by native AIO "
+              f"{'yes' if nvme['native_aio_reads'] else 'no (on the I/O worker threads)'}")
         for name, status in nvme["backends"].items():
             print(f"  backend {name:9s} {status}")
     remote = facts.get("remote")

@@ -207,10 +207,10 @@ class MemoryTier:
             if into_slots:
                 self._arrays[index][src] = blocks[dst]
             elif len(dst) and dst[-1] - dst[0] == len(dst) - 1 and (len(dst) == 1 or (np.diff(dst) == 1).all()):
-                # rows in a run: a take lands them in place (fancy indexing builds a temporary: 0.55 ms
-                # for a layer's 526 pages of 12 KiB, 0.19 so). Not torch's: on a mover's thread its copy
-                # wakes an OpenMP team of that thread, which then spins beside the model's (15 us of
-                # CPU a page in bench/tiers.py's page reads), for 0.1 ms less.
+                # rows in a run: a take lands them in place (0.19 ms for a layer's 526 pages of 12 KiB;
+                # fancy indexing builds a temporary first: 0.55). Not torch's index_select (0.1 ms): on a
+                # mover's thread it wakes an OpenMP team of that thread, which then spins beside the
+                # model's (15 us of CPU a page in bench/tiers.py's page reads).
                 np.take(self._arrays[index], src, axis=0, out=blocks[int(dst[0]):int(dst[0]) + len(dst)],
                         mode="clip")   # "clip": no copy of ``out``; the slots were checked above
             else:

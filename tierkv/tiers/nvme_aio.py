@@ -62,8 +62,8 @@ class _Context:
     def __init__(self) -> None:
         handle = ctypes.c_ulong(0)
         result = _call(_numbers[0], ctypes.c_long(MAX_DEPTH), ctypes.byref(handle))
-        if result < 0:
-            raise OSError(-result, f"io_setup: {os.strerror(-result)}")
+        if result < 0:   # (EAGAIN: the system's aio-max-nr is taken; ENOSYS, EPERM: no AIO here)
+            raise AioRefused(-result, f"io_setup: {os.strerror(-result)}")
         self.handle = handle.value
 
     def __del__(self) -> None:
