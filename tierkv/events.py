@@ -1,4 +1,4 @@
-"""Every transfer and every wait is an event.
+"""Every transfer and every wait is an event; and the hook told of every block stored or read.
 
 An event carries its kind, the tier pair, the layer, the bytes and three
 monotonic timestamps (``time.perf_counter``): submitted, started, done. A
@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
+
+from tierkv.keys import BlockKey
 
 
 class EventKind(str, enum.Enum):
@@ -97,3 +101,16 @@ def busy_seconds(spans: list[tuple[float, float]]) -> float:
             total += done - max(start, reach)
             reach = done
     return total
+
+
+class AccessHook(Protocol):
+    """Told of every block a caller stores or reads (see tierkv.profile.access).
+
+    A hook may also take ``on_guess(keys, layer, source)``: the blocks a prefetcher (``source``, e.g.
+    "speculative") guesses ``layer`` will read, whether or not they are prefetched. The manager never
+    calls it; an engine that guesses does, where the hook has it (``getattr(hook, "on_guess", None)``).
+    """
+
+    def on_put(self, key: BlockKey, layer: int | None) -> None: ...
+
+    def on_acquire(self, keys: Sequence[BlockKey], layer: int | None) -> None: ...

@@ -179,3 +179,30 @@ def test_the_aio_knob_takes_on_and_off_only() -> None:
     assert IOKnobs.from_env({}).nvme_aio is True
     with pytest.raises(ConfigError, match="TIERKV_NVME_AIO='maybe'.*allowed: 1"):
         IOKnobs.from_env({"TIERKV_NVME_AIO": "maybe"})
+
+
+def test_a_read_refused_halfway_reads_the_rest_on_the_workers_and_loses_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not o_direct_supported(tmp_path) or not nvme_aio.available():
+        pytest.skip("no O_DIRECT or no native AIO here")
+    from tierkv.tiers import nvme_striped
+    monkeypatch.setitem(nvme_striped.NATIVE_DEPTH, nvme_striped.URGENT, 4)   # waves of 4 requests
+    real_call, submits = nvme_aio._call, []
+
+    def second_submit_refused(number, *args):
+        if number == nvme_aio._numbers[3]:
+            submits.append(1)
+            if len(submits) == 2:
+                return -errno.ENOSYS
+        return real_call(number, *args)
+
+    with NvmeTier(tmp_path / "store", BB, 32 * BB, backend="odirect") as tier:
+        blocks = torch.randint(0, 256, (12, BB), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+        items = [(key(i), tier.pool.reserve(), host_buffer(BB, pinned=False).copy_(blocks[i])) for i in range(12)]
+        tier.write(items)
+        for _, slot, _ in items:
+            tier.pool.commit(slot)
+        monkeypatch.setattr(nvme_aio, "_call", second_submit_refused)
+        rows = host_buffer(12 * BB, pinned=False).view(12, BB)
+        assert tier.read([(k, slot, rows[i]) for i, (k, slot, _) in enumerate(items)], aligned=True) == []
+        assert torch.equal(rows, blocks) and len(submits) == 2 and not tier._io.native_reads

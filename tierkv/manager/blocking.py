@@ -26,11 +26,11 @@ from tierkv.config import TierConfig
 
 from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
-from tierkv.manager.manager import AccessHook, Lease, TierManager
+from tierkv.manager.manager import Lease, TierManager
 from tierkv.manager.remote import Recompute, hold_or_fetch
 from tierkv.tiers.base import Tier
 from tierkv.tiers.remote import RemoteStore
-from tierkv.events import EventRecorder
+from tierkv.events import AccessHook, EventRecorder
 
 T = TypeVar("T")
 UNPIN_TICK_S = 0.01   # the loop unpins released blocks at least this often when no caller asks it anything

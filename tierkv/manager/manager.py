@@ -25,7 +25,6 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import cached_property, partial
 from operator import itemgetter
-from typing import Protocol
 
 import torch
 
@@ -44,24 +43,11 @@ from tierkv.manager.remote import Recompute, WriteThrough
 from tierkv.manager.residency import Residency
 from tierkv.manager.transfer import Priority
 from tierkv.policy import EvictionPolicy, ObservesScores, implements
-from tierkv.events import Event, EventKind, EventRecorder
+from tierkv.events import AccessHook, Event, EventKind, EventRecorder
 from tierkv.tiers.base import Medium, Tier
 from tierkv.tiers.remote import RemoteStore
 
 _MAX_ATTEMPTS = 16  # re-loads of a block evicted before its reader could pin it
-
-
-class AccessHook(Protocol):
-    """Told of every block a caller stores or reads (see tierkv.profile.access).
-
-    A hook may also take ``on_guess(keys, layer, source)``: the blocks a prefetcher (``source``, e.g.
-    "speculative") guesses ``layer`` will read, whether or not they are prefetched. The manager never
-    calls it; an engine that guesses does, where the hook has it (``getattr(hook, "on_guess", None)``).
-    """
-
-    def on_put(self, key: BlockKey, layer: int | None) -> None: ...
-
-    def on_acquire(self, keys: Sequence[BlockKey], layer: int | None) -> None: ...
 
 
 class TierManager:
@@ -215,7 +201,7 @@ class TierManager:
                 self.access.on_put(key, layer)
             index = None if first_index is None else first_index + i
             entry = self.directory.add(key, hold=protect, layer=layer, index=index)
-            if not (entry.copies or entry.arriving or key in new):
+            if not (_stored(entry) or key in new):
                 new[key] = raw
         if not new:
             return

@@ -1,7 +1,7 @@
 """Recording an access trace: the tier manager's access hook, step by step.
 
 An `AccessRecorder` is the tier manager's access hook (``manager.access``,
-see `tierkv.manager.manager.AccessHook`); the engine also tells it where each
+see `tierkv.events.AccessHook`); the engine also tells it where each
 prefill chunk or decode step begins (``begin_step``). Blocks get dense ids in
 first-seen order. At the end, ``recorder.trace(manager)`` joins what the hook
 saw with the manager's events (how long the caller was blocked in each call,

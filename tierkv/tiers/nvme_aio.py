@@ -47,7 +47,10 @@ if _libc is not None:
 
 
 class AioRefused(OSError):
-    """The kernel refused a batch before any of it was under way: read it another way."""
+    """The kernel refused a batch's requests: read them another way. ``results``: what the requests
+    submitted before the refusal did (as `read_blocks` returns; None: none was submitted)."""
+
+    results: np.ndarray | None = None
 
 
 def _call(number: int, *args: object) -> int:
@@ -104,8 +107,9 @@ def read_blocks(fd: int, slots: np.ndarray, addresses: np.ndarray, block_bytes: 
     came back whole, as they do. Returns each block's result: ``block_bytes``, fewer (a short read)
     or ``-errno``.
 
-    Raises `AioRefused` if the kernel takes none of the batch, and whatever ``landed`` raises; either
-    way every request submitted is reaped first, so no read lands in a buffer after this returns.
+    Raises `AioRefused` if the kernel refuses a request (with ``results`` of those before it), and
+    whatever ``landed`` raises; either way every request submitted is reaped first, so no read lands
+    in a buffer after this returns.
     """
     n = len(slots)
     results = np.full(n, -errno.ECANCELED, np.int64)
@@ -134,21 +138,15 @@ def read_blocks(fd: int, slots: np.ndarray, addresses: np.ndarray, block_bytes: 
                     submitted += got
                 elif got == -errno.EAGAIN and submitted > reaped or got == -errno.EINTR:
                     pass   # no room until some complete / interrupted: try again after the next reap
-                elif not submitted:
-                    raise AioRefused(-got, f"io_submit of {n} reads: {os.strerror(-got)}")
                 else:
                     refused = -got
             if submitted == reaped:
                 if refused:
-                    results[submitted:] = -refused
                     break
                 continue   # interrupted before anything was in flight
-            got = _call(_numbers[2], handle, ctypes.c_long(1), ctypes.c_long(min(len(events), submitted - reaped)),
-                        ctypes.c_void_p(events.ctypes.data), None)
-            if got < 0:
-                if got == -errno.EINTR:
-                    continue
-                raise OSError(-got, f"io_getevents: {os.strerror(-got)}")
+            got = _reap(handle, events, submitted - reaped)
+            if got == -errno.EINTR:
+                continue
             done = events[:got]
             index, result = done["data"].astype(np.int64), done["res"]
             results[index] = result
@@ -158,6 +156,11 @@ def read_blocks(fd: int, slots: np.ndarray, addresses: np.ndarray, block_bytes: 
                 landed(whole.tolist())
     finally:
         _drain(handle, events, submitted - reaped)
+    if refused:
+        what = f"{n} reads" if not submitted else f"the last {n - submitted} of {n} reads"
+        exc = AioRefused(refused, f"io_submit of {what}: {os.strerror(refused)}")
+        exc.results = results[:submitted] if submitted else None
+        raise exc
     bad = np.flatnonzero(results != block_bytes)
     if len(bad):
         first = int(bad[0])
@@ -166,15 +169,20 @@ def read_blocks(fd: int, slots: np.ndarray, addresses: np.ndarray, block_bytes: 
     return results
 
 
+def _reap(handle: ctypes.c_ulong, events: np.ndarray, outstanding: int) -> int:
+    """Wait for at least one of ``outstanding`` requests; how many completions ``events`` now holds
+    (``-EINTR``: interrupted, none)."""
+    got = _call(_numbers[2], handle, ctypes.c_long(1), ctypes.c_long(min(len(events), outstanding)),
+                ctypes.c_void_p(events.ctypes.data), None)
+    if got < 0 and got != -errno.EINTR:
+        raise OSError(-got, f"io_getevents with {outstanding} read(s) in flight: {os.strerror(-got)}")
+    return got
+
+
 def _drain(handle: ctypes.c_ulong, events: np.ndarray, outstanding: int) -> None:
     """Reap ``outstanding`` requests, whatever they did: their buffers are the caller's."""
     while outstanding > 0:
-        got = _call(_numbers[2], handle, ctypes.c_long(1), ctypes.c_long(min(len(events), outstanding)),
-                    ctypes.c_void_p(events.ctypes.data), None)
-        if got > 0:
-            outstanding -= got
-        elif got != -errno.EINTR:
-            raise OSError(-got, f"io_getevents while draining {outstanding} read(s): {os.strerror(-got)}")
+        outstanding -= max(0, _reap(handle, events, outstanding))
 
 
 def _describe(result: int, block_bytes: int) -> str:

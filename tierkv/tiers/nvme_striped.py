@@ -353,7 +353,13 @@ class StripedIO:
         except nvme_aio.AioRefused as exc:
             log.warning("native AIO refused a read (%s): this store reads on its worker threads from now on", exc)
             self.native_reads = False
-            return False
+            if exc.results is None:
+                return False
+            rest = np.flatnonzero(exc.results != self.block_bytes).tolist() + \
+                list(range(len(exc.results), len(batch.slots)))      # what did not land: read on the workers
+            sums = self.read([batch.slots[i] for i in rest], [batch.bufs[i] for i in rest], set(), priority=priority)
+            for i, value in zip(rest, sums):
+                batch.sums[i] = value
         return True
 
     def _write_task(self, task: Task, batch: Batch, _verify: bool, pause: Pause) -> int:
