@@ -29,3 +29,9 @@ def test_prefix_keys_chain_full_blocks_only() -> None:
     assert len(keys) == 2 and keys[0] == prefix_keys(root, list(range(4)), 4)[0]
     assert keys[1] != prefix_keys(root, [0, 1, 2, 3, 9, 9, 9, 9], 4)[1]   # a key names its whole prefix
     assert len(set(layer_keys(keys[0], range(3)))) == 3
+
+
+def test_a_series_of_keys_is_the_keys_one_by_one():
+    root = BlockKey.of("series")
+    assert BlockKey.series(root, "page", 7, first=3, count=50) == [BlockKey.of(root, "page", 7, i) for i in range(3, 53)]
+    assert BlockKey.series(root, count=0) == []

@@ -47,18 +47,37 @@ class BlockKey(bytes):
     @classmethod
     def of(cls, *parts: bytes | str | int) -> BlockKey:
         """A key hashed from arbitrary parts (tests, ad-hoc blocks)."""
-        h = xxhash.xxh3_128()
-        for part in parts:
-            raw = part.encode() if isinstance(part, str) else part
-            raw = raw.to_bytes(8, "little", signed=True) if isinstance(raw, int) else raw
-            h.update(len(raw).to_bytes(8, "little"))
-            h.update(raw)
-        return cls(h.digest())
+        return cls(_hashed(parts).digest())
+
+    @classmethod
+    def series(cls, *parts: bytes | str | int, first: int = 0, count: int) -> list[BlockKey]:
+        """``[BlockKey.of(*parts, i) for i in range(first, first + count)]``, the shared parts hashed
+        once (a stored document's million page keys: 1 us a key instead of 3)."""
+        prefix, new = _hashed(parts), bytes.__new__
+        out = []
+        for i in range(first, first + count):
+            h = prefix.copy()
+            h.update(_INT_PART + i.to_bytes(8, "little", signed=True))
+            out.append(new(cls, h.digest()))
+        return out
 
     def __repr__(self) -> str:
         return f"BlockKey({self.hex()[:12]})"
 
     __str__ = __repr__
+
+
+_INT_PART = (8).to_bytes(8, "little")     # an int part: its length, then its 8 bytes
+
+
+def _hashed(parts: Iterable[bytes | str | int]) -> xxhash.xxh3_128:
+    h = xxhash.xxh3_128()
+    for part in parts:
+        raw = part.encode() if isinstance(part, str) else part
+        raw = raw.to_bytes(8, "little", signed=True) if isinstance(raw, int) else raw
+        h.update(len(raw).to_bytes(8, "little"))
+        h.update(raw)
+    return h
 
 
 def root_key(model_id: str, layout: str, dtype: str) -> BlockKey:

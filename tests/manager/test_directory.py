@@ -72,6 +72,25 @@ def test_moves_in_flight_are_joined_and_settled() -> None:
         loop.close()
 
 
+def test_a_block_on_its_way_counts_as_stored() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        d = Directory()
+        d.add(key(0), hold=False).copies["nvme"] = 0
+        d.add(key(1), hold=False)                      # no copy yet ...
+        d.arrive([key(1)], "cpu", loop.create_future())  # ... one on its way
+        d.add(key(2), hold=False)                      # neither
+        rows, stored = d.stored([key(0), key(1), key(2), key(3)])
+        assert stored.tolist() == [True, True, False, False] and rows[3] == -1
+        d.hold_rows(rows[stored])
+        d.hold_rows(rows[:1])
+        assert [d.get(key(i)).holders for i in range(3)] == [2, 1, 0]
+        d.let_go([key(0), key(1), key(1), key(2), key(3)])
+        assert [d.get(key(i)).holders for i in range(3)] == [1, 0, 0]
+    finally:
+        loop.close()
+
+
 def test_a_million_blocks_take_tens_of_bytes_each() -> None:
     d = Directory()
     n = 1_000_000

@@ -272,6 +272,23 @@ async def test_a_block_two_sequences_hold_is_freed_when_the_last_lets_go(knobs):
         assert_quiescent(m)
 
 
+async def test_holds_in_bulk_count_each_naming_and_never_go_below_none(knobs):
+    """A stored document's pages are held and let go of in a few numpy passes: a key named twice is
+    held twice, an unknown key is returned, and letting go more often than held stops at no holder."""
+    async with TierManager(two_tiers(gpu_slots=4, cpu_slots=16), knobs=knobs) as m:
+        for i in (1, 2):
+            await m.put(key(i), block(i))
+        m.unprotect([key(1), key(2)])
+        assert m.hold([key(1), key(1), key(9), key(2)]) == [key(9)]
+        assert [m.directory.get(key(i)).holders for i in (1, 2)] == [2, 1]
+        m.unprotect([key(1), key(2), key(2), key(2), key(9)])
+        assert [m.directory.get(key(i)).holders for i in (1, 2)] == [1, 0]
+        many = [key(1000 + i) for i in range(20_000)]
+        assert m.hold([*many[:10], key(1), *many[10:]]) == many
+        assert m.directory.get(key(1)).holders == 2
+        assert_quiescent(m)
+
+
 def test_the_blocking_facade_from_several_threads(knobs):
     """Eight threads put, read, prefetch and let go of their own blocks and read shared ones through one
     facade, over a gpu tier of 24 blocks (room for every reader at once; moves all the time): every

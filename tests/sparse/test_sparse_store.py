@@ -8,7 +8,8 @@ from tierkv.sparse import SparseConfig
 from tierkv.sparse.store import Shelf, identity_key, index_id, load_index, save_index
 
 CFG = SparseConfig(budget=64, sink_tokens=8, window_tokens=32, page_tokens=16, outlier_fraction=0.05,
-                   positions="original", dense_prefill_tokens=128)
+                   positions="original", dense_prefill_tokens=128,
+                   overlap=False)    # bit for bit: a reopened store's reads split where the first run's did not
 IDS = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(7)).tolist()
 
 
@@ -65,7 +66,7 @@ def test_an_index_whose_pages_are_gone_is_not_reused(tiny_loaded, tmp_path):
     with manager(tiny_loaded, tmp_path) as mgr:
         engine = SparseEngine(tiny_loaded, mgr, CFG)
         seq = engine.new_sequence(len(IDS), root=key)
-        mgr.drop([seq.page_key(1, 3)])
+        mgr.drop(seq.page_key_run(1, 3, 1))
     assert reopen(tiny_loaded, tmp_path, path, key) is None
 
 

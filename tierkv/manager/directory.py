@@ -91,6 +91,30 @@ class Directory:
             raise BlockMissing(f"block {missing[0].hex()} is not stored in any tier", tuple(missing))
         return rows
 
+    def stored(self, keys: Sequence[BlockKey]) -> tuple[np.ndarray, np.ndarray]:
+        """The row of each key (-1 where unknown), and whether its block has a copy somewhere or one
+        on its way: a stored document's million pages in a few numpy passes."""
+        rows = self._table.find_many(keys)
+        stored = rows >= 0
+        known = rows[stored]
+        present = self._rows.copy_counts(known) > 0
+        if self._rows.arriving:
+            present |= np.isin(known, np.fromiter(self._rows.arriving, np.int64, len(self._rows.arriving)))
+        stored[stored] = present
+        return rows, stored
+
+    def hold_rows(self, rows: np.ndarray) -> None:
+        """One more holder for each of ``rows`` (a row named twice gets two)."""
+        np.add.at(self._rows.meta["holders"], rows, 1)
+
+    def let_go(self, keys: Sequence[BlockKey]) -> None:
+        """One holder fewer for each known key (never below none; a key named twice lets go twice)."""
+        rows = self._table.find_many(keys)
+        rows = rows[rows >= 0]
+        holders = self._rows.meta["holders"]
+        np.subtract.at(holders, rows, 1)
+        holders[rows] = np.maximum(holders[rows], 0)
+
     def add(self, key: BlockKey, *, hold: bool, layer: int | None = None,
             index: int | None = None) -> BlockEntry:
         """The entry of ``key``, made if new; ``hold``: one more holder."""

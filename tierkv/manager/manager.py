@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from functools import cached_property, partial
 from operator import itemgetter
 
+import numpy as np
 import torch
 
 from tierkv.config import TierConfig
@@ -253,16 +254,12 @@ class TierManager:
     def hold(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Hold those of ``keys`` that are stored (as ``protect``); returns the rest, which a caller
         can compute again (a repair) before it reads them."""
-        entries = [self.directory.get(k) for k in keys]
-        if not all(map(_stored, entries)) and self.refresh():
-            entries = [self.directory.get(k) for k in keys]
-        missing = []
-        for key, entry in zip(keys, entries):
-            if _stored(entry):
-                entry.holders += 1
-            else:
-                missing.append(key)
-        return missing
+        keys = keys if isinstance(keys, Sequence) else list(keys)
+        rows, stored = self.directory.stored(keys)
+        if not stored.all() and self.refresh():
+            rows, stored = self.directory.stored(keys)
+        self.directory.hold_rows(rows[stored])
+        return self._unstored(keys, stored)
 
     async def scrub(self, keys: Sequence[BlockKey], *, batch: int = 64) -> list[BlockKey]:
         """Read the NVMe store's copy of each of ``keys`` and check it, dropping the copies that fail
@@ -271,14 +268,16 @@ class TierManager:
         self.refresh()
         for first in range(0, len(keys), batch):
             await self._moves.check_stored(keys[first:first + batch])
-        return [k for k in keys if not _stored(self.directory.get(k))]
+        return self._unstored(keys)
+
+    def _unstored(self, keys: Sequence[BlockKey], stored: np.ndarray | None = None) -> list[BlockKey]:
+        """Those of ``keys`` with no copy anywhere and none on its way (``stored``: already looked up)."""
+        stored = self.directory.stored(keys)[1] if stored is None else stored
+        return [keys[i] for i in np.flatnonzero(~stored).tolist()]
 
     def unprotect(self, keys: Iterable[BlockKey]) -> None:
         """The caller lets go of these blocks; one that nobody holds any more becomes evictable cache."""
-        for key in keys:
-            entry = self.directory.get(key)
-            if entry is not None and entry.holders:
-                entry.holders -= 1
+        self.directory.let_go(keys if isinstance(keys, Sequence) else list(keys))
 
     async def drop(self, keys: Iterable[BlockKey]) -> None:
         """The caller lets go of these blocks; one that nobody else holds is removed from every tier

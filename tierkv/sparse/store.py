@@ -11,7 +11,7 @@ safetensors file named by the tokens it covers (``Shelf``)::
                                            "L<layer>.landmarks.h<j>"); metadata: tokens, pages per
                                            layer, prefill seconds, the xxh3-64 of every tensor's bytes
     partial  = the same name ending .partial.safetensors: part way through the prefill (a checkpoint)
-    page = H(id | "page" | layer | p)      (SparseSequence.page_key)
+    page = H(id | "page" | layer | p)      (SparseSequence.page_key_run)
 
 Loading checks every checksum and that every page is still stored; any
 failure means "not reusable" (the caller prefills again), never wrong KV.
@@ -213,7 +213,7 @@ def _read_layers(seq: SparseSequence, f: safe_open, sums: dict[str, str], meta: 
         state.win_v.push(get["win_v"])
         state.basis.basis, state.basis.energy_kept = get["basis"], energy[layer]
         state.index.load(get)
-        state.pages = [seq.page_key(layer, p) for p in range(pages[layer])]
+        state.pages = seq.page_key_run(layer, 0, pages[layer])
         state.length = lengths[layer]
         layers.append(state)
     return layers
