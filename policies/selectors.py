@@ -29,7 +29,7 @@ from torch import Tensor
 
 from policies.registry import Registry
 from tierkv.policy import ChunkSelector, ChunkView, SparsePrefetch
-from tierkv.scoring import bound_scores, landmark_scores, top_chunks
+from tierkv.scoring import bound_scores, top_chunks, top_landmark_chunks
 
 SELECTORS: Registry[ChunkSelector] = Registry("selector", ChunkSelector, ("select",))
 SPARSE_PREFETCH: Registry[SparsePrefetch] = Registry("sparse prefetch", SparsePrefetch, ("plan",))
@@ -46,7 +46,8 @@ class Landmarks:
     needs: frozenset[str] = frozenset({"landmarks"})
 
     def select(self, query: Tensor, view: ChunkView, k: int) -> Tensor:
-        return top_chunks(landmark_scores(query, view.landmarks, view.landmark_scale), k, view.candidates)
+        return top_landmark_chunks(query, view.landmarks, k, view.candidates, scale=view.landmark_scale,
+                                   norm=getattr(view, "landmark_norm", None))
 
 
 @register_selector("quest")

@@ -137,6 +137,8 @@ class ChunkView(Protocol):
     layer: int
     landmarks: Tensor | None     # [C, Hkv, D] mean key per chunk, in the query's RoPE frame
     landmark_scale: Tensor | None  # [C, Hkv] when the landmarks are int8 codes (tierkv.scoring), else None
+    landmark_norm: Tensor | None   # [Hkv] no landmark of a head is longer (optional: lets bf16 landmarks be
+                                   # scored in bf16 first, tierkv.scoring.top_landmark_chunks)
     lo: Tensor | None            # [C, Hkv, D] per-dimension min key per chunk
     hi: Tensor | None            # [C, Hkv, D] per-dimension max key per chunk
     candidates: Tensor           # [C] bool: chunks that may be chosen (outliers are kept exact instead)

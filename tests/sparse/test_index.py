@@ -49,6 +49,28 @@ def test_state_round_trip():
     assert list(copy.outliers) == [5] and torch.equal(copy.exact()[1], index.exact()[1])
 
 
+def test_the_landmark_norm_bound_follows_the_landmarks_through_growth_loads_and_forks():
+    def longest(index):
+        return index.landmarks.float().norm(dim=-1).amax(dim=0)
+    index = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks"}), dtype=torch.bfloat16)
+    assert torch.equal(index.landmark_norm, torch.zeros(2))
+    keys = smooth_keys(40, seed=3)
+    index.add(keys[:160], keys[:160], keys[:160], target_outliers=0)
+    assert torch.allclose(index.landmark_norm, longest(index))
+    keys[200:208] *= 9                                           # a long landmark arrives later
+    index.add(keys[160:], keys[160:], keys[160:], target_outliers=0)
+    assert torch.allclose(index.landmark_norm, longest(index))
+    twin = index.fork()
+    twin.add(keys[:8] * 20, keys[:8], keys[:8], target_outliers=0)
+    assert torch.allclose(twin.landmark_norm, longest(twin)) and torch.allclose(index.landmark_norm, longest(index))
+    copy = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks"}), dtype=torch.bfloat16)
+    copy.load(twin.state())
+    assert torch.allclose(copy.landmark_norm, longest(twin))
+    int8 = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks"}), dtype=torch.float32,
+                      int8_landmarks=True)
+    assert int8.landmark_norm is None
+
+
 def test_state_is_views_of_the_index_and_a_load_grows_on():
     """Saving copies nothing (the landmarks of 1M tokens are 1.5 GB); a loaded index keeps growing."""
     keys = smooth_keys(30)
@@ -81,3 +103,43 @@ def test_the_first_layout_of_landmarks_loads_too():
     bad = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks"}), dtype=torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
         bad.load(state | {"landmarks": torch.zeros(12, 3, 16)})
+
+
+def test_the_first_branch_to_append_does_so_in_place_and_the_others_copy_first():
+    """A stored document's index is shared by the branches forked from it: the first to append after
+    the rows written so far appends into the shared storage (no copy of 1.5 GB at 1M tokens), and
+    every other writer copies first, so no branch ever sees another's rows."""
+    from tierkv.sparse.index import _Growing
+    base = _Growing((2,), torch.float32)
+    base.extend(torch.arange(20.0).view(10, 2))
+    base.resize(16)                                  # room to grow, as a loaded index has
+    storage = base.data
+    a, b = base.fork(), base.fork()
+    a.extend(torch.full((3, 2), -1.0))
+    assert a.data is storage and a.rows.shape == (13, 2)             # in place
+    b.extend(torch.full((2, 2), -2.0))
+    assert b.data is not storage                                     # a wrote past b's rows: b copied
+    assert torch.equal(b.rows[10:], torch.full((2, 2), -2.0)) and torch.equal(a.rows[10:], torch.full((3, 2), -1.0))
+    assert torch.equal(base.rows, torch.arange(20.0).view(10, 2))
+    base.extend(torch.zeros(1, 2))                                   # the base writing later copies too
+    assert base.data is not storage and torch.equal(a.rows[10], torch.full((2,), -1.0))
+    a2 = a.fork()
+    a2.extend(torch.ones(1, 2))                                      # a fork of the writer goes on in place
+    a.extend(torch.full((1, 2), 5.0))                                # and then a copies
+    assert a2.data is storage and a.data is not storage
+    assert a2.rows[13].tolist() == [1.0, 1.0] and a.rows[13].tolist() == [5.0, 5.0]
+
+
+def test_a_loaded_index_has_room_for_a_branch_to_grow_without_a_copy():
+    keys = smooth_keys(40, seed=4)
+    index = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks"}), dtype=torch.bfloat16)
+    index.add(keys[:256], keys[:256], keys[:256], target_outliers=1)
+    loaded = ChunkIndex(0, 2, 16, chunk_tokens=8, needs=frozenset({"landmarks"}), dtype=torch.bfloat16)
+    loaded.load(index.state())
+    storage = loaded._landmarks.data
+    branch = loaded.fork()
+    branch.add(keys[256:], keys[256:], keys[256:], target_outliers=1)
+    assert branch._landmarks.data is storage and branch.chunks == 40 and loaded.chunks == 32
+    assert torch.equal(loaded.landmarks, index.landmarks)
+    index.add(keys[256:], keys[256:], keys[256:], target_outliers=1)
+    assert torch.equal(branch.landmarks, index.landmarks)

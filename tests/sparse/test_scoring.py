@@ -49,3 +49,54 @@ def test_top_chunks_are_ascending_and_skip_non_candidates():
     assert top_chunks(scores, 2, candidates).tolist() == [[0, 3], [1, 4]]
     assert top_chunks(scores, 10, candidates).shape == (2, 4)
     assert top_chunks(scores, 0).shape == (2, 0)
+
+
+@pytest.mark.parametrize("chunks", [0, 1, 9, 21])
+def test_the_longest_landmark_is_found_across_blocks(monkeypatch, chunks):
+    from tierkv.scoring import longest_landmark
+    monkeypatch.setattr(tierkv.scoring, "BLOCK", 8)
+    landmarks = torch.randn(3, chunks, 16).permute(1, 0, 2).to(torch.bfloat16)    # head-major, as kept
+    want = landmarks.float().norm(dim=-1).amax(dim=0) if chunks else torch.zeros(3)
+    assert torch.allclose(longest_landmark(landmarks), want)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_landmarks_scored_rough_first_pick_the_chunks_exact_scores_pick(query_dtype):
+    """Landmarks that share a large mean key (as real keys do: a score's rounding to bf16 then spans many
+    chunks) and a few exact ties: the rough pass in bf16, then the exact rescoring of every chunk the
+    rounding could still put in the top k, picks what scoring everything exactly picks, whatever the
+    query's dtype (a float32 query is split into a bf16 head and tail); candidates and k past them hold."""
+    from tierkv.scoring import longest_landmark, top_landmark_chunks
+    g = torch.Generator().manual_seed(5)
+    C, H, G, D = 3000, 3, 3, 64
+    common = torch.randn(H, D, generator=g) * 4
+    landmarks = (common + torch.randn(C, H, D, generator=g) * 0.3).to(torch.bfloat16)
+    landmarks[100:140] = landmarks[7]                               # ties
+    candidates = torch.rand(C, generator=g) > 0.05
+    norm = longest_landmark(landmarks)
+    for trial in range(8):
+        query = (torch.randn(H * G, D, generator=g) * 2).to(query_dtype).float()
+        for k in (1, 37, 256, C):
+            for cand in (None, candidates):
+                exact = landmark_scores(query, landmarks)
+                want = top_chunks(exact, k, cand)
+                got = top_landmark_chunks(query, landmarks, k, cand, norm=norm)
+                assert got.shape == want.shape
+                masked = exact if cand is None else exact.masked_fill(~cand, float("-inf"))
+                # the same chunks, or chunks of exactly the same scores where the k-th is tied
+                assert torch.equal(masked.gather(1, got).sort(1).values, masked.gather(1, want).sort(1).values)
+    assert top_landmark_chunks(query, landmarks, 0, norm=norm).shape == (H, 0)
+    assert top_landmark_chunks(query, landmarks[:0], 5, norm=norm).shape == (H, 0)
+
+
+def test_landmarks_with_room_to_grow_pick_what_contiguous_ones_pick():
+    """The index keeps landmarks [H, capacity, D] and scores the first C of each head (a narrowed view,
+    as after the index grew): the same picks as the same landmarks stored contiguously."""
+    from tierkv.scoring import longest_landmark, top_landmark_chunks
+    g = torch.Generator().manual_seed(8)
+    storage = torch.randn(3, 700, 32, generator=g).to(torch.bfloat16)
+    grown = storage[:, :500].permute(1, 0, 2)                      # [C, H, D], heads 700 rows apart
+    packed = storage[:, :500].contiguous().permute(1, 0, 2)
+    query = torch.randn(9, 32, generator=g)
+    norm = longest_landmark(packed)
+    assert torch.equal(top_landmark_chunks(query, grown, 40, norm=norm), top_landmark_chunks(query, packed, 40, norm=norm))

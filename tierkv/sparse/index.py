@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tierkv.scoring import quantize_landmarks
+from tierkv.scoring import longest_landmark, quantize_landmarks
 
 SUMMARIES = ("landmarks", "bounds")
 SUMMARY_ROWS = ("_landmarks", "_scale", "_lo", "_hi", "_candidates")     # one row per chunk each
@@ -41,11 +41,14 @@ class _Growing:
         shape.insert(axis, 64)
         self.data, self.axis, self.n = torch.empty(shape, dtype=dtype), axis, 0
         self.owned = True          # False: ``data`` is shared with a fork; copied before a write
+        self._end = [0]            # shared by the forks of ``data``: the rows any of them has written
 
     def fork(self) -> _Growing:
-        """A branch sharing this storage; whichever of the two writes next copies it first."""
+        """A branch sharing this storage. The first of the two to append after the rows written so
+        far appends in place (a question's branch of a stored 1M document: no copy of its 1.5 GB of
+        landmarks); any other write copies the storage first."""
         twin = object.__new__(_Growing)
-        twin.data, twin.axis, twin.n = self.data, self.axis, self.n
+        twin.data, twin.axis, twin.n, twin._end = self.data, self.axis, self.n, self._end
         self.owned = twin.owned = False
         return twin
 
@@ -56,10 +59,11 @@ class _Growing:
 
     def extend(self, rows: Tensor) -> None:
         need = self.n + rows.shape[0]
-        if need > self.capacity or not self.owned:
+        after_all = self._end[0] == self.n          # no branch has written past these rows
+        if need > self.capacity or not (self.owned or after_all):
             self.resize(max(need, self.capacity * 5 // 4 if need > self.capacity else self.capacity))
         self.data.narrow(self.axis, self.n, rows.shape[0]).copy_(rows.movedim(0, self.axis))
-        self.n = need
+        self.n = self._end[0] = need
 
     def adopt(self, data: Tensor) -> None:
         """Take ``data`` (laid out as storage is, every row used) as the whole content, without a copy."""
@@ -69,14 +73,25 @@ class _Growing:
             raise ValueError(f"rows of shape {tuple(data.shape)} do not fit storage {tuple(self.data.shape)} "
                              f"(rows along dimension {self.axis})")
         self.data, self.n = data.to(self.data.dtype).contiguous(), data.shape[self.axis]
-        self.owned = True
+        self.owned, self._end = True, [self.n]
+
+    def adopt_parts(self, parts: list[Tensor], room: int) -> None:
+        """Take the slices of storage along its first dimension (a head's landmarks [n, D] each) as
+        the whole content, copied once into storage with ``room`` rows to grow into."""
+        n = parts[0].shape[0] if parts else 0
+        shape = list(self.data.shape)
+        shape[0], shape[self.axis] = len(parts), n + room
+        self.data = torch.empty(shape, dtype=self.data.dtype)
+        for into, part in zip(self.data, parts):
+            into.narrow(self.axis - 1, 0, n).copy_(part)
+        self.n, self.owned, self._end = n, True, [n]
 
     def resize(self, rows: int) -> None:
         shape = list(self.data.shape)
         shape[self.axis] = max(rows, self.n)
         grown = torch.empty(shape, dtype=self.data.dtype)
         grown.narrow(self.axis, 0, self.n).copy_(self.data.narrow(self.axis, 0, self.n))
-        self.data, self.owned = grown, True
+        self.data, self.owned, self._end = grown, True, [self.n]
 
     @property
     def capacity(self) -> int:
@@ -106,15 +121,17 @@ class ChunkIndex:
         self._candidates = _Growing((), torch.bool)
         self.outliers: dict[int, tuple[float, Tensor, Tensor]] = {}   # chunk -> (score, k_pre, v)
         self._exact: tuple[Tensor, Tensor, Tensor] | None = None
+        self._norm: Tensor | None = torch.zeros(heads)     # [Hkv]: no landmark is longer (None: not known)
 
     def fork(self) -> ChunkIndex:
-        """A branch of this index: summaries shared until either side grows them, outliers its own."""
+        """A branch of this index: summaries shared (the first side to grow them after the shared rows
+        does so in place, the other copies them first), outliers its own."""
         twin = object.__new__(ChunkIndex)
         twin.layer, twin.chunk_tokens = self.layer, self.chunk_tokens
         for name in SUMMARY_ROWS:
             grow = getattr(self, name)
             setattr(twin, name, None if grow is None else grow.fork())
-        twin.outliers, twin._exact = dict(self.outliers), self._exact
+        twin.outliers, twin._exact, twin._norm = dict(self.outliers), self._exact, self._norm
         return twin
 
     def reserve(self, chunks: int) -> None:
@@ -132,6 +149,16 @@ class ChunkIndex:
     @property
     def landmarks(self) -> Tensor | None:
         return None if self._landmarks is None else self._landmarks.rows
+
+    @property
+    def landmark_norm(self) -> Tensor | None:
+        """[Hkv] float32: no landmark of a head is longer (an upper bound: it stays valid when the
+        index is cut back), for `tierkv.scoring.top_landmark_chunks`; None without float landmarks."""
+        if self._landmarks is None or self._scale is not None:
+            return None
+        if self._norm is None:
+            self._norm = longest_landmark(self.landmarks)
+        return self._norm
 
     @property
     def landmark_scale(self) -> Tensor | None:
@@ -161,7 +188,10 @@ class ChunkIndex:
             self._landmarks.extend(codes)
             self._scale.extend(scale)
         elif self._landmarks is not None:
-            self._landmarks.extend(means.to(self._landmarks.data.dtype))
+            stored = means.to(self._landmarks.data.dtype)
+            self._landmarks.extend(stored)
+            if self._norm is not None:
+                self._norm = torch.maximum(self._norm, longest_landmark(stored))
         if self._lo is not None:
             self._lo.extend(chunked.amin(dim=1).to(self._lo.data.dtype))
             self._hi.extend(chunked.amax(dim=1).to(self._hi.data.dtype))
@@ -232,11 +262,13 @@ class ChunkIndex:
                 raise ValueError(f"the stored landmarks are {stored.dtype}, this index keeps "
                                  f"{'int8' if self._scale is not None else self._landmarks.data.dtype}")
             if all(f"landmarks.h{h}" in state for h in range(heads)):
-                self._landmarks.adopt(torch.stack([state[f"landmarks.h{h}"] for h in range(heads)]))
+                parts = [state[f"landmarks.h{h}"] for h in range(heads)]
+                self._landmarks.adopt_parts(parts, room=max(64, parts[0].shape[0] // 64))   # decode grows it
             elif "landmarks" in state:
                 self._landmarks.adopt(state["landmarks"].transpose(0, 1))
             else:
                 raise KeyError("the stored index has no landmarks")
+            self._norm = None
         if self._scale is not None:
             heads = self._scale.data.shape[0]
             if not all(f"landmark_scale.h{h}" in state for h in range(heads)):
