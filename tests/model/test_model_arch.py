@@ -44,6 +44,26 @@ def test_apply_rope_matches_transformers():
     assert torch.equal(rope.apply_rope(k, cos, sin), want_k)
 
 
+def test_a_rope_table_spans_positions_in_the_dtype_asked_and_rotates_bf16_keys_as_the_model_does():
+    """A span in bf16 is the float32 table's rows rounded (a copy made once, remade when the table
+    grows); bf16 keys rotated by it match transformers' own bf16 rotation (cos and sin cast to the
+    keys' dtype, as its rotary embedding returns them)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    model = tiny_model("llama")
+    table = rope.RopeTable(lambda p: arch.rope_cos_sin(model, p.unsqueeze(0)), 16)
+    cos, sin = table.span(3, 40)
+    cos16, sin16 = table.span(3, 40, torch.bfloat16)
+    assert cos16.dtype == torch.bfloat16 and torch.equal(cos16, cos.bfloat16()) and torch.equal(sin16, sin.bfloat16())
+    far = table.span(5000, 8, torch.bfloat16)[0]                      # grows the table: the copy follows
+    assert torch.equal(far, table.span(5000, 8)[0].bfloat16())
+    at = torch.tensor([[7, 4999], [0, 12]])
+    assert torch.equal(table.at(at, torch.bfloat16)[1], table.at(at)[1].bfloat16())
+    assert table.rotate_heads(torch.randn(2, 2, 16).bfloat16(), at).dtype == torch.bfloat16
+    k = torch.randn(1, 2, 40, 16).bfloat16()
+    q = torch.randn(1, 4, 40, 16).bfloat16()
+    assert torch.equal(rope.apply_rope(k, cos16, sin16), apply_rotary_pos_emb(q, k, cos16, sin16)[1])
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_k_pre_is_k_before_rope(kind):
     model = tiny_model(kind)

@@ -2,7 +2,8 @@
 
 ``RopeTable`` keeps cos/sin (float32) for positions 0..n-1 of one model, made by the model's own
 rotary embedding (so scaled variants match) and grown on use: a step over compact or real
-positions reads rows of it instead of recomputing them::
+positions reads rows of it instead of recomputing them, in the keys' dtype (a bf16 copy of the
+table, made once)::
 
     table = RopeTable(lambda positions: rope_cos_sin(model, positions), head_dim)
     cos, sin = table.span(start, n)           [1, n, D]   views, no gather
@@ -53,31 +54,45 @@ class RopeTable:
     def __init__(self, make: Callable[[Tensor], tuple[Tensor, Tensor]], head_dim: int) -> None:
         self._make = make
         self._cos = self._sin = torch.empty(0, head_dim)
+        self._narrow: dict[torch.dtype, tuple[Tensor, Tensor]] = {}    # the table in other dtypes
 
-    def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [*positions.shape, D]."""
+    def at(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """cos, sin [*positions.shape, D], in ``dtype``."""
         self._grow(int(positions.max()) + 1 if positions.numel() else 0)
-        return self._cos[positions], self._sin[positions]
+        cos, sin = self._table(dtype)
+        return cos[positions], sin[positions]
 
-    def span(self, start: int, n: int) -> tuple[Tensor, Tensor]:
-        """cos, sin [1, n, D] of positions start .. start+n-1: views of the table."""
+    def span(self, start: int, n: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """cos, sin [1, n, D] of positions start .. start+n-1: views of the table (in ``dtype``: of a
+        copy of it in that dtype, made once)."""
         self._grow(start + n)
-        return self._cos[start:start + n].unsqueeze(0), self._sin[start:start + n].unsqueeze(0)
+        cos, sin = self._table(dtype)
+        return cos[start:start + n].unsqueeze(0), sin[start:start + n].unsqueeze(0)
 
     def rotate_heads(self, k_pre: Tensor, positions: Tensor) -> Tensor:
-        """k_pre [Hkv, T, D] rotated to per-head positions [Hkv, T] (float32)."""
+        """k_pre [Hkv, T, D] rotated to per-head positions [Hkv, T], in its own dtype (bf16 keys as the
+        model rotates them; widened to float32 for it they took several times as long)."""
         if positions.shape[0] > 1 and torch.equal(positions[1:], positions[:1].expand(positions.shape[0] - 1, -1)):
             positions = positions[:1]                                # the same for every head: one table
-        cos, sin = self.at(positions)                                # [Hkv or 1, T, D]
-        return apply_rope(k_pre.unsqueeze(1).float(), cos, sin).squeeze(1)
+        cos, sin = self.at(positions, k_pre.dtype)                   # [Hkv or 1, T, D]
+        return apply_rope(k_pre.unsqueeze(1), cos, sin).squeeze(1)
 
     def rotate_tokens(self, k_pre: Tensor, positions: Tensor) -> Tensor:
         """k_pre [t, Hkv, D] at positions [t] -> keys after RoPE [t, Hkv, D] (float32)."""
         cos, sin = self.at(positions.unsqueeze(0))                   # [1, t, D]
         return apply_rope(k_pre.transpose(0, 1).unsqueeze(0).float(), cos, sin)[0].transpose(0, 1)
 
+    def _table(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The whole table in ``dtype`` (other than float32: a copy made once, until the table grows)."""
+        if dtype == torch.float32:
+            return self._cos, self._sin
+        if dtype not in self._narrow:
+            self._narrow[dtype] = (self._cos.to(dtype), self._sin.to(dtype))
+        return self._narrow[dtype]
+
     def _grow(self, top: int) -> None:
         if top > self._cos.shape[0]:
             size = max(top, 2 * self._cos.shape[0], 4096)
             cos, sin = self._make(torch.arange(size))
             self._cos, self._sin = cos[0].float(), sin[0].float()
+            self._narrow.clear()
