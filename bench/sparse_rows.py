@@ -13,10 +13,10 @@ Configurations, one after another (they share the store's lock)::
     sparse-ram-chunks  the same, each KV head attending only its own chunks (attend="chunks"): the
                        cost of attending whole pages (the default)
     sparse-nvme        gpu 10 % + cpu 10 % of the pages, the rest only on NVMe, speculative prefetch
-    sparse-nvme-no-prefetch   the same without prefetch (the default)
-    sparse-nvme-overlap       speculative prefetch, and each layer attends to its pages in place while the
-                              rest load, then to those (``--sparse-overlap``)
-    sparse-nvme-overlap-no-prefetch   the same without prefetch
+    sparse-nvme-no-prefetch   the same without prefetch (the default: each layer attends to its pages in
+                              memory while the rest load, then to those)
+    sparse-nvme-no-overlap    no prefetch, and each layer waits for all of its pages before attending
+                              (``--no-sparse-overlap``)
     sparse-ram[int4], sparse-nvme-no-prefetch[int4]   with ``--sparse-page-dtypes int4`` (any codec of
                        tierkv.codec): the same two rows over pages quantized, from a prefill of their own;
                        ``sparse_nvme_int4_vs_bf16`` divides the nvme row by the bf16 pages' one
@@ -27,8 +27,10 @@ reported as ``warmup_tokens_per_s`` (the first step, which also opens the
 index, aside).
 
 ``sparse_nvme_vs_dynamic`` is the default configuration's (no prefetch: on a CPU a guess costs
-more than it hides); ``sparse_nvme_speculative_vs_dynamic`` the speculative row's, whose stall
-is ``stall_fraction_sparse_nvme``.
+more than it hides; overlap), whose stall is ``stall_fraction_no_prefetch``;
+``sparse_nvme_speculative_vs_dynamic`` the speculative row's, whose stall is
+``stall_fraction_sparse_nvme``; ``sparse_nvme_no_overlap_vs_dynamic`` and
+``stall_fraction_no_overlap`` the row without overlap.
 
 DynamicCache attends at the real positions (past SmolLM2's 8K window its tokens are noise) and
 sparse at remapped ones, so the tokens differ; the rows compare speed, not text.
@@ -68,7 +70,7 @@ DEPTH = 0.3            # the same prompt as bench/scale.py's first 128K depth: o
 
 class SparseDecoder:
     def __init__(self, loaded: LoadedModel, ids: list[int], store: Path, *, gpu: int, cpu: int,
-                 prefetch: str, warm: bool, attend: str = "pages", fill: bool = False, overlap: bool = False,
+                 prefetch: str, warm: bool, attend: str = "pages", fill: bool = False, overlap: bool = True,
                  page_dtype: str = PAGE_DTYPE) -> None:
         """``warm``: every page read into the gpu tier first; ``fill``: the steps until the memory
         tiers are full are untimed (``warming``); ``overlap``: SparseConfig.overlap."""
@@ -183,10 +185,8 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
                                              warm=False, fill=True),
         "sparse-nvme-no-prefetch": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small,
                                                          prefetch="none", warm=False, fill=True),
-        "sparse-nvme-overlap": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small, prefetch="speculative",
-                                                     warm=False, fill=True, overlap=True),
-        "sparse-nvme-overlap-no-prefetch": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small,
-                                                                 prefetch="none", warm=False, fill=True, overlap=True),
+        "sparse-nvme-no-overlap": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small, prefetch="none",
+                                                        warm=False, fill=True, overlap=False),
     }
     runs = interleave({k: v for k, v in builders.items() if rows is None or k in rows}, ids[-1], steps,
                       together=False)
@@ -278,7 +278,7 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
         "decode tok/s of sparse with every page in memory / DynamicCache with attention \"tierkv\", same run")
     add(f"sparse_nvme_vs_dynamic{tag}", ratio("sparse-nvme-no-prefetch"), 5.0 if at_target else None,
                      "decode tok/s of sparse with >= 80 % of the pages only on NVMe, default settings (no "
-                     "prefetch) / DynamicCache")
+                     "prefetch, overlap) / DynamicCache")
     if "llama-cpp" in runs:
         llama = runs["llama-cpp"].tokens_per_s
         add(f"sparse_vs_llamacpp{tag}", round(runs["sparse-ram"].tokens_per_s / llama, 3) if "sparse-ram" in runs
@@ -296,16 +296,10 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
     add(f"stall_fraction_sparse_nvme{tag}", stall("sparse-nvme"), None,
                      "share of decode time waiting on page loads, speculative prefetch (target: at most 0.10)")
     add(f"stall_fraction_no_prefetch{tag}", stall("sparse-nvme-no-prefetch"), 0.10 if at_target else None,
-        "the same run without prefetch, the default configuration", ceiling=True)
-    add(f"sparse_nvme_overlap_vs_dynamic{tag}", ratio("sparse-nvme-overlap"), None,
-                     "speculative prefetch, and pages in place attended to while the rest load (--sparse-overlap)")
-    add(f"stall_fraction_overlap{tag}", stall("sparse-nvme-overlap"), None,
-                     "share of decode time waiting on page loads, speculative prefetch with overlap "
-                     "(target: at most 0.10)")
-    add(f"sparse_nvme_overlap_no_prefetch_vs_dynamic{tag}", ratio("sparse-nvme-overlap-no-prefetch"),
-                     None, "overlap without prefetch")
-    add(f"stall_fraction_overlap_no_prefetch{tag}", stall("sparse-nvme-overlap-no-prefetch"), None,
-                     "its stall")
+        "the same run without prefetch, the default configuration (overlap)", ceiling=True)
+    add(f"sparse_nvme_no_overlap_vs_dynamic{tag}", ratio("sparse-nvme-no-overlap"), None,
+                     "no prefetch, each layer waiting for all of its pages (--no-sparse-overlap)")
+    add(f"stall_fraction_no_overlap{tag}", stall("sparse-nvme-no-overlap"), None, "its stall")
     add(f"reuse_rate{tag}", round(runs["sparse-ram"].figures["reuse_rate"], 3) if "sparse-ram" in runs else None, None,
                      "share of a layer's pages that the same layer read in the previous step (cross-step reuse)")
     for name, run in runs.items():

@@ -32,6 +32,26 @@ def test_info_says_whether_reads_go_by_native_aio(tmp_path, capsys, monkeypatch)
     assert "reads by native AIO no (on the I/O worker threads)" in capsys.readouterr().out
 
 
+def test_the_command_sets_the_thread_switch_interval_from_its_knob(tmp_path, capsys, monkeypatch):
+    """The tierkv command owns its process: it shortens the interpreter's switch interval (a hop to
+    the manager's loop waits for the lock up to that long); a bad value is one clear line."""
+    import sys
+    before = sys.getswitchinterval()
+    try:
+        assert main(["info", "--json"]) == 0 and sys.getswitchinterval() == pytest.approx(0.0005)
+        monkeypatch.setenv("TIERKV_SWITCH_INTERVAL", "0.002")
+        assert main(["info", "--json"]) == 0 and sys.getswitchinterval() == pytest.approx(0.002)
+        capsys.readouterr()
+        monkeypatch.setenv("TIERKV_SWITCH_INTERVAL", "fast")
+        assert main(["info"]) == 2
+        assert "TIERKV_SWITCH_INTERVAL='fast': expected seconds" in capsys.readouterr().err
+        monkeypatch.setenv("TIERKV_SWITCH_INTERVAL", "0")
+        assert main(["info"]) == 2
+        assert "more than 0 and at most 1" in capsys.readouterr().err
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_info_text(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
@@ -53,8 +73,10 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--cxl-budget", "lots"], "cxl_budget='lots'"),
     (["run", "--synthetic-tokens", "100", "--chunk-tokens", "1000"], "must be a multiple of block_tokens=256"),
     (["run", "--synthetic-tokens", "100", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
-    (["run", "--synthetic-tokens", "100", "--mode", "dense", "--sparse-overlap"],
-     "--sparse-overlap: sparse-mode settings, but --mode dense"),
+    (["run", "--synthetic-tokens", "100", "--mode", "dense", "--no-sparse-overlap"],
+     "--no-sparse-overlap: sparse-mode settings, but --mode dense"),
+    (["run", "--synthetic-tokens", "100", "--sparse-overlap"],
+     "unrecognized arguments: --sparse-overlap; --sparse-overlap: overlap is the default; --no-sparse-overlap"),
     (["run", "--synthetic-tokens", "100", "--mode", "dense", "--layer-budget", "0:4096", "--rank", "64"],
      "--rank, --layer-budgets: sparse-mode settings, but --mode dense attends to every stored key"),
 ])

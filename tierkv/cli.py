@@ -27,6 +27,7 @@ from tierkv.sizes import format_size
 from tierkv.device import GDS_INSTALL, auto_dtype, has_cuda, has_cuda_driver, native_bf16
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.flags import add_flags, build, given, given_flags, nest
+from tierkv.knobs import IOKnobs
 from tierkv.profile.command import add_profile
 from tierkv.tune.tune import add_tune
 from tierkv.schedule.command import add_batch
@@ -39,9 +40,14 @@ class UsageError(TierKVError):
     """A command-line mistake: reported in one line, exit status 2."""
 
 
+RETIRED_FLAGS = {"--sparse-overlap": "overlap is the default; --no-sparse-overlap turns it off"}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not usage + traceback
-        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+        hints = [f"{flag}: {why}" for flag, why in RETIRED_FLAGS.items()
+                 if message.startswith("unrecognized arguments") and flag in message.split()]
+        raise UsageError(f"{self.prog}: {message}{''.join(f'; {h}' for h in hints)} (see {self.prog} --help)")
 
 
 # -- tierkv info ------------------------------------------------------------
@@ -76,7 +82,6 @@ def _gds_status() -> str:
 
 
 def _nvme_facts(directory: Path) -> dict[str, object]:
-    from tierkv.knobs import IOKnobs
     from tierkv.tiers import nvme_aio
     from tierkv.tiers.nvme_io import o_direct_supported, probe_backends
     probe_dir = directory if directory.exists() else _existing_parent(directory)
@@ -329,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        sys.setswitchinterval(IOKnobs.from_env().switch_interval)   # this process is tierkv's own
         return args.func(args)
     except (TierKVError, OSError) as error:
         print(f"tierkv: error: {error}", file=sys.stderr)

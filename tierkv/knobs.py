@@ -1,4 +1,4 @@
-"""Process-wide I/O knobs (and only those) come from the environment:
+"""Process-wide I/O and threading knobs (and only those) come from the environment:
 
 =========================  ========  ===============================================
 variable                   default   meaning
@@ -8,6 +8,8 @@ TIERKV_NVME_BACKEND        auto      force a backend: auto, kvikio, odirect, buf
 TIERKV_NVME_AIO            1         0: O_DIRECT reads on the worker threads, not by native AIO
 TIERKV_COPY_THREADS        2         worker threads for host/device copies
 TIERKV_INFLIGHT_BYTES      256MiB    bytes the manager keeps in flight at most
+TIERKV_SWITCH_INTERVAL     0.0005    seconds: the interpreter's thread switch interval the tierkv
+                                     command sets (the library leaves it as it is)
 TIERKV_CACHE_DIR           ~/.cache/tierkv  converted models (GGUF -> safetensors) under models/
 =========================  ========  ===============================================
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from tierkv.errors import ConfigError
 from tierkv.sizes import parse_size
@@ -35,12 +38,17 @@ class IOKnobs:
     nvme_aio: bool = True
     copy_threads: int = 2
     inflight_bytes: int = 256 * 1024**2
+    # a hop from the model's thread to the manager's loop waits for the interpreter's lock while an I/O
+    # or copy thread holds it, up to this long (Python's default 5 ms; at 1M tokens 0.5 ms gave ~9 %)
+    switch_interval: float = 0.0005
     backends: tuple[str, ...] = field(default=("auto", "kvikio", "odirect", "buffered"), repr=False)
 
     def __post_init__(self) -> None:
         _positive("TIERKV_IO_THREADS", self.io_threads)
         _positive("TIERKV_COPY_THREADS", self.copy_threads)
         _positive("TIERKV_INFLIGHT_BYTES", self.inflight_bytes)
+        if not 0 < self.switch_interval <= 1:
+            raise ConfigError(f"TIERKV_SWITCH_INTERVAL={self.switch_interval}: seconds, more than 0 and at most 1")
         if self.nvme_backend not in self.backends:
             raise ConfigError(f"TIERKV_NVME_BACKEND={self.nvme_backend!r}: allowed: {', '.join(self.backends)}")
 
@@ -49,26 +57,28 @@ class IOKnobs:
         env = os.environ if env is None else env
         defaults = {f.name: f.default for f in fields(cls)}
 
-        def integer(name: str, default: int) -> int:
+        def number(name: str, default: Any, kind: type, expected: str) -> Any:
             raw = env.get(name)
             if raw is None:
                 return default
             try:
-                return int(raw)
+                return kind(raw)
             except ValueError:
-                raise ConfigError(f"{name}={raw!r}: expected an integer") from None
+                raise ConfigError(f"{name}={raw!r}: expected {expected}") from None
 
         aio = env.get("TIERKV_NVME_AIO", "1").strip().lower()
         if aio not in ("0", "1", "off", "on", "false", "true", "no", "yes"):
             raise ConfigError(f"TIERKV_NVME_AIO={env['TIERKV_NVME_AIO']!r}: allowed: 1 (native AIO reads) or 0 "
                               "(reads on worker threads)")
         return cls(
-            io_threads=integer("TIERKV_IO_THREADS", defaults["io_threads"]),
+            io_threads=number("TIERKV_IO_THREADS", defaults["io_threads"], int, "an integer"),
             nvme_backend=env.get("TIERKV_NVME_BACKEND", defaults["nvme_backend"]),
             nvme_aio=aio in ("1", "on", "true", "yes"),
-            copy_threads=integer("TIERKV_COPY_THREADS", defaults["copy_threads"]),
+            copy_threads=number("TIERKV_COPY_THREADS", defaults["copy_threads"], int, "an integer"),
             inflight_bytes=parse_size(env.get("TIERKV_INFLIGHT_BYTES", defaults["inflight_bytes"]),
                                       "TIERKV_INFLIGHT_BYTES"),
+            switch_interval=number("TIERKV_SWITCH_INTERVAL", defaults["switch_interval"], float,
+                                   "seconds, like 0.0005"),
         )
 
 

@@ -148,9 +148,9 @@ def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tm
     assert first.sparse["budget_tokens"] == 256 and first.sparse["pages_read"] > 0
     assert first.sparse["attend"] == "pages"
     assert first.tiers["nvme"]["bytes_written"] > 0
-    overlapped = run(config.updated(sparse_overlap=True), loaded=smollm2)     # a decode-only setting:
-    assert overlapped.reused_prompt_tokens == 1199 and overlapped.found          # the stored index serves it
-    assert overlapped.sparse["overlap"] and not first.sparse["overlap"]
+    waiting = run(config.updated(no_sparse_overlap=False), loaded=smollm2)   # a decode-only setting:
+    assert waiting.reused_prompt_tokens == 1199 and waiting.found              # the stored index serves it
+    assert first.sparse["overlap"] and not waiting.sparse["overlap"]           # overlap is the default
 
 
 def test_decode_widens_to_the_pages_read_at_most_twice_the_selection():

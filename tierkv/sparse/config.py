@@ -110,11 +110,11 @@ class SparseConfig:
                                    "to twice its own selection (no extra read, more of the attention covered); "
                                    "chunks: each head only the chunks it selected",
                           flag="--sparse-attend", choices=ATTENDS)
-    # decode: attend to the pages in place while the rest load, then to those (merged exactly);
-    # hides the loads where compute has its own device, costs CPU where it shares the cores
-    overlap: bool = setting(False, "decode: attend to the pages already in memory while the rest load from "
-                                   "NVMe, then to those (an exact merge); hides the loads where compute has cores "
-                                   "of its own, costs throughput where it shares them", flag="--sparse-overlap")
+    # decode: attend to the pages in place while the rest load, then to those (merged exactly); with
+    # the loads off the worker threads (native AIO) it hides them at no cost in tokens/s, so it is on
+    overlap: bool = setting(True, "decode: wait for all of a layer's pages before attending to any (by default "
+                                  "a layer attends to the pages in memory while the rest load from NVMe, then to "
+                                  "those: an exact merge that hides the loads)", flag="--no-sparse-overlap")
     selector: str = setting("shadowkv", "chunk selector: shadowkv (landmarks), quest (page bounds), near-memory "
                                         "(scored in a simulated CXL pool), or module:Class", metavar="NAME")
     prefetch: str = setting("none", "what to load for layer l+1 during layer l: none (on a CPU a guess costs "
