@@ -61,12 +61,14 @@ def test_the_longest_landmark_is_found_across_blocks(monkeypatch, chunks):
 
 
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
-def test_bf16_landmarks_scored_rough_first_pick_the_chunks_exact_scores_pick(query_dtype):
+def test_bf16_landmarks_scored_rough_first_pick_the_chunks_exact_scores_pick(query_dtype, monkeypatch):
     """Landmarks that share a large mean key (as real keys do: a score's rounding to bf16 then spans many
     chunks) and a few exact ties: the rough pass in bf16, then the exact rescoring of every chunk the
     rounding could still put in the top k, picks what scoring everything exactly picks, whatever the
     query's dtype (a float32 query is split into a bf16 head and tail); candidates and k past them hold."""
+    from tierkv import scoring
     from tierkv.scoring import longest_landmark, top_landmark_chunks
+    monkeypatch.setattr(scoring, "TWO_PASS_FROM", 1)    # these 3,000 chunks take the two passes too
     g = torch.Generator().manual_seed(5)
     C, H, G, D = 3000, 3, 3, 64
     common = torch.randn(H, D, generator=g) * 4
@@ -89,10 +91,12 @@ def test_bf16_landmarks_scored_rough_first_pick_the_chunks_exact_scores_pick(que
     assert top_landmark_chunks(query, landmarks[:0], 5, norm=norm).shape == (H, 0)
 
 
-def test_landmarks_with_room_to_grow_pick_what_contiguous_ones_pick():
+def test_landmarks_with_room_to_grow_pick_what_contiguous_ones_pick(monkeypatch):
     """The index keeps landmarks [H, capacity, D] and scores the first C of each head (a narrowed view,
     as after the index grew): the same picks as the same landmarks stored contiguously."""
+    from tierkv import scoring
     from tierkv.scoring import longest_landmark, top_landmark_chunks
+    monkeypatch.setattr(scoring, "TWO_PASS_FROM", 1)
     g = torch.Generator().manual_seed(8)
     storage = torch.randn(3, 700, 32, generator=g).to(torch.bfloat16)
     grown = storage[:, :500].permute(1, 0, 2)                      # [C, H, D], heads 700 rows apart

@@ -1,5 +1,6 @@
 import tracemalloc
 
+import numpy as np
 import pytest
 
 from tierkv.errors import BudgetExceeded
@@ -56,6 +57,12 @@ def test_batch_transitions_match_single_ones_and_check_before_changing():
         pool.unpin_many([1, 1])
     assert pool.pins(1) == 1
     pool.unpin_many([0, 0, 1])
+    pool.pin_many((1,))                           # distinct slots take the path without np.unique
+    with pytest.raises(ValueError, match="slot=0: unpin without pin"):
+        pool.unpin_many((1, 0))
+    assert pool.pins(1) == 1                      # refused as a whole
+    pool.unpin_many(np.array([1]))
+    assert pool.pins(1) == 0
     pool.release_many([0, 2])
     assert pool.state(0) is SlotState.FREE and pool.state(2) is SlotState.FREE
     assert pool.reserve_many(4) == [0, 2, 3, 4]   # released slots first, lowest first, then new ones

@@ -158,8 +158,11 @@ class BlockingTierManager:
             ready, lease, rest = await self.manager.read(keys, tier, layer=layer)
             return ready, lease, None if rest is None else _thread_future(rest)
         ready, lease, pending = self._run(begin())
-        in_place = set(ready)
-        missing = [i for i in range(len(keys)) if i not in in_place]
+        if len(ready) == len(keys):
+            missing = []
+        else:
+            in_place = set(ready)
+            missing = [i for i in range(len(keys)) if i not in in_place]
         future = ReadFuture(self, into, ready, missing, pending, tier, layer)
         try:
             self._copy_out(self._callers(lease), into, ready)

@@ -360,11 +360,12 @@ class TierManager:
         if self.access is not None:
             self.access.on_acquire(keys, layer)
         found = self.directory.find(keys, self._readable(tier))
-        self._record_hits(found, layer)
-        ready = [i for i, place in enumerate(found) if place is not None]
-        ready_keys = [keys[i] for i in ready]
-        lease = Lease(tuple(ready_keys), self._residency.pin(ready_keys, [found[i] for i in ready]),
-                      self.tiers, self._unpin)
+        if self._record_hits(found, layer):
+            ready = [i for i, place in enumerate(found) if place is not None]
+            ready_keys, places = [keys[i] for i in ready], [found[i] for i in ready]
+        else:                   # every block in place: the usual read at a step's reuse
+            ready, ready_keys, places = list(range(len(keys))), keys, found
+        lease = Lease(tuple(ready_keys), self._residency.pin(ready_keys, places), self.tiers, self._unpin)
         rest = None
         if len(ready) < len(keys):
             taken = set(ready)

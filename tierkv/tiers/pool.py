@@ -129,14 +129,22 @@ class BlockPool:
         self._state[self._checked(slots, RESERVED)] = READY
 
     def pin_many(self, slots: Sequence[int]) -> None:
-        np.add.at(self._pins, self._checked(slots, READY), 1)
+        at = self._checked(slots, READY)
+        if _distinct(slots):
+            self._pins[at] += 1       # a slot named once: plain indexing (np.add.at costs ~10 us a call)
+        else:
+            np.add.at(self._pins, at, 1)
 
     def unpin_many(self, slots: Sequence[int]) -> None:
-        which, times = np.unique(self._checked(slots, READY), return_counts=True)
+        at = self._checked(slots, READY)
+        if _distinct(slots):          # the usual case: no np.unique (~15 us a call on the loop thread)
+            which, times = at, 1
+        else:
+            which, times = np.unique(at, return_counts=True)
         short = self._pins[which] < times          # more unpins than pins (a slot may repeat)
         if short.any():
             raise ValueError(f"slot={which[short][0]}: unpin without pin")
-        self._pins[which] -= times.astype(np.int32)
+        self._pins[which] -= times
 
     def release_many(self, slots: Sequence[int]) -> None:
         """Free every slot of ``slots``, each checked (in use, unpinned, named once) before any is."""
@@ -224,3 +232,8 @@ class BlockPool:
         state = self._state.item(slot) if 0 <= slot < len(self._state) else FREE
         if state != expected:
             raise ValueError(f"slot={slot}: is {_STATES[state].value}, expected {_STATES[expected].value}")
+
+
+def _distinct(slots: Sequence[int]) -> bool:
+    """Whether no slot repeats (a set of a batch's Python ints costs ~2 us)."""
+    return len(set(slots)) == len(slots) if not isinstance(slots, np.ndarray) else len(np.unique(slots)) == len(slots)
