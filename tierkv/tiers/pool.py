@@ -236,4 +236,4 @@ class BlockPool:
 
 def _distinct(slots: Sequence[int]) -> bool:
     """Whether no slot repeats (a set of a batch's Python ints costs ~2 us)."""
-    return len(set(slots)) == len(slots) if not isinstance(slots, np.ndarray) else len(np.unique(slots)) == len(slots)
+    return len(set(slots.tolist() if isinstance(slots, np.ndarray) else slots)) == len(slots)
