@@ -126,10 +126,11 @@ def decode_rows(report: Report, config: str, result: dict, peak: int, wall: floa
     for tier, t in tiers.items():
         rows[f"{tier}_peak"] = (t["peak_bytes"], "B")
         rows[f"{tier}_read"] = (t["bytes_read"], "B")
+        rows[f"{tier}_read_answering"] = (t["answer_bytes_read"], "B")
     for metric, (value, unit) in rows.items():
         report.add_row(config, metric, value, unit, context=tokens, dtype=dtype)
     steps, page = max(1, result["generated_tokens"]), s["page_bytes"]
-    loads = tiers["nvme"]["bytes_read"] / page / steps
+    loads = tiers["nvme"]["answer_bytes_read"] / page / steps        # the prefill's own reads left out
     report.add_ratio(f"decode_tok_s_{config.removeprefix('sparse-remap').strip('-') or 'default'}@{label}",
                      round(result["decode_tokens_per_s"], 3), 1.0 if config == "sparse-remap" else None,
                      f"{config}: decode tok/s from the stored prefill, {loads:.0f} page loads ({loads * page / 1e6:.0f} MB) "

@@ -39,7 +39,7 @@ class RunResult:
     sparse: dict[str, object] = field(default_factory=dict)
     answer: str | None = None           # the planted passkey of a synthetic prompt
     found: bool | None = None
-    tiers: dict[str, dict[str, object]] = field(default_factory=dict)
+    tiers: dict[str, dict[str, object]] = field(default_factory=dict)   # bytes_read: the run's; answer_bytes_read: after the prefill
     remote: dict[str, object] | None = None   # the remote store's counts (--remote)
     buffers: dict[str, object] | None = None  # dense mode: the per-layer K/V buffers (--kv-buffer)
 
@@ -77,6 +77,7 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
             result.document_tokens = len(prompt.ids) - 1
             session.read_ids(prompt.ids[:-1], progress=progress)
         result.prefill_s = session.document_s
+        before = _bytes_read(session.backend(session.document.mode))
         read_at = start + (time.perf_counter() - start - session.document_s)
         prefill_event = Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, read_at + result.prefill_s)
         questions = list(p.questions or [DEFAULT_QUESTION]) if prompt is None else [None]
@@ -90,6 +91,8 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
         backend = session.backends[session.last_mode]
         backend.events.record(prefill_event)
         _summarise(result, backend, session)
+        for name, stats in result.tiers.items():    # what the answers read, the document's prefill aside
+            stats["answer_bytes_read"] = stats["bytes_read"] - before.get((id(backend), name), 0)
         if prompt is not None:
             result.found = prompt.answer in result.text
         backend.manager.flush()
@@ -118,6 +121,10 @@ def _add_answer(result: RunResult, question: str | None, answer: Answer, start: 
     result.decode_s += answer.decode_s
     result.stall_fraction += answer.stall_s       # seconds until _summarise divides
     result.sparse = answer.report
+
+
+def _bytes_read(backend) -> dict[tuple[int, str], int]:
+    return {(id(backend), name): stats["bytes_read"] for name, stats in backend.manager.tier_stats().items()}
 
 
 def _summarise(result: RunResult, backend, session: Session) -> None:
