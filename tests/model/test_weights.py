@@ -7,6 +7,7 @@ from torch import nn
 from tinymodels import native_logits, tiny_model
 
 from tierkv.errors import ConfigError
+from tierkv.model import arch
 from tierkv.model.arch import weight_bytes
 from tierkv.model.loading import load_model
 from tierkv.model.weights import GROUP, Int4Linear, Int8Linear, quantize_weights
@@ -66,6 +67,39 @@ def test_every_path_runs_on_the_quantized_weights(dtype):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     else:        # bf16: the two attentions round differently (float32 above tells the weights apart)
         torch.testing.assert_close(got, expected, atol=0.15, rtol=0.05)
+
+
+def test_4_bit_projections_join_into_one_layer_over_the_same_values():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64)
+    parts = [Int4Linear(nn.Linear(64, rows), torch.float32) for rows in (128, 64, 64)]
+    want = torch.cat([part(x) for part in parts], dim=-1)
+    whole = Int4Linear.joined(parts)
+    assert torch.equal(whole(x), want) and torch.equal(torch.cat([part(x) for part in parts], dim=-1), want)
+    assert parts[1].packed.data_ptr() == whole.packed[128].data_ptr()          # row slices: no second copy
+    # parts of rows that do not fill the kernel's blocks of packed rows are not joined
+    assert Int4Linear.joined([Int4Linear(nn.Linear(64, rows), torch.float32) for rows in (16, 32)]) is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_4_bit_projections_run_where_they_join_and_give_the_same_logits(kind):
+    model = tiny_model(kind)
+    quantize_weights(model, "int4", torch.float32)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want, native = model(ids).logits, native_logits(model, ids, chunk=16, block=8)
+    arch.fuse_projections(model)
+    layer = arch.decoder_layers(model)[0]
+    assert arch.FUSED not in layer.self_attn.__dict__          # k and v: 32 rows, less than a block of packed rows
+    fused = layer.mlp.__dict__[arch.FUSED]                      # gate and up: 128 rows each
+    assert fused.joined is not None and layer.mlp.up_proj.packed.data_ptr() == fused.joined.packed[128].data_ptr()
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, want)             # transformers' forward: bit for bit
+        assert torch.equal(native_logits(model, ids, chunk=16, block=8), native)
+        h = torch.randn(1, 2, 64)
+        layer.mlp.up_proj.packed = layer.mlp.up_proj.packed.clone()   # its weights replaced after joining
+        assert arch._fused(layer.mlp, h) is None
+        torch.testing.assert_close(arch.mlp_block(layer, h), h + layer.mlp(layer.post_attention_layernorm(h)))
 
 
 @pytest.mark.model

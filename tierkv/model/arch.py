@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from tierkv.errors import ConfigError
-from tierkv.model.weights import quantized_params
+from tierkv.model.weights import Int4Linear, quantized_params
 from tierkv.ops.rope import apply_rope
 
 # transformers `model_type` -> what it is; every one runs through the functions below.
@@ -177,10 +177,11 @@ FUSED = "tierkv_fused"     # the module attribute holding a `Fused`
 
 @dataclass(frozen=True, slots=True)
 class Fused:
-    weight: Tensor                      # [sum of outputs, in]: the projections' weights, one after another
+    weight: Tensor | None               # [sum of outputs, in]: the projections' weights, one after another
     bias: Tensor | None
     sizes: list[int]                    # each projection's outputs
-    parts: tuple[tuple[str, nn.Linear, int, int], ...]  # (name, module, weight and bias addresses) when fused
+    parts: tuple[tuple[str, nn.Module, int, int], ...]  # (name, module, weight and bias addresses) when fused
+    joined: nn.Module | None = None     # quantized projections: one layer computing them all (weight None)
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
@@ -189,7 +190,8 @@ def fuse_projections(model: nn.Module) -> nn.Module:
     values in the same [out, in] layout, no second copy), so its own forward is unchanged, and the
     functions above run one matmul while the modules still hold the slices. Fewer, larger matmuls over
     weights that do not fit a cache: the linear layers of a SmolLM2 decode step on 2 cores take 17 ms
-    instead of 26 in bf16 (`bench/RESULTS.md`). A module that is not a plain ``nn.Linear`` (quantized,
+    instead of 26 in bf16 (`bench/RESULTS.md`). 4-bit projections are joined the same way
+    (``Int4Linear.joined``: the modules hold row slices of one packed tensor); any other module (8-bit,
     adapted) is left as it is."""
     for layer in decoder_layers(model):
         _fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
@@ -199,6 +201,13 @@ def fuse_projections(model: nn.Module) -> nn.Module:
 
 def _fuse(module: nn.Module, names: tuple[str, ...]) -> None:
     linears = [getattr(module, name, None) for name in names]
+    if all(type(linear) is Int4Linear for linear in linears):
+        joined = Int4Linear.joined(linears)
+        if joined is not None:
+            parts = tuple((name, linear, linear.weight_address(), _address(linear.bias))
+                          for name, linear in zip(names, linears))
+            module.__dict__[FUSED] = Fused(None, None, [linear.out_features for linear in linears], parts, joined)
+        return
     if not all(type(linear) is nn.Linear for linear in linears):
         return
     biases = [linear.bias for linear in linears]
@@ -226,8 +235,11 @@ def _fused(module: nn.Module, x: Tensor) -> tuple[Tensor, ...] | None:
     modules = module._modules
     for name, linear, weight, bias in fused.parts:    # (~1 us each: plain dict lookups, not nn.Module's)
         params = linear._parameters
-        if modules[name] is not linear or params["weight"].data_ptr() != weight or _address(params["bias"]) != bias:
+        now = params["weight"].data_ptr() if fused.joined is None else linear.weight_address()
+        if modules[name] is not linear or now != weight or _address(params.get("bias")) != bias:
             return None
+    if fused.joined is not None:
+        return fused.joined(x).split(fused.sizes, dim=-1)
     return torch.nn.functional.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
 
 

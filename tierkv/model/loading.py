@@ -74,6 +74,7 @@ def load_model(spec: str = "smollm2", *, dtype: torch.dtype = torch.float32,
     else:                               # quantized from the full-precision values, not from rounded ones
         model, tokenizer = _load_folder(folder, torch.float32)
         quantize_weights(model, weights, dtype)
+        fuse_projections(model)
     model_id = f"{_display_name(source)}@{digest}" + (f"+{SCHEMES[weights]}" if weights else "")
     return LoadedModel(model, tokenizer, model_id, model_spec(model))
 

@@ -15,6 +15,8 @@ the model's dtype.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -46,6 +48,10 @@ class _QuantizedLinear(nn.Module):
     def _matmul(self, rows: Tensor) -> Tensor:          # rows [M, in] -> [M, out], in the weights' dtype
         raise NotImplementedError
 
+    def weight_address(self) -> int:
+        """Where the weights lie (a fused projection checks that they were not replaced)."""
+        raise NotImplementedError
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
@@ -73,6 +79,34 @@ class Int4Linear(_QuantizedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(self.scales_zeros.dtype), self.packed, GROUP,
                                                           self.scales_zeros)
 
+    def weight_address(self) -> int:
+        return self.packed.data_ptr()
+
+    @classmethod
+    def joined(cls, parts: Sequence[Int4Linear]) -> Int4Linear | None:
+        """One layer over the same input computing every part's outputs, one part after another (q, k
+        and v in one matmul); the parts then hold row slices of its packed values, no second copy.
+        The kernel packs a block of output rows together, so this holds only where each part's rows
+        fill whole blocks: checked by computing both ways, bit for bit; None where they differ."""
+        first = parts[0]
+        if any(p.in_features != first.in_features or (p.bias is None) != (first.bias is None) for p in parts):
+            return None
+        whole = cls.__new__(cls)
+        nn.Module.__init__(whole)
+        whole.in_features, whole.out_features = first.in_features, sum(p.out_features for p in parts)
+        whole.bias = None if first.bias is None else nn.Parameter(torch.cat([p.bias for p in parts]),
+                                                                  requires_grad=False)
+        whole.register_buffer("packed", torch.cat([p.packed for p in parts]))
+        whole.register_buffer("scales_zeros", torch.cat([p.scales_zeros for p in parts], dim=1))
+        probe = torch.randn(3, first.in_features, generator=torch.Generator().manual_seed(0))
+        if not torch.equal(whole(probe), torch.cat([p(probe) for p in parts], dim=-1)):
+            return None
+        start = 0
+        for part in parts:
+            part.packed = whole.packed[start:start + part.out_features]    # contiguous rows of the whole
+            start += part.out_features
+        return whole
+
 
 class Int8Linear(_QuantizedLinear):
     """``nn.Linear`` with 8-bit weights, one scale per output row (symmetric)."""
@@ -86,6 +120,9 @@ class Int8Linear(_QuantizedLinear):
 
     def _matmul(self, rows: Tensor) -> Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows.to(self.scale.dtype), self.q, self.scale)
+
+    def weight_address(self) -> int:
+        return self.q.data_ptr()
 
 
 def quantize_weights(model: nn.Module, weights: str, dtype: torch.dtype) -> nn.Module:
