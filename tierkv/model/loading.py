@@ -13,7 +13,7 @@ Converted GGUF models are cached as safetensors (fp32: exactly the dequantised w
 A cache entry is built in a temp folder beside it and renamed into place, so it is either whole
 or absent; one whose files disagree with its manifest is rebuilt.
 
-``model_id`` is ``<name>@<xxh3-128 of the weight files>`` (``+int4g32h8`` with 4-bit weights): KV of different
+``model_id`` is ``<name>@<xxh3-128 of the weight files>`` (``+int4g32h8-bf16`` with 4-bit weights): KV of different
 weights never mixes.
 Nothing is downloaded: hub access is off (HF_HUB_OFFLINE=1 and local_files_only everywhere).
 """

@@ -109,7 +109,8 @@ class EngineSettings:
                                     "AMX, AVX512-BF16; tierkv info says), float32 elsewhere", choices=("auto", *DTYPES))
     weights: str | None = setting(None, "keep the decoder's weights quantized in memory: int4 (4 bits in groups of 32, "
                                         "the output head in 8; a Q4_1 GGUF such as smollm2 keeps its own values; "
-                                        "CPU only; default: the weights in --dtype)", metavar="int4")
+                                        "multiplied in bfloat16 whatever --dtype; CPU only; default: the weights in "
+                                        "--dtype)", metavar="int4")
     block_tokens: int = setting(256, "tokens per KV block (dense mode)", metavar="N")
     kv_dtype: str | None = setting(None, "dense mode: store sealed KV blocks quantized, int8, int4 or int2 (keys per "
                                          "channel, values per token; options -g<N> channels per value scale, "
