@@ -70,6 +70,30 @@ def test_everything_in_place_leaves_nothing_to_wait_for(tmp_path, knobs):
         assert_quiescent(mgr.manager)
 
 
+def test_a_read_that_may_lend_lends_blocks_in_one_extent_and_copies_otherwise(tmp_path, knobs):
+    with manager(tmp_path / "s", knobs, gpu=16) as mgr:
+        keys = stored(mgr, 8)
+        out = torch.zeros(len(keys), BLOCK, dtype=torch.uint8)
+        future = mgr.read(keys, into=out, lend=True)
+        assert future.missing == [] and future.lease is not None and not out.any()     # nothing copied
+        extent, rows = future.extent
+        assert all(torch.equal(extent[row], block(i)) for i, row in enumerate(rows.tolist()))
+        gpu = mgr.manager.tiers["gpu"].pool
+        assert gpu.busy_slots() == len(keys)                     # pinned while lent
+        future.lease.release()
+        mgr.contains(keys[0])                                    # the unpins have run
+        assert_quiescent(mgr.manager)
+    with manager(tmp_path / "t", knobs) as mgr:                  # some blocks only on disk: copied as usual
+        keys = stored(mgr, 12)
+        out = torch.zeros(len(keys), BLOCK, dtype=torch.uint8)
+        future = mgr.read(keys, into=out, lend=True)
+        assert future.missing and future.lease is None and future.extent is None
+        future.wait()
+        assert all(torch.equal(out[i], block(i)) for i in range(len(keys)))
+        mgr.contains(keys[0])
+        assert_quiescent(mgr.manager)
+
+
 def test_a_cancelled_read_releases_its_blocks_when_they_arrive(tmp_path, knobs):
     with manager(tmp_path / "s", knobs) as mgr:
         keys = stored(mgr, 12)

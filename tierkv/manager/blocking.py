@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from operator import itemgetter
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from tierkv.config import TierConfig
@@ -60,13 +61,18 @@ class ReadFuture:
         f.wait()                          # every row in place; the time it blocked is recorded as a stall
         f.cancel()                        # not waiting: what is loading is released as it arrives
 
-    A future is waited or cancelled once; a later call does nothing.
+    A future is waited or cancelled once; a later call does nothing. A read that may lend
+    (``read(..., lend=True)``) and finds every block in one extent of a host tier copies nothing:
+    ``f.lease`` holds them pinned, ``f.extent`` is where they lie (``Lease.in_place``), and the
+    caller reads them there and releases the lease.
     """
 
     def __init__(self, manager: BlockingTierManager, into: torch.Tensor, ready: list[int], missing: list[int],
                  pending: Future | None, tier: str | None, layer: int | None) -> None:
         self.ready, self.missing = ready, missing
         self._manager, self._into, self._pending, self._tier, self._layer = manager, into, pending, tier, layer
+        self.lease: Lease | None = None
+        self.extent: tuple[torch.Tensor, np.ndarray] | None = None
 
     def done(self) -> bool:
         """Nothing is left loading (or it was waited for, or cancelled)."""
@@ -149,11 +155,12 @@ class BlockingTierManager:
             lease.release()
 
     def read(self, keys: Sequence[BlockKey], *, into: torch.Tensor, tier: str | None = None,
-             layer: int | None = None) -> ReadFuture:
+             layer: int | None = None, lend: bool = False) -> ReadFuture:
         """Read blocks ``keys`` into rows of ``into`` (uint8 [len(keys), block_bytes]), in one hop to the
         loop: the blocks in memory are copied before this returns (one tier gather per tier), the rest
         start loading, and ``ReadFuture.wait()`` copies them in. ``mgr.read(keys, into=rows).wait()``
-        is a plain blocking read."""
+        is a plain blocking read. ``lend``: where every block is in memory, in one extent of a host
+        tier, nothing is copied and the future lends them (``ReadFuture.lease``, ``.extent``)."""
         async def begin() -> tuple[list[int], Lease, Future | None]:
             ready, lease, rest = await self.manager.read(keys, tier, layer=layer)
             return ready, lease, None if rest is None else _thread_future(rest)
@@ -164,8 +171,18 @@ class BlockingTierManager:
             in_place = set(ready)
             missing = [i for i in range(len(keys)) if i not in in_place]
         future = ReadFuture(self, into, ready, missing, pending, tier, layer)
+        lease = self._callers(lease)
+        if lend and not missing:
+            try:
+                future.extent = lease.in_place()
+            except BaseException:
+                lease.release()
+                raise
+            if future.extent is not None:
+                future.lease = lease
+                return future
         try:
-            self._copy_out(self._callers(lease), into, ready)
+            self._copy_out(lease, into, ready)
         except BaseException:
             future.cancel()
             raise

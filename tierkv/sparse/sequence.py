@@ -29,12 +29,13 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from tierkv.errors import BlockMissing
 from tierkv.keys import BlockKey
-from tierkv.manager import BlockingTierManager
+from tierkv.manager import BlockingTierManager, Lease
 from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
@@ -284,8 +285,8 @@ class SparseSequence:
 
         ``shared``: every head has the same chunks; their keys come from one product A[rows] @ B.
         Pages pinned in one extent of a host tier are read in place (only the rows wanted are
-        copied; ``_read_pinned``); otherwise they are copied out first, at most half the fastest
-        tier at once. ``split``: pages not in place are left loading (their rows zero; see
+        copied; ``_read_lease``); otherwise they are copied out first, at most half the fastest
+        tier at once. ``split``: pages not in memory are left loading (their rows zero; see
         ``gather_split``); a read of more than half the fastest tier splits its last group only.
         """
         state = self.layers[layer]
@@ -302,7 +303,10 @@ class SparseSequence:
         future = loading = None
         if split:
             first = groups[-1][0]
-            future = self.manager.read(keys[first:], into=raw[first:], tier=self.read_tier, layer=layer)
+            future = self.manager.read(keys[first:], into=raw[first:], tier=self.read_tier, layer=layer,
+                                       lend=first == 0)
+            if future.lease is not None:          # every page in memory, in one extent: read there
+                return self._read_lease(state, future.lease, future.extent, chunks, page, shared)
             if not future.missing:
                 future = None
         try:
@@ -328,11 +332,22 @@ class SparseSequence:
         over several buffers, measured, cost about what the copy does)."""
         lease = self.manager.acquire(keys, self.read_tier, layer=layer)
         try:
-            found, raw = lease.in_place(), None
+            found = lease.in_place()
+        except BaseException:
+            lease.release()
+            raise
+        return self._read_lease(state, lease, found, chunks, page, shared)
+
+    def _read_lease(self, state: LayerState, lease: Lease, found: tuple[Tensor, np.ndarray] | None,
+                    chunks: Tensor, page: Tensor, shared: bool) -> LayerRead:
+        """``_read`` of pages ``lease`` pins, which it releases: ``found`` (``Lease.in_place``) where
+        they lie in one extent of a host tier, to be read there."""
+        try:
+            raw = None
             if found is not None:
                 blocks = Blocks(self.layout, found[0], torch.from_numpy(found[1]))
             else:
-                raw = pages_buffer(len(keys), self.layout.block_bytes)
+                raw = pages_buffer(len(lease.keys), self.layout.block_bytes)
                 self.manager.copy_out(lease, raw)
                 blocks = Blocks(self.layout, raw)
             return LayerRead(*self._rebuild(state, chunks, page, blocks, shared), raw, None)
