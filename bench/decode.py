@@ -62,6 +62,7 @@ from tierkv.config import TierConfig
 from tierkv.device import host_buffer
 from tierkv.errors import ConfigError
 from tierkv.hf import ATTENTION, TieredCache
+from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager
 from tierkv.model.arch import weight_bytes
 from tierkv.model.engine import Engine
@@ -566,6 +567,7 @@ def main(argv: list[str] | None = None) -> Report:
         parse_contexts(args.branch_contexts or ("4K" if args.quick else "4K,32K"))
     if args.threads:
         torch.set_num_threads(args.threads)
+    IOKnobs.from_env().apply_to_process()    # as the tierkv command sets its own process, for every row alike
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the stores still go
     args.dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=".tierkv-decode-", dir=args.dir))
@@ -592,7 +594,8 @@ def main(argv: list[str] | None = None) -> Report:
     report.seconds = round(time.perf_counter() - started, 1)
     report.add_bound(f"load: 1-min load average {report.machine['load_avg_1m']} at start, {os.getloadavg()[0]:.2f} "
                      f"at end, on {report.machine['threads']} CPUs; OMP_WAIT_POLICY="
-                     f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; dtype {args.dtype}"
+                     f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}; switch interval {sys.getswitchinterval()} s, "
+                     f"malloc keeps {IOKnobs.from_env().malloc_keep >> 20} MiB freed; dtype {args.dtype}"
                      + (f", {args.weights} weights" if args.weights else "") + f", {steps} timed steps per config")
     if args.out:
         report.write_json(args.out)

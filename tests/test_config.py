@@ -1,3 +1,7 @@
+import platform
+import subprocess
+import sys
+
 import pytest
 
 from tierkv.config import TierConfig
@@ -43,3 +47,35 @@ def test_env_knobs():
         IOKnobs.from_env({"TIERKV_NVME_BACKEND": "fast"})
     with pytest.raises(ConfigError, match="TIERKV_IO_THREADS='x'"):
         IOKnobs.from_env({"TIERKV_IO_THREADS": "x"})
+
+
+def test_malloc_keep_knob():
+    assert IOKnobs.from_env({}).malloc_keep == 64 * 2**20
+    assert IOKnobs.from_env({"TIERKV_MALLOC_KEEP": "0"}).malloc_keep == 0
+    with pytest.raises(ConfigError, match="TIERKV_MALLOC_KEEP"):
+        IOKnobs.from_env({"TIERKV_MALLOC_KEEP": "lots"})
+
+
+KEEP_PROBE = """
+import resource, numpy as np
+from tierkv.knobs import keep_freed_memory
+
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        blocks = [np.ones(4 << 20, np.uint8) for _ in range(6)]    # 24 MiB written, then freed together
+        del blocks
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+print(faults(), keep_freed_memory(64 << 20), [faults(), faults()][1])     # the kept heap once grown
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_freed_memory_kept_for_reuse_stops_the_page_faults_of_every_allocation():
+    """What a sparse layer's temporaries do: blocks of a few MiB freed together went back to the
+    system at once, and the next ones faulted their pages in again."""
+    out = subprocess.run([sys.executable, "-c", KEEP_PROBE], capture_output=True, text=True, check=True).stdout
+    default, applied, kept = out.split()
+    assert applied == "True"
+    assert int(default) > 10 * 1024 and int(kept) < int(default) // 10     # 4 MiB: 1,024 pages

@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        sys.setswitchinterval(IOKnobs.from_env().switch_interval)   # this process is tierkv's own
+        IOKnobs.from_env().apply_to_process()   # this process is tierkv's own
         return args.func(args)
     except (TierKVError, OSError) as error:
         print(f"tierkv: error: {error}", file=sys.stderr)

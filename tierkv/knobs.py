@@ -10,12 +10,17 @@ TIERKV_COPY_THREADS        2         worker threads for host/device copies
 TIERKV_INFLIGHT_BYTES      256MiB    bytes the manager keeps in flight at most
 TIERKV_SWITCH_INTERVAL     0.0005    seconds: the interpreter's thread switch interval the tierkv
                                      command sets (the library leaves it as it is)
+TIERKV_MALLOC_KEEP         64MiB     freed heap memory glibc may keep for reuse in the tierkv command
+                                     (its trim threshold; blocks under half of it, at most 32 MiB,
+                                     come from the heap, not from mmap); 0: glibc's own behaviour
 TIERKV_CACHE_DIR           ~/.cache/tierkv  converted models (GGUF -> safetensors) under models/
 =========================  ========  ===============================================
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from pathlib import Path
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -41,6 +46,9 @@ class IOKnobs:
     # a hop from the model's thread to the manager's loop waits for the interpreter's lock while an I/O
     # or copy thread holds it, up to this long (Python's default 5 ms; at 1M tokens 0.5 ms gave ~9 %)
     switch_interval: float = 0.0005
+    # a sparse decode step allocates and frees ~20 MB of temporaries a layer; glibc handed the freed
+    # top of its heap back at once, so each layer faulted fresh pages in (bench/RESULTS.md)
+    malloc_keep: int = 64 * 1024**2
     backends: tuple[str, ...] = field(default=("auto", "kvikio", "odirect", "buffered"), repr=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +59,15 @@ class IOKnobs:
             raise ConfigError(f"TIERKV_SWITCH_INTERVAL={self.switch_interval}: seconds, more than 0 and at most 1")
         if self.nvme_backend not in self.backends:
             raise ConfigError(f"TIERKV_NVME_BACKEND={self.nvme_backend!r}: allowed: {', '.join(self.backends)}")
+        if self.malloc_keep < 0:
+            raise ConfigError(f"TIERKV_MALLOC_KEEP={self.malloc_keep}: must be >= 0 bytes (0: glibc's own)")
+
+    def apply_to_process(self) -> None:
+        """What the tierkv command sets for its own process (the library leaves both as they are): the
+        interpreter's switch interval and, on glibc, how much freed memory malloc keeps."""
+        sys.setswitchinterval(self.switch_interval)
+        if self.malloc_keep:
+            keep_freed_memory(self.malloc_keep)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> IOKnobs:
@@ -79,7 +96,25 @@ class IOKnobs:
                                       "TIERKV_INFLIGHT_BYTES"),
             switch_interval=number("TIERKV_SWITCH_INTERVAL", defaults["switch_interval"], float,
                                    "seconds, like 0.0005"),
+            malloc_keep=parse_size(env.get("TIERKV_MALLOC_KEEP", defaults["malloc_keep"]), "TIERKV_MALLOC_KEEP"),
         )
+
+
+MMAP_THRESHOLD_MAX = 32 * 1024**2    # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit machines
+
+
+def keep_freed_memory(nbytes: int) -> bool:
+    """Let glibc's malloc keep up to ``nbytes`` of freed heap for reuse (``M_TRIM_THRESHOLD``) and take
+    blocks under half of it (at most 32 MiB) from the heap (``M_MMAP_THRESHOLD``); this also stops it
+    moving both thresholds as it goes. False where the C library has no ``mallopt`` (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    trim, mmap_threshold = -1, -3                  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD (malloc.h)
+    limit = 2**31 - 1
+    return bool(mallopt(trim, min(nbytes, limit))) and bool(mallopt(mmap_threshold, min(nbytes // 2, MMAP_THRESHOLD_MAX)))
 
 
 def cache_dir() -> Path:
