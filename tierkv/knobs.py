@@ -113,8 +113,8 @@ def keep_freed_memory(nbytes: int) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     trim, mmap_threshold = -1, -3                  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD (malloc.h)
-    limit = 2**31 - 1
-    return bool(mallopt(trim, min(nbytes, limit))) and bool(mallopt(mmap_threshold, min(nbytes // 2, MMAP_THRESHOLD_MAX)))
+    kept = bool(mallopt(trim, min(nbytes, 2**31 - 1)))
+    return kept and bool(mallopt(mmap_threshold, min(nbytes // 2, MMAP_THRESHOLD_MAX)))
 
 
 def cache_dir() -> Path:

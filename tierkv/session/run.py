@@ -39,7 +39,8 @@ class RunResult:
     sparse: dict[str, object] = field(default_factory=dict)
     answer: str | None = None           # the planted passkey of a synthetic prompt
     found: bool | None = None
-    tiers: dict[str, dict[str, object]] = field(default_factory=dict)   # bytes_read: the run's; answer_bytes_read: after the prefill
+    # per tier: budget, peak, bytes read and written over the run; answer_bytes_read: read after the prefill
+    tiers: dict[str, dict[str, object]] = field(default_factory=dict)
     remote: dict[str, object] | None = None   # the remote store's counts (--remote)
     buffers: dict[str, object] | None = None  # dense mode: the per-layer K/V buffers (--kv-buffer)
 
