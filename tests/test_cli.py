@@ -59,7 +59,9 @@ def test_info_text(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["info", "--bogus"], "unrecognized arguments: --bogus"),
+    (["info", "--bogus"], "tierkv info: unrecognized arguments: --bogus (see tierkv info --help)"),
+    (["run", "--synthetic-tokens", "100", "--bogus"], "tierkv run: unrecognized arguments: --bogus (see tierkv run --help)"),
+    (["store", "verify", "--nvme-dir", "x", "--bogus"], "(see tierkv store verify --help)"),
     (["nonsense"], "invalid choice: 'nonsense'"),
     (["run"], "give exactly one of --doc FILE or --synthetic-tokens N"),
     (["run", "--synthetic-tokens", "x"], "invalid int value: 'x'"),

@@ -44,6 +44,23 @@ RETIRED_FLAGS = {"--sparse-overlap": "overlap is the default; --no-sparse-overla
 
 
 class _Parser(argparse.ArgumentParser):
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, but an unknown flag is named by the (sub)command it was given to, whose
+        ``--help`` lists the flags it takes."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self._chosen(parsed).error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def _chosen(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The innermost (sub)command parser ``parsed`` went through."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest, None))
+                if isinstance(chosen, _Parser):
+                    return chosen._chosen(parsed)
+        return self
+
     def error(self, message: str) -> None:  # one line, not usage + traceback
         hints = [f"{flag}: {why}" for flag, why in RETIRED_FLAGS.items()
                  if message.startswith("unrecognized arguments") and flag in message.split()]
