@@ -221,17 +221,16 @@ def nvme_probes(store: NvmeTier, src: CpuTier, landing: CpuTier, n: int, batch: 
     slots: list[int] = []
 
     def recycle() -> None:  # untimed: forget the last round's blocks, as eviction would
-        for key, slot in zip(keys, slots):
+        for key in keys[:len(slots)]:
             store.drop(key)
-            store.pool.release(slot)
+        store.pool.release_many(slots)
         slots.clear()
 
-    def write() -> None:
+    def write() -> None:   # slots reserved and committed a batch at a time, as the manager's write-backs do
         for lo in range(0, n, batch):
-            got = [store.pool.reserve() for _ in range(lo, min(lo + batch, n))]
+            got = store.pool.reserve_many(min(batch, n - lo))
             store.write([(keys[lo + j], slot, src.view(lo + j)) for j, slot in enumerate(got)])
-            for slot in got:
-                store.pool.commit(slot)
+            store.pool.commit_many(got)
             slots.extend(got)
 
     def read() -> None:
