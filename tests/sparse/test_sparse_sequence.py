@@ -10,6 +10,7 @@ from tierkv.manager import BlockingTierManager, TierManager
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
+from tierkv.sparse.sequence import token_order
 from tierkv.sparse.step import gather_context
 
 H, D = 2, 16
@@ -273,3 +274,21 @@ def test_late_pages_with_no_sinks_or_window_land_in_the_joined_keys(tmp_path):
                 want_k, want_v = (k[p, h], v[p, h]) if p in exact else (k[p, h].bfloat16().float(),
                                                                          v[p, h].bfloat16().float())
                 assert torch.equal(context.k[h, row], want_k) and torch.equal(context.v[h, row], want_v)
+
+
+def test_token_order_merges_the_chunks_and_the_outliers_as_sorting_would():
+    g = torch.Generator().manual_seed(7)
+    for trial in range(200):
+        heads, chunk_tokens, outlier_tokens = (int(torch.randint(lo, hi, (1,), generator=g))
+                                               for lo, hi in ((1, 4), (0, 60), (0, 12)))
+        rows = [torch.randperm(300, generator=g) for _ in range(heads)]
+        chunks = torch.stack([r[:chunk_tokens].sort().values for r in rows])          # ascending, distinct
+        outliers = torch.stack([r[chunk_tokens:chunk_tokens + outlier_tokens].sort().values for r in rows])
+        parts = [chunks, outliers] if trial % 4 else [chunks]
+        positions = torch.cat(parts, 1)
+        order = token_order(parts)
+        assert order is not None or len(parts) == 1 or not outlier_tokens     # in order already: nothing to move
+        merged = positions if order is None else positions.gather(1, order)
+        assert torch.equal(merged, positions.sort(dim=1).values)
+    mixed = [torch.tensor([[5, 1, 3]]), torch.tensor([[2]])]                   # not ascending: sorted
+    assert torch.equal(torch.cat(mixed, 1).gather(1, token_order(mixed)), torch.tensor([[1, 2, 3, 5]]))
