@@ -10,7 +10,7 @@ from tierkv.manager import BlockingTierManager, TierManager
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
-from tierkv.sparse.sequence import token_order
+from tierkv.sparse.order import token_order
 from tierkv.sparse.step import gather_context
 
 H, D = 2, 16

@@ -78,7 +78,8 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
             result.document_tokens = len(prompt.ids) - 1
             session.read_ids(prompt.ids[:-1], progress=progress)
         result.prefill_s = session.document_s
-        before = _bytes_read(session.backend(session.document.mode))
+        document = session.backend(session.document.mode)
+        before = {name: stats["bytes_read"] for name, stats in document.manager.tier_stats().items()}
         read_at = start + (time.perf_counter() - start - session.document_s)
         prefill_event = Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, read_at + result.prefill_s)
         questions = list(p.questions or [DEFAULT_QUESTION]) if prompt is None else [None]
@@ -92,8 +93,9 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
         backend = session.backends[session.last_mode]
         backend.events.record(prefill_event)
         _summarise(result, backend, session)
+        prefill_reads = before if backend is document else {}
         for name, stats in result.tiers.items():    # what the answers read, the document's prefill aside
-            stats["answer_bytes_read"] = stats["bytes_read"] - before.get((id(backend), name), 0)
+            stats["answer_bytes_read"] = stats["bytes_read"] - prefill_reads.get(name, 0)
         if prompt is not None:
             result.found = prompt.answer in result.text
         backend.manager.flush()
@@ -122,10 +124,6 @@ def _add_answer(result: RunResult, question: str | None, answer: Answer, start: 
     result.decode_s += answer.decode_s
     result.stall_fraction += answer.stall_s       # seconds until _summarise divides
     result.sparse = answer.report
-
-
-def _bytes_read(backend) -> dict[tuple[int, str], int]:
-    return {(id(backend), name): stats["bytes_read"] for name, stats in backend.manager.tier_stats().items()}
 
 
 def _summarise(result: RunResult, backend, session: Session) -> None:
