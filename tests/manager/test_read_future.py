@@ -1,10 +1,13 @@
 """ReadFuture: the blocks in place are copied at once, the rest when they arrive; one read, one shape."""
+import random
+import threading
 import time
 
 import pytest
 import torch
 
 from tierkv.manager import BlockingTierManager, TierManager
+from tierkv.manager.lease import Lent
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.nvme import NvmeTier
@@ -135,4 +138,76 @@ def test_a_plain_read_waits_for_every_row_and_raises_for_a_block_stored_nowhere(
         with pytest.raises(BlockMissing):
             future.wait()
         settle(mgr, keys[0])
+        assert_quiescent(mgr.manager)
+
+
+def test_a_read_lent_unpinned_pins_nothing_and_says_whether_its_blocks_stayed(tmp_path, knobs):
+    with manager(tmp_path / "s", knobs, gpu=16) as mgr:
+        keys = stored(mgr, 9)
+        out = torch.zeros(8, BLOCK, dtype=torch.uint8)
+        hits = len(mgr.manager.events.of_kind("hit"))
+        future = mgr.read(keys[:8], into=out, lend=True, pin=False, layer=2)
+        assert isinstance(future.lease, Lent) and future.missing == [] and not out.any()
+        extent, rows = future.extent
+        assert all(torch.equal(extent[row], block(i)) for i, row in enumerate(rows.tolist()))
+        assert mgr.manager.tiers["gpu"].pool.busy_slots() == 0          # nothing pinned
+        assert [(e.layer, e.blocks) for e in mgr.manager.events.of_kind("hit")[hits:]] == [(2, 8)]
+        assert future.lease.release()                                   # nothing moved meanwhile
+        order = mgr.manager.policies["gpu"]._order
+        mgr.contains(keys[0])                                           # the loop told the policy
+        assert list(order)[-8:] == keys[:8]
+
+        future = mgr.read(keys[:8], into=out, lend=True, pin=False)
+        mgr.drop([keys[8]])                                             # a slot of the tier freed meanwhile
+        assert not future.lease.release()                               # what was read may be another block
+        assert_quiescent(mgr.manager)
+    with manager(tmp_path / "t", knobs) as mgr:                         # some only on disk: the pinned read
+        keys = stored(mgr, 12)
+        out = torch.zeros(len(keys), BLOCK, dtype=torch.uint8)
+        future = mgr.read(keys, into=out, lend=True, pin=False)
+        assert future.missing and future.lease is None
+        future.wait()
+        assert all(torch.equal(out[i], block(i)) for i in range(len(keys)))
+        mgr.contains(keys[0])
+        assert_quiescent(mgr.manager)
+
+
+def test_blocks_lent_unpinned_that_stayed_put_are_the_blocks_asked_for(tmp_path, knobs):
+    """A reader lends blocks unpinned while another thread keeps evicting the tier they lie in: every
+    read whose lease says the blocks stayed put holds exactly them."""
+    with manager(tmp_path / "s", knobs, gpu=6, cpu=64) as mgr:
+        keys = stored(mgr, 24)
+        stop = threading.Event()
+
+        def churn() -> None:
+            rng = random.Random(1)
+            while not stop.is_set():
+                mgr.acquire(rng.sample(keys, 3), tier="gpu").release()
+
+        churner = threading.Thread(target=churn)
+        churner.start()
+        rng, kept, moved = random.Random(2), 0, 0
+        try:
+            deadline = time.monotonic() + 30
+            while (kept < 50 or moved < 5) and time.monotonic() < deadline:
+                asked = rng.sample(range(len(keys)), 2)
+                future = mgr.read([keys[i] for i in asked], into=torch.zeros(2, BLOCK, dtype=torch.uint8),
+                                  lend=True, pin=False, tier="gpu")
+                if not isinstance(future.lease, Lent):
+                    if future.lease is not None:
+                        future.lease.release()
+                    future.wait()
+                    continue
+                extent, rows = future.extent
+                got = extent[torch.from_numpy(rows)].clone()
+                if future.lease.release():
+                    kept += 1
+                    assert all(torch.equal(got[j], block(i)) for j, i in enumerate(asked))
+                else:
+                    moved += 1
+        finally:
+            stop.set()
+            churner.join()
+        assert kept >= 50 and moved >= 5
+        mgr.contains(keys[0])
         assert_quiescent(mgr.manager)

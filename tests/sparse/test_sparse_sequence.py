@@ -109,6 +109,36 @@ def test_pages_in_one_host_tier_are_read_in_place_pages_in_two_are_copied(monkey
             assert copies == copied and manager.busy_blocks() == 0
 
 
+def test_a_split_read_lends_pages_unpinned_and_reads_them_again_pinned_if_a_slot_was_freed(monkeypatch):
+    """A split gather (overlap) finds pages all in place without a hop to the manager's loop and pins
+    nothing. When the tier gives a slot back while the rows are taken (here: another block dropped),
+    it cannot trust them and reads the pages again, pinned: the keys and values are exact either way."""
+    cfg = config(outlier_fraction=0.2)
+    with pages_manager(cfg) as manager:
+        seq, k, v, outliers, free = indexed_tokens(manager, cfg)
+        other = BlockKey.of("another", seq.layout.block_bytes, 0)
+        manager.put(other, torch.zeros(seq.layout.block_bytes, dtype=torch.uint8))
+        chunks = torch.stack([free[[0, 3, 9]], free[[2, 3, 17]]])
+        expect = [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)]
+        reads: list[bool] = []
+        real_read, real_rebuild = BlockingTierManager.read, SparseSequence._rebuild
+        monkeypatch.setattr(BlockingTierManager, "read", lambda self, *a, **kw: (
+            reads.append(kw.get("pin", True)), real_read(self, *a, **kw))[1])
+        got = seq.gather_split(0, chunks)
+        assert got[3] is None and reads == [False] and manager.busy_blocks() == 0
+        assert_exact(got[:3], k, v, expect)
+
+        def rebuild_while_a_slot_is_freed(self, *a, **kw):
+            if manager.contains(other):
+                manager.drop([other])
+            return real_rebuild(self, *a, **kw)
+        monkeypatch.setattr(SparseSequence, "_rebuild", rebuild_while_a_slot_is_freed)
+        reads.clear()
+        got = seq.gather_split(0, chunks)
+        assert reads == [False, True] and got[3] is None and manager.busy_blocks() == 0
+        assert_exact(got[:3], k, v, expect)
+
+
 def test_whole_pages_give_every_head_every_indexed_chunk_of_the_pages_read():
     """Two chunks per 16-token page: the heads' chunks widen to their pages' chunks, the same for
     every head, outliers still once; the same pages are read, the keys and values stay exact."""

@@ -27,7 +27,10 @@ from tierkv.config import TierConfig
 
 from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
+from tierkv.errors import BlockMissing
+from tierkv.manager.lease import Lent, lends_in_place
 from tierkv.manager.manager import Lease, TierManager
+from tierkv.manager.residency import touch_all
 from tierkv.manager.remote import Recompute, hold_or_fetch
 from tierkv.tiers.base import Tier
 from tierkv.tiers.remote import RemoteStore
@@ -71,7 +74,7 @@ class ReadFuture:
                  pending: Future | None, tier: str | None, layer: int | None) -> None:
         self.ready, self.missing = ready, missing
         self._manager, self._into, self._pending, self._tier, self._layer = manager, into, pending, tier, layer
-        self.lease: Lease | None = None
+        self.lease: Lease | Lent | None = None
         self.extent: tuple[torch.Tensor, np.ndarray] | None = None
 
     def done(self) -> bool:
@@ -115,6 +118,7 @@ class BlockingTierManager:
         self._thread.start()
         self._closed = False
         self._released: deque[Any] = deque()   # places callers let go of, not yet unpinned on the loop
+        self._used: deque[tuple[str, Sequence[BlockKey]]] = deque()   # blocks lent unpinned, not yet touched
         try:
             self._run(manager.start())
             self._loop.call_soon_threadsafe(self._tick)
@@ -155,12 +159,21 @@ class BlockingTierManager:
             lease.release()
 
     def read(self, keys: Sequence[BlockKey], *, into: torch.Tensor, tier: str | None = None,
-             layer: int | None = None, lend: bool = False) -> ReadFuture:
+             layer: int | None = None, lend: bool = False, pin: bool = True) -> ReadFuture:
         """Read blocks ``keys`` into rows of ``into`` (uint8 [len(keys), block_bytes]), in one hop to the
         loop: the blocks in memory are copied before this returns (one tier gather per tier), the rest
         start loading, and ``ReadFuture.wait()`` copies them in. ``mgr.read(keys, into=rows).wait()``
         is a plain blocking read. ``lend``: where every block is in memory, in one extent of a host
-        tier, nothing is copied and the future lends them (``ReadFuture.lease``, ``.extent``)."""
+        tier, nothing is copied and the future lends them (``ReadFuture.lease``, ``.extent``).
+
+        ``pin=False`` (with ``lend``): where every block lies in one extent of the first tier read in
+        place, they are found on this thread, with no hop and no pin, and lent as a ``Lent``, whose
+        ``release()`` says whether they stayed put while they were read (False: read again, pinned).
+        Otherwise, or while an access hook records the reads, it is the pinned read."""
+        if lend and not pin:
+            future = self._lend_unpinned(keys, into, tier, layer)
+            if future is not None:
+                return future
         async def begin() -> tuple[list[int], Lease, Future | None]:
             ready, lease, rest = await self.manager.read(keys, tier, layer=layer)
             return ready, lease, None if rest is None else _thread_future(rest)
@@ -186,6 +199,32 @@ class BlockingTierManager:
         except BaseException:
             future.cancel()
             raise
+        return future
+
+    def _lend_unpinned(self, keys: Sequence[BlockKey], into: torch.Tensor, tier: str | None,
+                       layer: int | None) -> ReadFuture | None:
+        """``read(..., lend=True, pin=False)`` done here, or None where it cannot be (see ``read``). The
+        directory is read while the loop may change it: whatever it changes under the lookup either
+        leaves the blocks where they were found or frees a slot of the tier first (``Lent``)."""
+        mgr = self.manager
+        if self._closed or mgr.access is not None or mgr.directory.cold or not keys or not mgr.in_place_tiers:
+            return None     # (a guessed block's first read tells its policy: the loop's read does that)
+        name = tier or mgr.in_place_tiers[0]
+        host = mgr.tiers[name]
+        if not lends_in_place(host):
+            return None
+        epoch = host.pool.epoch
+        try:
+            slots = mgr.directory.slots_in(keys, name)
+            where = None if slots.min() < 0 else host.locate_many(slots)
+        except (BlockMissing, IndexError):   # unknown keys, or a lookup that raced a change
+            return None
+        if where is None or host.pool.epoch != epoch:
+            return None
+        self._used.append((name, keys))       # its policy hears of the use on the loop
+        mgr.record_hits(name, len(keys), layer)
+        future = ReadFuture(self, into, list(range(len(keys))), [], None, tier, layer)
+        future.lease, future.extent = Lent(tuple(keys), host.pool, epoch), where
         return future
 
     def copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
@@ -326,10 +365,14 @@ class BlockingTierManager:
         self._released.append(places)
 
     def _unpin_released(self) -> None:
-        """On the loop: unpin what callers released (a deque: appends from other threads are never lost)."""
-        released = self._released
+        """On the loop: unpin what callers released, and tell the policies of the blocks lent unpinned
+        (deques: appends from other threads are never lost)."""
+        released, used = self._released, self._used
         while released:
             self.manager._unpin(released.popleft())
+        while used:
+            name, keys = used.popleft()
+            touch_all(self.manager.policies[name], keys)
 
     def _tick(self) -> None:
         self._unpin_released()

@@ -1,4 +1,5 @@
-"""A lease: blocks pinned in memory tiers for one caller, until it releases them."""
+"""A lease: blocks pinned in memory tiers for one caller, until it releases them; or lent unpinned,
+checked when released (``Lent``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
@@ -9,6 +10,12 @@ import torch
 
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Tier
+
+
+def lends_in_place(tier: Tier) -> bool:
+    """Whether a caller may read ``tier``'s blocks where they lie: host memory, with no modelled link."""
+    return getattr(tier, "device", None) == torch.device("cpu") and hasattr(tier, "locate_many") \
+        and getattr(tier, "reads_in_place", True)
 
 
 @dataclass(slots=True)
@@ -38,12 +45,36 @@ class Lease:
         if len(names) != 1:
             return None
         tier = self.tiers[names.pop()]
-        if getattr(tier, "device", None) != torch.device("cpu") or not hasattr(tier, "locate_many") \
-                or not getattr(tier, "reads_in_place", True):
-            return None
-        return tier.locate_many([slot for _, slot in self.places])
+        return tier.locate_many([slot for _, slot in self.places]) if lends_in_place(tier) else None
 
-    def release(self) -> None:
+    def release(self) -> bool:
+        """Unpin the blocks; True (what was read through a pinned lease is what was asked for)."""
         if not self.released:
             self.released = True
             self.unpin(self.places)
+        return True
+
+
+@dataclass(slots=True, eq=False)
+class Lent:
+    """Blocks lent where they lie, unpinned (``BlockingTierManager.read(..., lend=True, pin=False)``):
+    found without a hop to the manager's loop, so nothing keeps them in their slots while they are
+    read. A slot is only written after it was freed, and freeing any slot of the pool bumps its
+    ``epoch`` first, so ``release()`` says whether the rows read are the blocks asked for::
+
+        found at epoch e  ->  read rows  ->  release(): pool.epoch == e ?  True: theirs  False: read again
+    """
+
+    keys: tuple[BlockKey, ...]
+    pool: object        # the tier's BlockPool
+    epoch: int
+    released: bool = False
+
+    def intact(self) -> bool:
+        """No slot of the tier was freed since the blocks were found."""
+        return self.pool.epoch == self.epoch
+
+    def release(self) -> bool:
+        """Whether the blocks stayed put until now (False: what was read may be another block's)."""
+        self.released = True
+        return self.intact()

@@ -385,11 +385,16 @@ class TierManager:
     def _record_hits(self, found: Sequence[Place | None], layer: int | None) -> int:
         """Record a ``hit`` event per tier for the blocks found in place; returns how many are not."""
         hits = Counter(map(itemgetter(0), filter(None, found)))
+        for name, n in hits.items():
+            self.record_hits(name, n, layer)
+        return len(found) - hits.total()
+
+    def record_hits(self, name: str, blocks: int, layer: int | None) -> None:
+        """A ``hit`` event: ``blocks`` read where they were, in tier ``name``."""
         if self.events.enabled:
             now = time.perf_counter()
-            for name, n in hits.items():
-                self.events.record(Event(EventKind.HIT, name, name, layer, n * self.block_bytes, now, now, now, n))
-        return len(found) - hits.total()
+            nbytes = blocks * self.block_bytes
+            self.events.record(Event(EventKind.HIT, name, name, layer, nbytes, now, now, now, blocks))
 
     def prefetch(self, keys: Sequence[BlockKey], tier: str | None = None, *,
                  layer: int | None = None, guess: bool = False) -> None:

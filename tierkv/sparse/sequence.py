@@ -36,6 +36,7 @@ from torch import Tensor
 from tierkv.errors import BlockMissing
 from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager, Lease
+from tierkv.manager.lease import Lent
 from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
@@ -305,10 +306,14 @@ class SparseSequence:
         future = loading = None
         if split:
             first = groups[-1][0]
-            future = self.manager.read(keys[first:], into=raw[first:], tier=self.read_tier, layer=layer,
-                                       lend=first == 0)
-            if future.lease is not None:          # every page in memory, in one extent: read there
-                return self._read_lease(state, future.lease, future.extent, chunks, page, shared)
+            for pin in (False, True):   # lent unpinned first: no hop to the manager's loop
+                future = self.manager.read(keys[first:], into=raw[first:], tier=self.read_tier, layer=layer,
+                                           lend=first == 0, pin=pin)
+                if future.lease is None:
+                    break
+                read = self._read_lease(state, future.lease, future.extent, chunks, page, shared)
+                if read is not None:              # every page in memory, in one extent: read there
+                    return read
             if not future.missing:
                 future = None
         try:
@@ -340,10 +345,11 @@ class SparseSequence:
             raise
         return self._read_lease(state, lease, found, chunks, page, shared)
 
-    def _read_lease(self, state: LayerState, lease: Lease, found: tuple[Tensor, np.ndarray] | None,
-                    chunks: Tensor, page: Tensor, shared: bool) -> LayerRead:
-        """``_read`` of pages ``lease`` pins, which it releases: ``found`` (``Lease.in_place``) where
-        they lie in one extent of a host tier, to be read there."""
+    def _read_lease(self, state: LayerState, lease: Lease | Lent, found: tuple[Tensor, np.ndarray] | None,
+                    chunks: Tensor, page: Tensor, shared: bool) -> LayerRead | None:
+        """``_read`` of pages ``lease`` pins (or lends, ``Lent``), which it releases: ``found``
+        (``Lease.in_place``) where they lie in one extent of a host tier, to be read there. None where
+        lent pages moved while they were read (read them again, pinned)."""
         try:
             raw = None
             if found is not None:
@@ -352,9 +358,11 @@ class SparseSequence:
                 raw = pages_buffer(len(lease.keys), self.layout.block_bytes)
                 self.manager.copy_out(lease, raw)
                 blocks = Blocks(self.layout, raw)
-            return LayerRead(*self._rebuild(state, chunks, page, blocks, shared), raw, None)
-        finally:
+            read = LayerRead(*self._rebuild(state, chunks, page, blocks, shared), raw, None)
+        except BaseException:
             lease.release()
+            raise
+        return read if lease.release() else None
 
     def _rebuild(self, state: LayerState, chunks: Tensor, page: Tensor, blocks: Blocks,
                  shared: bool) -> tuple[Tensor, Tensor, Tensor]:

@@ -45,6 +45,7 @@ class BlockPool:
         self._state = np.zeros(0, np.int8)    # per slot below len: FREE / RESERVED / READY
         self._pins = np.zeros(0, np.int32)    # per slot below len: readers holding it
         self._used = 0                        # slots not FREE
+        self.epoch = 0                        # bumped before any slot is freed (see `release_many`)
         self._freed: list[int] = []           # heap of released slots below _next
         self._next = 0                        # slots >= _next were never used
 
@@ -147,7 +148,10 @@ class BlockPool:
         self._pins[which] -= times
 
     def release_many(self, slots: Sequence[int]) -> None:
-        """Free every slot of ``slots``, each checked (in use, unpinned, named once) before any is."""
+        """Free every slot of ``slots``, each checked (in use, unpinned, named once) before any is.
+        ``epoch`` goes up before any is freed: a block is only ever written into a free slot, so a
+        reader that looked slots up at one epoch and reads the same epoch after reading them read
+        what was there at the lookup (`tierkv.manager.lease.Lent`)."""
         at = np.array(slots, np.int64)
         if len(at) == 0:
             return
@@ -160,6 +164,7 @@ class BlockPool:
                 if self.pins(slot):
                     raise ValueError(f"slot={slot}: still pinned {self.pins(slot)} time(s)")
                 seen.add(slot)
+        self.epoch += 1    # first: a reader that found blocks here without pinning them sees it after
         self._state[at] = FREE
         self._used -= len(at)
         self._released(at)
