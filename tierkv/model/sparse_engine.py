@@ -208,7 +208,8 @@ class SparseEngine:
         chunks = self._select(seq, index, query, phase)
         chunks, shared = phase.scope.widen(seq, index, query, chunks)
         # with overlap (phase.split) the pages in place are attended to while the rest load
-        context = gather_context(seq, index, chunks, shared=shared, split=phase.split)
+        new = (k_pre[0], v[0], pos) if q_pre.shape[2] == 1 else None   # decode: one pass over context and token
+        context = gather_context(seq, index, chunks, shared=shared, split=phase.split, new=new)
         try:
             if phase.prefetch and index + 1 < len(self.layers):    # next layer's loads overlap the rest
                 self._prefetch(seq, index + 1, h, pos)

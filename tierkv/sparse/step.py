@@ -5,6 +5,7 @@ Per layer and forward pass, after the chunks are chosen (``tierkv.sparse.plan``)
     context  = sinks | pages of the chunks (keys = A B) + outliers | window     pre-RoPE, token order
     RoPE     at the real positions, or compact ones 0 .. |context|-1 then the queries
     out      = merge(attend(q, context), attend(q, new tokens, causal))
+               attend(q, context | new token)           decode: one token, in the context's pass
 
 ``gather_context`` reads the pages through the sequence; ``attend_layer``
 is a pure function of its inputs. With a split read (overlap), the tokens of
@@ -33,14 +34,16 @@ from tierkv.sparse.sequence import SparseSequence
 @dataclass(slots=True)
 class Context:
     """What a layer attends to besides the new tokens: pre-RoPE K, V [Hkv, Tc, D] and real positions
-    [Hkv, Tc] of sinks | gathered chunks + outliers | window. With ``loading``, the gathered rows
-    (``first`` on, real positions ``p_mid`` [Hkv, M]) of pages still loading are zeros in ``k``, ``v``."""
+    [Hkv, Tc] of sinks | gathered chunks + outliers | window (| the decoded token, when ``new``). With
+    ``loading``, the gathered rows (``first`` on, real positions ``p_mid`` [Hkv, M]) of pages still
+    loading are zeros in ``k``, ``v``."""
     k: Tensor
     v: Tensor
     p: Tensor
     loading: Loading | None = None
     first: int = 0
     p_mid: Tensor | None = None
+    new: int = 0            # the last ``new`` rows are the step's own token (decode: one pass, no merge)
 
     def mask(self) -> Tensor | None:
         """-inf for the tokens still loading, per KV head [1, Hkv, 1, Tc] (None: nothing is)."""
@@ -58,9 +61,11 @@ class Context:
 
 
 def gather_context(seq: SparseSequence, layer: int, chunks: Tensor, *, shared: bool = False,
-                   split: bool = False) -> Context:
+                   split: bool = False, new: tuple[Tensor, Tensor, int] | None = None) -> Context:
     """Sinks | ``chunks`` [Hkv, k] + outliers | window of ``layer`` (``shared``: every head has the
-    same chunks; ``split``: pages not in place are still loading when this returns)."""
+    same chunks; ``split``: pages not in place are still loading when this returns). ``new``: a decode
+    step's own token, (pre-RoPE key, value [Hkv, 1, D], position), joined after the window so that
+    ``attend_layer`` attends to everything in one pass (the concatenation is made anyway)."""
     H = seq.layout.num_kv_heads
     k_mid, v_mid, p_mid, loading = seq.gather_split(layer, chunks, shared=shared) if split else \
         (*seq.gather(layer, chunks, shared=shared), None)
@@ -73,23 +78,26 @@ def gather_context(seq: SparseSequence, layer: int, chunks: Tensor, *, shared: b
         v_mid[heads[valid], at[valid]] = v_new[valid].to(v_mid.dtype)   # bf16 page rows were widened)
         loading = None
     start = seq.length(layer) - win_k.shape[0]
-    k = torch.cat([sink_k.transpose(0, 1), k_mid, win_k.transpose(0, 1)], dim=1)
-    v = torch.cat([sink_v.transpose(0, 1), v_mid, win_v.transpose(0, 1)], dim=1)
+    k_own, v_own, own_pos = new if new is not None else (k_mid[:, :0], v_mid[:, :0], 0)
+    k = torch.cat([sink_k.transpose(0, 1), k_mid, win_k.transpose(0, 1), k_own], dim=1)
+    v = torch.cat([sink_v.transpose(0, 1), v_mid, win_v.transpose(0, 1), v_own], dim=1)
     p = torch.cat([torch.arange(sink_k.shape[0]).expand(H, -1), p_mid,
-                   torch.arange(start, start + win_k.shape[0]).expand(H, -1)], dim=1)
-    return Context(k, v, p, loading, sink_k.shape[0], p_mid)
+                   torch.arange(start, start + win_k.shape[0]).expand(H, -1),
+                   torch.arange(own_pos, own_pos + k_own.shape[1]).expand(H, -1)], dim=1)
+    return Context(k, v, p, loading, sink_k.shape[0], p_mid, k_own.shape[1])
 
 
 def attend_layer(q_pre: Tensor, k_pre: Tensor, v: Tensor, pos: int, context: Context, positions: Positions,
                  rope: RopeTable) -> Tensor:
     """Attention output [1, H, T, D] of the new tokens (q_pre [1, H, T, D], k_pre and v [1, Hkv, T, D],
     the first at position ``pos``) over ``context`` and, causally, over themselves."""
-    T, Tc = q_pre.shape[2], context.k.shape[1]
+    T, Tc = q_pre.shape[2], context.k.shape[1] - context.new
     cos, sin = rope.span(positions.query_start(Tc, pos), T)
-    q, k_new = apply_rope(q_pre, cos.to(q_pre.dtype), sin.to(q_pre.dtype)), \
-        apply_rope(k_pre, cos.to(k_pre.dtype), sin.to(k_pre.dtype))
-    parts = [attend(q, k_new, v, causal=True)]
-    if Tc:
+    q = apply_rope(q_pre, cos.to(q_pre.dtype), sin.to(q_pre.dtype))
+    parts = []
+    if not context.new:         # the new tokens on their own, causally (the context holds the decoded one)
+        parts.append(attend(q, apply_rope(k_pre, cos.to(k_pre.dtype), sin.to(k_pre.dtype)), v, causal=True))
+    if Tc or context.new:
         k_ctx = positions.context_keys(context.k, context.p).to(q.dtype)
         parts.append(attend(q, k_ctx, context.v.to(q.dtype).unsqueeze(0), causal=False, mask=context.mask()))
     if context.loading is not None:
