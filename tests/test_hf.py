@@ -75,17 +75,38 @@ def spilling(config, tmp_path, block_tokens=32):
     return TieredCache(config, gpu=4 * block, cpu=8 * block, nvme_dir=tmp_path / "kv", block_tokens=block_tokens)
 
 
+def forced_logits(model, ids, cache, tokens):
+    """The logits of each next token as ``tokens`` follow ``ids`` through ``cache``, one step at a time."""
+    with torch.inference_mode():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        logits = [out.logits[0, -1]]
+        for token in tokens[:-1]:
+            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1])
+    return torch.stack(logits).float()
+
+
 @pytest.mark.model
-def test_smollm2_with_int8_blocks_gives_dynamic_cache_s_tokens_from_a_third_of_the_bytes(smollm2, tmp_path):
+def test_smollm2_with_int8_blocks_keeps_dynamic_cache_s_logits_from_a_third_of_the_bytes(smollm2, tmp_path):
+    # Greedy tokens alone would be a coin toss here: after the repeated filler the model's first two
+    # candidates are 0.06 apart, less than int8's error. So both caches are fed DynamicCache's greedy
+    # tokens and their logits compared: int8 stays within 0.5 of them at every step (int4 is ~1.7
+    # away) and picks the same token wherever DynamicCache's margin is wider than that.
     tok, model = smollm2.tokenizer, smollm2.model
     text = "The pass key is 31337. " + "The grass is green. The sky is blue. " * 90 + "What is the pass key?"
     ids = torch.tensor([tok(text)["input_ids"]])
-    expected = greedy(model, ids, DynamicCache(config=model.config), n=8)
+    tokens = greedy(model, ids, DynamicCache(config=model.config), n=8)
+    expected = forced_logits(model, ids, DynamicCache(config=model.config), tokens)
     block = block_bytes(model.config, 64)
     with TieredCache(model.config, gpu=8 * block, cpu=8 * block, nvme_dir=tmp_path / "kv", block_tokens=64,
                      kv_dtype="int8") as cache:
-        assert greedy(model, ids, cache, n=8) == expected
+        got = forced_logits(model, ids, cache, tokens)
         assert cache.layout.block_bytes <= 0.3 * block            # fp32 computed, int8 stored
+    assert (got - expected).abs().max() < 0.5
+    top2 = expected.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 1.0
+    assert clear.sum() >= 4
+    assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
 def test_a_cache_with_an_unknown_kv_dtype_says_what_is_allowed():
