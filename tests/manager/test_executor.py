@@ -92,6 +92,39 @@ async def test_a_failed_body_fails_its_future_and_is_recorded() -> None:
     assert [e.error for e in ex.recorder.events] == ["OSError"]
 
 
+async def test_on_done_hears_each_outcome_as_the_job_finishes_before_the_next_job_starts() -> None:
+    runner = HandRunner()
+    ex = executor(runner)
+    heard = []
+    first = ex.submit(move(0), lambda: "ok", Priority.NOW,
+                      lambda result, error: heard.append((result, error, [j.body() for j, _ in runner.started])))
+    second = ex.submit(move(1), lambda: None, Priority.NOW, lambda result, error: heard.append((result, error)))
+    runner.finish_next()
+    assert heard == [("ok", None, [])]           # the second job was not started yet when it ran
+    assert started(runner) == [None]
+    failure = OSError("disk")
+    runner.finish_next(failure)
+    assert heard[1] == (None, failure)
+    assert await first == "ok"
+    with pytest.raises(OSError, match="disk"):
+        await second
+
+
+async def test_a_thread_runner_hands_a_body_s_error_to_the_loop() -> None:
+    ex = Executor(1, 64 * BLOCK, EventRecorder(), ThreadRunner(1))
+    ex.start()
+    heard = []
+
+    def body():
+        raise OSError("disk")
+
+    work = ex.submit(move(0), body, Priority.NOW, lambda result, error: heard.append(error))
+    with pytest.raises(OSError, match="disk"):
+        await work
+    assert [type(e) for e in heard] == [OSError]
+    await ex.aclose()
+
+
 async def test_close_aborts_queued_jobs_waits_for_running_ones_then_closes_the_runner() -> None:
     runner = HandRunner()
     ex = executor(runner)

@@ -54,6 +54,7 @@ class Job:
     body: Callable[[], object]
     priority: Priority
     future: asyncio.Future
+    on_done: Callable[[object, BaseException | None], None] | None = None   # called as the job finishes
     submit: float = field(default_factory=time.perf_counter)
     start: float = 0.0
     state: JobState = JobState.QUEUED
@@ -92,8 +93,16 @@ class ThreadRunner:
 
     def run(self, job: Job, finish: Finish) -> None:
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self._pool, _timed, job)
-        work.add_done_callback(lambda done: _when_landed(loop, job, finish, *_outcome(done)))
+
+        def body() -> None:   # its outcome reaches the loop in one callback, not a chain of futures
+            try:
+                result, error = _timed(job), None
+            except BaseException as raised:   # noqa: BLE001 - handed to the loop, which raises it to the caller
+                result, error = None, raised
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_when_landed, loop, job, finish, result, error)
+
+        self._pool.submit(body)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -120,11 +129,6 @@ def _when_landed(loop: asyncio.AbstractEventLoop, job: Job, finish: Finish, resu
     finish(job, result, error)
 
 
-def _outcome(done: asyncio.Future) -> tuple[object, BaseException | None]:
-    error = done.exception()
-    return (None, error) if error is not None else (done.result(), None)
-
-
 class Executor:
     def __init__(self, threads: int, inflight_limit: int, recorder: EventRecorder,
                  runner: Runner | None = None) -> None:
@@ -149,10 +153,14 @@ class Executor:
     def queued(self) -> int:
         return sum(1 for _, _, job in self._heap if job.state is JobState.QUEUED)
 
-    def submit(self, transfer: Transfer, body: Callable[[], object], priority: Priority) -> asyncio.Future:
+    def submit(self, transfer: Transfer, body: Callable[[], object], priority: Priority,
+               on_done: Callable[[object, BaseException | None], None] | None = None) -> asyncio.Future:
+        """Queue ``body``; its future gets the result. ``on_done(result, error)`` runs on the loop as the
+        job finishes, before the future's callbacks (which wait for a later turn of the loop)."""
         if not self._open:
             raise ManagerClosed("executor is not running")
-        job = Job(transfer, body, priority, asyncio.get_running_loop().create_future(), submit=self._runner.clock())
+        job = Job(transfer, body, priority, asyncio.get_running_loop().create_future(), on_done,
+                  submit=self._runner.clock())
         self._push(job)
         self._pump()
         return job.future
@@ -220,8 +228,14 @@ class Executor:
             job.future.set_result(result)
         else:
             job.future.set_exception(error)
-        self._progress.set()
-        self._pump()
+            if job.on_done is not None:
+                job.future.exception()   # retrieved: on_done hands the error on
+        try:
+            if job.on_done is not None:
+                job.on_done(result, error)
+        finally:
+            self._progress.set()
+            self._pump()
 
     async def aclose(self) -> None:
         """Abort queued jobs (their futures raise ManagerClosed), let running ones finish."""

@@ -117,12 +117,15 @@ class Moves:
             for key, _ in joins:
                 self.executor.boost_moves(key, dst, Priority.NOW)
         kind = Kind.LOAD if priority is Priority.NOW else Kind.PREFETCH
-        moves = [self._move(group, src, dst, kind, priority, layer, self.claim(group, dst), cold=cold)
+        moves = [self._move(group, src, dst, kind, priority, layer, self.claim(group, dst), cold=cold, shielded=True)
                  for src, group in by_source.items()]
         # shielded: a caller cancelled before its moves start leaves them to run, so every claim made
         # above settles (a move never started would leave later readers joined to it forever)
-        results = await asyncio.shield(asyncio.gather(*moves, *(asyncio.shield(f) for f in joined),
-                                                      return_exceptions=True))
+        if len(moves) == 1 and not joined:   # the usual load: one source, nothing to join (no gather)
+            results = [await asyncio.shield(moves[0])]
+        else:
+            results = await asyncio.shield(asyncio.gather(*moves, *(asyncio.shield(f) for f in joined),
+                                                          return_exceptions=True))
         corrupt = [k for r in results if isinstance(r, list) for k in r]
         errors = [r for r in results if isinstance(r, BaseException)]
         if corrupt:
@@ -157,8 +160,11 @@ class Moves:
             self.directory.forget_if_empty(key)
 
     async def _move(self, keys: list[BlockKey], src: str, dst: str, kind: Kind, priority: Priority,
-                    layer: int | None, done: asyncio.Future, *, cold: bool = False) -> list[BlockKey]:
-        """Copy ``keys`` (claimed by ``done``) from ``src`` to ``dst``; returns keys whose source was corrupt."""
+                    layer: int | None, done: asyncio.Future, *, cold: bool = False,
+                    shielded: bool = False) -> list[BlockKey]:
+        """Copy ``keys`` (claimed by ``done``) from ``src`` to ``dst``; returns keys whose source was corrupt.
+        ``shielded``: this runs as a task its caller shields, so nothing cancels it: it waits on ``done``
+        itself, a turn of the loop sooner than through a shield of its own."""
         try:
             dst_slots = await self.reserve(dst, len(keys))
         except BaseException as error:
@@ -178,14 +184,12 @@ class Moves:
                             len(keys) * self.block_bytes, layer, cold=cold)
         handler = handler_for(self.tiers[src].medium, self.tiers[dst].medium)
         body = partial(handler, transfer, self.tiers[src], self.tiers[dst])
-        work = self.executor.submit(transfer, body, priority)
-        work.add_done_callback(lambda w: self._complete(transfer, w, done))
-        return await asyncio.shield(done)
+        self.executor.submit(transfer, body, priority, partial(self._complete, transfer, done))
+        return await (done if shielded else asyncio.shield(done))
 
-    def _complete(self, t: Transfer, work: asyncio.Future, done: asyncio.Future) -> None:
+    def _complete(self, t: Transfer, done: asyncio.Future, result: object, error: BaseException | None) -> None:
         self.tiers[t.src].pool.unpin_many(t.src_slots)
-        error = work.exception()
-        failed = set() if error is not None else set(work.result())
+        failed = set() if error is not None else set(result)
         if error is not None:
             self.tiers[t.dst].pool.release_many(t.dst_slots)
         else:

@@ -225,9 +225,12 @@ class BlockPool:
     def _checked(self, slots: Sequence[int], expected: int) -> np.ndarray:
         """``slots`` as an array, each checked to be in ``expected`` state before anything changes."""
         at = np.array(slots, np.int64)
-        states = self._states_at(at)
-        wrong = np.flatnonzero(states != expected)
-        if len(wrong):
+        try:    # as unsigned, a negative slot is past the arrays too: one indexing checks both bounds
+            states = self._state[at.view(np.uint64)]
+        except IndexError:
+            states = self._states_at(at)
+        if (states != expected).any():
+            wrong = np.flatnonzero(states != expected)
             first = wrong[0]
             raise ValueError(f"slot={at[first]}: is {_STATES[states[first]].value}, "
                              f"expected {_STATES[expected].value}")
