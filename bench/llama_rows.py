@@ -34,13 +34,18 @@ def repacking_off() -> bool:
 
 @contextlib.contextmanager
 def _model_params(**fields):
-    """llama-cpp-python's ``Llama`` takes no ``use_extra_bufts``: its default model params get it here."""
-    import llama_cpp
+    """llama-cpp-python's ``Llama`` takes no ``use_extra_bufts``: its default model params get it here.
+    ``Llama`` calls them through the bindings module (``llama_cpp.llama_cpp``), not the package, which
+    holds a copy of the name: patching the package's would change nothing."""
+    from llama_cpp import llama_cpp
     default = llama_cpp.llama_model_default_params
 
     def params():
         p = default()
+        known = {field[0] for field in type(p)._fields_}
         for name, value in fields.items():
+            if name not in known:   # a ctypes struct takes any attribute and ignores it
+                raise RuntimeError(f"llama.cpp's model params have no field {name!r} in this version")
             setattr(p, name, value)
         return p
 

@@ -64,6 +64,20 @@ def test_a_rope_table_spans_positions_in_the_dtype_asked_and_rotates_bf16_keys_a
     assert torch.equal(rope.apply_rope(k, cos16, sin16), apply_rotary_pos_emb(q, k, cos16, sin16)[1])
 
 
+def test_a_fused_span_rotation_is_apply_rope_rounded_once_and_follows_the_table_as_it_grows():
+    model = tiny_model("llama")
+    table = rope.RopeTable(lambda p: arch.rope_cos_sin(model, p.unsqueeze(0)), 16)
+    k = torch.randn(1, 2, 40, 16)
+    for start in (0, 3, 6000):                                         # 6000 grows the table
+        cos, sin = table.span(start, 40)
+        exact = rope.apply_rope(k, cos, sin)
+        assert torch.allclose(table.rotate_span(k, start), exact, atol=1e-5)
+        fused16 = table.rotate_span(k.bfloat16(), start)
+        assert fused16.dtype == torch.bfloat16
+        assert (fused16.float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()   # bf16 rounding
+    assert torch.allclose(rope.unrope(table.rotate_span(k, 9), *table.span(9, 40)), k, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_k_pre_is_k_before_rope(kind):
     model = tiny_model(kind)

