@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Container, Iterable, Iterator, Sequence
-from itertools import repeat
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -227,29 +227,27 @@ class Directory:
         source = np.full(len(rows), -1)
         for i, name in reversed(list(enumerate(order))):   # the first tier of ``order`` holding it wins
             source[self._rows.slots_of(rows, name) >= 0] = i
-        loads: dict[str, list[BlockKey]] = {}
+        need = ~there
         joins: list[tuple[BlockKey, asyncio.Future]] = []
         arriving = self._rows.arriving
-        for key, row, here, i in zip(keys, rows.tolist(), there.tolist(), source.tolist()):
-            if here:
-                continue
-            move = arriving.get(row, NOTHING_ARRIVING).get(dst)
-            if move is not None:
-                joins.append((key, move))
-            elif i < 0:
-                raise BlockMissing(f"block {key.hex()} is not stored in any tier", (key,))
-            else:
-                loads.setdefault(order[i], []).append(key)
+        if arriving.keys() & rows[need].tolist():     # moves into ``dst`` in flight are joined, not repeated
+            for i in np.flatnonzero(need).tolist():
+                move = arriving.get(int(rows[i]), NOTHING_ARRIVING).get(dst)
+                if move is not None:
+                    joins.append((keys[i], move))
+                    need[i] = False
+        if (source[need] < 0).any():
+            missing = list(compress(keys, (need & (source < 0)).tolist()))
+            raise BlockMissing(f"block {missing[0].hex()} is not stored in any tier", tuple(missing))
+        loads = {order[i]: list(compress(keys, (need & (source == i)).tolist()))
+                 for i in np.unique(source[need]).tolist()}
         return loads, joins
 
     def arrive(self, keys: Sequence[BlockKey], name: str, done: asyncio.Future) -> None:
         """The move ``done`` brings ``keys`` into ``name`` (readers of them join it)."""
         arriving = self._rows.arriving
         for row in self.rows(keys).tolist():
-            moves = arriving.get(row)
-            if moves is None:
-                moves = arriving[row] = {}
-            moves[name] = done
+            arriving.setdefault(row, {})[name] = done
 
     # -- bulk changes -------------------------------------------------------------
     def commit(self, keys: Sequence[BlockKey], name: str, slots: Sequence[int],
@@ -257,19 +255,16 @@ class Directory:
         """Record ``keys[i]`` READY in ``slots[i]`` of ``name``: (keys added, their slots, slots spare).
         A slot is spare where its key is gone, in ``skip``, or already has a copy there."""
         rows = self._table.find_many(keys)
-        column = self._rows.column(name)
+        self._rows.column(name)  # made on first use
         known = rows >= 0
         has = np.zeros(len(rows), bool)
         has[known] = self._rows.slots_of(rows[known], name) >= 0
-        added, taken, spare = [], [], []
-        for key, slot, row, there in zip(keys, slots, rows.tolist(), has.tolist()):
-            if row < 0 or there or key in skip:
-                spare.append(slot)
-                continue
-            column[row] = slot + 1
-            added.append(key)
-            taken.append(slot)
-        return added, taken, spare
+        ok = known & ~has        # (keys are distinct, so are their rows)
+        if skip:
+            ok &= ~np.fromiter(map(skip.__contains__, keys), bool, count=len(keys))
+        at = np.array(slots, np.int64)
+        self._rows.tiers[name][rows[ok]] = at[ok] + 1
+        return list(compress(keys, ok.tolist())), at[ok].tolist(), at[~ok].tolist()
 
     def settle(self, keys: Sequence[BlockKey], name: str, done: asyncio.Future) -> None:
         """The move ``done`` of ``keys`` into ``name`` is over; a block left with no copy and nothing
@@ -302,11 +297,12 @@ class Directory:
         self.wanted.update(items)
 
     def unwant(self, items: Iterable[tuple[BlockKey, str]]) -> None:
+        wanted, drop = self.wanted, dict.__delitem__    # (a Counter's own del runs Python code per item)
         for item in items:
-            if (left := self.wanted[item] - 1) > 0:
-                self.wanted[item] = left
+            if (left := wanted[item] - 1) > 0:
+                wanted[item] = left
             else:
-                del self.wanted[item]
+                drop(wanted, item)
 
     def order(self, name: str) -> np.ndarray:
         """`Rows.order`: a policy's stamp per row for ``name`` (tierkv.manager.array_lru)."""

@@ -16,6 +16,7 @@ Tiers are ordered fastest first; the store (NVMe) is last when there is one.
 from __future__ import annotations
 
 from collections.abc import Container, Hashable, Mapping, Sequence
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -93,9 +94,9 @@ class Unevictable(Container[Hashable]):
         pinned = np.zeros(len(keys), bool)
         pinned[here] = self._pins_of(slots[here]) > 0
         out = pinned | (here & self._last & (holders > 0) & (copies == 1))
-        if self._wanted:
-            name, wanted = self._name, self._wanted.get
-            out |= here & np.fromiter((bool(wanted((key, name))) for key in keys), bool, count=len(keys))
+        if self._wanted:   # (a key is in ``wanted`` only while its count is above 0)
+            asked = map(self._wanted.__contains__, zip(keys, repeat(self._name)))
+            out |= here & np.fromiter(asked, bool, count=len(keys))
         return out.tolist()
 
     def __contains__(self, key: object) -> bool:
@@ -129,6 +130,9 @@ def split_victims(victims: Sequence[BlockKey], name: str, directory: Directory,
     demote: list[BlockKey] = []
     drop: list[BlockKey] = []
     holders, copies, below_has = directory.counts(victims, below)
+    if not room:    # no memory below (the store is next, or the tier under is full): last copies go down
+        only = ((copies == 1) & (holders > 0)).tolist() if below is not None else [False] * len(victims)
+        return list(compress(victims, only)), list(compress(victims, [not x for x in only]))
     for key, held, n, has in zip(victims, holders.tolist(), copies.tolist(), below_has.tolist()):
         only_copy = n == 1 and held > 0 and below is not None
         if only_copy or (len(demote) < room and not has):
