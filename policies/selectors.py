@@ -29,7 +29,7 @@ from torch import Tensor
 
 from policies.registry import Registry
 from tierkv.policy import ChunkSelector, ChunkView, SparsePrefetch
-from tierkv.scoring import bound_scores, top_chunks, top_landmark_chunks
+from tierkv.scoring import bound_scores, landmark_scores, scores_every_chunk, top_chunks, top_landmark_chunks
 
 SELECTORS: Registry[ChunkSelector] = Registry("selector", ChunkSelector, ("select",))
 SPARSE_PREFETCH: Registry[SparsePrefetch] = Registry("sparse prefetch", SparsePrefetch, ("plan",))
@@ -48,6 +48,13 @@ class Landmarks:
     def select(self, query: Tensor, view: ChunkView, k: int) -> Tensor:
         return top_landmark_chunks(query, view.landmarks, k, view.candidates, scale=view.landmark_scale,
                                    norm=getattr(view, "landmark_norm", None))
+
+    def select_scored(self, query: Tensor, view: ChunkView, k: int) -> tuple[Tensor, Tensor | None]:
+        if not scores_every_chunk(view.landmarks, k, scale=view.landmark_scale,
+                                  norm=getattr(view, "landmark_norm", None)):
+            return self.select(query, view, k), None
+        scores = landmark_scores(query, view.landmarks, view.landmark_scale)
+        return top_chunks(scores, k, view.candidates), scores
 
 
 @register_selector("quest")

@@ -153,6 +153,13 @@ class ChunkSelector(Protocol):
 
 
 @runtime_checkable
+class SharesScores(Protocol):
+    def select_scored(self, query: Tensor, view: ChunkView, k: int) -> tuple[Tensor, Tensor | None]:
+        """``select``, and the landmark scores [Hkv, C] of every chunk (``tierkv.scoring.landmark_scores``)
+        where it computed them all, else None: a step that widens its selection takes them from there."""
+
+
+@runtime_checkable
 class SparsePrefetch(Protocol):
     def plan(self, layer: int, guess: Tensor | None, previous: Tensor | None) -> Tensor | None:
         """Chunk ids of ``layer`` to start loading now, or None for nothing."""

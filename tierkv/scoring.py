@@ -66,8 +66,7 @@ def top_landmark_chunks(query: Tensor, landmarks: Tensor, k: int, candidates: Te
     Anything else (float32 or int8 landmarks, no norm, fewer than ``TWO_PASS_FROM`` chunks: a 32K
     context's 4K chunks score exactly in 0.63 ms against 0.79 in two passes) scores exactly."""
     C, Hkv, D = landmarks.shape
-    if norm is None or scale is not None or landmarks.dtype != torch.bfloat16 or landmarks.device.type != "cpu" \
-            or C < TWO_PASS_FROM or k <= 0:
+    if scores_every_chunk(landmarks, k, scale=scale, norm=norm):
         return top_chunks(landmark_scores(query, landmarks, scale), k, candidates)
     per_head = landmarks.permute(1, 0, 2)                                  # [Hkv, C, D]
     q = query.reshape(Hkv, -1, D).float()                                  # [Hkv, G, D]
@@ -107,6 +106,13 @@ def top_landmark_chunks(query: Tensor, landmarks: Tensor, k: int, candidates: Te
         exact = (q[h] @ per_head[h].index_select(0, ids).float().T).amax(dim=0)   # [m]
         best.append(ids[exact.topk(k, sorted=False).indices])
     return torch.stack(best).sort(dim=1).values
+
+
+def scores_every_chunk(landmarks: Tensor, k: int, *, scale: Tensor | None = None,
+                       norm: Tensor | None = None) -> bool:
+    """Whether `top_landmark_chunks` scores every chunk exactly (``landmark_scores``), not in two passes."""
+    return norm is None or scale is not None or landmarks.dtype != torch.bfloat16 \
+        or landmarks.device.type != "cpu" or landmarks.shape[0] < TWO_PASS_FROM or k <= 0
 
 
 def longest_landmark(landmarks: Tensor) -> Tensor:

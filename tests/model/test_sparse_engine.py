@@ -11,7 +11,9 @@ from tierkv.errors import ConfigError
 from tierkv.manager import BlockingTierManager
 from tierkv.model.arch import model_spec
 from tierkv.model.loading import LoadedModel
+from policies.selectors import Landmarks
 from tierkv.model.sparse_engine import SparseEngine
+from tierkv.scoring import landmark_scores
 from tierkv.sparse import SparseConfig
 from tierkv.sparse.plan import WIDEN, WholePages
 from tierkv.sparse.sequence import SparseSequence
@@ -179,6 +181,25 @@ def test_decode_widens_to_the_pages_read_at_most_twice_the_selection():
     for h in range(H):
         assert set(spread[h].tolist()) <= set(wide[h].tolist()) <= read
         assert wide[h].tolist() == sorted(wide[h].tolist())
+
+
+def test_the_widening_takes_the_selection_s_scores_and_picks_what_scoring_again_would():
+    lm = loaded("llama")
+    ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(8)).tolist()
+    cfg = SparseConfig(budget=32, rank=32, sink_tokens=8, window_tokens=32, page_tokens=32,
+                       positions="original", dense_prefill_tokens=100)
+    seq = decoded_sequence(lm, ids, cfg, steps=1)
+    index, per = seq.index(0), cfg.page_tokens // cfg.chunk_tokens
+    query = torch.randn(lm.spec.num_heads, lm.spec.head_dim, generator=torch.Generator().manual_seed(9))
+    chunks, scores = Landmarks().select_scored(query, index, 3)
+    assert torch.equal(chunks, Landmarks().select(query, index, 3))
+    assert torch.equal(scores, landmark_scores(query, index.landmarks, index.landmark_scale))
+    free = index.candidates.nonzero().flatten()
+    spread = torch.stack([free[h::per + 1][:3] for h in range(lm.spec.num_kv_heads)])   # on many pages
+    again, _ = WholePages().widen(seq, 0, query, spread)
+    shared, _ = WholePages().widen(seq, 0, query, spread, scores)
+    assert again.shape[1] < seq.page_chunks(0, spread).numel() and torch.equal(shared, again)
+    assert not torch.equal(WholePages().widen(seq, 0, query, spread, -scores)[0], again)   # they are used
 
 
 def test_with_remapped_positions_the_widened_set_stays_inside_the_trained_window():

@@ -4,7 +4,8 @@ Per layer and forward pass (one decode token, or one prefill chunk)::
 
     q_pre, k_pre, v = project(h)                               before RoPE (model weights: here)
     chunks  = selector.select(query, index_l, budget)          [Hkv, k] per KV head; none while dense
-    chunks  = scope.widen(chunks)                              decode, attend="pages"
+    chunks  = scope.widen(chunks, scores)                      decode, attend="pages" (the selection's
+                                                               scores of every chunk, where it shares them)
     context = gather_context(seq, l, chunks)                   tierkv.sparse.step
     out     = attend_layer(q_pre, k_pre, v, context)           tierkv.sparse.step
     seq.append(l, k_pre, v)                                    seals pages past the window
@@ -52,6 +53,7 @@ from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attent
     project_qkv_pre, project_query_pre, recompute_seconds, rope_cos_sin
 from tierkv.model.loading import LoadedModel
 from tierkv.ops.rope import RopeTable
+from tierkv.policy import SharesScores, implements
 from tierkv.profile.trace import profiler_range
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.plan import Phase, StepPlan
@@ -205,8 +207,8 @@ class SparseEngine:
                phase: Phase) -> Tensor:
         q_pre, k_pre, v = project_qkv_pre(layer, h)                  # [1, H, T, D], [1, Hkv, T, D] x2
         query = seq.plan.positions.scoring_query(q_pre, pos)
-        chunks = self._select(seq, index, query, phase)
-        chunks, shared = phase.scope.widen(seq, index, query, chunks)
+        chunks, scores = self._select(seq, index, query, phase)
+        chunks, shared = phase.scope.widen(seq, index, query, chunks, scores)
         # with overlap (phase.split) the pages in place are attended to while the rest load
         new = (k_pre[0], v[0], pos) if q_pre.shape[2] == 1 else None   # decode: one pass over context and token
         context = gather_context(seq, index, chunks, shared=shared, split=phase.split, new=new)
@@ -223,13 +225,19 @@ class SparseEngine:
             seq.fit(index, self.rank)
         return mlp_block(layer, finish_attention(layer, out, h))
 
-    def _select(self, seq: SparseSequence, layer: int, query: Tensor, phase: Phase) -> Tensor:
+    def _select(self, seq: SparseSequence, layer: int, query: Tensor, phase: Phase) -> tuple[Tensor, Tensor | None]:
+        """The chunks [Hkv, k] ``layer`` selects, and every chunk's landmark scores where the selector
+        computed them (`SharesScores`; None otherwise)."""
         index = seq.index(layer)
         if not index.chunks:
-            return torch.empty(self.layout.num_kv_heads, 0, dtype=torch.long)
-        chunks = self.selector.select(query, index, phase.budget.chunks(seq, layer, seq.length(layer), query))
+            return torch.empty(self.layout.num_kv_heads, 0, dtype=torch.long), None
+        k = phase.budget.chunks(seq, layer, seq.length(layer), query)
+        if implements(self.selector, SharesScores):
+            chunks, scores = self.selector.select_scored(query, index, k)
+        else:
+            chunks, scores = self.selector.select(query, index, k), None
         seq.chosen[layer] = chunks
-        return chunks
+        return chunks, scores
 
     def _prefetch(self, seq: SparseSequence, layer: int, h: Tensor, pos: int) -> None:
         """Layer ``layer``'s pages to load during the layer before it, as the prefetcher plans them;

@@ -112,23 +112,28 @@ class CompactPositions:
 
 # -- scope: what a decode step attends of what it read ------------------------------------------------
 class Scope(Protocol):
-    def widen(self, seq: SparseSequence, layer: int, query: Tensor, chunks: Tensor) -> tuple[Tensor, bool]: ...
+    def widen(self, seq: SparseSequence, layer: int, query: Tensor, chunks: Tensor,
+              scores: Tensor | None = None) -> tuple[Tensor, bool]: ...
 
 
 class OwnChunks:
     """Each KV head attends the chunks it selected."""
 
-    def widen(self, seq: SparseSequence, layer: int, query: Tensor, chunks: Tensor) -> tuple[Tensor, bool]:
+    def widen(self, seq: SparseSequence, layer: int, query: Tensor, chunks: Tensor,
+              scores: Tensor | None = None) -> tuple[Tensor, bool]:
         return chunks, False
 
 
 class WholePages:
-    def widen(self, seq: SparseSequence, layer: int, query: Tensor, chunks: Tensor) -> tuple[Tensor, bool]:
+    def widen(self, seq: SparseSequence, layer: int, query: Tensor, chunks: Tensor,
+              scores: Tensor | None = None) -> tuple[Tensor, bool]:
         """The chunks [Hkv, m] a decode step attends, given those its heads selected [Hkv, k]. The
         pages read hold every head's tokens; each head attends all of their indexed chunks, or,
         past WIDEN x k of them, its own k plus the rest's best by the summaries the selector had the
         index keep (landmark scores, else Quest bounds): attention compute grows with the set, the
-        reads do not. Returns (chunks, whether every head has the same ones)."""
+        reads do not. ``scores``: the landmark scores [Hkv, C] of every chunk where the selection
+        computed them (`SharesScores`), taken instead of scoring the pages' chunks again. Returns
+        (chunks, whether every head has the same ones)."""
         if not chunks.numel():
             return chunks, False
         wide, (H, k) = seq.page_chunks(layer, chunks), chunks.shape
@@ -137,7 +142,9 @@ class WholePages:
         cap = seq.plan.positions.widen_cap(WIDEN * k, k, fixed, config.chunk_tokens)
         if wide.numel() <= cap:
             return wide.expand(H, -1), True
-        if index.landmarks is not None:
+        if index.landmarks is not None and scores is not None:
+            scores = scores[:, wide]
+        elif index.landmarks is not None:
             scale = index.landmark_scale
             scores = landmark_scores(query, index.landmarks[wide], None if scale is None else scale[wide])
         elif index.lo is not None:
