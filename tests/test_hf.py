@@ -78,10 +78,10 @@ def spilling(config, tmp_path, block_tokens=32):
 def forced_logits(model, ids, cache, tokens):
     """The logits of each next token as ``tokens`` follow ``ids`` through ``cache``, one step at a time."""
     with torch.inference_mode():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, cache=cache, use_cache=True)
         logits = [out.logits[0, -1]]
         for token in tokens[:-1]:
-            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
             logits.append(out.logits[0, -1])
     return torch.stack(logits).float()
 
