@@ -68,13 +68,8 @@ class Lent:
     keys: tuple[BlockKey, ...]
     pool: object        # the tier's BlockPool
     epoch: int
-    released: bool = False
-
-    def intact(self) -> bool:
-        """No slot of the tier was freed since the blocks were found."""
-        return self.pool.epoch == self.epoch
 
     def release(self) -> bool:
-        """Whether the blocks stayed put until now (False: what was read may be another block's)."""
-        self.released = True
-        return self.intact()
+        """Whether the blocks stayed put until now: no slot of the tier was freed since they were found
+        (False: what was read may be another block's)."""
+        return self.pool.epoch == self.epoch
