@@ -10,7 +10,7 @@ from tierkv.manager import BlockingTierManager, TierManager
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
-from tierkv.sparse.order import token_order
+from tierkv.sparse.order import ascending, merge_slots, token_rows
 from tierkv.sparse.step import gather_context
 
 H, D = 2, 16
@@ -306,19 +306,20 @@ def test_late_pages_with_no_sinks_or_window_land_in_the_joined_keys(tmp_path):
                 assert torch.equal(context.k[h, row], want_k) and torch.equal(context.v[h, row], want_v)
 
 
-def test_token_order_merges_the_chunks_and_the_outliers_as_sorting_would():
+def test_merged_slots_put_the_chunks_and_the_outliers_in_the_order_sorting_would():
     g = torch.Generator().manual_seed(7)
     for trial in range(200):
-        heads, chunk_tokens, outlier_tokens = (int(torch.randint(lo, hi, (1,), generator=g))
-                                               for lo, hi in ((1, 4), (0, 60), (0, 12)))
-        rows = [torch.randperm(300, generator=g) for _ in range(heads)]
-        chunks = torch.stack([r[:chunk_tokens].sort().values for r in rows])          # ascending, distinct
-        outliers = torch.stack([r[chunk_tokens:chunk_tokens + outlier_tokens].sort().values for r in rows])
-        parts = [chunks, outliers] if trial % 4 else [chunks]
-        positions = torch.cat(parts, 1)
-        order = token_order(parts)
-        assert order is not None or len(parts) == 1 or not outlier_tokens     # in order already: nothing to move
-        merged = positions if order is None else positions.gather(1, order)
-        assert torch.equal(merged, positions.sort(dim=1).values)
-    mixed = [torch.tensor([[5, 1, 3]]), torch.tensor([[2]])]                   # not ascending: sorted
-    assert torch.equal(torch.cat(mixed, 1).gather(1, token_order(mixed)), torch.tensor([[1, 2, 3, 5]]))
+        heads, k, m = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 4), (0, 60), (0, 12)))
+        outliers = torch.randperm(300, generator=g)[:m].sort().values
+        free = torch.ones(300, dtype=torch.bool)
+        free[outliers] = False
+        candidates = free.nonzero().flatten()
+        chunks = torch.stack([candidates[torch.randperm(len(candidates), generator=g)[:k]] for _ in range(heads)])
+        chunks = ascending(chunks)
+        at, at_out = merge_slots(chunks, outliers)
+        merged = torch.empty(heads, k + m, dtype=torch.long)
+        merged.scatter_(1, at, chunks).scatter_(1, at_out, outliers.expand(heads, -1))
+        assert torch.equal(merged, torch.cat([chunks, outliers.expand(heads, -1)], 1).sort(dim=1).values)
+        rows = token_rows(at, 4)
+        assert rows.shape == (heads, 4 * k) and torch.equal(rows[:, ::4] // 4, at)
+    assert torch.equal(token_rows(torch.tensor([[0, 2]]), 3), torch.tensor([[0, 1, 2, 6, 7, 8]]))

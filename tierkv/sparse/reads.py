@@ -44,11 +44,13 @@ class Loading:
 
 @dataclass(slots=True)
 class LayerRead:
-    """A layer's chunks read from their pages: keys and values [Hkv, k*c, D], each token's row in
-    ``raw`` [Hkv, k*c], and, for a split read, the pages still loading into ``raw``."""
+    """A layer's chunks read from their pages into rows ``at`` [Hkv, k*c] of keys and values
+    [Hkv, width, D] (the other rows are the caller's), each token's row in the pages read ``rows``
+    [Hkv, k*c], and, for a split read, the pages still loading into ``raw``."""
     k: Tensor
     v: Tensor
     rows: Tensor
+    at: Tensor
     raw: Tensor | None                 # the pages copied out (None: read in place)
     future: ReadFuture | None
     loading: Tensor | None = None      # [pages] bool: still loading into raw

@@ -25,6 +25,7 @@ brings the rest (``SparseConfig.overlap``).
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -42,13 +43,25 @@ from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
 from tierkv.sparse.layer_state import LayerState
 from tierkv.sparse.lowrank import project, reconstruct
-from tierkv.sparse.order import per_head, token_order
+from tierkv.sparse.order import ascending, merge_slots, token_rows
 from tierkv.sparse.plan import StepPlan
 from tierkv.sparse.reads import LayerRead, Loading
 from tierkv.layout import BlockLayout, Blocks
 
 if TYPE_CHECKING:
     from tierkv.sparse.restore import Origin
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A read's tokens, where they lie and where they go: ``page``, ``tok`` [Hkv, width] the page
+    among those read and the row in it of every row of K and V (0, 0 for rows of no chunk), ``rows``
+    [Hkv, k*c] each chunk token's row in the pages read (page * P + tok), ``at`` [Hkv, k*c] its row
+    of K and V."""
+    page: Tensor
+    tok: Tensor
+    rows: Tensor
+    at: Tensor
 
 
 @dataclass(slots=True)
@@ -194,7 +207,15 @@ class SparseSequence:
     # -- reading -------------------------------------------------------------------------
     def chunk_pages(self, chunks: Tensor) -> Tensor:
         """The pages holding ``chunks``: ascending, each once."""
-        return torch.unique(chunks // (self.layout.tokens // self.config.chunk_tokens))
+        return self._page_slots(chunks)[0]
+
+    def _page_slots(self, chunks: Tensor) -> tuple[Tensor, Tensor]:
+        """The pages holding ``chunks`` (ascending, each once; a mark per page, no sort) and each chunk's
+        page among them (like ``torch.unique(..., return_inverse=True)``)."""
+        of = chunks // (self.layout.tokens // self.config.chunk_tokens)
+        marked = torch.zeros(int(of.max()) + 1 if of.numel() else 0, dtype=torch.bool)
+        marked[of] = True
+        return marked.nonzero().flatten(), (marked.cumsum(0) - 1)[of]
 
     def page_chunks(self, layer: int, chunks: Tensor) -> Tensor:
         """Every indexed chunk (outliers aside) of the pages that hold ``chunks`` [Hkv, k]: [m],
@@ -207,51 +228,52 @@ class SparseSequence:
         ids = (self.chunk_pages(chunks).unsqueeze(1) * per + torch.arange(per)).flatten()
         return ids[self.layers[layer].index.candidates[ids]]
 
-    def gather(self, layer: int, chunks: Tensor, *, shared: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    def gather(self, layer: int, chunks: Tensor, *, shared: bool = False,
+               margins: tuple[int, int] = (0, 0)) -> tuple[Tensor, Tensor, Tensor]:
         """Chunks [Hkv, k] plus the outliers -> pre-RoPE K, V [Hkv, M, D] and their token positions
         [Hkv, M], in token order per head; ``shared``: every head has the same chunks (keys rebuilt in
-        one product, one order). K and V keep the pages' dtype (no float32 copy of what is only moved;
-        keys rebuilt through a basis, or decoded from quantized pages, are float32)."""
-        return self._gather(layer, chunks, shared=shared, split=False)[:3]
+        one product). K and V keep the pages' dtype (no float32 copy of what is only moved; keys
+        rebuilt through a basis, or decoded from quantized pages, are float32). ``margins`` (before,
+        after): K and V are [Hkv, before + M + after, D], the gathered rows between rows left for the
+        caller to fill (a layer's sinks, its window), so that nothing is copied twice."""
+        return self._gather(layer, chunks, shared=shared, split=False, margins=margins)[:3]
 
-    def gather_split(self, layer: int, chunks: Tensor, *,
-                     shared: bool = False) -> tuple[Tensor, Tensor, Tensor, Loading | None]:
+    def gather_split(self, layer: int, chunks: Tensor, *, shared: bool = False,
+                     margins: tuple[int, int] = (0, 0)) -> tuple[Tensor, Tensor, Tensor, Loading | None]:
         """``gather`` that returns as soon as the pages in place are copied: the rows of pages still
         loading are zeros, and the ``Loading`` fills them in (None: nothing was missing). The
         caller attends to the rest meanwhile (see ``SparseEngine``)."""
-        return self._gather(layer, chunks, shared=shared, split=True)
+        return self._gather(layer, chunks, shared=shared, split=True, margins=margins)
 
-    def _gather(self, layer: int, chunks: Tensor, *, shared: bool,
-                split: bool) -> tuple[Tensor, Tensor, Tensor, Loading | None]:
-        state = self.layers[layer]
-        H = self.layout.num_kv_heads
-        parts_k, parts_v, parts_pos = [], [], []
+    def _gather(self, layer: int, chunks: Tensor, *, shared: bool, split: bool,
+                margins: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Loading | None]:
+        """Each chunk's tokens are taken from the pages straight into their rows of K and V
+        (``tierkv.sparse.order``), and the outliers written into theirs."""
+        state, (before, after) = self.layers[layer], margins
+        H, D, c = self.layout.num_kv_heads, self.layout.head_dim, self.config.chunk_tokens
+        ids, k_out, v_out = state.index.exact()
+        chunks = ascending(chunks)
+        at, at_out = merge_slots(chunks, ids)                   # [Hkv, k], [Hkv, m]: slots in token order
+        merged = torch.empty(H, at.shape[1] + ids.numel(), dtype=torch.long)
+        pos = self._positions(merged.scatter_(1, at, chunks).scatter_(1, at_out, ids.expand(H, -1)))
+        M = pos.shape[1]
         read = None
         if chunks.numel():
-            read = self._read(layer, chunks, shared=shared, split=split)
-            parts_k.append(read.k)
-            parts_v.append(read.v)
-            parts_pos.append(self._positions(chunks))
-        ids, k_out, v_out = state.index.exact()
-        if ids.numel():
-            parts_k.append(k_out.transpose(0, 1))
-            parts_v.append(v_out.transpose(0, 1))
-            parts_pos.append(self._positions(ids.expand(H, -1)))
-        if not parts_k:
-            D = self.layout.head_dim
-            return torch.empty(H, 0, D), torch.empty(H, 0, D), torch.empty(H, 0, dtype=torch.long), None
-        k, v, pos = torch.cat(parts_k, 1), torch.cat(parts_v, 1), torch.cat(parts_pos, 1)
-        self.stats.tokens += pos.shape[1]
-        order = token_order([p[:1] for p in parts_pos] if shared else parts_pos)
-        if order is not None and shared:   # one order for every head: rows moved whole, once
-            k, v, pos = k[:, order[0]], v[:, order[0]], pos[:, order[0]]
-        elif order is not None:
-            k, v, pos = per_head(k, order), per_head(v, order), per_head(pos, order)
+            read = self._read(layer, chunks, before + token_rows(at, c), before + M + after, shared=shared, split=split)
+            k, v = read.k, read.v
+        else:
+            dtype = k_out.dtype if ids.numel() else self.layout.dtype
+            k, v = torch.empty(H, before + M + after, D, dtype=dtype), torch.empty(H, before + M + after, D, dtype=dtype)
+        if ids.numel():                 # written whole chunks at a time: rows [c*D] of a view of the buffer
+            k, v = joinable(k, k_out), joinable(v, v_out)
+            heads, m = torch.arange(H).unsqueeze(1), ids.numel()
+            for x, exact in ((k, k_out), (v, v_out)):
+                x[:, before:before + M].view(H, M // c, c * D)[heads, at_out] = \
+                    exact.view(m, c, H, D).permute(2, 0, 1, 3).reshape(H, m, c * D)
+        self.stats.tokens += M
         if read is None or read.future is None:
             return k, v, pos, None
-        rows = torch.cat([read.rows, torch.full((H, pos.shape[1] - read.rows.shape[1]), -1)], 1)   # outliers: -1
-        if order is not None:
-            rows = rows[:, order[0]] if shared else per_head(rows, order)
+        rows = torch.full((H, M), -1).scatter_(1, read.at - before, read.rows)   # outliers: -1
         return k, v, pos, self._loading(layer, read, rows)
 
     def _loading(self, layer: int, read: LayerRead, rows: Tensor) -> Loading:
@@ -279,8 +301,10 @@ class SparseSequence:
         first = self.config.sink_tokens + chunks * c
         return (first.unsqueeze(-1) + torch.arange(c)).flatten(1)
 
-    def _read(self, layer: int, chunks: Tensor, *, shared: bool = False, split: bool = False) -> LayerRead:
-        """Pin the pages of ``chunks`` [Hkv, k]; rebuild each head's keys of its chunks only::
+    def _read(self, layer: int, chunks: Tensor, at: Tensor, width: int, *, shared: bool = False,
+              split: bool = False) -> LayerRead:
+        """Pin the pages of ``chunks`` [Hkv, k]; rebuild each head's keys of its chunks only, into
+        rows ``at`` [Hkv, k*c] of K and V [Hkv, width, D] (the other rows are the caller's)::
 
             rows[h]  = page slot * P + chunk offset in page * c + 0..c-1      [Hkv, k*c]
             K[h]     = A[rows[h]] @ B[:, h*D:(h+1)*D]                         [Hkv, k*c, D]
@@ -293,11 +317,12 @@ class SparseSequence:
         ``gather_split``); a read of more than half the fastest tier splits its last group only.
         """
         state = self.layers[layer]
-        pages, page = torch.unique(chunks // (self.layout.tokens // self.config.chunk_tokens), return_inverse=True)
+        pages, page = self._page_slots(chunks)
         self._count(state, pages)
+        place = self._place(chunks, page, at, width)
         keys, step = [state.pages[p] for p in pages.tolist()], self.manager.pin_group(self.read_tier)
         if not split and len(keys) <= step:
-            return self._read_pinned(state, layer, keys, chunks, page, shared)
+            return self._read_pinned(state, layer, keys, place, shared)
         raw = pages_buffer(len(pages), self.layout.block_bytes)
         # pinned at most half the fastest tier at once; split: the last group is left loading
         groups = [(first, first + step) for first in range(0, len(keys), step)]
@@ -311,7 +336,7 @@ class SparseSequence:
                                            lend=first == 0, pin=pin)
                 if future.lease is None:
                     break
-                read = self._read_lease(state, future.lease, future.extent, chunks, page, shared)
+                read = self._read_lease(state, future.lease, future.extent, place, shared)
                 if read is not None:              # every page in memory, in one extent: read there
                     return read
             if not future.missing:
@@ -320,20 +345,30 @@ class SparseSequence:
             if future is not None:
                 loading = torch.zeros(len(keys), dtype=torch.bool)
                 loading[[first + row for row in future.missing]] = True
-            k_sel, v_sel, rows = self._rebuild(state, chunks, page, Blocks(self.layout, raw), shared)
+            k, v = self._rebuild(state, place, Blocks(self.layout, raw), shared)
             if loading is not None:   # the pages still loading hold whatever ``raw`` held: their rows are zeros
-                late = loading[rows.div(self.layout.tokens, rounding_mode="floor")].flatten().nonzero().flatten()
-                k_sel, v_sel = k_sel.contiguous(), v_sel.contiguous()     # fresh: zeroed in place, by row
-                for x in (k_sel, v_sel):                                  # (a broadcast masked_fill: 3x slower)
+                late = place.at + torch.arange(k.shape[0]).unsqueeze(1) * k.shape[1]
+                late = late[loading[place.rows.div(self.layout.tokens, rounding_mode="floor")]]
+                k, v = k.contiguous(), v.contiguous()                     # fresh: zeroed in place, by row
+                for x in (k, v):                                          # (a broadcast masked_fill: 3x slower)
                     x.view(-1, x.shape[-1]).index_fill_(0, late, 0)
         except BaseException:
             if future is not None:
                 future.cancel()
             raise
-        return LayerRead(k_sel, v_sel, rows, raw, future, loading)
+        return LayerRead(k, v, place.rows, place.at, raw, future, loading)
 
-    def _read_pinned(self, state: LayerState, layer: int, keys: list[BlockKey], chunks: Tensor,
-                     page: Tensor, shared: bool) -> LayerRead:
+    def _place(self, chunks: Tensor, page: Tensor, at: Tensor, width: int) -> Placed:
+        """Where the tokens of ``chunks`` [Hkv, k] lie in the pages read (``page`` [Hkv, k]: each chunk's
+        page among them) and where they go: rows ``at`` [Hkv, k*c] of [Hkv, width]."""
+        c, P, H = self.config.chunk_tokens, self.layout.tokens, self.layout.num_kv_heads
+        tok = ((chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)).flatten(1)   # [Hkv, k*c]: row in page
+        page = page.unsqueeze(-1).expand(-1, -1, c).flatten(1)                       # [Hkv, k*c]
+        zeros = torch.zeros(H, width, dtype=torch.long)
+        return Placed(zeros.scatter(1, at, page), zeros.scatter(1, at, tok), page * P + tok, at)
+
+    def _read_pinned(self, state: LayerState, layer: int, keys: list[BlockKey], place: Placed,
+                     shared: bool) -> LayerRead:
         """``_read`` of pages pinned at once: where they all lie in one extent of a host tier, their
         rows are taken there, no page copied whole; otherwise they are copied out first (a take
         over several buffers, measured, cost about what the copy does)."""
@@ -343,10 +378,10 @@ class SparseSequence:
         except BaseException:
             lease.release()
             raise
-        return self._read_lease(state, lease, found, chunks, page, shared)
+        return self._read_lease(state, lease, found, place, shared)
 
     def _read_lease(self, state: LayerState, lease: Lease | Lent, found: tuple[Tensor, np.ndarray] | None,
-                    chunks: Tensor, page: Tensor, shared: bool) -> LayerRead | None:
+                    place: Placed, shared: bool) -> LayerRead | None:
         """``_read`` of pages ``lease`` pins (or lends, ``Lent``), which it releases: ``found``
         (``Lease.in_place``) where they lie in one extent of a host tier, to be read there. None where
         lent pages moved while they were read (read them again, pinned)."""
@@ -358,29 +393,24 @@ class SparseSequence:
                 raw = pages_buffer(len(lease.keys), self.layout.block_bytes)
                 self.manager.copy_out(lease, raw)
                 blocks = Blocks(self.layout, raw)
-            read = LayerRead(*self._rebuild(state, chunks, page, blocks, shared), raw, None)
+            read = LayerRead(*self._rebuild(state, place, blocks, shared), place.rows, place.at, raw, None)
         except BaseException:
             lease.release()
             raise
         return read if lease.release() else None
 
-    def _rebuild(self, state: LayerState, chunks: Tensor, page: Tensor, blocks: Blocks,
-                 shared: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """Keys and values [Hkv, k*c, D] of ``chunks`` from their pages ``blocks`` (``page`` [Hkv, k]:
-        each chunk's page among them), and each token's row [Hkv, k*c]."""
-        c, P, H = self.config.chunk_tokens, self.layout.tokens, self.layout.num_kv_heads
-        page = page.unsqueeze(-1)                                               # [Hkv, k, 1]: page slot
-        tok = (chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)           # [Hkv, k, c]: row in page
-        rows = (page * P + tok).flatten(1)                                      # [Hkv, k*c]: row in raw
+    def _rebuild(self, state: LayerState, place: Placed, blocks: Blocks, shared: bool) -> tuple[Tensor, Tensor]:
+        """Keys and values [Hkv, width, D] of the rows ``place`` gives: every row is taken, those of
+        no chunk from the first page's first row, for the caller to write over (one indexed copy of
+        the whole buffer, none of a part and then another of the whole)."""
+        H, page, tok = self.layout.num_kv_heads, place.page, place.tok          # [Hkv, width]
         take = blocks.take                   # decodes only these rows when pages are quantized
-        if shared:
-            factors = take("factors", (page[0], tok[0])).flatten(0, 1)         # [k*c, r]
-            k_sel = reconstruct(factors, state.basis.basis, H, exact=state.basis.exact).transpose(0, 1)
-            return k_sel, take("values", (page[0], tok[0])).flatten(0, 1).transpose(0, 1), rows
-        heads = torch.arange(H).view(H, 1, 1)
-        k_sel = self._head_keys(state, blocks, page, tok, heads).flatten(1, 2)  # [Hkv, k*c, D]
-        v_sel = take("values", (page, tok, heads)).flatten(1, 2)                # [Hkv, k*c, D]
-        return k_sel, v_sel, rows
+        if shared and not (state.basis.exact and self.layout.codec is None):
+            factors = take("factors", (page[0], tok[0]))                       # [width, r]
+            k = reconstruct(factors, state.basis.basis, H, exact=state.basis.exact)
+            return k.transpose(0, 1).contiguous(), take("values", (page[0], tok[0])).transpose(0, 1).contiguous()
+        heads = torch.arange(H).view(H, 1)
+        return self._head_keys(state, blocks, page, tok, heads), take("values", (page, tok, heads))
 
     def _head_keys(self, state: LayerState, blocks: Blocks, page: Tensor, tok: Tensor, heads: Tensor) -> Tensor:
         """Each KV head's keys of rows (page, tok) of ``blocks`` [Hkv, ...]: with the identity basis the
@@ -393,7 +423,9 @@ class SparseSequence:
     def _count(self, state: LayerState, pages: Tensor) -> None:
         self.stats.steps += 1
         self.stats.pages += pages.numel()
-        self.stats.reused += int(torch.isin(pages, state.previous).sum())
+        read = torch.zeros(len(state.pages), dtype=torch.bool)        # a mark per page (isin sorted: 0.1 ms)
+        read[pages] = True
+        self.stats.reused += int(read[state.previous].sum())
         state.previous = pages
 
     def prefetch(self, layer: int, chunks: Tensor) -> None:
@@ -434,3 +466,10 @@ class SparseSequence:
 def pages_buffer(pages: int, block_bytes: int) -> Tensor:
     """Room for pages copied out of the tiers, uninitialised (rows of pages not copied in yet are masked)."""
     return torch.empty(pages, block_bytes, dtype=torch.uint8)
+
+
+
+def joinable(x: Tensor, *parts: Tensor) -> Tensor:
+    """``x`` in the dtype that joining ``parts`` to it gives (float32 outliers widen bf16 page rows)."""
+    dtype = functools.reduce(torch.promote_types, (part.dtype for part in parts), x.dtype)
+    return x if dtype == x.dtype else x.to(dtype)

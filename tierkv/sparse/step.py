@@ -28,7 +28,7 @@ from tierkv.ops.attention import attend, merge
 from tierkv.ops.rope import RopeTable, apply_rope
 from tierkv.sparse.plan import Positions
 from tierkv.sparse.reads import Loading
-from tierkv.sparse.sequence import SparseSequence
+from tierkv.sparse.sequence import SparseSequence, joinable
 
 
 @dataclass(slots=True)
@@ -65,26 +65,30 @@ def gather_context(seq: SparseSequence, layer: int, chunks: Tensor, *, shared: b
     """Sinks | ``chunks`` [Hkv, k] + outliers | window of ``layer`` (``shared``: every head has the
     same chunks; ``split``: pages not in place are still loading when this returns). ``new``: a decode
     step's own token, (pre-RoPE key, value [Hkv, 1, D], position), joined after the window so that
-    ``attend_layer`` attends to everything in one pass (the concatenation is made anyway)."""
+    ``attend_layer`` attends to everything in one pass. The sequence takes the gathered rows straight
+    into a buffer with room for the rest, written here: nothing is copied twice."""
     H = seq.layout.num_kv_heads
-    k_mid, v_mid, p_mid, loading = seq.gather_split(layer, chunks, shared=shared) if split else \
-        (*seq.gather(layer, chunks, shared=shared), None)
     sink_k, sink_v = seq.sinks(layer)
     win_k, win_v = seq.window(layer)
-    if loading is not None and not (sink_k.shape[0] or win_k.shape[0]):
+    S, W, n = sink_k.shape[0], win_k.shape[0], 0 if new is None else new[0].shape[1]
+    margins = (S, W + n)                # the sequence gathers into the rows between these
+    k, v, p_mid, loading = seq.gather_split(layer, chunks, shared=shared, margins=margins) if split else \
+        (*seq.gather(layer, chunks, shared=shared, margins=margins), None)
+    M = p_mid.shape[1]
+    if loading is not None and not (S or W):
         at, valid, k_new, v_new = loading.finish()      # nothing to attend meanwhile: a head could
         heads = torch.arange(H).unsqueeze(1).expand_as(at)   # be left with no key at all
-        k_mid[heads[valid], at[valid]] = k_new[valid].to(k_mid.dtype)   # (joined with float32 outliers,
-        v_mid[heads[valid], at[valid]] = v_new[valid].to(v_mid.dtype)   # bf16 page rows were widened)
+        k[heads[valid], at[valid]] = k_new[valid].to(k.dtype)   # (joined with float32 outliers,
+        v[heads[valid], at[valid]] = v_new[valid].to(v.dtype)   # bf16 page rows were widened)
         loading = None
-    start = seq.length(layer) - win_k.shape[0]
-    k_own, v_own, own_pos = new if new is not None else (k_mid[:, :0], v_mid[:, :0], 0)
-    k = torch.cat([sink_k.transpose(0, 1), k_mid, win_k.transpose(0, 1), k_own], dim=1)
-    v = torch.cat([sink_v.transpose(0, 1), v_mid, win_v.transpose(0, 1), v_own], dim=1)
-    p = torch.cat([torch.arange(sink_k.shape[0]).expand(H, -1), p_mid,
-                   torch.arange(start, start + win_k.shape[0]).expand(H, -1),
-                   torch.arange(own_pos, own_pos + k_own.shape[1]).expand(H, -1)], dim=1)
-    return Context(k, v, p, loading, sink_k.shape[0], p_mid, k_own.shape[1])
+    start = seq.length(layer) - W
+    k_own, v_own, own_pos = new if new is not None else (k[:, :0], v[:, :0], 0)
+    k, v = joinable(k, sink_k, win_k, k_own), joinable(v, sink_v, win_v, v_own)
+    for x, sinks, window, own in ((k, sink_k, win_k, k_own), (v, sink_v, win_v, v_own)):
+        x[:, :S], x[:, S + M:S + M + W], x[:, S + M + W:] = sinks.transpose(0, 1), window.transpose(0, 1), own
+    p = torch.cat([torch.arange(S).expand(H, -1), p_mid, torch.arange(start, start + W).expand(H, -1),
+                   torch.arange(own_pos, own_pos + n).expand(H, -1)], dim=1)
+    return Context(k, v, p, loading, S, p_mid, n)
 
 
 def attend_layer(q_pre: Tensor, k_pre: Tensor, v: Tensor, pos: int, context: Context, positions: Positions,
