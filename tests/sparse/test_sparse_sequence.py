@@ -1,5 +1,6 @@
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from tierkv.manager import BlockingTierManager, TierManager
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
-from tierkv.sparse.order import ascending, merge_slots, token_rows
+from tierkv.sparse.order import ascending, merge_slots, page_slots, token_rows
 from tierkv.sparse.step import gather_context
 
 H, D = 2, 16
@@ -307,19 +308,25 @@ def test_late_pages_with_no_sinks_or_window_land_in_the_joined_keys(tmp_path):
 
 
 def test_merged_slots_put_the_chunks_and_the_outliers_in_the_order_sorting_would():
-    g = torch.Generator().manual_seed(7)
+    rng = np.random.default_rng(7)
     for trial in range(200):
-        heads, k, m = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 4), (0, 60), (0, 12)))
-        outliers = torch.randperm(300, generator=g)[:m].sort().values
-        free = torch.ones(300, dtype=torch.bool)
-        free[outliers] = False
-        candidates = free.nonzero().flatten()
-        chunks = torch.stack([candidates[torch.randperm(len(candidates), generator=g)[:k]] for _ in range(heads)])
-        chunks = ascending(chunks)
+        heads, k, m = int(rng.integers(1, 4)), int(rng.integers(0, 60)), int(rng.integers(0, 12))
+        outliers = np.sort(rng.permutation(300)[:m])
+        candidates = np.setdiff1d(np.arange(300), outliers)
+        chunks = ascending(np.stack([rng.permutation(candidates)[:k] for _ in range(heads)]))
         at, at_out = merge_slots(chunks, outliers)
-        merged = torch.empty(heads, k + m, dtype=torch.long)
-        merged.scatter_(1, at, chunks).scatter_(1, at_out, outliers.expand(heads, -1))
-        assert torch.equal(merged, torch.cat([chunks, outliers.expand(heads, -1)], 1).sort(dim=1).values)
+        merged = np.empty((heads, k + m), dtype=np.int64)
+        merged[np.arange(heads)[:, None], at], merged[np.arange(heads)[:, None], at_out] = chunks, outliers
+        assert (merged == np.sort(np.concatenate([chunks, np.broadcast_to(outliers, (heads, m))], 1), axis=1)).all()
         rows = token_rows(at, 4)
-        assert rows.shape == (heads, 4 * k) and torch.equal(rows[:, ::4] // 4, at)
-    assert torch.equal(token_rows(torch.tensor([[0, 2]]), 3), torch.tensor([[0, 1, 2, 6, 7, 8]]))
+        assert rows.shape == (heads, 4 * k) and (rows[:, ::4] // 4 == at).all()
+    assert token_rows(np.array([[0, 2]]), 3).tolist() == [[0, 1, 2, 6, 7, 8]]
+
+
+def test_page_slots_are_what_unique_gives():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        pages = rng.integers(0, 40, size=(3, int(rng.integers(0, 30))))
+        got, at = page_slots(pages)
+        want, inverse = np.unique(pages, return_inverse=True)
+        assert got.tolist() == want.tolist() and at.tolist() == inverse.reshape(pages.shape).tolist()

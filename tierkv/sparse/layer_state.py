@@ -13,6 +13,7 @@ A crop takes back the newest tokens, which the window still holds.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -78,7 +79,7 @@ class LayerState:
         self.index = ChunkIndex(layer, H, D, chunk_tokens=config.chunk_tokens, needs=needs, dtype=layout.dtype,
                                 int8_landmarks=config.int8_landmarks)
         self.pages: list[BlockKey] = []
-        self.previous = torch.empty(0, dtype=torch.long)   # pages read by the last step
+        self.previous = np.empty(0, dtype=np.int64)         # pages read by the last step
         self.length = 0
         self._head_basis: Tensor | None = None
 

@@ -7,28 +7,38 @@ positions need the keys in token order)::
     chunks    3 9 12 | outliers 5        slots: chunks 0 2 3, outlier 1
     chunk i   -> i + (outliers before it)             outlier j -> j + (chunks before it)
     token t of the chunk in slot s -> row s*c + t
+
+This is index bookkeeping on a few thousand integers a layer, done in numpy: a call costs about a
+microsecond there, several in PyTorch's dispatch, and a decode step makes hundreds of them.
 """
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+import numpy as np
 
 
-def ascending(chunks: Tensor) -> Tensor:
+def ascending(chunks: np.ndarray) -> np.ndarray:
     """``chunks`` [H, k] with each row in ascending order (sorted where one is not)."""
-    if chunks.shape[1] > 1 and not bool((chunks[:, 1:] > chunks[:, :-1]).all()):
-        return chunks.sort(dim=1).values
+    if chunks.shape[1] > 1 and not (chunks[:, 1:] > chunks[:, :-1]).all():
+        return np.sort(chunks, axis=1)
     return chunks
 
 
-def merge_slots(chunks: Tensor, outliers: Tensor) -> tuple[Tensor, Tensor]:
+def merge_slots(chunks: np.ndarray, outliers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The slots of ``chunks`` [H, k] (ascending and distinct in each row) and of ``outliers`` [m]
     (ascending, none among the chunks) in each row's merged order: ([H, k], [H, m])."""
-    (H, k), m, chunks = chunks.shape, outliers.numel(), chunks.contiguous()
-    return (torch.arange(k) + torch.searchsorted(outliers, chunks),
-            torch.arange(m) + torch.searchsorted(chunks, outliers.expand(H, m).contiguous()))
+    k, m = chunks.shape[1], len(outliers)
+    before = np.array([np.searchsorted(row, outliers) for row in chunks], dtype=np.int64).reshape(len(chunks), m)
+    return np.arange(k) + np.searchsorted(outliers, chunks), np.arange(m) + before
 
 
-def token_rows(slots: Tensor, chunk_tokens: int) -> Tensor:
+def token_rows(slots: np.ndarray, chunk_tokens: int) -> np.ndarray:
     """Chunk slots [H, k] -> the rows of their tokens [H, k*c]."""
-    return (slots.unsqueeze(-1) * chunk_tokens + torch.arange(chunk_tokens)).flatten(1)
+    return (slots[..., None] * chunk_tokens + np.arange(chunk_tokens)).reshape(len(slots), -1)
+
+
+def page_slots(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Page ids [H, k] -> the pages (ascending, each once) and each id's place among them: what
+    ``np.unique(..., return_inverse=True)`` gives, by a mark per page rather than a sort."""
+    marked = np.zeros(int(pages.max()) + 1 if pages.size else 0, dtype=bool)
+    marked[pages] = True
+    return np.flatnonzero(marked), (np.cumsum(marked) - 1)[pages]

@@ -43,7 +43,7 @@ from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
 from tierkv.sparse.layer_state import LayerState
 from tierkv.sparse.lowrank import project, reconstruct
-from tierkv.sparse.order import ascending, merge_slots, token_rows
+from tierkv.sparse.order import ascending, merge_slots, page_slots, token_rows
 from tierkv.sparse.plan import StepPlan
 from tierkv.sparse.reads import LayerRead, Loading
 from tierkv.layout import BlockLayout, Blocks
@@ -207,15 +207,7 @@ class SparseSequence:
     # -- reading -------------------------------------------------------------------------
     def chunk_pages(self, chunks: Tensor) -> Tensor:
         """The pages holding ``chunks``: ascending, each once."""
-        return self._page_slots(chunks)[0]
-
-    def _page_slots(self, chunks: Tensor) -> tuple[Tensor, Tensor]:
-        """The pages holding ``chunks`` (ascending, each once; a mark per page, no sort) and each chunk's
-        page among them (like ``torch.unique(..., return_inverse=True)``)."""
-        of = chunks // (self.layout.tokens // self.config.chunk_tokens)
-        marked = torch.zeros(int(of.max()) + 1 if of.numel() else 0, dtype=torch.bool)
-        marked[of] = True
-        return marked.nonzero().flatten(), (marked.cumsum(0) - 1)[of]
+        return torch.from_numpy(page_slots(chunks.numpy() // (self.layout.tokens // self.config.chunk_tokens))[0])
 
     def page_chunks(self, layer: int, chunks: Tensor) -> Tensor:
         """Every indexed chunk (outliers aside) of the pages that hold ``chunks`` [Hkv, k]: [m],
@@ -225,8 +217,8 @@ class SparseSequence:
             page p  = chunks [p*P/c, (p+1)*P/c)        read when any head selected one of them
         """
         per = self.layout.tokens // self.config.chunk_tokens
-        ids = (self.chunk_pages(chunks).unsqueeze(1) * per + torch.arange(per)).flatten()
-        return ids[self.layers[layer].index.candidates[ids]]
+        ids = (page_slots(chunks.numpy() // per)[0][:, None] * per + np.arange(per)).reshape(-1)
+        return torch.from_numpy(ids[self.layers[layer].index.candidates.numpy()[ids]])
 
     def gather(self, layer: int, chunks: Tensor, *, shared: bool = False,
                margins: tuple[int, int] = (0, 0)) -> tuple[Tensor, Tensor, Tensor]:
@@ -252,13 +244,14 @@ class SparseSequence:
         state, (before, after) = self.layers[layer], margins
         H, D, c = self.layout.num_kv_heads, self.layout.head_dim, self.config.chunk_tokens
         ids, k_out, v_out = state.index.exact()
-        chunks = ascending(chunks)
-        at, at_out = merge_slots(chunks, ids)                   # [Hkv, k], [Hkv, m]: slots in token order
-        merged = torch.empty(H, at.shape[1] + ids.numel(), dtype=torch.long)
-        pos = self._positions(merged.scatter_(1, at, chunks).scatter_(1, at_out, ids.expand(H, -1)))
+        chunks, heads = ascending(chunks.numpy()), np.arange(H)[:, None]
+        at, at_out = merge_slots(chunks, ids.numpy())            # [Hkv, k], [Hkv, m]: slots in token order
+        merged = np.empty((H, at.shape[1] + len(ids)), dtype=np.int64)
+        merged[heads, at], merged[heads, at_out] = chunks, ids.numpy()
+        pos = torch.from_numpy(self.config.sink_tokens + token_rows(merged, c))      # token positions
         M = pos.shape[1]
         read = None
-        if chunks.numel():
+        if chunks.size:
             read = self._read(layer, chunks, before + token_rows(at, c), before + M + after, shared=shared, split=split)
             k, v = read.k, read.v
         else:
@@ -266,9 +259,9 @@ class SparseSequence:
             k, v = torch.empty(H, before + M + after, D, dtype=dtype), torch.empty(H, before + M + after, D, dtype=dtype)
         if ids.numel():                 # written whole chunks at a time: rows [c*D] of a view of the buffer
             k, v = joinable(k, k_out), joinable(v, v_out)
-            heads, m = torch.arange(H).unsqueeze(1), ids.numel()
+            m, at_out = ids.numel(), torch.from_numpy(at_out)
             for x, exact in ((k, k_out), (v, v_out)):
-                x[:, before:before + M].view(H, M // c, c * D)[heads, at_out] = \
+                x[:, before:before + M].view(H, M // c, c * D)[torch.from_numpy(heads), at_out] = \
                     exact.view(m, c, H, D).permute(2, 0, 1, 3).reshape(H, m, c * D)
         self.stats.tokens += M
         if read is None or read.future is None:
@@ -295,13 +288,7 @@ class SparseSequence:
             return at, valid, keys, blocks.take("values", (page, tok, heads))
         return Loading(missing, finish, future.cancel)
 
-    def _positions(self, chunks: Tensor) -> Tensor:
-        """chunk ids [Hkv, k] -> token positions [Hkv, k*c]."""
-        c = self.config.chunk_tokens
-        first = self.config.sink_tokens + chunks * c
-        return (first.unsqueeze(-1) + torch.arange(c)).flatten(1)
-
-    def _read(self, layer: int, chunks: Tensor, at: Tensor, width: int, *, shared: bool = False,
+    def _read(self, layer: int, chunks: np.ndarray, at: np.ndarray, width: int, *, shared: bool = False,
               split: bool = False) -> LayerRead:
         """Pin the pages of ``chunks`` [Hkv, k]; rebuild each head's keys of its chunks only, into
         rows ``at`` [Hkv, k*c] of K and V [Hkv, width, D] (the other rows are the caller's)::
@@ -317,7 +304,7 @@ class SparseSequence:
         ``gather_split``); a read of more than half the fastest tier splits its last group only.
         """
         state = self.layers[layer]
-        pages, page = self._page_slots(chunks)
+        pages, page = page_slots(chunks // (self.layout.tokens // self.config.chunk_tokens))
         self._count(state, pages)
         place = self._place(chunks, page, at, width)
         keys, step = [state.pages[p] for p in pages.tolist()], self.manager.pin_group(self.read_tier)
@@ -358,14 +345,15 @@ class SparseSequence:
             raise
         return LayerRead(k, v, place.rows, place.at, raw, future, loading)
 
-    def _place(self, chunks: Tensor, page: Tensor, at: Tensor, width: int) -> Placed:
+    def _place(self, chunks: np.ndarray, page: np.ndarray, at: np.ndarray, width: int) -> Placed:
         """Where the tokens of ``chunks`` [Hkv, k] lie in the pages read (``page`` [Hkv, k]: each chunk's
         page among them) and where they go: rows ``at`` [Hkv, k*c] of [Hkv, width]."""
         c, P, H = self.config.chunk_tokens, self.layout.tokens, self.layout.num_kv_heads
-        tok = ((chunks % (P // c) * c).unsqueeze(-1) + torch.arange(c)).flatten(1)   # [Hkv, k*c]: row in page
-        page = page.unsqueeze(-1).expand(-1, -1, c).flatten(1)                       # [Hkv, k*c]
-        zeros = torch.zeros(H, width, dtype=torch.long)
-        return Placed(zeros.scatter(1, at, page), zeros.scatter(1, at, tok), page * P + tok, at)
+        tok = token_rows(chunks % (P // c), c)                                  # [Hkv, k*c]: row in page
+        page = np.repeat(page, c, axis=1)                                       # [Hkv, k*c]
+        heads, page_of, tok_of = np.arange(H)[:, None], np.zeros((H, width), np.int64), np.zeros((H, width), np.int64)
+        page_of[heads, at], tok_of[heads, at] = page, tok
+        return Placed(*map(torch.from_numpy, (page_of, tok_of, page * P + tok, at)))
 
     def _read_pinned(self, state: LayerState, layer: int, keys: list[BlockKey], place: Placed,
                      shared: bool) -> LayerRead:
@@ -420,10 +408,10 @@ class SparseSequence:
         factors = blocks.take("factors", (page, tok))                            # [Hkv, ..., r]
         return state.head_keys(factors.flatten(1, -2)).view(*factors.shape[:-1], -1)
 
-    def _count(self, state: LayerState, pages: Tensor) -> None:
+    def _count(self, state: LayerState, pages: np.ndarray) -> None:
         self.stats.steps += 1
-        self.stats.pages += pages.numel()
-        read = torch.zeros(len(state.pages), dtype=torch.bool)        # a mark per page (isin sorted: 0.1 ms)
+        self.stats.pages += len(pages)
+        read = np.zeros(len(state.pages), dtype=bool)                  # a mark per page (no sort)
         read[pages] = True
         self.stats.reused += int(read[state.previous].sum())
         state.previous = pages
