@@ -46,6 +46,8 @@ class Positions(Protocol):
 
     def query_start(self, context_tokens: int, pos: int) -> int: ...
 
+    def rotate_new(self, x: Tensor, start: int) -> Tensor: ...
+
     def context_keys(self, k_ctx: Tensor, p_ctx: Tensor) -> Tensor: ...
 
     def late_positions(self, first: int, p_mid: Tensor, at: Tensor) -> Tensor: ...
@@ -71,6 +73,12 @@ class RealPositions:
     def query_start(self, context_tokens: int, pos: int) -> int:
         return pos
 
+    def rotate_new(self, x: Tensor, start: int) -> Tensor:
+        """The new tokens' queries or keys x [1, H, T, D] at positions start .. start+T-1, rounded as the
+        model rounds them (a dense reference sees these)."""
+        cos, sin = self.rope.span(start, x.shape[2], x.dtype)
+        return apply_rope(x, cos, sin)
+
     def context_keys(self, k_ctx: Tensor, p_ctx: Tensor) -> Tensor:
         """k_ctx [Hkv, Tc, D] pre-RoPE at positions p_ctx [Hkv, Tc] -> [1, Hkv, Tc, D] rotated."""
         return self.rope.rotate_heads(k_ctx, p_ctx).unsqueeze(0)
@@ -95,6 +103,10 @@ class CompactPositions:
 
     def query_start(self, context_tokens: int, pos: int) -> int:
         return context_tokens
+
+    def rotate_new(self, x: Tensor, start: int) -> Tensor:
+        """As the context's keys are rotated (``context_keys``): two operations, not apply_rope's dozen."""
+        return self.rope.rotate_span(x, start)
 
     def context_keys(self, k_ctx: Tensor, p_ctx: Tensor) -> Tensor:
         """Rotated in the keys' own dtype, as the model rotates its keys and the step its new ones (bf16

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from tierkv.ops.attention import attend, merge
-from tierkv.ops.rope import RopeTable, apply_rope
+from tierkv.ops.rope import RopeTable
 from tierkv.sparse.plan import Positions
 from tierkv.sparse.reads import Loading
 from tierkv.sparse.sequence import SparseSequence, joinable
@@ -95,12 +95,12 @@ def attend_layer(q_pre: Tensor, k_pre: Tensor, v: Tensor, pos: int, context: Con
                  rope: RopeTable) -> Tensor:
     """Attention output [1, H, T, D] of the new tokens (q_pre [1, H, T, D], k_pre and v [1, Hkv, T, D],
     the first at position ``pos``) over ``context`` and, causally, over themselves."""
-    T, Tc = q_pre.shape[2], context.k.shape[1] - context.new
-    cos, sin = rope.span(positions.query_start(Tc, pos), T)
-    q = apply_rope(q_pre, cos.to(q_pre.dtype), sin.to(q_pre.dtype))
+    Tc = context.k.shape[1] - context.new
+    start = positions.query_start(Tc, pos)
+    q = positions.rotate_new(q_pre, start)
     parts = []
     if not context.new:         # the new tokens on their own, causally (the context holds the decoded one)
-        parts.append(attend(q, apply_rope(k_pre, cos.to(k_pre.dtype), sin.to(k_pre.dtype)), v, causal=True))
+        parts.append(attend(q, positions.rotate_new(k_pre, start), v, causal=True))
     if Tc or context.new:
         k_ctx = positions.context_keys(context.k, context.p).to(q.dtype)
         parts.append(attend(q, k_ctx, context.v.to(q.dtype).unsqueeze(0), causal=False, mask=context.mask()))
