@@ -27,11 +27,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from tierkv.codec import KVCodec
 from tierkv.device import align_up
+
+
+Index = Tensor | np.ndarray      # integer indexes of a take: CPU tensors or numpy arrays
 
 
 class Codec(Protocol):
@@ -163,13 +167,13 @@ class BlockLayout:
                          else f.codec.decode(part, (*lead, *f.shape), self.dtype))
         return tuple(views)
 
-    def take(self, raw: Tensor, name: str, index: tuple[Tensor, ...], *, split: int | None = None) -> Tensor:
+    def take(self, raw: Tensor, name: str, index: tuple[Index, ...], *, split: int | None = None) -> Tensor:
         """Rows of the field ``name`` of blocks ``raw`` [n, block_bytes], in the layout's dtype (a quantized
-        field: decoded to float32): ``index`` has a tensor for each of the first dimensions of
-        [n, *field shape] (at least the block's), and the result is [*index shape, the dimensions left].
-        ``split``: the field's last dimension seen as [-1, split] (a plain field only: one KV head's
-        columns of the key factors). A quantized field decodes only those rows (its gather and its
-        decode are one pass)."""
+        field: decoded to float32): ``index`` has an integer tensor or array for each of the first
+        dimensions of [n, *field shape] (at least the block's), and the result is [*index shape, the
+        dimensions left]. ``split``: the field's last dimension seen as [-1, split] (a plain field only:
+        one KV head's columns of the key factors). A quantized field decodes only those rows (its
+        gather and its decode are one pass)."""
         i = next(i for i, f in enumerate(self.fields) if f.name == name)
         f, start = self.fields[i], self._offsets[i]
         part = raw[..., start:self._offsets[i + 1]]
@@ -177,19 +181,22 @@ class BlockLayout:
         if f.codec is not None:
             if split is not None:
                 raise ValueError(f"field {name!r} is quantized ({f.codec.name}): it is taken whole, not split")
-            return f.codec.take(part, f.shape, index)
+            return f.codec.take(part, f.shape, tuple(map(_tensor, index)))
         left = shape[len(index) - 1:]
         row = math.prod(left) * self.dtype.itemsize
         if raw.dim() == 2 and raw.is_contiguous() and not start % row and not raw.shape[-1] % row:
             # each wanted row is `row` contiguous bytes: one index_select over the buffer seen as rows
-            # (3x faster than indexing the strided field view in several dimensions)
+            # (3x faster than indexing the strided field view in several dimensions); the rows'
+            # offsets are worked out in numpy, whose calls on a few thousand integers cost a microsecond
+            index = tuple(map(_array, index))
             flat, stride = index[0] * (raw.shape[-1] // row) + start // row, 1
             for size, idx in zip(reversed(shape[:len(index) - 1]), reversed(index[1:])):
                 flat = flat + idx * stride
                 stride *= size
-            rows = raw.view(-1).view(self.dtype).view(-1, math.prod(left))
-            return rows.index_select(0, flat.reshape(-1)).view(*flat.shape, *left)
-        return part.view(self.dtype).view(*raw.shape[:-1], *shape)[index]
+            rows, index_shape = raw.view(-1).view(self.dtype).view(-1, math.prod(left)), flat.shape
+            flat = torch.from_numpy(np.ascontiguousarray(flat).reshape(-1))
+            return rows.index_select(0, flat).view(*index_shape, *left)
+        return part.view(self.dtype).view(*raw.shape[:-1], *shape)[tuple(map(_tensor, index))]
 
     def field_bytes(self, name: str) -> int:
         """Bytes of the field ``name`` in one block."""
@@ -207,14 +214,22 @@ class Blocks:
         Blocks(layout, extent, rows)         block j = extent[rows[j]]
     """
 
-    def __init__(self, layout: BlockLayout, buffer: Tensor, rows: Tensor | None = None) -> None:
-        self.layout, self.buffer, self.rows = layout, buffer, rows
+    def __init__(self, layout: BlockLayout, buffer: Tensor, rows: Index | None = None) -> None:
+        self.layout, self.buffer, self.rows = layout, buffer, None if rows is None else _array(rows)
 
-    def take(self, name: str, index: tuple[Tensor, ...], *, split: int | None = None) -> Tensor:
+    def take(self, name: str, index: tuple[Index, ...], *, split: int | None = None) -> Tensor:
         """``BlockLayout.take`` over these blocks: ``index[0]`` numbers them 0..n-1."""
         if self.rows is not None:
-            index = (self.rows[index[0]], *index[1:])
+            index = (self.rows[_array(index[0])], *index[1:])
         return self.layout.take(self.buffer, name, index, split=split)
+
+
+def _array(index: Index) -> np.ndarray:
+    return index if isinstance(index, np.ndarray) else index.numpy()
+
+
+def _tensor(index: Index) -> Tensor:
+    return index if isinstance(index, Tensor) else torch.from_numpy(index)
 
 
 def _kv_fields(half: tuple[int, ...], codec: KVCodec | None) -> tuple[Field, Field]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from torch import Tensor
 
 from tierkv.manager.blocking import ReadFuture
@@ -49,8 +50,8 @@ class LayerRead:
     [Hkv, k*c], and, for a split read, the pages still loading into ``raw``."""
     k: Tensor
     v: Tensor
-    rows: Tensor
-    at: Tensor
+    rows: np.ndarray
+    at: np.ndarray
     raw: Tensor | None                 # the pages copied out (None: read in place)
     future: ReadFuture | None
     loading: Tensor | None = None      # [pages] bool: still loading into raw

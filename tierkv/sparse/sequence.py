@@ -46,7 +46,7 @@ from tierkv.sparse.lowrank import project, reconstruct
 from tierkv.sparse.order import ascending, merge_slots, page_slots, token_rows
 from tierkv.sparse.plan import StepPlan
 from tierkv.sparse.reads import LayerRead, Loading
-from tierkv.layout import BlockLayout, Blocks
+from tierkv.layout import BlockLayout, Blocks, Index
 
 if TYPE_CHECKING:
     from tierkv.sparse.restore import Origin
@@ -57,11 +57,11 @@ class Placed:
     """A read's tokens, where they lie and where they go: ``page``, ``tok`` [Hkv, width] the page
     among those read and the row in it of every row of K and V (0, 0 for rows of no chunk), ``rows``
     [Hkv, k*c] each chunk token's row in the pages read (page * P + tok), ``at`` [Hkv, k*c] its row
-    of K and V."""
-    page: Tensor
-    tok: Tensor
-    rows: Tensor
-    at: Tensor
+    of K and V (numpy arrays: see ``tierkv.sparse.order``)."""
+    page: np.ndarray
+    tok: np.ndarray
+    rows: np.ndarray
+    at: np.ndarray
 
 
 @dataclass(slots=True)
@@ -256,9 +256,9 @@ class SparseSequence:
             k, v = read.k, read.v
         else:
             dtype = k_out.dtype if ids.numel() else self.layout.dtype
-            k, v = torch.empty(H, before + M + after, D, dtype=dtype), torch.empty(H, before + M + after, D, dtype=dtype)
+            k, v = (torch.empty(H, before + M + after, D, dtype=dtype) for _ in range(2))
         if ids.numel():                 # written whole chunks at a time: rows [c*D] of a view of the buffer
-            k, v = joinable(k, k_out), joinable(v, v_out)
+            k, v = joinable(k, k_out).contiguous(), joinable(v, v_out).contiguous()   # (a decoded take may not be)
             m, at_out = ids.numel(), torch.from_numpy(at_out)
             for x, exact in ((k, k_out), (v, v_out)):
                 x[:, before:before + M].view(H, M // c, c * D)[torch.from_numpy(heads), at_out] = \
@@ -266,8 +266,9 @@ class SparseSequence:
         self.stats.tokens += M
         if read is None or read.future is None:
             return k, v, pos, None
-        rows = torch.full((H, M), -1).scatter_(1, read.at - before, read.rows)   # outliers: -1
-        return k, v, pos, self._loading(layer, read, rows)
+        rows = np.full((H, M), -1)                                               # outliers: -1
+        rows[heads, read.at - before] = read.rows
+        return k, v, pos, self._loading(layer, read, torch.from_numpy(rows))
 
     def _loading(self, layer: int, read: LayerRead, rows: Tensor) -> Loading:
         """What brings the gathered rows whose page ``read`` is still loading; ``rows`` [Hkv, M]:
@@ -334,8 +335,8 @@ class SparseSequence:
                 loading[[first + row for row in future.missing]] = True
             k, v = self._rebuild(state, place, Blocks(self.layout, raw), shared)
             if loading is not None:   # the pages still loading hold whatever ``raw`` held: their rows are zeros
-                late = place.at + torch.arange(k.shape[0]).unsqueeze(1) * k.shape[1]
-                late = late[loading[place.rows.div(self.layout.tokens, rounding_mode="floor")]]
+                late = place.at + np.arange(k.shape[0])[:, None] * k.shape[1]
+                late = torch.from_numpy(late[loading.numpy()[place.rows // self.layout.tokens]])
                 k, v = k.contiguous(), v.contiguous()                     # fresh: zeroed in place, by row
                 for x in (k, v):                                          # (a broadcast masked_fill: 3x slower)
                     x.view(-1, x.shape[-1]).index_fill_(0, late, 0)
@@ -353,7 +354,7 @@ class SparseSequence:
         page = np.repeat(page, c, axis=1)                                       # [Hkv, k*c]
         heads, page_of, tok_of = np.arange(H)[:, None], np.zeros((H, width), np.int64), np.zeros((H, width), np.int64)
         page_of[heads, at], tok_of[heads, at] = page, tok
-        return Placed(*map(torch.from_numpy, (page_of, tok_of, page * P + tok, at)))
+        return Placed(page_of, tok_of, page * P + tok, at)
 
     def _read_pinned(self, state: LayerState, layer: int, keys: list[BlockKey], place: Placed,
                      shared: bool) -> LayerRead:
@@ -376,7 +377,7 @@ class SparseSequence:
         try:
             raw = None
             if found is not None:
-                blocks = Blocks(self.layout, found[0], torch.from_numpy(found[1]))
+                blocks = Blocks(self.layout, found[0], found[1])
             else:
                 raw = pages_buffer(len(lease.keys), self.layout.block_bytes)
                 self.manager.copy_out(lease, raw)
@@ -397,10 +398,10 @@ class SparseSequence:
             factors = take("factors", (page[0], tok[0]))                       # [width, r]
             k = reconstruct(factors, state.basis.basis, H, exact=state.basis.exact)
             return k.transpose(0, 1).contiguous(), take("values", (page[0], tok[0])).transpose(0, 1).contiguous()
-        heads = torch.arange(H).view(H, 1)
+        heads = np.arange(H)[:, None]
         return self._head_keys(state, blocks, page, tok, heads), take("values", (page, tok, heads))
 
-    def _head_keys(self, state: LayerState, blocks: Blocks, page: Tensor, tok: Tensor, heads: Tensor) -> Tensor:
+    def _head_keys(self, state: LayerState, blocks: Blocks, page: Index, tok: Index, heads: Index) -> Tensor:
         """Each KV head's keys of rows (page, tok) of ``blocks`` [Hkv, ...]: with the identity basis the
         factors are the keys, and only the head's own columns are read; otherwise factors @ B_h."""
         if state.basis.exact and self.layout.codec is None:
