@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 from torch import Tensor
 
 from tierkv.manager.blocking import ReadFuture
+
+if TYPE_CHECKING:
+    from tierkv.sparse.sequence import Placed
 
 
 class Loading:
@@ -45,13 +48,12 @@ class Loading:
 
 @dataclass(slots=True)
 class LayerRead:
-    """A layer's chunks read from their pages into rows ``at`` [Hkv, k*c] of keys and values
-    [Hkv, width, D] (the other rows are the caller's), each token's row in the pages read ``rows``
-    [Hkv, k*c], and, for a split read, the pages still loading into ``raw``."""
+    """A layer's chunks read from their pages into keys and values [Hkv, width, D], where ``place``
+    says (the rows of no chunk are the caller's), and, for a split read, the pages still loading
+    into ``raw``."""
     k: Tensor
     v: Tensor
-    rows: np.ndarray
-    at: np.ndarray
+    place: Placed
     raw: Tensor | None                 # the pages copied out (None: read in place)
     future: ReadFuture | None
     loading: Tensor | None = None      # [pages] bool: still loading into raw

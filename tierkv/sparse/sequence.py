@@ -52,16 +52,37 @@ if TYPE_CHECKING:
     from tierkv.sparse.restore import Origin
 
 
-@dataclass(frozen=True, slots=True)
 class Placed:
-    """A read's tokens, where they lie and where they go: ``page``, ``tok`` [Hkv, width] the page
-    among those read and the row in it of every row of K and V (0, 0 for rows of no chunk), ``rows``
-    [Hkv, k*c] each chunk token's row in the pages read (page * P + tok), ``at`` [Hkv, k*c] its row
-    of K and V (numpy arrays: see ``tierkv.sparse.order``)."""
-    page: np.ndarray
-    tok: np.ndarray
-    rows: np.ndarray
-    at: np.ndarray
+    """Where a read's chunks lie and where their tokens go: ``chunks`` [Hkv, k], each one's ``page``
+    among the pages read [Hkv, k] and its ``slot`` among the ``span`` = (first row, rows) of K and V
+    [Hkv, width, D] that chunks and outliers fill, c rows a slot (numpy arrays: see
+    ``tierkv.sparse.order``)."""
+
+    __slots__ = ("chunks", "page", "slot", "span", "width", "c", "P")
+
+    def __init__(self, chunks: np.ndarray, page: np.ndarray, slot: np.ndarray, span: tuple[int, int], width: int,
+                 chunk_tokens: int, page_tokens: int) -> None:
+        self.chunks, self.page, self.slot, self.span, self.width = chunks, page, slot, span, width
+        self.c, self.P = chunk_tokens, page_tokens
+
+    def sources(self) -> tuple[np.ndarray, np.ndarray]:
+        """The page among those read and the row in it of every row of K and V [Hkv, width] (0, 0 for
+        rows of no chunk), laid out a slot at a time and repeated over its c rows."""
+        H, (first, rows), c = len(self.chunks), self.span, self.c
+        heads, page, tok = np.arange(H)[:, None], np.zeros((H, rows // c), np.int64), np.zeros((H, rows // c), np.int64)
+        page[heads, self.slot], tok[heads, self.slot] = self.page, self.chunks % (self.P // c) * c
+        page_of, tok_of = np.zeros((H, self.width), np.int64), np.zeros((H, self.width), np.int64)
+        page_of[:, first:first + rows] = np.repeat(page, c, axis=1)
+        tok_of[:, first:first + rows] = (tok[..., None] + np.arange(c)).reshape(H, rows)
+        return page_of, tok_of
+
+    def rows(self) -> np.ndarray:
+        """Each chunk token's row in the pages read, page * P + row in page [Hkv, k*c]."""
+        return np.repeat(self.page, self.c, axis=1) * self.P + token_rows(self.chunks % (self.P // self.c), self.c)
+
+    def at(self) -> np.ndarray:
+        """Each chunk token's row of K and V [Hkv, k*c]."""
+        return self.span[0] + token_rows(self.slot, self.c)
 
 
 @dataclass(slots=True)
@@ -252,7 +273,7 @@ class SparseSequence:
         M = pos.shape[1]
         read = None
         if chunks.size:
-            read = self._read(layer, chunks, before + token_rows(at, c), before + M + after, shared=shared, split=split)
+            read = self._read(layer, chunks, at, (before, M), before + M + after, shared=shared, split=split)
             k, v = read.k, read.v
         else:
             dtype = k_out.dtype if ids.numel() else self.layout.dtype
@@ -267,7 +288,7 @@ class SparseSequence:
         if read is None or read.future is None:
             return k, v, pos, None
         rows = np.full((H, M), -1)                                               # outliers: -1
-        rows[heads, read.at - before] = read.rows
+        rows[heads, read.place.at() - before] = read.place.rows()
         return k, v, pos, self._loading(layer, read, torch.from_numpy(rows))
 
     def _loading(self, layer: int, read: LayerRead, rows: Tensor) -> Loading:
@@ -289,10 +310,11 @@ class SparseSequence:
             return at, valid, keys, blocks.take("values", (page, tok, heads))
         return Loading(missing, finish, future.cancel)
 
-    def _read(self, layer: int, chunks: np.ndarray, at: np.ndarray, width: int, *, shared: bool = False,
-              split: bool = False) -> LayerRead:
+    def _read(self, layer: int, chunks: np.ndarray, slot: np.ndarray, span: tuple[int, int], width: int, *,
+              shared: bool = False, split: bool = False) -> LayerRead:
         """Pin the pages of ``chunks`` [Hkv, k]; rebuild each head's keys of its chunks only, into
-        rows ``at`` [Hkv, k*c] of K and V [Hkv, width, D] (the other rows are the caller's)::
+        their ``slot`` [Hkv, k] of the rows ``span`` (first, count) of K and V [Hkv, width, D], c rows a
+        slot (the other rows are the caller's)::
 
             rows[h]  = page slot * P + chunk offset in page * c + 0..c-1      [Hkv, k*c]
             K[h]     = A[rows[h]] @ B[:, h*D:(h+1)*D]                         [Hkv, k*c, D]
@@ -307,7 +329,7 @@ class SparseSequence:
         state = self.layers[layer]
         pages, page = page_slots(chunks // (self.layout.tokens // self.config.chunk_tokens))
         self._count(state, pages)
-        place = self._place(chunks, page, at, width)
+        place = Placed(chunks, page, slot, span, width, self.config.chunk_tokens, self.layout.tokens)
         keys, step = [state.pages[p] for p in pages.tolist()], self.manager.pin_group(self.read_tier)
         if not split and len(keys) <= step:
             return self._read_pinned(state, layer, keys, place, shared)
@@ -335,8 +357,8 @@ class SparseSequence:
                 loading[[first + row for row in future.missing]] = True
             k, v = self._rebuild(state, place, Blocks(self.layout, raw), shared)
             if loading is not None:   # the pages still loading hold whatever ``raw`` held: their rows are zeros
-                late = place.at + np.arange(k.shape[0])[:, None] * k.shape[1]
-                late = torch.from_numpy(late[loading.numpy()[place.rows // self.layout.tokens]])
+                late = place.at() + np.arange(k.shape[0])[:, None] * k.shape[1]
+                late = torch.from_numpy(late[loading.numpy()[place.rows() // self.layout.tokens]])
                 k, v = k.contiguous(), v.contiguous()                     # fresh: zeroed in place, by row
                 for x in (k, v):                                          # (a broadcast masked_fill: 3x slower)
                     x.view(-1, x.shape[-1]).index_fill_(0, late, 0)
@@ -344,17 +366,7 @@ class SparseSequence:
             if future is not None:
                 future.cancel()
             raise
-        return LayerRead(k, v, place.rows, place.at, raw, future, loading)
-
-    def _place(self, chunks: np.ndarray, page: np.ndarray, at: np.ndarray, width: int) -> Placed:
-        """Where the tokens of ``chunks`` [Hkv, k] lie in the pages read (``page`` [Hkv, k]: each chunk's
-        page among them) and where they go: rows ``at`` [Hkv, k*c] of [Hkv, width]."""
-        c, P, H = self.config.chunk_tokens, self.layout.tokens, self.layout.num_kv_heads
-        tok = token_rows(chunks % (P // c), c)                                  # [Hkv, k*c]: row in page
-        page = np.repeat(page, c, axis=1)                                       # [Hkv, k*c]
-        heads, page_of, tok_of = np.arange(H)[:, None], np.zeros((H, width), np.int64), np.zeros((H, width), np.int64)
-        page_of[heads, at], tok_of[heads, at] = page, tok
-        return Placed(page_of, tok_of, page * P + tok, at)
+        return LayerRead(k, v, place, raw, future, loading)
 
     def _read_pinned(self, state: LayerState, layer: int, keys: list[BlockKey], place: Placed,
                      shared: bool) -> LayerRead:
@@ -382,7 +394,7 @@ class SparseSequence:
                 raw = pages_buffer(len(lease.keys), self.layout.block_bytes)
                 self.manager.copy_out(lease, raw)
                 blocks = Blocks(self.layout, raw)
-            read = LayerRead(*self._rebuild(state, place, blocks, shared), place.rows, place.at, raw, None)
+            read = LayerRead(*self._rebuild(state, place, blocks, shared), place, raw, None)
         except BaseException:
             lease.release()
             raise
@@ -392,7 +404,7 @@ class SparseSequence:
         """Keys and values [Hkv, width, D] of the rows ``place`` gives: every row is taken, those of
         no chunk from the first page's first row, for the caller to write over (one indexed copy of
         the whole buffer, none of a part and then another of the whole)."""
-        H, page, tok = self.layout.num_kv_heads, place.page, place.tok          # [Hkv, width]
+        H, (page, tok) = self.layout.num_kv_heads, place.sources()            # [Hkv, width]
         take = blocks.take                   # decodes only these rows when pages are quantized
         if shared and not (state.basis.exact and self.layout.codec is None):
             factors = take("factors", (page[0], tok[0]))                       # [width, r]
