@@ -330,3 +330,38 @@ def test_page_slots_are_what_unique_gives():
         got, at = page_slots(pages)
         want, inverse = np.unique(pages, return_inverse=True)
         assert got.tolist() == want.tolist() and at.tolist() == inverse.reshape(pages.shape).tolist()
+
+
+@pytest.mark.parametrize("page_dtype,rank", [("int8", H * D), (None, H * D // 2)])
+def test_decoded_or_rebuilt_keys_fill_the_context_buffer_around_the_exact_outliers(page_dtype, rank):
+    """Keys decoded from quantized pages, or rebuilt through a low-rank basis (one product for every
+    head when they share their chunks), are float32 rows of their own: they land in the rows the
+    gather leaves between the caller's margins, in token order with the outliers, which stay exact."""
+    cfg = config(outlier_fraction=0.2, page_dtype=page_dtype)
+    layout = BlockLayout.page(cfg.page_tokens, H, D, rank, torch.float32, codec=cfg.codec)
+    with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="1MiB", cpu="1MiB")) as manager:
+        seq = SparseSequence(manager, cfg, layout, num_layers=1, dtype=torch.float32, needs=frozenset({"landmarks"}))
+        k, v = torch.randn(200, H, D), torch.randn(200, H, D)
+        seq.append(0, k, v)
+        seq.fit(0, rank)
+        outliers = sorted(seq.index(0).outliers)
+        free = seq.index(0).candidates.nonzero().flatten()
+        assert outliers
+        for chunks, shared in ((torch.stack([free[[0, 3, 9]], free[[2, 3, 17]]]), False),
+                               (free[[1, 4, 8]].expand(H, -1), True)):
+            got_k, got_v, pos = seq.gather(0, chunks, shared=shared, margins=(5, 7))
+            plain_k, plain_v, plain_pos = seq.gather(0, chunks, shared=shared)
+            assert got_k.shape == (H, 5 + pos.shape[1] + 7, D) and torch.equal(pos, plain_pos)
+            assert torch.equal(got_k[:, 5:-7], plain_k) and torch.equal(got_v[:, 5:-7], plain_v)
+            for h in range(H):
+                assert pos[h].tolist() == tokens_of([*chunks[h].tolist(), *outliers])
+                exact = [i for i, p in enumerate(pos[h].tolist()) if (p - 8) // 8 in outliers]
+                rows = torch.tensor(exact) + 5
+                assert torch.equal(got_k[h, rows], k[pos[h, exact], h])
+                assert torch.equal(got_v[h, rows], v[pos[h, exact], h])
+                near = torch.tensor([i for i in range(pos.shape[1]) if i not in exact])
+                assert torch.allclose(got_v[h, near + 5], v[pos[h, near], h], atol=0.1)
+                if page_dtype is None:             # the basis is fitted to these keys: half rank loses some
+                    assert (got_k[h, near + 5] - k[pos[h, near], h]).norm() < k[pos[h, near], h].norm()
+                else:
+                    assert torch.allclose(got_k[h, near + 5], k[pos[h, near], h], atol=0.1)
