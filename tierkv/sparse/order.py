@@ -8,6 +8,9 @@ positions need the keys in token order)::
     chunk i   -> i + (outliers before it)             outlier j -> j + (chunks before it)
     token t of the chunk in slot s -> row s*c + t
 
+``Placed`` holds a read's placement: each chunk's page among those read and its slot, from which
+every row of the context gets its source (page, row in page), laid out a slot at a time.
+
 This is index bookkeeping on a few thousand integers a layer, done in numpy: a call costs about a
 microsecond there, several in PyTorch's dispatch, and a decode step makes hundreds of them.
 """
@@ -42,3 +45,35 @@ def page_slots(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     marked = np.zeros(int(pages.max()) + 1 if pages.size else 0, dtype=bool)
     marked[pages] = True
     return np.flatnonzero(marked), (np.cumsum(marked) - 1)[pages]
+
+
+class Placed:
+    """Where a read's chunks lie and where their tokens go: ``chunks`` [Hkv, k], each one's ``page``
+    among the pages read [Hkv, k] and its ``slot`` among the ``span`` = (first row, rows) of K and V
+    [Hkv, width, D] that chunks and outliers fill, c rows a slot (numpy arrays)."""
+
+    __slots__ = ("chunks", "page", "slot", "span", "width", "c", "P")
+
+    def __init__(self, chunks: np.ndarray, page: np.ndarray, slot: np.ndarray, span: tuple[int, int], width: int,
+                 chunk_tokens: int, page_tokens: int) -> None:
+        self.chunks, self.page, self.slot, self.span, self.width = chunks, page, slot, span, width
+        self.c, self.P = chunk_tokens, page_tokens
+
+    def sources(self) -> tuple[np.ndarray, np.ndarray]:
+        """The page among those read and the row in it of every row of K and V [Hkv, width] (0, 0 for
+        rows of no chunk), laid out a slot at a time and repeated over its c rows."""
+        H, (first, rows), c = len(self.chunks), self.span, self.c
+        heads, page, tok = np.arange(H)[:, None], np.zeros((H, rows // c), np.int64), np.zeros((H, rows // c), np.int64)
+        page[heads, self.slot], tok[heads, self.slot] = self.page, self.chunks % (self.P // c) * c
+        page_of, tok_of = np.zeros((H, self.width), np.int64), np.zeros((H, self.width), np.int64)
+        page_of[:, first:first + rows] = np.repeat(page, c, axis=1)
+        tok_of[:, first:first + rows] = (tok[..., None] + np.arange(c)).reshape(H, rows)
+        return page_of, tok_of
+
+    def rows(self) -> np.ndarray:
+        """Each chunk token's row in the pages read, page * P + row in page [Hkv, k*c]."""
+        return np.repeat(self.page, self.c, axis=1) * self.P + token_rows(self.chunks % (self.P // self.c), self.c)
+
+    def at(self) -> np.ndarray:
+        """Each chunk token's row of K and V [Hkv, k*c]."""
+        return self.span[0] + token_rows(self.slot, self.c)

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from tierkv.manager.blocking import ReadFuture
-
-if TYPE_CHECKING:
-    from tierkv.sparse.sequence import Placed
+from tierkv.sparse.order import Placed
 
 
 class Loading:

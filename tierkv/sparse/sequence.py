@@ -43,46 +43,13 @@ from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
 from tierkv.sparse.layer_state import LayerState
 from tierkv.sparse.lowrank import project, reconstruct
-from tierkv.sparse.order import ascending, merge_slots, page_slots, token_rows
+from tierkv.sparse.order import Placed, ascending, merge_slots, page_slots, token_rows
 from tierkv.sparse.plan import StepPlan
 from tierkv.sparse.reads import LayerRead, Loading
 from tierkv.layout import BlockLayout, Blocks, Index
 
 if TYPE_CHECKING:
     from tierkv.sparse.restore import Origin
-
-
-class Placed:
-    """Where a read's chunks lie and where their tokens go: ``chunks`` [Hkv, k], each one's ``page``
-    among the pages read [Hkv, k] and its ``slot`` among the ``span`` = (first row, rows) of K and V
-    [Hkv, width, D] that chunks and outliers fill, c rows a slot (numpy arrays: see
-    ``tierkv.sparse.order``)."""
-
-    __slots__ = ("chunks", "page", "slot", "span", "width", "c", "P")
-
-    def __init__(self, chunks: np.ndarray, page: np.ndarray, slot: np.ndarray, span: tuple[int, int], width: int,
-                 chunk_tokens: int, page_tokens: int) -> None:
-        self.chunks, self.page, self.slot, self.span, self.width = chunks, page, slot, span, width
-        self.c, self.P = chunk_tokens, page_tokens
-
-    def sources(self) -> tuple[np.ndarray, np.ndarray]:
-        """The page among those read and the row in it of every row of K and V [Hkv, width] (0, 0 for
-        rows of no chunk), laid out a slot at a time and repeated over its c rows."""
-        H, (first, rows), c = len(self.chunks), self.span, self.c
-        heads, page, tok = np.arange(H)[:, None], np.zeros((H, rows // c), np.int64), np.zeros((H, rows // c), np.int64)
-        page[heads, self.slot], tok[heads, self.slot] = self.page, self.chunks % (self.P // c) * c
-        page_of, tok_of = np.zeros((H, self.width), np.int64), np.zeros((H, self.width), np.int64)
-        page_of[:, first:first + rows] = np.repeat(page, c, axis=1)
-        tok_of[:, first:first + rows] = (tok[..., None] + np.arange(c)).reshape(H, rows)
-        return page_of, tok_of
-
-    def rows(self) -> np.ndarray:
-        """Each chunk token's row in the pages read, page * P + row in page [Hkv, k*c]."""
-        return np.repeat(self.page, self.c, axis=1) * self.P + token_rows(self.chunks % (self.P // self.c), self.c)
-
-    def at(self) -> np.ndarray:
-        """Each chunk token's row of K and V [Hkv, k*c]."""
-        return self.span[0] + token_rows(self.slot, self.c)
 
 
 @dataclass(slots=True)
@@ -265,10 +232,10 @@ class SparseSequence:
         state, (before, after) = self.layers[layer], margins
         H, D, c = self.layout.num_kv_heads, self.layout.head_dim, self.config.chunk_tokens
         ids, k_out, v_out = state.index.exact()
-        chunks, heads = ascending(chunks.numpy()), np.arange(H)[:, None]
-        at, at_out = merge_slots(chunks, ids.numpy())            # [Hkv, k], [Hkv, m]: slots in token order
-        merged = np.empty((H, at.shape[1] + len(ids)), dtype=np.int64)
-        merged[heads, at], merged[heads, at_out] = chunks, ids.numpy()
+        chunks, outliers, heads = ascending(chunks.numpy()), ids.numpy(), np.arange(H)[:, None]
+        at, at_out = merge_slots(chunks, outliers)               # [Hkv, k], [Hkv, m]: slots in token order
+        merged = np.empty((H, at.shape[1] + len(outliers)), dtype=np.int64)
+        merged[heads, at], merged[heads, at_out] = chunks, outliers
         pos = torch.from_numpy(self.config.sink_tokens + token_rows(merged, c))      # token positions
         M = pos.shape[1]
         read = None
