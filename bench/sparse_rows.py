@@ -3,7 +3,7 @@
 One passkey prompt per context; its sparse prefill runs once and is stored
 (``--sparse-store``): later runs load the index and the pages instead of
 prefilling again, which is what keeps a 128K row affordable on a CPU.
-Configurations, one after another (they share the store's lock)::
+Configurations (one sparse decoder at a time: they share the store's lock)::
 
     dynamic-cache      transformers DynamicCache holding the KV that the sparse prefill stored
                        (keys rebuilt at full length from the pages): every step reads all of it
@@ -32,6 +32,12 @@ more than it hides; overlap), whose stall is ``stall_fraction_no_prefetch``;
 ``stall_fraction_sparse_nvme``; ``sparse_nvme_no_overlap_vs_dynamic`` and
 ``stall_fraction_no_overlap`` the row without overlap.
 
+``sparse-ram`` and its dense peers (``dynamic-cache``, ``dynamic-cache-folded``, ``llama-cpp``) take
+turns of ``TURN`` tokens, where the host has room for all of their KV at once (at 32K, not at 128K
+on 24 GiB): the machine's swings of speed then hit a ratio's two rows alike. The first token of a
+turn is not timed: the other rows' turns pushed this one's weights out of the CPU's caches. The
+other rows run one after another; a row's ``interleaved`` says which way it ran.
+
 DynamicCache attends at the real positions (past SmolLM2's 8K window its tokens are noise) and
 sparse at remapped ones, so the tokens differ; the rows compare speed, not text.
 """
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import random
 import sys
 import time
@@ -66,6 +73,7 @@ SMALL_SHARE = 0.10     # of the pages, per memory tier, in the nvme rows
 MAX_WARMUP_STEPS = 24
 PAGE_DTYPE = "bfloat16"
 DEPTH = 0.3            # the same prompt as bench/scale.py's first 128K depth: one prefill serves both
+TURN = 3               # tokens a config decodes at its turn among the in-memory rows (the first re-warms)
 
 
 class SparseDecoder:
@@ -177,6 +185,15 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
     print(f"{ctx // K}K sparse prefill: {'reused from the store' if not prefill_s else f'{prefill_s:.0f} s'}",
           file=sys.stderr, flush=True)
     layout, (all_pages, small) = tier_sizes(loaded, ctx, PAGE_DTYPE)
+    wanted = lambda name: rows is None or name in rows   # noqa: E731
+    stored = functools.cache(lambda: dynamic_from_store(loaded, ids, store))   # read from the store once
+    dense = {"dynamic-cache": lambda: hf_decoder(loaded.model, copy.deepcopy(stored()), len(ids) - 1),
+             "dynamic-cache-folded": lambda: hf_decoder(loaded.model, copy.deepcopy(stored()), len(ids) - 1,
+                                                        ATTENTION)}
+    if llama_version() is not None:   # dense, at real positions
+        dense["llama-cpp"] = lambda: LlamaDecoder(resolve_source("smollm2"), ids[:-1], len(ids) + 2 * steps + 16,
+                                                  torch.get_num_threads(), store / "llama-state")
+    peers = {name: build for name, build in dense.items() if wanted(name)}
     builders = {
         "sparse-ram": lambda: SparseDecoder(loaded, ids, store, gpu=all_pages, cpu=0, prefetch="none", warm=True),
         "sparse-ram-chunks": lambda: SparseDecoder(loaded, ids, store, gpu=all_pages, cpu=0, prefetch="none",
@@ -188,8 +205,11 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
         "sparse-nvme-no-overlap": lambda: SparseDecoder(loaded, ids, store, gpu=small, cpu=small, prefetch="none",
                                                         warm=False, fill=True, overlap=False),
     }
-    runs = interleave({k: v for k, v in builders.items() if rows is None or k in rows}, ids[-1], steps,
-                      together=False)
+    together = wanted("sparse-ram") and bool(peers) and fits_together(loaded, ctx, all_pages, peers)
+    runs = interleave({**peers, "sparse-ram": builders.pop("sparse-ram")}, ids[-1], steps, together=True,
+                      turn=TURN) if together else {}
+    stored.cache_clear()
+    runs |= interleave({k: v for k, v in builders.items() if wanted(k)}, ids[-1], steps, together=False)
     for page_dtype in page_dtypes:
         runs |= quantized_rows(report, loaded, ids, ctx, steps, store, interleave, page_dtype)
     threads = IOKnobs.from_env().io_threads
@@ -201,17 +221,21 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
         report.add_bound(f"page reads@{ctx // K}K: the store's device serves {rate / 1e3:.1f}K random "
                          f"{layout.block_bytes // 1024} KiB O_DIRECT reads/s with {threads} threads "
                          f"({rate * layout.block_bytes / 1e6:.0f} MB/s), measured on the stored pages in this run")
-    stored = functools.cache(lambda: dynamic_from_store(loaded, ids, store))   # read from the store once
-    dense = {"dynamic-cache": lambda: hf_decoder(loaded.model, copy.deepcopy(stored()), len(ids) - 1),
-             "dynamic-cache-folded": lambda: hf_decoder(loaded.model, copy.deepcopy(stored()), len(ids) - 1,
-                                                        ATTENTION)}
-    runs |= interleave({k: v for k, v in dense.items() if rows is None or k in rows}, ids[-1], steps, together=False)
-    stored.cache_clear()
-    if llama_version() is not None and (rows is None or "llama-cpp" in rows):   # dense, at real positions
-        runs |= interleave({"llama-cpp": lambda: LlamaDecoder(resolve_source("smollm2"), ids[:-1], len(ids) + steps + 16,
-                                                              torch.get_num_threads(), store / "llama-state")},
-                           ids[-1], steps, together=False)
-    add_sparse_rows(report, ctx, runs, steps, prefill_s, loaded, rate)
+    if not together:
+        runs |= interleave(peers, ids[-1], steps, together=False)
+        stored.cache_clear()
+    add_sparse_rows(report, ctx, runs, steps, prefill_s, loaded, rate,
+                    frozenset(peers) | {"sparse-ram"} if together else frozenset())
+
+
+def fits_together(loaded: LoadedModel, ctx: int, page_bytes: int, peers: dict) -> bool:
+    """Whether sparse-ram's pages, the dense rows' KV (the copy read from the store and one per row)
+    and llama.cpp's (16-bit) fit in half the host's free memory at once."""
+    spec, dense = loaded.spec, sum(name.startswith("dynamic-cache") for name in peers)
+    kv = ctx * spec.kv_bytes_per_token
+    llama = ctx * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 if "llama-cpp" in peers else 0
+    need = page_bytes + (dense + 1) * kv * (dense > 0) + llama
+    return need < 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def tier_sizes(loaded: LoadedModel, ctx: int, page_dtype: str):
@@ -246,7 +270,8 @@ def page_read_rate(path: Path, page_bytes: int, slots: list[int], threads: int, 
 
 
 def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s: float, loaded: LoadedModel,
-                    page_reads_per_s: float | None = None) -> None:
+                    page_reads_per_s: float | None = None, interleaved: frozenset[str] = frozenset()) -> None:
+    """``interleaved``: the rows that stepped in turn (the others ran one after another)."""
     tag = f"@{ctx // K}K"
     base = runs["dynamic-cache"].tokens_per_s if "dynamic-cache" in runs else None
 
@@ -254,20 +279,26 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
         if value is not None:               # None: a row not measured in this run (--sparse-rows)
             report.add_ratio(name, value, target, meaning, ceiling=ceiling)
     for name, d in runs.items():
-        f, total = d.figures, sum(d.seconds)
+        f, total, counted = d.figures, d.counted_s, d.counted_steps
         extra = {}
         if "waited_s" in f:
             extra = {"stall_fraction": round(f["waited_s"] / total, 3), "reuse_rate": round(f["reuse_rate"], 3),
-                     "nvme_bytes_per_token": f["nvme_read_bytes"] // steps,
-                     "pages_per_token": f["pages_read"] // steps}
+                     "nvme_bytes_per_token": f["nvme_read_bytes"] // counted,
+                     "pages_per_token": f["pages_read"] // counted}
         if len(d.warmup) > 1:     # the steps that filled the memory tiers, the first (opening the index) aside
             extra |= {"warmup_steps": len(d.warmup),
                       "warmup_tokens_per_s": round((len(d.warmup) - 1) / sum(d.warmup[1:]), 3)}
         report.add_row(name, "decode_tokens_per_s", round(d.tokens_per_s, 3), "tok/s", context=ctx,
-                       median_ms=round(d.ms(0.5), 1), p90_ms=round(d.ms(0.9), 1), steps=steps, **extra)
+                       median_ms=round(d.ms(0.5), 1), p90_ms=round(d.ms(0.9), 1), steps=steps,
+                       interleaved=name in interleaved, **extra)
     report.add_row("sparse-prefill", "prefill_s", round(prefill_s, 1), "s", context=ctx,
                    note="0: reused from the store")
     add_sparse_bounds(report, ctx, runs, steps, loaded, page_reads_per_s)
+    report.add_bound(f"sparse rows{tag}: " + (f"{', '.join(sorted(interleaved))} took turns of {TURN} tokens, the "
+                     "first untimed (a ratio of two of them shares the machine's moment, each timed step as warm "
+                     "as alone); the others ran one after another"
+                     if interleaved else "one after another (the host had no room for sparse-ram's pages and its "
+                     "peers' KV at once, or a peer was not asked for): a ratio spans minutes of the machine's drift"))
     ratio = lambda n: round(runs[n].tokens_per_s / base, 3) if base and n in runs else None   # noqa: E731
     at_target = ctx >= 128 * K    # the targets are set at 128K (and 32K for pages in memory); others report
     add(f"sparse_ram_vs_dynamic{tag}", ratio("sparse-ram"), 6.0 if at_target else 1.5 if ctx == 32 * K else None,
@@ -292,7 +323,7 @@ def add_sparse_rows(report: Report, ctx: int, runs: dict, steps: int, prefill_s:
                      "the same with speculative prefetch")
     add(f"sparse_ram_chunks_vs_dynamic{tag}", ratio("sparse-ram-chunks"), None,
                      "sparse all in memory, each KV head attending only its own chunks (attend=chunks)")
-    stall = lambda n: round(runs[n].figures["waited_s"] / sum(runs[n].seconds), 3) if n in runs else None  # noqa: E731
+    stall = lambda n: round(runs[n].figures["waited_s"] / runs[n].counted_s, 3) if n in runs else None  # noqa: E731
     add(f"stall_fraction_sparse_nvme{tag}", stall("sparse-nvme"), None,
                      "share of decode time waiting on page loads, speculative prefetch (target: at most 0.10)")
     add(f"stall_fraction_no_prefetch{tag}", stall("sparse-nvme-no-prefetch"), 0.10 if at_target else None,
@@ -331,17 +362,17 @@ def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int, loaded: 
                              f"({ctx * loaded.spec.kv_bytes_per_token // 2**20} MiB in {dtype}) and torch.cat copies "
                              "it each step")
             continue
-        f = d.figures
-        gathered = f["pages_read"] * f["page_bytes"] / steps
-        report.add_bound(f"{name}@{ctx // K}K: {step_ms:.0f} ms/step; gathers {f['pages_read'] // steps} pages "
+        f, counted = d.figures, d.counted_steps
+        gathered = f["pages_read"] * f["page_bytes"] / counted
+        report.add_bound(f"{name}@{ctx // K}K: {step_ms:.0f} ms/step; gathers {f['pages_read'] // counted} pages "
                          f"({gathered / 2**20:.1f} MiB: values + key factors of the chosen chunks' pages, all layers) "
-                         f"per token, {f['nvme_read_bytes'] / steps / 2**20:.1f} MiB of them from NVMe; "
+                         f"per token, {f['nvme_read_bytes'] / counted / 2**20:.1f} MiB of them from NVMe; "
                          f"{100 * f['reuse_rate']:.0f} % of a layer's pages were read by it the step before; "
-                         f"stall {100 * f['waited_s'] / sum(d.seconds):.0f} %; the rest is the weights "
+                         f"stall {100 * f['waited_s'] / d.counted_s:.0f} %; the rest is the weights "
                          f"({weights} MiB of {dtype} read per token) and per-layer selection, key rebuild and "
                          f"attention over {f['tokens_per_layer_step'] / 1e3:.1f}K tokens per KV head beside sinks and "
                          "window"
-                         + _disk_share(f, steps, step_ms, page_reads_per_s) + _warmup(d.warmup))
+                         + _disk_share(f, counted, step_ms, page_reads_per_s) + _warmup(d.warmup))
 
 
 def _warmup(seconds: list[float]) -> str:
