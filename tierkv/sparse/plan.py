@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tierkv.ops.rope import RopeTable, apply_rope
-from tierkv.scoring import bound_scores, landmark_scores, landmark_values
+from tierkv.scoring import bound_scores, landmark_scores, landmark_values, top_indices
 from tierkv.sparse.config import SparseConfig
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class WholePages:
         else:
             return chunks, False
         scores.scatter_(1, torch.searchsorted(wide, chunks), float("inf"))     # a head's own chunks stay
-        return wide[scores.topk(cap, dim=1, sorted=False).indices.sort(dim=1).values], False
+        return wide[top_indices(scores, cap)], False
 
 
 # -- budgets: chunks a layer selects ------------------------------------------------------------------
