@@ -171,16 +171,16 @@ def top_chunks(scores: Tensor, k: int, candidates: Tensor | None = None) -> Tens
 
 def top_indices(scores: Tensor, k: int) -> Tensor:
     """The indices [H, k] of each row's ``k`` largest of ``scores`` [H, n], ascending (0 <= k <= n; among
-    equal scores at the cut, any). On the CPU by numpy's introselect: 39 against 129 us for 512 of 4K
-    chunks of 3 heads, where `topk` and a sort of its indices take two passes over sorted runs."""
+    equal scores at the cut, any). On the CPU by numpy's introselect (``argpartition``) and a sort of the
+    k indices: 39 us for 512 of 4K chunks of 3 heads, where ``topk`` and the same sort took 129."""
     H, n = scores.shape
     if k == 0:
         return torch.empty(H, 0, dtype=torch.long, device=scores.device)
     if scores.device.type != "cpu" or scores.dtype not in _NUMPY_SCORES:
         return scores.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
-    at = scores.numpy()
-    best = np.argpartition(at, n - k, axis=1)[:, n - k:] if k < n else np.broadcast_to(np.arange(n), (H, n))
-    return torch.from_numpy(np.sort(best, axis=1))
+    if k == n:
+        return torch.arange(n).repeat(H, 1)
+    return torch.from_numpy(np.sort(np.argpartition(scores.numpy(), n - k, axis=1)[:, n - k:], axis=1))
 
 
 _NUMPY_SCORES = (torch.float32, torch.float64)

@@ -104,3 +104,22 @@ def test_landmarks_with_room_to_grow_pick_what_contiguous_ones_pick(monkeypatch)
     query = torch.randn(9, 32, generator=g)
     norm = longest_landmark(packed)
     assert torch.equal(top_landmark_chunks(query, grown, 40, norm=norm), top_landmark_chunks(query, packed, 40, norm=norm))
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 63, 64])
+def test_top_indices_are_each_rows_k_best_ascending(k):
+    g = torch.Generator().manual_seed(k)
+    scores = torch.randn(3, 64, generator=g)
+    scores[1, ::5] = scores[1, 3]                       # ties, some at the cut
+    scores[2, 10:20] = float("inf")                     # a head's own chunks, kept whatever k
+    got = tierkv.scoring.top_indices(scores, k)
+    assert got.shape == (3, k) and got.dtype == torch.long and got.is_contiguous()
+    assert torch.equal(got, got.sort(dim=1).values)
+    for h in range(3):
+        chosen = torch.zeros(64, dtype=torch.bool)
+        chosen[got[h]] = True
+        assert int(chosen.sum()) == k                   # k distinct indices
+        if 0 < k < 64:                                  # nothing left out scores above what was taken
+            assert scores[h][~chosen].max() <= scores[h][chosen].min()
+    reference = scores.topk(k, dim=1).indices.sort(dim=1).values
+    assert torch.equal(got[0], reference[0])            # no ties in row 0: the very same chunks
