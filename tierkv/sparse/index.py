@@ -121,6 +121,7 @@ class ChunkIndex:
         self._candidates = _Growing((), torch.bool)
         self.outliers: dict[int, tuple[float, Tensor, Tensor]] = {}   # chunk -> (score, k_pre, v)
         self._exact: tuple[Tensor, Tensor, Tensor] | None = None
+        self._by_head: tuple[Tensor, Tensor, Tensor] | None = None   # (exact()'s K, then K, V by head)
         self._norm: Tensor | None = torch.zeros(heads)     # [Hkv]: no landmark is longer (None: not known)
 
     def fork(self) -> ChunkIndex:
@@ -132,6 +133,7 @@ class ChunkIndex:
             grow = getattr(self, name)
             setattr(twin, name, None if grow is None else grow.fork())
         twin.outliers, twin._exact, twin._norm = dict(self.outliers), self._exact, self._norm
+        twin._by_head = self._by_head
         return twin
 
     def reserve(self, chunks: int) -> None:
@@ -228,6 +230,16 @@ class ChunkIndex:
                 k = v = torch.empty(0)
             self._exact = (torch.tensor(ids, dtype=torch.long), k, v)
         return self._exact
+
+    def exact_by_head(self) -> tuple[Tensor, Tensor]:
+        """The outliers' K and V by KV head, a chunk's tokens one row: [Hkv, m, c * D] each, in chunk order;
+        made once per outlier set (a gathered context writes them whole chunks at a time)."""
+        ids, k, v = self.exact()
+        if self._by_head is None or self._by_head[0] is not k:
+            m, c = len(ids), self.chunk_tokens
+            k_h, v_h = (x.view(m, c, *x.shape[1:]).permute(2, 0, 1, 3).reshape(x.shape[1], m, -1) for x in (k, v))
+            self._by_head = (k, k_h, v_h)
+        return self._by_head[1], self._by_head[2]
 
     def memory_bytes(self) -> int:
         """Bytes held in memory: summaries (allocated, with growth room) and exact outliers."""

@@ -247,10 +247,9 @@ class SparseSequence:
             k, v = (torch.empty(H, before + M + after, D, dtype=dtype) for _ in range(2))
         if ids.numel():                 # written whole chunks at a time: rows [c*D] of a view of the buffer
             k, v = joinable(k, k_out).contiguous(), joinable(v, v_out).contiguous()   # (a decoded take may not be)
-            m, at_out = ids.numel(), torch.from_numpy(at_out)
-            for x, exact in ((k, k_out), (v, v_out)):
-                x[:, before:before + M].view(H, M // c, c * D)[torch.from_numpy(heads), at_out] = \
-                    exact.view(m, c, H, D).permute(2, 0, 1, 3).reshape(H, m, c * D)
+            at_out, heads_t = torch.from_numpy(at_out), torch.from_numpy(heads)
+            for x, exact in zip((k, v), state.index.exact_by_head()):
+                x[:, before:before + M].view(H, M // c, c * D)[heads_t, at_out] = exact
         self.stats.tokens += M
         if read is None or read.future is None:
             return k, v, pos, None
