@@ -28,7 +28,8 @@ Prefill once, decode many: a second ``tierkv run`` over the same prompt reuses t
 ``ttft_second_vs_first@CTX`` compares the two runs' time to first token.
 
 Sparse rows (``bench/sparse_rows.py``): at 128K (quick: 32K), ShadowKV-style decode with every page
-in memory and with >= 80 % of them only on NVMe (with and without prefetch) against DynamicCache.
+in memory and with >= 80 % of them only on NVMe (with and without prefetch) against DynamicCache;
+the in-memory sparse row and its peers take turns of three tokens where they fit together.
 Branching rows (``bench/branch_rows.py``): speculative decoding over tiered KV at 4K and 32K (quick:
 4K), and the memory four beams hold.
 
