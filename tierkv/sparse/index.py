@@ -242,9 +242,11 @@ class ChunkIndex:
         return self._by_head[1], self._by_head[2]
 
     def memory_bytes(self) -> int:
-        """Bytes held in memory: summaries (allocated, with growth room) and exact outliers."""
+        """Bytes held in memory: summaries (allocated, with growth room) and exact outliers (and their
+        copy by head, once a gather made it)."""
         total = sum(g.data.numel() * g.data.element_size() for g in self._summaries())
-        return total + sum(k.nbytes + v.nbytes for _, k, v in self.outliers.values())
+        by_head = 0 if self._by_head is None else self._by_head[1].nbytes + self._by_head[2].nbytes
+        return total + by_head + sum(k.nbytes + v.nbytes for _, k, v in self.outliers.values())
 
     # -- persistence ----------------------------------------------------------------
     def state(self) -> dict[str, Tensor]:
