@@ -27,6 +27,16 @@ def version() -> str | None:
     return llama_cpp.__version__
 
 
+def context_for(prompt: int, steps: int) -> int:
+    """llama.cpp's context for ``prompt`` tokens and ``steps`` timed ones (untimed warm-up and re-warm
+    steps included), rounded up to a multiple of ``CONTEXT_ROUND``: a saved prompt state is keyed by
+    the context, so one prefill then serves every step count that fits, not only the run's own."""
+    return -(-(prompt + 2 * steps + 16) // CONTEXT_ROUND) * CONTEXT_ROUND
+
+
+CONTEXT_ROUND = 1024
+
+
 def repacking_off() -> bool:
     """AMX here: llama.cpp's repacked weight buffers crash, so they stay off."""
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from llama_rows import LlamaDecoder, version as llama_version
+from llama_rows import LlamaDecoder, context_for, version as llama_version
 from report import Report, random_read_rate
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
@@ -191,7 +191,7 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
              "dynamic-cache-folded": lambda: hf_decoder(loaded.model, copy.deepcopy(stored()), len(ids) - 1,
                                                         ATTENTION)}
     if llama_version() is not None:   # dense, at real positions
-        dense["llama-cpp"] = lambda: LlamaDecoder(resolve_source("smollm2"), ids[:-1], len(ids) + 2 * steps + 16,
+        dense["llama-cpp"] = lambda: LlamaDecoder(resolve_source("smollm2"), ids[:-1], context_for(len(ids), steps),
                                                   torch.get_num_threads(), store / "llama-state")
     peers = {name: build for name, build in dense.items() if wanted(name)}
     builders = {
