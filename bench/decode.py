@@ -57,7 +57,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, StaticCache
 
-from report import Report, filesystem, machine
+from report import Report, available_ram, filesystem, machine
 from tiers import RawFile, fill_pattern
 from tierkv.config import TierConfig
 from tierkv.device import host_buffer
@@ -325,7 +325,7 @@ def measure_context(report: Report, loaded: LoadedModel, ctx: int, steps: int, w
     if rows is not None:
         builders = {name: build for name, build in builders.items() if name in rows or name == "dynamic-cache"}
     kv_bytes = pos * spec.kv_bytes_per_token
-    together = 8 * length * spec.kv_bytes_per_token < 0.5 * _available_ram()
+    together = 8 * length * spec.kv_bytes_per_token < 0.5 * available_ram()
     runs = decode_all(builders, first, steps, together)
     reference = runs["dynamic-cache"].tokens
     progress(f"{ctx // K}K: " + ", ".join(f"{name} {d.tokens_per_s:.2f}" for name, d in runs.items()) + " tok/s")
@@ -350,10 +350,6 @@ def _row_figures(d: Decoded) -> dict[str, object]:
                 "nvme_read_gbps": round(f["nvme_read_bytes"] / busy / 1e9, 3) if busy else None,
                 **{k: f[k] for k in ("nvme_only_share", "memory_tier_bytes", "memory_blocks_at_start")}}
     return row
-
-
-def _available_ram() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def progress(text: str) -> None:

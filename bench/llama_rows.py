@@ -37,6 +37,11 @@ def context_for(prompt: int, steps: int) -> int:
 CONTEXT_ROUND = 1024
 
 
+def kv_bytes(spec, tokens: int) -> int:
+    """Bytes of llama.cpp's KV cache (f16 K and V) over ``tokens`` tokens of a model of ``spec``."""
+    return tokens * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+
+
 def repacking_off() -> bool:
     """AMX here: llama.cpp's repacked weight buffers crash, so they stay off."""
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())

@@ -44,6 +44,11 @@ def machine(disk_path: str | Path = ".") -> dict[str, Any]:
     }
 
 
+def available_ram() -> int:
+    """Bytes of host memory free now."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def filesystem(path: str | Path) -> tuple[str, str, str]:
     """``(fstype, device, mountpoint)`` of the mount holding ``path`` (the longest matching mount)."""
     target = os.path.realpath(path)

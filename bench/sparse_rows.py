@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import random
 import sys
 import time
@@ -54,8 +53,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from llama_rows import LlamaDecoder, context_for, version as llama_version
-from report import Report, random_read_rate
+from llama_rows import LlamaDecoder, context_for, kv_bytes, version as llama_version
+from report import Report, available_ram, random_read_rate
 from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager
@@ -231,11 +230,10 @@ def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, st
 def fits_together(loaded: LoadedModel, ctx: int, page_bytes: int, peers: dict) -> bool:
     """Whether sparse-ram's pages, the dense rows' KV (the copy read from the store and one per row)
     and llama.cpp's (16-bit) fit in half the host's free memory at once."""
-    spec, dense = loaded.spec, sum(name.startswith("dynamic-cache") for name in peers)
-    kv = ctx * spec.kv_bytes_per_token
-    llama = ctx * 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 if "llama-cpp" in peers else 0
-    need = page_bytes + (dense + 1) * kv * (dense > 0) + llama
-    return need < 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    dense = sum(name.startswith("dynamic-cache") for name in peers)
+    stored = (dense + 1) * ctx * loaded.spec.kv_bytes_per_token if dense else 0
+    llama = kv_bytes(loaded.spec, ctx) if "llama-cpp" in peers else 0
+    return page_bytes + stored + llama < 0.5 * available_ram()
 
 
 def tier_sizes(loaded: LoadedModel, ctx: int, page_dtype: str):
@@ -354,7 +352,7 @@ def add_sparse_bounds(report: Report, ctx: int, runs: dict, steps: int, loaded: 
     for name, d in runs.items():
         step_ms = 1e3 * sum(d.seconds) / len(d.seconds)
         if name == "llama-cpp":
-            report.add_bound(f"{name}@{ctx // K}K: {step_ms:.0f} ms/step; reads its whole KV ({ctx * 23 // 1024} MiB "
+            report.add_bound(f"{name}@{ctx // K}K: {step_ms:.0f} ms/step; reads its whole KV ({kv_bytes(loaded.spec, ctx) // 2**20} MiB "
                              f"in f16) and the GGUF's quantized weights each step")
             continue
         if "pages_read" not in d.figures:
