@@ -56,6 +56,6 @@ def named_policies(config: TierConfig, tiers: Sequence[Tier]) -> dict[str, Evict
 def build_policies(tiers: Sequence[Tier], directory: Directory,
                    given: Mapping[str, EvictionPolicy] | None) -> dict[str, EvictionPolicy]:
     """``given``, and LRU for every other tier: a memory tier's in its own order (it holds few blocks
-    and evicts on most loads), a store's in ``directory``'s arrays (the same victims, 8 bytes a block)."""
+    and evicts on most loads), a store's in ``directory``'s arrays (the same victims, 4 bytes a block)."""
     return {t.name: ArrayLRU(directory, t.name) if t.medium is Medium.NVME
             else make_policy("lru", capacity=t.pool.capacity) for t in tiers} | dict(given or {})

@@ -17,7 +17,7 @@ meanwhile) and ``cold`` (a guessed prefetch put it there and nobody has read
 it yet: its first read is no reuse). Nothing here touches a tier or a policy.
 
 A block's entry is a row of arrays (tierkv.manager.rows), found by its key in
-a `KeyTable` (tierkv.keytable): ~55 bytes a block in all, where Python objects
+a `KeyTable` (tierkv.keytable): ~56 bytes a block in all, where Python objects
 took ~390. Reads of hundreds of keys (`find`, `plan_loads`, `commit`,
 `settle`) look them up in one vectorised pass::
 

@@ -1,7 +1,7 @@
 """The directory's rows: each block's bookkeeping in numpy columns, and views of one row.
 
 A 1M-token document is a million pages, so a block's bookkeeping is a row of
-arrays (~40 bytes), not Python objects (~390 bytes)::
+arrays (26 bytes with two tiers), not Python objects (~390 bytes)::
 
     row   holders  layer+1  index+1  gen   slot+1 per tier: cpu  nvme   stamp per ordered tier
     0     1        3        12       0                    4    0       17
@@ -78,10 +78,10 @@ class Rows:
         return self.slots[name]
 
     def order(self, name: str) -> np.ndarray:
-        """A column of int64 stamps for ``name``'s eviction order, zeroed when a row is released; fetch
+        """A column of int32 stamps for ``name``'s eviction order, zeroed when a row is released; fetch
         it anew after rows are added (it grows)."""
         if name not in self.orders:
-            self.orders[name] = np.zeros(len(self.gens), np.int64)
+            self.orders[name] = np.zeros(len(self.gens), np.int32)
         return self.orders[name]
 
     def slots_of(self, rows: np.ndarray, name: str) -> np.ndarray:

@@ -124,7 +124,7 @@ class Index:
     """Key -> (slot, checksum), one key per slot: a later PUT for a slot evicts its old key.
 
     Kept in arrays by slot (a `KeyTable` whose ids are the slots, and each slot's checksum):
-    ~42 bytes a block, where a dict of digests to entries took ~260. Replaying a million
+    ~38 bytes a block, where a dict of digests to entries took ~260. Replaying a million
     records builds no Python object per record (`replay`).
     """
 

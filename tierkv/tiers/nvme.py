@@ -164,6 +164,11 @@ class NvmeTier:
     def __len__(self) -> int:
         return len(self._index)
 
+    def index_nbytes(self) -> int:
+        """The bytes of the index's arrays: each slot's key, checksum and hash cells."""
+        with self._lock:
+            return self._index.nbytes()
+
     # -- block I/O -----------------------------------------------------------
     def write(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT,
               aligned: bool = False) -> None:

@@ -50,6 +50,10 @@ class BlockPool:
         self._next = 0                        # slots >= _next were never used
 
     # -- queries ---------------------------------------------------------
+    def nbytes(self) -> int:
+        """The bytes of the slot arrays (a state and a pin count a slot used so far)."""
+        return self._state.nbytes + self._pins.nbytes
+
     def state(self, slot: int) -> SlotState:
         return _STATES[self._state.item(slot)] if 0 <= slot < len(self._state) else SlotState.FREE
 
