@@ -133,6 +133,21 @@ class KeyTable:
     def key(self, id: int) -> bytes:
         return self.keys[id].tobytes()
 
+    def find_hinted(self, halves: np.ndarray, hints: np.ndarray) -> np.ndarray:
+        """`find_many` of ``halves`` where ``hints`` [n] guess each key's id (-1: no guess): a guess
+        whose id is live under that key is taken as it is (two array takes and compares, no hashing),
+        the other keys are looked up."""
+        ids = np.asarray(hints, np.int64)
+        inside = (ids >= 0) & (ids < len(self.live))
+        at = np.where(inside, ids, 0)
+        good = inside & self.live[at] & (self.keys[at, 0] == halves[:, 0]) & (self.keys[at, 1] == halves[:, 1])
+        if good.all():
+            return ids.copy()
+        found = np.where(good, ids, -1)
+        wrong = np.flatnonzero(~good)
+        found[wrong] = self._find_many(halves[wrong])
+        return found
+
     def ids(self) -> np.ndarray:
         """The live ids, in order."""
         return np.flatnonzero(self.live)

@@ -211,3 +211,32 @@ def test_blocks_lent_unpinned_that_stayed_put_are_the_blocks_asked_for(tmp_path,
         assert kept >= 50 and moved >= 5
         mgr.contains(keys[0])
         assert_quiescent(mgr.manager)
+
+
+def test_row_guesses_are_checked_against_the_keys_and_a_wrong_one_is_looked_up(tmp_path, knobs):
+    """``read(..., rows=)``: each key's directory row as an earlier read found it spares the lookup; a
+    guess that names another key's row (shuffled, stale after a row was reused), no row or one past the
+    directory is looked up, and the read lends exactly the blocks asked for."""
+    with manager(tmp_path / "s", knobs, gpu=16) as mgr:
+        keys = stored(mgr, 9)
+        out = torch.zeros(4, BLOCK, dtype=torch.uint8)
+        rows = mgr.rows(keys)
+        assert (rows >= 0).all() and len(set(rows.tolist())) == 9 and mgr.rows([key(99)]).tolist() == [-1]
+
+        def lent(asked: list[int], guesses: list[int]) -> None:
+            future = mgr.read([keys[i] for i in asked], into=out, lend=True, pin=False,
+                              rows=torch.tensor(guesses).numpy())
+            assert isinstance(future.lease, Lent) and future.rows.tolist() == rows[asked].tolist()
+            extent, at = future.extent
+            assert all(torch.equal(extent[row], block(i)) for i, row in zip(asked, at.tolist()))
+            assert future.lease.release()
+
+        lent([1, 2, 3, 4], rows[[1, 2, 3, 4]].tolist())                 # right
+        lent([1, 2, 3, 4], rows[[4, 3, 2, 1]].tolist())                 # other keys' rows
+        lent([1, 2, 3, 4], [-1, 10**9, int(rows[2]), -5])                # none, past the directory, mixed
+        mgr.drop([keys[0]])
+        newcomer = key(50)
+        mgr.put(newcomer, block(50))
+        assert mgr.rows([newcomer]).tolist() == [rows[0]]                 # keys[0]'s row, reused
+        lent([1, 5, 6, 7], [int(rows[0]), *rows[[5, 6, 7]].tolist()])  # a stale guess: the newcomer's row
+        assert_quiescent(mgr.manager)

@@ -76,6 +76,7 @@ class ReadFuture:
         self._manager, self._into, self._pending, self._tier, self._layer = manager, into, pending, tier, layer
         self.lease: Lease | Lent | None = None
         self.extent: tuple[torch.Tensor, np.ndarray] | None = None
+        self.rows: np.ndarray | None = None     # the keys' directory rows, where a lent read found them
 
     def done(self) -> bool:
         """Nothing is left loading (or it was waited for, or cancelled)."""
@@ -159,7 +160,8 @@ class BlockingTierManager:
             lease.release()
 
     def read(self, keys: Sequence[BlockKey], *, into: torch.Tensor, tier: str | None = None,
-             layer: int | None = None, lend: bool = False, pin: bool = True) -> ReadFuture:
+             layer: int | None = None, lend: bool = False, pin: bool = True,
+             rows: np.ndarray | None = None) -> ReadFuture:
         """Read blocks ``keys`` into rows of ``into`` (uint8 [len(keys), block_bytes]), in one hop to the
         loop: the blocks in memory are copied before this returns (one tier gather per tier), the rest
         start loading, and ``ReadFuture.wait()`` copies them in. ``mgr.read(keys, into=rows).wait()``
@@ -169,9 +171,11 @@ class BlockingTierManager:
         ``pin=False`` (with ``lend``): where every block lies in one extent of the first tier read in
         place, they are found on this thread, with no hop and no pin, and lent as a ``Lent``, whose
         ``release()`` says whether they stayed put while they were read (False: read again, pinned).
-        Otherwise, or while an access hook records the reads, it is the pinned read."""
+        Otherwise, or while an access hook records the reads, it is the pinned read. ``rows``: each
+        key's directory row as an earlier such read found it (``ReadFuture.rows``; -1: not known), a
+        guess checked against the keys that spares their lookup."""
         if lend and not pin:
-            future = self._lend_unpinned(keys, into, tier, layer)
+            future = self._lend_unpinned(keys, into, tier, layer, rows)
             if future is not None:
                 return future
         async def begin() -> tuple[list[int], Lease, Future | None]:
@@ -202,7 +206,7 @@ class BlockingTierManager:
         return future
 
     def _lend_unpinned(self, keys: Sequence[BlockKey], into: torch.Tensor, tier: str | None,
-                       layer: int | None) -> ReadFuture | None:
+                       layer: int | None, rows: np.ndarray | None) -> ReadFuture | None:
         """``read(..., lend=True, pin=False)`` done here, or None where it cannot be (see ``read``). The
         directory is read while the loop may change it: whatever it changes under the lookup either
         leaves the blocks where they were found or frees a slot of the tier first (``Lent``)."""
@@ -215,7 +219,10 @@ class BlockingTierManager:
             return None
         epoch = host.pool.epoch
         try:
-            slots = mgr.directory.slots_in(keys, name)
+            if rows is None:
+                slots = mgr.directory.slots_in(keys, name)
+            else:
+                slots, rows = mgr.directory.slots_hinted(keys, name, rows)
             where = None if slots.min() < 0 else host.locate_many(slots)
         except (BlockMissing, IndexError):   # unknown keys, or a lookup that raced a change
             return None
@@ -224,7 +231,7 @@ class BlockingTierManager:
         self._used.append((name, keys))       # its policy hears of the use on the loop
         mgr.record_hits(name, len(keys), layer)
         future = ReadFuture(self, into, list(range(len(keys))), [], None, tier, layer)
-        future.lease, future.extent = Lent(tuple(keys), host.pool, epoch), where
+        future.lease, future.extent, future.rows = Lent(tuple(keys), host.pool, epoch), where, rows
         return future
 
     def copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
@@ -346,6 +353,10 @@ class BlockingTierManager:
 
     def drop(self, keys: Sequence[BlockKey]) -> None:
         self._run(self.manager.drop(keys))
+
+    def rows(self, keys: Sequence[BlockKey]) -> np.ndarray:
+        """Each key's row in the directory now (-1: stored nowhere): guesses for ``read``'s ``rows``."""
+        return self._call(self.manager.directory.find_rows, keys)
 
     def contains(self, key: BlockKey) -> bool:
         return self._call(self.manager.contains, key)

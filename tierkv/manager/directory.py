@@ -217,6 +217,17 @@ class Directory:
         """Each key's slot in ``name`` (-1: no copy there); BlockMissing names keys stored nowhere."""
         return self._rows.slots_of(self.rows(keys), name)
 
+    def slots_hinted(self, keys: Sequence[BlockKey], name: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`slots_in`, where ``rows`` guess each key's row (as an earlier call returned them; -1: no
+        guess): a guess is checked against the key in that row, and only keys guessed wrong are
+        looked up. Returns (slots, rows). A sequence reads its pages' rows back each step, so its
+        reads skip the hashing."""
+        found = self._table.find_hinted(split(keys), rows)
+        if len(found) and found.min() < 0:
+            missing = [key for key, row in zip(keys, found.tolist()) if row < 0]
+            raise BlockMissing(f"block {missing[0].hex()} is not stored in any tier", tuple(missing))
+        return self._rows.slots_of(found, name), found
+
     def plan_loads(self, keys: Sequence[BlockKey], dst: str,
                    order: Sequence[str]) -> tuple[dict[str, list[BlockKey]], list[tuple[BlockKey, asyncio.Future]]]:
         """What making ``keys`` resident in ``dst`` takes: the keys to copy from each source tier (the

@@ -13,6 +13,8 @@ A crop takes back the newest tokens, which the window still holds.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -79,9 +81,18 @@ class LayerState:
         self.index = ChunkIndex(layer, H, D, chunk_tokens=config.chunk_tokens, needs=needs, dtype=layout.dtype,
                                 int8_landmarks=config.int8_landmarks)
         self.pages: list[BlockKey] = []
+        self.page_rows = np.empty(0, dtype=np.int64)        # each page's directory row, as reads found it
         self.previous = np.empty(0, dtype=np.int64)         # pages read by the last step
         self.length = 0
         self._head_basis: Tensor | None = None
+
+    def row_hints(self, pages: np.ndarray, find: Callable[[list[BlockKey]], np.ndarray]) -> np.ndarray:
+        """The directory rows of ``pages``: guesses the manager checks against the keys before it takes
+        them (`BlockingTierManager.read`'s ``rows``). Pages new since the last call are found at once
+        (``find``: keys -> rows); each read then keeps the rows it found."""
+        if len(self.page_rows) < len(self.pages):
+            self.page_rows = np.concatenate([self.page_rows, find(self.pages[len(self.page_rows):])])
+        return self.page_rows[pages]
 
     def head_keys(self, factors: Tensor) -> Tensor:
         """Keys [Hkv, m, D] of each head's own rows of factors [Hkv, m, r]: ``factors[h] @ B_h``, or at
@@ -120,7 +131,7 @@ class LayerState:
         twin.win_k, twin.win_v = self.win_k.copy(), self.win_v.copy()
         twin.basis = self.basis if self.basis.basis is not None else self.basis.copy()
         twin.index = self.index.fork()
-        twin.pages = list(self.pages)
+        twin.pages, twin.page_rows = list(self.pages), self.page_rows.copy()
         twin.previous, twin.length, twin._head_basis = self.previous, self.length, self._head_basis
         return twin
 

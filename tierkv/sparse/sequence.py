@@ -307,9 +307,12 @@ class SparseSequence:
         future = loading = None
         if split:
             first = groups[-1][0]
+            hints = state.row_hints(pages, self.manager.rows) if first == 0 else None
             for pin in (False, True):   # lent unpinned first: no hop to the manager's loop
                 future = self.manager.read(keys[first:], into=raw[first:], tier=self.read_tier, layer=layer,
-                                           lend=first == 0, pin=pin)
+                                           lend=first == 0, pin=pin, rows=hints)
+                if future.rows is not None:   # where the pages' rows are: the next step's guesses
+                    state.page_rows[pages] = future.rows
                 if future.lease is None:
                     break
                 read = self._read_lease(state, future.lease, future.extent, place, shared)
