@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -198,10 +198,34 @@ class BlockLayout:
             return rows.index_select(0, flat).view(*index_shape, *left)
         return part.view(self.dtype).view(*raw.shape[:-1], *shape)[tuple(map(_tensor, index))]
 
+    def token_rows(self, raw: Tensor, name: str, *, split: int | None = None) -> TokenRows | None:
+        """The plain field ``name`` [tokens, heads, D] (``split``: as in ``take``) of blocks ``raw``
+        [n, block_bytes] as one table of rows: block j's token t of head h is row ``j * per_block +
+        t * per_token + h`` of ``rows``. A caller that works these indexes out once takes several fields
+        with them. None where they are not whole rows of the buffer (a quantized or unaligned field):
+        ``take`` those."""
+        i = next(i for i, f in enumerate(self.fields) if f.name == name)
+        f, start = self.fields[i], self._offsets[i]
+        shape = f.shape if split is None else (*f.shape[:-1], f.shape[-1] // split, split)
+        row = shape[-1] * self.dtype.itemsize
+        if f.codec is not None or len(shape) != 3 or raw.dim() != 2 or not raw.is_contiguous() \
+                or start % row or raw.shape[-1] % row:
+            return None
+        rows = raw.view(-1).view(self.dtype).view(-1, shape[-1])[start // row:]
+        return TokenRows(rows, raw.shape[-1] // row, shape[1])
+
     def field_bytes(self, name: str) -> int:
         """Bytes of the field ``name`` in one block."""
         i = next(i for i, f in enumerate(self.fields) if f.name == name)
         return self._offsets[i + 1] - self._offsets[i]
+
+
+class TokenRows(NamedTuple):
+    """A field of many blocks as rows of one head's values (`BlockLayout.token_rows`)."""
+
+    rows: Tensor              # [*, D], row 0 the first block's first token of head 0
+    per_block: int
+    per_token: int
 
 
 class Blocks:
@@ -216,6 +240,15 @@ class Blocks:
 
     def __init__(self, layout: BlockLayout, buffer: Tensor, rows: Index | None = None) -> None:
         self.layout, self.buffer, self.rows = layout, buffer, None if rows is None else _array(rows)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Each block's row in the buffer."""
+        return np.arange(len(self.buffer)) if self.rows is None else self.rows
+
+    def token_rows(self, name: str, *, split: int | None = None) -> TokenRows | None:
+        """``BlockLayout.token_rows`` of the buffer: block j's rows start at row ``ids[j] * per_block``."""
+        return self.layout.token_rows(self.buffer, name, split=split)
 
     def take(self, name: str, index: tuple[Index, ...], *, split: int | None = None) -> Tensor:
         """``BlockLayout.take`` over these blocks: ``index[0]`` numbers them 0..n-1."""

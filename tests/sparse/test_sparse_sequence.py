@@ -11,7 +11,7 @@ from tierkv.manager import BlockingTierManager, TierManager
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
-from tierkv.sparse.order import ascending, merge_slots, page_slots, token_rows
+from tierkv.sparse.order import Placed, ascending, merge_slots, page_slots, token_rows
 from tierkv.sparse.step import gather_context
 
 H, D = 2, 16
@@ -330,6 +330,28 @@ def test_page_slots_are_what_unique_gives():
         got, at = page_slots(pages)
         want, inverse = np.unique(pages, return_inverse=True)
         assert got.tolist() == want.tolist() and at.tolist() == inverse.reshape(pages.shape).tolist()
+
+
+def test_token_rows_are_the_sources_as_rows_of_the_pages_table():
+    """`Placed.token_rows`, worked out a chunk at a time, names the row that `sources` names a token at
+    a time: page j's token t of head h at ``pages[j] * per_block + t * per_token + h``, margins and
+    outlier slots at the first page's first token."""
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        heads, c, P = int(rng.integers(1, 4)), int(rng.choice([2, 4, 8])), 16
+        k, m = int(rng.integers(1, 12)), int(rng.integers(0, 4))
+        chunks = ascending(np.stack([rng.permutation(64)[:k] for _ in range(heads)]))
+        outliers = np.sort(rng.permutation(np.setdiff1d(np.arange(64, 80), chunks))[:m])
+        at, _ = merge_slots(chunks, outliers)
+        pages, page = page_slots(chunks // (P // c))
+        before, after = int(rng.integers(0, 5)), int(rng.integers(0, 5))
+        M = (k + m) * c
+        place = Placed(chunks, page, at, (before, M), before + M + after, c, P)
+        ids = rng.permutation(200)[:len(pages)]                   # where each page lies in the buffer
+        per_block, per_token = int(rng.integers(P * heads, 4 * P * heads)), heads
+        page_of, tok_of = place.sources()
+        want = ids[page_of] * per_block + tok_of * per_token + np.arange(heads)[:, None]
+        assert (place.token_rows(ids, per_block, per_token) == want).all()
 
 
 @pytest.mark.parametrize("page_dtype,rank", [("int8", H * D), (None, H * D // 2)])

@@ -70,6 +70,21 @@ class Placed:
         tok_of[:, first:first + rows] = (tok[..., None] + np.arange(c)).reshape(H, rows)
         return page_of, tok_of
 
+    def token_rows(self, pages: np.ndarray, per_block: int, per_token: int) -> np.ndarray:
+        """`sources` as rows of a table of the pages (`tierkv.layout.TokenRows`: page j's token t of head
+        h is row ``pages[j] * per_block + t * per_token + h``) [Hkv, width], worked out a chunk at a
+        time and then spread over its c tokens; rows of no chunk are the first page's first token."""
+        H, (first, rows), c = len(self.chunks), self.span, self.c
+        heads = np.arange(H)[:, None]
+        spare = int(pages[0]) * per_block + heads                                     # [Hkv, 1]
+        chunk = (pages[self.page] * per_block + self.chunks % (self.P // c) * (c * per_token)) + heads
+        slot = np.repeat(spare, rows // c, axis=1)
+        slot[heads, self.slot] = chunk
+        out = np.empty((H, self.width), np.int64)
+        out[:, :first], out[:, first + rows:] = spare, spare
+        out[:, first:first + rows] = (slot[..., None] + np.arange(c) * per_token).reshape(H, rows)
+        return out
+
     def rows(self) -> np.ndarray:
         """Each chunk token's row in the pages read, page * P + row in page [Hkv, k*c]."""
         return np.repeat(self.page, self.c, axis=1) * self.P + token_rows(self.chunks % (self.P // self.c), self.c)

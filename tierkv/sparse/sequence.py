@@ -373,7 +373,13 @@ class SparseSequence:
         """Keys and values [Hkv, width, D] of the rows ``place`` gives: every row is taken, those of
         no chunk from the first page's first row, for the caller to write over (one indexed copy of
         the whole buffer, none of a part and then another of the whole)."""
-        H, (page, tok) = self.layout.num_kv_heads, place.sources()            # [Hkv, width]
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        if state.basis.exact and self.layout.codec is None:   # every head's own keys and values, as rows
+            keys, values = blocks.token_rows("factors", split=D), blocks.token_rows("values")
+            if keys is not None and values is not None and keys[1:] == values[1:]:
+                rows = torch.from_numpy(place.token_rows(blocks.ids, *keys[1:]).reshape(-1))   # once for both
+                return tuple(x.rows.index_select(0, rows).view(H, -1, D) for x in (keys, values))
+        page, tok = place.sources()                                              # [Hkv, width]
         take = blocks.take                   # decodes only these rows when pages are quantized
         if shared and not (state.basis.exact and self.layout.codec is None):
             factors = take("factors", (page[0], tok[0]))                       # [width, r]
