@@ -70,14 +70,15 @@ class Placed:
         tok_of[:, first:first + rows] = (tok[..., None] + np.arange(c)).reshape(H, rows)
         return page_of, tok_of
 
-    def token_rows(self, pages: np.ndarray, per_block: int, per_token: int) -> np.ndarray:
-        """`sources` as rows of a table of the pages (`tierkv.layout.TokenRows`: page j's token t of head
-        h is row ``pages[j] * per_block + t * per_token + h``) [Hkv, width], worked out a chunk at a
-        time and then spread over its c tokens; rows of no chunk are the first page's first token."""
+    def token_rows(self, ids: np.ndarray, per_block: int, per_token: int) -> np.ndarray:
+        """`sources` as rows of one table of the pages' rows [Hkv, width] (`tierkv.layout.TokenRows`:
+        token t of head h of the page read j, the ``ids[j]``-th block of the buffer, is row
+        ``ids[j] * per_block + t * per_token + h``), worked out a chunk at a time and then spread over
+        its c tokens; rows of no chunk are the first page's first token."""
         H, (first, rows), c = len(self.chunks), self.span, self.c
         heads = np.arange(H)[:, None]
-        spare = int(pages[0]) * per_block + heads                                     # [Hkv, 1]
-        chunk = (pages[self.page] * per_block + self.chunks % (self.P // c) * (c * per_token)) + heads
+        spare = int(ids[0]) * per_block + heads                                       # [Hkv, 1]
+        chunk = ids[self.page] * per_block + self.chunks % (self.P // c) * (c * per_token) + heads
         slot = np.repeat(spare, rows // c, axis=1)
         slot[heads, self.slot] = chunk
         out = np.empty((H, self.width), np.int64)
