@@ -39,12 +39,22 @@ def token_rows(slots: np.ndarray, chunk_tokens: int) -> np.ndarray:
     return (slots[..., None] * chunk_tokens + np.arange(chunk_tokens)).reshape(len(slots), -1)
 
 
+def page_set(pages: np.ndarray) -> np.ndarray:
+    """Page ids [H, k] -> the pages, ascending, each once: ``np.unique`` by a mark per page."""
+    return np.flatnonzero(_marks(pages))
+
+
 def page_slots(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Page ids [H, k] -> the pages (ascending, each once) and each id's place among them: what
     ``np.unique(..., return_inverse=True)`` gives, by a mark per page rather than a sort."""
+    marked = _marks(pages)
+    return np.flatnonzero(marked), (np.cumsum(marked) - 1)[pages]
+
+
+def _marks(pages: np.ndarray) -> np.ndarray:
     marked = np.zeros(int(pages.max()) + 1 if pages.size else 0, dtype=bool)
     marked[pages] = True
-    return np.flatnonzero(marked), (np.cumsum(marked) - 1)[pages]
+    return marked
 
 
 class Placed:

@@ -43,7 +43,7 @@ from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
 from tierkv.sparse.layer_state import LayerState
 from tierkv.sparse.lowrank import project, reconstruct
-from tierkv.sparse.order import Placed, ascending, merge_slots, page_slots, token_rows
+from tierkv.sparse.order import Placed, ascending, merge_slots, page_set, page_slots, token_rows
 from tierkv.sparse.plan import StepPlan
 from tierkv.sparse.reads import LayerRead, Loading
 from tierkv.layout import BlockLayout, Blocks, Index
@@ -195,7 +195,7 @@ class SparseSequence:
     # -- reading -------------------------------------------------------------------------
     def chunk_pages(self, chunks: Tensor) -> Tensor:
         """The pages holding ``chunks``: ascending, each once."""
-        return torch.from_numpy(page_slots(chunks.numpy() // (self.layout.tokens // self.config.chunk_tokens))[0])
+        return torch.from_numpy(page_set(chunks.numpy() // (self.layout.tokens // self.config.chunk_tokens)))
 
     def page_chunks(self, layer: int, chunks: Tensor) -> Tensor:
         """Every indexed chunk (outliers aside) of the pages that hold ``chunks`` [Hkv, k]: [m],
@@ -205,7 +205,7 @@ class SparseSequence:
             page p  = chunks [p*P/c, (p+1)*P/c)        read when any head selected one of them
         """
         per = self.layout.tokens // self.config.chunk_tokens
-        ids = (page_slots(chunks.numpy() // per)[0][:, None] * per + np.arange(per)).reshape(-1)
+        ids = (page_set(chunks.numpy() // per)[:, None] * per + np.arange(per)).reshape(-1)
         return torch.from_numpy(ids[self.layers[layer].index.candidates.numpy()[ids]])
 
     def gather(self, layer: int, chunks: Tensor, *, shared: bool = False,
