@@ -69,6 +69,7 @@ class _Parser(argparse.ArgumentParser):
 
 # -- tierkv info ------------------------------------------------------------
 def machine_facts(nvme_dir: Path | None) -> dict[str, object]:
+    from tierkv.model.arch import packs_weights
     facts: dict[str, object] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -82,6 +83,7 @@ def machine_facts(nvme_dir: Path | None) -> dict[str, object]:
         "gds": _gds_status(),
         "native_bf16": native_bf16(),
         "auto_dtype": str(auto_dtype()).removeprefix("torch."),
+        "packed_decode_weights": packs_weights(torch.bfloat16),
     }
     if nvme_dir is not None:
         facts["nvme"] = _nvme_facts(nvme_dir)
@@ -129,6 +131,8 @@ def _print_facts(facts: dict[str, object]) -> None:
     native = facts["native_bf16"]
     print(f"dtype      --dtype auto computes in {facts['auto_dtype']} "
           f"({f'bf16 native: {native}' if native else 'no AMX, AVX512-BF16 or CUDA: bf16 would be emulated'})")
+    if facts["packed_decode_weights"]:
+        print("weights    a bf16 model's decode rows use copies laid out for oneDNN (TIERKV_PACKED_WEIGHTS=0: off)")
     nvme = facts.get("nvme")
     if nvme:
         print(f"NVMe dir   {nvme['dir']}: {format_size(nvme['free_bytes'])} free, "

@@ -134,3 +134,39 @@ def test_fused_projections_keep_both_forwards_and_share_the_weights(kind):
         attn.v_proj.weight = torch.nn.Parameter(torch.zeros_like(attn.v_proj.weight))   # replaced after fusing
         assert arch._fused(attn, x) is None                     # each projection runs on its own again
         assert not arch.project_qkv_pre(arch.decoder_layers(model)[0], x)[2].any()   # the new (zero) weights
+
+
+def test_weights_are_packed_only_for_bf16_on_a_cpu_that_computes_it(monkeypatch):
+    assert not arch.packs_weights(torch.float32) and not arch.packs_weights(torch.float16)
+    monkeypatch.setenv(arch.PACKED_ENV, "0")
+    assert not arch.packs_weights(torch.bfloat16)
+    model = arch.fuse_projections(tiny_model("llama").to(torch.bfloat16))
+    arch.pack_decode_weights(model)
+    assert not any(arch.PACKED in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.skipif(not arch.packs_weights(torch.bfloat16),
+                    reason="bf16 weights are packed on a CPU with AMX or AVX512-BF16 and oneDNN only")
+def test_packed_weights_give_linear_bits_for_one_row_and_step_aside_otherwise(monkeypatch):
+    """A decode row goes through the packed copies with the bits `linear` gives; rows in a batch, and a
+    module whose weight was replaced since, run as before."""
+    model = arch.pack_decode_weights(arch.fuse_projections(tiny_model("llama").to(torch.bfloat16)))
+    layer = arch.decoder_layers(model)[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert all(arch.PACKED in m.__dict__ for m in (attn, mlp, attn.o_proj, mlp.down_proj, model.lm_head))
+    calls = []
+    real = arch.Packed.__call__
+    monkeypatch.setattr(arch.Packed, "__call__", lambda self, x: calls.append(x.shape) or real(self, x))
+    linear = torch.nn.functional.linear
+    with torch.inference_mode():
+        for module in (attn.o_proj, mlp.down_proj, model.lm_head):
+            x = torch.randn(1, 1, module.in_features).bfloat16()
+            assert torch.equal(arch._linear(module, x), linear(x, module.weight, module.bias))
+        x = torch.randn(1, 1, attn.q_proj.in_features).bfloat16()
+        fused = attn.__dict__[arch.FUSED]
+        assert all(torch.equal(a, b) for a, b in zip(arch._fused(attn, x), linear(x, fused.weight).split(fused.sizes, -1)))
+        assert len(calls) == 4
+        rows = torch.randn(1, 5, attn.o_proj.in_features).bfloat16()
+        assert torch.equal(arch._linear(attn.o_proj, rows), attn.o_proj(rows)) and len(calls) == 4
+        attn.o_proj.weight = torch.nn.Parameter(torch.zeros_like(attn.o_proj.weight))   # replaced after packing
+        assert not arch._linear(attn.o_proj, x[..., :attn.o_proj.in_features]).any() and len(calls) == 4

@@ -16,12 +16,14 @@ native loop can hold K/V itself. Shapes: ``B`` batch, ``T`` tokens, ``H``/``Hkv`
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from tierkv.device import native_bf16
 from tierkv.errors import ConfigError
 from tierkv.model.weights import Int4Linear, quantized_params
 from tierkv.ops.rope import apply_rope
@@ -158,7 +160,7 @@ def finish_attention(layer: nn.Module, attn_out: Tensor, residual: Tensor) -> Te
     """attn_out [B, H, T, D], residual [B, T, hidden] -> h [B, T, hidden] (o_proj + residual)."""
     B, H, T, D = attn_out.shape
     merged = attn_out.transpose(1, 2).reshape(B, T, H * D)         # [B, T, H*D]
-    return residual + layer.self_attn.o_proj(merged)
+    return residual + _linear(layer.self_attn.o_proj, merged)
 
 
 def mlp_block(layer: nn.Module, h: Tensor) -> Tensor:
@@ -168,7 +170,7 @@ def mlp_block(layer: nn.Module, h: Tensor) -> Tensor:
     if gate_up is None:
         return h + mlp(x)
     gate, up = gate_up
-    return h + mlp.down_proj(mlp.act_fn(gate) * up)
+    return h + _linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
 
 # -- fused projections -------------------------------------------------------------------------
@@ -240,6 +242,9 @@ def _fused(module: nn.Module, x: Tensor) -> tuple[Tensor, ...] | None:
             return None
     if fused.joined is not None:
         return fused.joined(x).split(fused.sizes, dim=-1)
+    packed = module.__dict__.get(PACKED)
+    if packed is not None and x.numel() == x.shape[-1]:
+        return packed(x).split(fused.sizes, dim=-1)
     return torch.nn.functional.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
 
 
@@ -247,9 +252,80 @@ def _address(tensor: Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
+# -- weights packed for decode rows ------------------------------------------------------------------
+PACKED = "tierkv_packed"            # the module attribute holding a `Packed`
+PACKED_ENV = "TIERKV_PACKED_WEIGHTS"   # "0": decode rows through the plain weights
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A bf16 weight laid out once for oneDNN's products (``mkldnn._reorder_linear_weight``), for rows
+    one at a time: PyTorch's ``linear`` lays the weight out again at every call."""
+
+    weight: Tensor                      # oneDNN's layout
+    bias: Tensor | None
+    source: int                         # the address of the weight packed
+
+    @classmethod
+    def of(cls, weight: Tensor, bias: Tensor | None) -> Packed:
+        weight = weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        return cls(packed, None if bias is None else bias.detach(), weight.data_ptr())
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """``linear(x, weight, bias)`` of a single row x [..., in]."""
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1), self.weight, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], -1)
+
+
+def packs_weights(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether `pack_decode_weights` packs a model in ``dtype`` on ``device``: bf16 on a CPU that computes
+    it natively (AMX, AVX512-BF16), with oneDNN, unless ``TIERKV_PACKED_WEIGHTS=0``."""
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and os.environ.get(PACKED_ENV) != "0"
+            and native_bf16() in ("AMX", "AVX512-BF16") and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack_decode_weights(model: nn.Module) -> nn.Module:
+    """A copy of every bf16 projection of a decode step laid out for oneDNN (the fused q/k/v and
+    gate/up weights, o_proj, down_proj, the output head), used for single rows: a decode step's
+    products. On an AMX Xeon a 32K sparse step's took ~5 ms less; their bits are the same as
+    ``linear``'s (tests/model/test_model_arch.py). Rows in batches (a prefill chunk) keep ``linear``,
+    which rounds differently there and is as fast. The copies cost the weights' bytes once more
+    (~270 MB for SmolLM2); where `packs_weights` is False nothing is packed."""
+    first = next(model.parameters(), None)
+    if first is None or not packs_weights(first.dtype, first.device):
+        return model
+    for layer in decoder_layers(model):
+        for module in (layer.self_attn, layer.mlp):
+            fused = module.__dict__.get(FUSED)
+            if fused is not None and fused.weight is not None and fused.weight.dtype == torch.bfloat16:
+                module.__dict__[PACKED] = Packed.of(fused.weight, fused.bias)
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            _pack(linear)
+    _pack(model.lm_head)
+    return model
+
+
+def _pack(linear: nn.Module) -> None:
+    if type(linear) is nn.Linear and linear.weight.dtype == torch.bfloat16:
+        linear.__dict__[PACKED] = Packed.of(linear.weight, linear.bias)
+
+
+def _linear(module: nn.Module, x: Tensor) -> Tensor:
+    """``module(x)``, through its packed weight where x is one row and the module still holds the weight
+    that was packed."""
+    packed = module.__dict__.get(PACKED)
+    if packed is not None and x.numel() == x.shape[-1]:
+        params = module._parameters
+        if params["weight"].data_ptr() == packed.source and _address(params.get("bias")) == _address(packed.bias):
+            return packed(x)
+    return module(x)
+
+
 def final_logits(model: nn.Module, h: Tensor) -> Tensor:
     """h [B, T, hidden] -> logits [B, T, vocab] (final norm + lm_head)."""
-    return model.lm_head(model.model.norm(h))
+    return _linear(model.lm_head, model.model.norm(h))
 
 
 def recompute_seconds(model: nn.Module, tokens: int, *, repeats: int = 3) -> float:

@@ -37,7 +37,7 @@ import xxhash
 
 from tierkv.knobs import cache_dir
 from tierkv.errors import ConfigError
-from tierkv.model.arch import ModelSpec, check_architecture, fuse_projections, model_spec
+from tierkv.model.arch import ModelSpec, check_architecture, fuse_projections, model_spec, pack_decode_weights
 from tierkv.model.weights import SCHEMES, WEIGHTS, quantize_weights
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def load_model(spec: str = "smollm2", *, dtype: torch.dtype = torch.float32,
     folder = source if source.is_dir() else cached_gguf(source, digest)
     if weights is None:
         model, tokenizer = _load_folder(folder, dtype)
-        fuse_projections(model)
+        pack_decode_weights(fuse_projections(model))
     else:                               # quantized from the full-precision values, not from rounded ones
         model, tokenizer = _load_folder(folder, torch.float32)
         quantize_weights(model, weights, dtype)
