@@ -80,7 +80,7 @@ class SparseConfig:
     page_tokens: int | None = setting(
         None, "tokens per stored page, a multiple of 8 (default: 16; a quantized page the fewest that pack into "
               "4 KiB blocks with little padding, SmolLM2: int8 80, int4 56, int2 104; 32 past ~500K tokens halves "
-              "the pages, and the ~110 bytes of bookkeeping the tier manager keeps per page)", metavar="N")
+              "the pages, and the ~100 bytes of bookkeeping the tier manager and the store keep per page)", metavar="N")
     page_dtype: str | None = setting(
         None, "how stored values and key factors are kept: float32, bfloat16, float16 (default: the model's "
               "--dtype), or quantized int8, int4, int2 (values per token, key factors per channel; options "
