@@ -198,21 +198,26 @@ class BlockLayout:
             return rows.index_select(0, flat).view(*index_shape, *left)
         return part.view(self.dtype).view(*raw.shape[:-1], *shape)[tuple(map(_tensor, index))]
 
-    def token_rows(self, raw: Tensor, name: str, *, split: int | None = None) -> TokenRows | None:
-        """The plain field ``name`` [tokens, heads, D] (``split``: as in ``take``) of blocks ``raw``
-        [n, block_bytes] as one table of rows: block j's token t of head h is row ``j * per_block +
-        t * per_token + h`` of ``rows``. A caller that works these indexes out once takes several fields
-        with them. None where they are not whole rows of the buffer (a quantized or unaligned field):
-        ``take`` those."""
-        i = next(i for i, f in enumerate(self.fields) if f.name == name)
-        f, start = self.fields[i], self._offsets[i]
-        shape = f.shape if split is None else (*f.shape[:-1], f.shape[-1] // split, split)
-        row = shape[-1] * self.dtype.itemsize
-        if f.codec is not None or len(shape) != 3 or raw.dim() != 2 or not raw.is_contiguous() \
-                or start % row or raw.shape[-1] % row:
+    def row_table(self, raw: Tensor, *fields: tuple[str, int | None]) -> RowTable | None:
+        """The plain fields (name, ``split`` as in ``take``), each [tokens, heads, D], of blocks ``raw``
+        [n, block_bytes] as tables of rows that one index reads alike: block j's token t of head h is row
+        ``j * per_block + t * per_token + h`` of each. None where a field's rows are not whole rows of
+        the buffer (a quantized or unaligned field) or the fields' rows differ: ``take`` those."""
+        views, geometry = [], set()
+        for name, split in fields:
+            i = next(i for i, f in enumerate(self.fields) if f.name == name)
+            f, start = self.fields[i], self._offsets[i]
+            shape = f.shape if split is None else (*f.shape[:-1], f.shape[-1] // split, split)
+            row = shape[-1] * self.dtype.itemsize
+            if f.codec is not None or len(shape) != 3 or raw.dim() != 2 or not raw.is_contiguous() \
+                    or start % row or raw.shape[-1] % row:
+                return None
+            views.append(raw.view(-1).view(self.dtype).view(-1, shape[-1])[start // row:])
+            geometry.add((shape[-1], raw.shape[-1] // row, shape[1]))
+        if len(geometry) != 1:
             return None
-        rows = raw.view(-1).view(self.dtype).view(-1, shape[-1])[start // row:]
-        return TokenRows(rows, raw.shape[-1] // row, shape[1])
+        _, per_block, per_token = geometry.pop()
+        return RowTable(tuple(views), per_block, per_token)
 
     def field_bytes(self, name: str) -> int:
         """Bytes of the field ``name`` in one block."""
@@ -220,10 +225,10 @@ class BlockLayout:
         return self._offsets[i + 1] - self._offsets[i]
 
 
-class TokenRows(NamedTuple):
-    """A field of many blocks as rows of one head's values (`BlockLayout.token_rows`)."""
+class RowTable(NamedTuple):
+    """Fields of many blocks as rows of one head's values (`BlockLayout.row_table`)."""
 
-    rows: Tensor              # [*, D], row 0 the first block's first token of head 0
+    fields: tuple[Tensor, ...]   # each [*, D], row 0 the first block's first token of head 0
     per_block: int
     per_token: int
 
@@ -246,9 +251,9 @@ class Blocks:
         """Each block's row in the buffer."""
         return np.arange(len(self.buffer)) if self.rows is None else self.rows
 
-    def token_rows(self, name: str, *, split: int | None = None) -> TokenRows | None:
-        """``BlockLayout.token_rows`` of the buffer: block j's rows start at row ``ids[j] * per_block``."""
-        return self.layout.token_rows(self.buffer, name, split=split)
+    def row_table(self, *fields: tuple[str, int | None]) -> RowTable | None:
+        """``BlockLayout.row_table`` of the buffer: block j's rows start at row ``ids[j] * per_block``."""
+        return self.layout.row_table(self.buffer, *fields)
 
     def take(self, name: str, index: tuple[Index, ...], *, split: int | None = None) -> Tensor:
         """``BlockLayout.take`` over these blocks: ``index[0]`` numbers them 0..n-1."""

@@ -332,8 +332,8 @@ def test_page_slots_are_what_unique_gives():
         assert got.tolist() == want.tolist() and at.tolist() == inverse.reshape(pages.shape).tolist()
 
 
-def test_token_rows_are_the_sources_as_rows_of_the_pages_table():
-    """`Placed.token_rows`, worked out a chunk at a time, names the row that `sources` names a token at
+def test_table_rows_are_the_sources_as_rows_of_the_pages_table():
+    """`Placed.table_rows`, worked out a chunk at a time, names the row that `sources` names a token at
     a time: page j's token t of head h at ``pages[j] * per_block + t * per_token + h``, margins and
     outlier slots at the first page's first token."""
     rng = np.random.default_rng(5)
@@ -351,7 +351,7 @@ def test_token_rows_are_the_sources_as_rows_of_the_pages_table():
         per_block, per_token = int(rng.integers(P * heads, 4 * P * heads)), heads
         page_of, tok_of = place.sources()
         want = ids[page_of] * per_block + tok_of * per_token + np.arange(heads)[:, None]
-        assert (place.token_rows(ids, per_block, per_token) == want).all()
+        assert (place.table_rows(ids, per_block, per_token) == want).all()
 
 
 @pytest.mark.parametrize("page_dtype,rank", [("int8", H * D), (None, H * D // 2)])

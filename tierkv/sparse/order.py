@@ -80,8 +80,8 @@ class Placed:
         tok_of[:, first:first + rows] = (tok[..., None] + np.arange(c)).reshape(H, rows)
         return page_of, tok_of
 
-    def token_rows(self, ids: np.ndarray, per_block: int, per_token: int) -> np.ndarray:
-        """`sources` as rows of one table of the pages' rows [Hkv, width] (`tierkv.layout.TokenRows`:
+    def table_rows(self, ids: np.ndarray, per_block: int, per_token: int) -> np.ndarray:
+        """`sources` as rows of one table of the pages' rows [Hkv, width] (`tierkv.layout.RowTable`:
         token t of head h of the page read j, the ``ids[j]``-th block of the buffer, is row
         ``ids[j] * per_block + t * per_token + h``), worked out a chunk at a time and then spread over
         its c tokens; rows of no chunk are the first page's first token."""

@@ -374,14 +374,14 @@ class SparseSequence:
         no chunk from the first page's first row, for the caller to write over (one indexed copy of
         the whole buffer, none of a part and then another of the whole)."""
         H, D = self.layout.num_kv_heads, self.layout.head_dim
-        if state.basis.exact and self.layout.codec is None:   # every head's own keys and values, as rows
-            keys, values = blocks.token_rows("factors", split=D), blocks.token_rows("values")
-            if keys is not None and values is not None and keys[1:] == values[1:]:
-                rows = torch.from_numpy(place.token_rows(blocks.ids, *keys[1:]).reshape(-1))   # once for both
-                return tuple(x.rows.index_select(0, rows).view(H, -1, D) for x in (keys, values))
+        plain = state.basis.exact and self.layout.codec is None   # a head's keys: its own columns of the factors
+        table = blocks.row_table(("factors", D), ("values", None)) if plain else None
+        if table is not None:                                     # keys and values by one row index
+            rows = torch.from_numpy(place.table_rows(blocks.ids, table.per_block, table.per_token).reshape(-1))
+            return tuple(x.index_select(0, rows).view(H, -1, D) for x in table.fields)
         page, tok = place.sources()                                              # [Hkv, width]
         take = blocks.take                   # decodes only these rows when pages are quantized
-        if shared and not (state.basis.exact and self.layout.codec is None):
+        if shared and not plain:
             factors = take("factors", (page[0], tok[0]))                       # [width, r]
             k = reconstruct(factors, state.basis.basis, H, exact=state.basis.exact)
             return k.transpose(0, 1).contiguous(), take("values", (page[0], tok[0])).transpose(0, 1).contiguous()
@@ -442,7 +442,6 @@ class SparseSequence:
 def pages_buffer(pages: int, block_bytes: int) -> Tensor:
     """Room for pages copied out of the tiers, uninitialised (rows of pages not copied in yet are masked)."""
     return torch.empty(pages, block_bytes, dtype=torch.uint8)
-
 
 
 def joinable(x: Tensor, *parts: Tensor) -> Tensor:
