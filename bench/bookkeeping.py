@@ -77,14 +77,8 @@ def measure(path: Path, n: int, report: Report) -> None:
         directory, pools = manager.directory, [tier.pool for tier in manager.tiers.values()]
         if len(directory) != n:
             raise RuntimeError(f"the reopened store holds {len(directory)} blocks, {n} were written")
-        table, rows = directory._table, directory._rows
         parts = {
-            "directory: keys": table.keys.nbytes,
-            "directory: live flags": table.live.nbytes,
-            "directory: hash cells": table._cells.nbytes,
-            **{f"directory: {name}": column.nbytes for name, column in rows.meta.items()},
-            **{f"directory: slot in {name}": column.nbytes for name, column in rows.tiers.items()},
-            **{f"directory: {name} eviction order": column.nbytes for name, column in rows.orders.items()},
+            **{f"directory: {part}": nbytes for part, nbytes in directory.nbytes_parts().items()},
             "pools: states and pins": sum(pool.nbytes() for pool in pools),
             "journal index (the store's)": store.index_nbytes(),
         }
@@ -100,12 +94,11 @@ def measure(path: Path, n: int, report: Report) -> None:
         batches = [[keys[i] for i in np.sort(rng.choice(n, LOOKUP_KEYS, replace=False)).tolist()] for _ in range(64)]
         lookup = min(timeit.repeat(lambda: [directory.find_rows(b) for b in batches], number=1, repeat=5))
         report.add_row(f"lookup of {LOOKUP_KEYS} keys", "time", round(lookup / len(batches) * 1e6, 1), "us")
-        load = len(table) / len(table._cells)
         report.add_ratio("manager_bytes_per_block", round(manager_bytes / n, 2), TARGET,
                          f"the directory's arrays and the tiers' pools over {n:,} blocks of a reopened store, "
                          "bytes a block", ceiling=True)
-        report.add_bound(f"hash cells: {len(table._cells):,} for {len(table):,} keys ({load:.0%} full; a table "
-                         "is rebuilt 30 % full and grows past half); the journal index keeps its own key table "
+        report.add_bound(f"the directory's key table: {directory.table_fill:.0%} of its hash cells in use (a table is "
+                         "rebuilt 30 % full and grows past half); the journal index keeps its own key table "
                          "for the same blocks (the store opens without a manager)")
     finally:
         blocking.close()

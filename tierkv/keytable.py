@@ -200,7 +200,16 @@ class KeyTable:
         self._gone += 1
 
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.live.nbytes + self._cells.nbytes
+        return sum(self.nbytes_parts().values())
+
+    def nbytes_parts(self) -> dict[str, int]:
+        """The bytes of each array: the keys, their live flags, the hash cells."""
+        return {"keys": self.keys.nbytes, "live flags": self.live.nbytes, "hash cells": self._cells.nbytes}
+
+    @property
+    def fill(self) -> float:
+        """The share of hash cells in use (a rebuilt table is 30 % full; it is rebuilt past half)."""
+        return (self._count + self._gone) / len(self._cells)
 
     # -- inside ------------------------------------------------------------
     def _start(self, lo: int, hi: int) -> int:

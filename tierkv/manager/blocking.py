@@ -219,10 +219,7 @@ class BlockingTierManager:
             return None
         epoch = host.pool.epoch
         try:
-            if rows is None:
-                slots = mgr.directory.slots_in(keys, name)
-            else:
-                slots, rows = mgr.directory.slots_hinted(keys, name, rows)
+            slots, rows = mgr.directory.slots_and_rows(keys, name, rows)
             where = None if slots.min() < 0 else host.locate_many(slots)
         except (BlockMissing, IndexError):   # unknown keys, or a lookup that raced a change
             return None

@@ -63,7 +63,16 @@ class Directory:
 
     def nbytes(self) -> int:
         """The bytes the directory's arrays take (moves in flight, waiting readers and guesses apart)."""
-        return self._table.nbytes() + self._rows.nbytes()
+        return sum(self.nbytes_parts().values())
+
+    def nbytes_parts(self) -> dict[str, int]:
+        """`nbytes` array by array: the key table's, then each row column's."""
+        return self._table.nbytes_parts() | self._rows.nbytes_parts()
+
+    @property
+    def table_fill(self) -> float:
+        """The share of the key table's hash cells in use."""
+        return self._table.fill
 
     def get(self, key: BlockKey) -> BlockEntry | None:
         """The entry of a key, or None."""
@@ -84,9 +93,11 @@ class Directory:
         """The row of each key (-1 where unknown)."""
         return self._table.find_many(keys)
 
-    def rows(self, keys: Sequence[BlockKey]) -> np.ndarray:
-        """The row of each key; BlockMissing names those stored nowhere."""
-        rows = self._table.find_many(keys)
+    def rows(self, keys: Sequence[BlockKey], guesses: np.ndarray | None = None) -> np.ndarray:
+        """The row of each key; BlockMissing names those stored nowhere. ``guesses``: each key's row as an
+        earlier call returned it (-1: none), checked against the key in that row; only keys guessed wrong
+        are looked up (a sequence reads its pages' rows back each step, and skips the hashing)."""
+        rows = self._table.find_many(keys) if guesses is None else self._table.find_hinted(split(keys), guesses)
         if len(rows) and rows.min() < 0:
             missing = [key for key, row in zip(keys, rows.tolist()) if row < 0]
             raise BlockMissing(f"block {missing[0].hex()} is not stored in any tier", tuple(missing))
@@ -217,16 +228,11 @@ class Directory:
         """Each key's slot in ``name`` (-1: no copy there); BlockMissing names keys stored nowhere."""
         return self._rows.slots_of(self.rows(keys), name)
 
-    def slots_hinted(self, keys: Sequence[BlockKey], name: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`slots_in`, where ``rows`` guess each key's row (as an earlier call returned them; -1: no
-        guess): a guess is checked against the key in that row, and only keys guessed wrong are
-        looked up. Returns (slots, rows). A sequence reads its pages' rows back each step, so its
-        reads skip the hashing."""
-        found = self._table.find_hinted(split(keys), rows)
-        if len(found) and found.min() < 0:
-            missing = [key for key, row in zip(keys, found.tolist()) if row < 0]
-            raise BlockMissing(f"block {missing[0].hex()} is not stored in any tier", tuple(missing))
-        return self._rows.slots_of(found, name), found
+    def slots_and_rows(self, keys: Sequence[BlockKey], name: str,
+                       guesses: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`slots_in`, and the rows found (``guesses``: see ``rows``)."""
+        rows = self.rows(keys, guesses)
+        return self._rows.slots_of(rows, name), rows
 
     def plan_loads(self, keys: Sequence[BlockKey], dst: str,
                    order: Sequence[str]) -> tuple[dict[str, list[BlockKey]], list[tuple[BlockKey, asyncio.Future]]]:

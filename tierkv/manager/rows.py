@@ -99,8 +99,11 @@ class Rows:
     def copied(self, row: int) -> bool:
         return any(column[row] for column in self.slots.values())
 
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.meta.values(), *self.tiers.values(), *self.orders.values()))
+    def nbytes_parts(self) -> dict[str, int]:
+        """The bytes of each column."""
+        return {**{name: column.nbytes for name, column in self.meta.items()},
+                **{f"slot in {name}": column.nbytes for name, column in self.tiers.items()},
+                **{f"{name} eviction order": column.nbytes for name, column in self.orders.items()}}
 
     def _grow(self, rows: int) -> None:
         for name, dtype in _META.items():
