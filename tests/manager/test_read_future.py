@@ -61,6 +61,34 @@ def test_blocks_in_place_are_copied_at_once_and_the_rest_on_wait(tmp_path, knobs
         assert_quiescent(mgr.manager)
 
 
+def test_a_packed_read_gives_each_tier_a_run_of_rows_and_the_missing_ones_the_last(tmp_path, knobs):
+    """``packed``: the blocks in place take the first rows of ``into``, a run per tier in the order the
+    keys name them, the loading ones the rows after; ``placed`` says where each key went."""
+    with manager(tmp_path / "s", knobs) as mgr:
+        keys = stored(mgr, 12)
+        tiers = [mgr.where(k)[0] for k in keys]
+        assert {"gpu", "cpu", "nvme"} <= set(tiers)
+        order = [1, 0, 11, 2, 10, 3, 9, 4, 8, 5, 7, 6]          # the tiers interleaved
+        asked = [keys[i] for i in order]
+        out = torch.zeros(len(asked), BLOCK, dtype=torch.uint8)
+        future = mgr.read(asked, into=out, packed=True)
+        placed = future.placed.tolist()
+        assert sorted(placed) == list(range(len(asked)))
+        first = [tiers[order[i]] for i in range(len(asked))]
+        runs = [[placed[i] for i in range(len(asked)) if first[i] == name] for name in dict.fromkeys(first)
+                if name != "nvme"]
+        for run in runs:                                        # each tier's keys: a run, in the keys' order
+            assert run == list(range(run[0], run[0] + len(run)))
+        assert [placed[i] for i in future.missing] == list(range(len(future.ready), len(asked)))
+        for i in future.ready:
+            assert torch.equal(out[placed[i]], block(order[i]))
+        future.wait()
+        assert all(torch.equal(out[placed[i]], block(order[i])) for i in range(len(asked)))
+        assert mgr.read(keys[-2:], into=out[:2], packed=True).placed is None   # one tier, nothing loading
+        mgr.contains(keys[0])
+        assert_quiescent(mgr.manager)
+
+
 def test_everything_in_place_leaves_nothing_to_wait_for(tmp_path, knobs):
     with manager(tmp_path / "s", knobs, gpu=16) as mgr:
         keys = stored(mgr, 8)

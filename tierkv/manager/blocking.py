@@ -40,6 +40,23 @@ T = TypeVar("T")
 UNPIN_TICK_S = 0.01   # the loop unpins released blocks at least this often when no caller asks it anything
 
 
+def _packed(places: Sequence[tuple[str, int]], ready: list[int], missing: list[int]) -> np.ndarray | None:
+    """Each key's row of a packed read: the blocks in place first, a run per tier in the order the keys
+    name them, then the missing ones; None where that is every key's own row."""
+    names = list(map(itemgetter(0), places))
+    tiers = list(dict.fromkeys(names))
+    if len(tiers) <= 1 and not missing:
+        return None
+    at = np.asarray(ready, np.int64)
+    if len(tiers) > 1:
+        code = np.fromiter(map({name: i for i, name in enumerate(tiers)}.__getitem__, names), np.int64, len(names))
+        at = at[np.argsort(code, kind="stable")]
+    placed = np.empty(len(ready) + len(missing), np.int64)
+    placed[at] = np.arange(len(at))
+    placed[np.asarray(missing, np.int64)] = np.arange(len(at), len(placed))
+    return placed
+
+
 def _thread_future(task: asyncio.Future) -> Future:
     """A concurrent future that another thread can wait on, completed with ``task``."""
     out: Future = Future()
@@ -67,7 +84,8 @@ class ReadFuture:
     A future is waited or cancelled once; a later call does nothing. A read that may lend
     (``read(..., lend=True)``) and finds every block in one extent of a host tier copies nothing:
     ``f.lease`` holds them pinned, ``f.extent`` is where they lie (``Lease.in_place``), and the
-    caller reads them there and releases the lease.
+    caller reads them there and releases the lease. A packed read (``read(..., packed=True)``)
+    puts block i in row ``f.placed[i]`` of ``into`` (None: row i).
     """
 
     def __init__(self, manager: BlockingTierManager, into: torch.Tensor, ready: list[int], missing: list[int],
@@ -77,6 +95,7 @@ class ReadFuture:
         self.lease: Lease | Lent | None = None
         self.extent: tuple[torch.Tensor, np.ndarray] | None = None
         self.rows: np.ndarray | None = None     # the keys' directory rows, where a lent read found them
+        self.placed: np.ndarray | None = None   # each key's row of ``into`` (packed reads; None: row i)
 
     def done(self) -> bool:
         """Nothing is left loading (or it was waited for, or cancelled)."""
@@ -97,7 +116,8 @@ class ReadFuture:
             raise
         mgr.events.wait("", self._tier or mgr.memory_tiers[0], self._layer,
                         len(self.missing) * mgr.block_bytes, start, len(self.missing))
-        self._manager._copy_out(self._manager._callers(lease), self._into, self.missing)
+        rows = self.missing if self.placed is None else self.placed[self.missing].tolist()
+        self._manager._copy_out(self._manager._callers(lease), self._into, rows)
         return self._into
 
     def cancel(self) -> None:
@@ -161,7 +181,7 @@ class BlockingTierManager:
 
     def read(self, keys: Sequence[BlockKey], *, into: torch.Tensor, tier: str | None = None,
              layer: int | None = None, lend: bool = False, pin: bool = True,
-             rows: np.ndarray | None = None) -> ReadFuture:
+             rows: np.ndarray | None = None, packed: bool = False) -> ReadFuture:
         """Read blocks ``keys`` into rows of ``into`` (uint8 [len(keys), block_bytes]), in one hop to the
         loop: the blocks in memory are copied before this returns (one tier gather per tier), the rest
         start loading, and ``ReadFuture.wait()`` copies them in. ``mgr.read(keys, into=rows).wait()``
@@ -173,7 +193,10 @@ class BlockingTierManager:
         ``release()`` says whether they stayed put while they were read (False: read again, pinned).
         Otherwise, or while an access hook records the reads, it is the pinned read. ``rows``: each
         key's directory row as an earlier such read found it (``ReadFuture.rows``; -1: not known), a
-        guess checked against the keys that spares their lookup."""
+        guess checked against the keys that spares their lookup. ``packed``: where the blocks are copied
+        and lie in several tiers or some are loading, the rows of ``into`` go to the blocks in memory
+        first, a run per tier, then to those loading (``ReadFuture.placed``: each key's row): runs are
+        copied at memory speed, rows scattered among others at half of it."""
         if lend and not pin:
             future = self._lend_unpinned(keys, into, tier, layer, rows)
             if future is not None:
@@ -189,6 +212,8 @@ class BlockingTierManager:
             missing = [i for i in range(len(keys)) if i not in in_place]
         future = ReadFuture(self, into, ready, missing, pending, tier, layer)
         lease = self._callers(lease)
+        if packed:
+            future.placed = _packed(lease.places, ready, missing)
         if lend and not missing:
             try:
                 future.extent = lease.in_place()
@@ -199,7 +224,7 @@ class BlockingTierManager:
                 future.lease = lease
                 return future
         try:
-            self._copy_out(lease, into, ready)
+            self._copy_out(lease, into, ready if future.placed is None else future.placed[ready].tolist())
         except BaseException:
             future.cancel()
             raise

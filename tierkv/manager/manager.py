@@ -24,7 +24,8 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import cached_property, partial
-from operator import itemgetter
+from itertools import compress
+from operator import itemgetter, not_
 
 import numpy as np
 import torch
@@ -360,17 +361,17 @@ class TierManager:
         if self.access is not None:
             self.access.on_acquire(keys, layer)
         found = self.directory.find(keys, self._readable(tier))
+        missing = None
         if self._record_hits(found, layer):
-            ready = [i for i, place in enumerate(found) if place is not None]
-            ready_keys, places = [keys[i] for i in ready], [found[i] for i in ready]
+            here = [place is not None for place in found]
+            ready, ready_keys, places = list(compress(range(len(keys)), here)), list(compress(keys, here)), \
+                list(compress(found, here))
+            missing = list(compress(keys, map(not_, here)))
         else:                   # every block in place: the usual read at a step's reuse
             ready, ready_keys, places = list(range(len(keys))), keys, found
         lease = Lease(tuple(ready_keys), self._residency.pin(ready_keys, places), self.tiers, self._unpin)
-        rest = None
-        if len(ready) < len(keys):
-            taken = set(ready)
-            rest = asyncio.ensure_future(self._acquire([k for i, k in enumerate(keys) if i not in taken], tier,
-                                                       layer=layer, priority=Priority.NOW, rest_of=True))
+        rest = None if missing is None else asyncio.ensure_future(
+            self._acquire(missing, tier, layer=layer, priority=Priority.NOW, rest_of=True))
         return ready, lease, rest
 
     def _check_read(self, tier: str | None) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from operator import itemgetter
 
 from tierkv.keys import BlockKey
@@ -137,12 +138,11 @@ class Residency:
         (``fresh``: blocks loaded for this read, just inserted: not a reuse)."""
         policies, cold = self.policies, self.directory.cold
         groups = _by_tier(places)
-        for name, slots in groups.items():
+        for name, (slots, _) in groups.items():
             self.tiers[name].pool.pin_many(slots)
         if not cold and not fresh:      # the common read: every key a reuse, in one call per tier
-            for name in groups:
-                mine = keys if len(groups) == 1 else [key for key, (n, _) in zip(keys, places) if n == name]
-                touch_all(policies[name], mine)
+            for name, (_, at) in groups.items():
+                touch_all(policies[name], keys if at is None else list(compress(keys, at)))
             return tuple(places)
         for key, (name, _) in zip(keys, places):
             if cold and (key, name) in cold:  # a guessed block's first use: no longer a guess
@@ -153,7 +153,7 @@ class Residency:
         return tuple(places)
 
     def unpin(self, places: Iterable[Place]) -> None:
-        for name, slots in _by_tier(places).items():
+        for name, (slots, _) in _by_tier(places).items():
             self.tiers[name].pool.unpin_many(slots)
         self.changed.set()
 
@@ -167,18 +167,19 @@ def touch_all(policy: EvictionPolicy, keys: Sequence[BlockKey]) -> None:
             policy.touch(key)
 
 
-def _by_tier(places: Iterable[Place]) -> dict[str, list[int]]:
-    """Slots grouped by tier (a read's blocks mostly sit in one: then in C-level passes)."""
+def _by_tier(places: Iterable[Place]) -> dict[str, tuple[list[int], list[bool] | None]]:
+    """Per tier: its slots, and which of ``places`` are its (None: all of them). A read's blocks sit in
+    one tier or a few, so each is picked out in C-level passes, not a Python step per block."""
     places = list(places)
     if not places:
         return {}
     names = list(map(itemgetter(0), places))
-    if names.count(names[0]) == len(names):
-        return {names[0]: list(map(itemgetter(1), places))}
-    groups: dict[str, list[int]] = {}
-    for name, slot in places:
-        group = groups.get(name)
-        if group is None:
-            group = groups[name] = []
-        group.append(slot)
+    slots = list(map(itemgetter(1), places))
+    first = names[0]
+    if names.count(first) == len(names):
+        return {first: (slots, None)}
+    groups = {}
+    for name in dict.fromkeys(names):
+        mine = list(map(name.__eq__, names))
+        groups[name] = (list(compress(slots, mine)), mine)
     return groups

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from tierkv.layout import Blocks
 from tierkv.manager.blocking import ReadFuture
 from tierkv.sparse.order import Placed
 
@@ -47,10 +48,10 @@ class Loading:
 class LayerRead:
     """A layer's chunks read from their pages into keys and values [Hkv, width, D], where ``place``
     says (the rows of no chunk are the caller's), and, for a split read, the pages still loading
-    into ``raw``."""
+    into ``blocks``."""
     k: Tensor
     v: Tensor
     place: Placed
-    raw: Tensor | None                 # the pages copied out (None: read in place)
+    blocks: Blocks | None              # the pages, each in its row (a split read's: copied out)
     future: ReadFuture | None
-    loading: Tensor | None = None      # [pages] bool: still loading into raw
+    loading: Tensor | None = None      # [pages] bool: still loading into blocks

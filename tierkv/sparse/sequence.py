@@ -260,7 +260,7 @@ class SparseSequence:
     def _loading(self, layer: int, read: LayerRead, rows: Tensor) -> Loading:
         """What brings the gathered rows whose page ``read`` is still loading; ``rows`` [Hkv, M]:
         each gathered token's row in the read's pages (-1: an outlier, never missing)."""
-        future, raw, P = read.future, read.raw, self.layout.tokens
+        future, blocks, P = read.future, read.blocks, self.layout.tokens
         missing = (rows >= 0) & read.loading[rows.clamp(min=0) // P]
 
         def finish() -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -271,7 +271,6 @@ class SparseSequence:
             row = rows.gather(1, at).clamp(min=0)
             page, tok = row.div(P, rounding_mode="floor"), row % P
             heads = torch.arange(at.shape[0]).unsqueeze(1)
-            blocks = Blocks(self.layout, raw)
             keys = self._head_keys(self.layers[layer], blocks, page, tok, heads)   # [Hkv, m, D]
             return at, valid, keys, blocks.take("values", (page, tok, heads))
         return Loading(missing, finish, future.cancel)
@@ -304,13 +303,13 @@ class SparseSequence:
         groups = [(first, first + step) for first in range(0, len(keys), step)]
         for first, end in groups[:-1] if split else groups:
             self.manager.read(keys[first:end], into=raw[first:end], tier=self.read_tier, layer=layer).wait()
-        future = loading = None
+        future = loading = placed = None
         if split:
             first = groups[-1][0]
             hints = state.row_hints(pages, self.manager.rows) if first == 0 else None
             for pin in (False, True):   # lent unpinned first: no hop to the manager's loop
                 future = self.manager.read(keys[first:], into=raw[first:], tier=self.read_tier, layer=layer,
-                                           lend=first == 0, pin=pin, rows=hints)
+                                           lend=first == 0, pin=pin, rows=hints, packed=True)
                 if future.rows is not None:   # where the pages' rows are: the next step's guesses
                     state.page_rows[pages] = future.rows
                 if future.lease is None:
@@ -318,13 +317,15 @@ class SparseSequence:
                 read = self._read_lease(state, future.lease, future.extent, place, shared)
                 if read is not None:              # every page in memory, in one extent: read there
                     return read
+            placed = None if future.placed is None else np.concatenate((np.arange(first), first + future.placed))
             if not future.missing:
                 future = None
         try:
             if future is not None:
                 loading = torch.zeros(len(keys), dtype=torch.bool)
                 loading[[first + row for row in future.missing]] = True
-            k, v = self._rebuild(state, place, Blocks(self.layout, raw), shared)
+            blocks = Blocks(self.layout, raw, placed)        # (a packed read's rows: in place first)
+            k, v = self._rebuild(state, place, blocks, shared)
             if loading is not None:   # the pages still loading hold whatever ``raw`` held: their rows are zeros
                 late = place.at() + np.arange(k.shape[0])[:, None] * k.shape[1]
                 late = torch.from_numpy(late[loading.numpy()[place.rows() // self.layout.tokens]])
@@ -335,7 +336,7 @@ class SparseSequence:
             if future is not None:
                 future.cancel()
             raise
-        return LayerRead(k, v, place, raw, future, loading)
+        return LayerRead(k, v, place, blocks, future, loading)
 
     def _read_pinned(self, state: LayerState, layer: int, keys: list[BlockKey], place: Placed,
                      shared: bool) -> LayerRead:
@@ -363,7 +364,7 @@ class SparseSequence:
                 raw = pages_buffer(len(lease.keys), self.layout.block_bytes)
                 self.manager.copy_out(lease, raw)
                 blocks = Blocks(self.layout, raw)
-            read = LayerRead(*self._rebuild(state, place, blocks, shared), place, raw, None)
+            read = LayerRead(*self._rebuild(state, place, blocks, shared), place, blocks, None)
         except BaseException:
             lease.release()
             raise

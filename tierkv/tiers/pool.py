@@ -160,7 +160,7 @@ class BlockPool:
         if len(at) == 0:
             return
         states = self._states_at(at)
-        if (states == FREE).any() or self._pins[at[states != FREE]].any() or len(np.unique(at)) < len(at):
+        if (states == FREE).any() or self._pins[at[states != FREE]].any() or not _distinct(at):
             seen: set[int] = set()
             for slot in map(int, at):
                 if slot in seen or not self.in_use(slot):
