@@ -2,6 +2,8 @@
 import random
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -26,6 +28,25 @@ def stored(mgr: BlockingTierManager, n: int) -> list:
     for i, k in enumerate(keys):
         mgr.put(k, block(i))
     return keys
+
+
+@contextmanager
+def churning(mgr: BlockingTierManager, keys: list) -> Iterator[None]:
+    """Another thread keeps loading random blocks into the gpu tier (its slots freed and reused) meanwhile."""
+    stop = threading.Event()
+
+    def churn() -> None:
+        rng = random.Random(1)
+        while not stop.is_set():
+            mgr.acquire(rng.sample(keys, 3), tier="gpu").release()
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        churner.join()
 
 
 class Interrupted(BaseException):
@@ -205,17 +226,8 @@ def test_blocks_lent_unpinned_that_stayed_put_are_the_blocks_asked_for(tmp_path,
     read whose lease says the blocks stayed put holds exactly them."""
     with manager(tmp_path / "s", knobs, gpu=6, cpu=64) as mgr:
         keys = stored(mgr, 24)
-        stop = threading.Event()
-
-        def churn() -> None:
-            rng = random.Random(1)
-            while not stop.is_set():
-                mgr.acquire(rng.sample(keys, 3), tier="gpu").release()
-
-        churner = threading.Thread(target=churn)
-        churner.start()
         rng, kept, moved = random.Random(2), 0, 0
-        try:
+        with churning(mgr, keys):
             deadline = time.monotonic() + 30
             while (kept < 50 or moved < 5) and time.monotonic() < deadline:
                 asked = rng.sample(range(len(keys)), 2)
@@ -233,10 +245,53 @@ def test_blocks_lent_unpinned_that_stayed_put_are_the_blocks_asked_for(tmp_path,
                     assert all(torch.equal(got[j], block(i)) for j, i in enumerate(asked))
                 else:
                     moved += 1
-        finally:
-            stop.set()
-            churner.join()
         assert kept >= 50 and moved >= 5
+        mgr.contains(keys[0])
+        assert_quiescent(mgr.manager)
+
+
+def test_a_packed_read_unpinned_copies_the_blocks_in_memory_here_and_loads_the_rest(tmp_path, knobs):
+    """``read(..., pin=False, packed=True)`` with some blocks only on disk: those in memory are copied on
+    the caller's thread, unpinned, a run per tier; the missing ones load while it goes on."""
+    with manager(tmp_path / "s", knobs) as mgr:
+        keys = stored(mgr, 12)
+        tiers = [mgr.where(k)[0] for k in keys]
+        order = [1, 0, 11, 2, 10, 3, 9, 4, 8, 5, 7, 6]
+        asked = [keys[i] for i in order]
+        out = torch.zeros(len(asked), BLOCK, dtype=torch.uint8)
+        hits = len(mgr.manager.events.of_kind("hit"))
+        future = mgr.read(asked, into=out, pin=False, packed=True, layer=5)
+        assert future.lease is None and [tiers[order[i]] for i in future.missing] == ["nvme"] * len(future.missing)
+        placed = future.placed.tolist()
+        for name in ("gpu", "cpu"):                       # each tier's blocks: a run of rows, in the keys' order
+            run = [placed[i] for i in range(len(asked)) if tiers[order[i]] == name]
+            assert run and run == list(range(run[0], run[0] + len(run)))
+        assert [placed[i] for i in future.missing] == list(range(len(future.ready), len(asked)))
+        assert all(torch.equal(out[placed[i]], block(order[i])) for i in future.ready)
+        assert sorted((e.src, e.blocks) for e in mgr.manager.events.of_kind("hit")[hits:]) == \
+            sorted((name, tiers.count(name)) for name in ("gpu", "cpu"))
+        future.wait()
+        assert all(torch.equal(out[placed[i]], block(order[i])) for i in range(len(asked)))
+        mgr.contains(keys[0])
+        assert_quiescent(mgr.manager)
+
+
+def test_packed_reads_unpinned_beside_evictions_give_the_blocks_asked_for(tmp_path, knobs):
+    """Packed reads unpinned while another thread keeps loading blocks into the tier they copy from (so
+    its slots are freed and reused under them): every row read is its block's."""
+    with manager(tmp_path / "s", knobs, gpu=16, cpu=16) as mgr:
+        keys = stored(mgr, 48)
+        rng, split = random.Random(2), 0
+        with churning(mgr, keys):
+            for _ in range(300):
+                asked = rng.sample(range(len(keys)), 6)
+                out = torch.zeros(len(asked), BLOCK, dtype=torch.uint8)
+                future = mgr.read([keys[i] for i in asked], into=out, pin=False, packed=True, tier="gpu")
+                split += bool(future.missing)
+                future.wait()
+                rows = range(len(asked)) if future.placed is None else future.placed.tolist()
+                assert all(torch.equal(out[row], block(i)) for row, i in zip(rows, asked))
+        assert split > 100
         mgr.contains(keys[0])
         assert_quiescent(mgr.manager)
 

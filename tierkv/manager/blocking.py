@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections import deque
 from collections.abc import Awaitable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
@@ -29,6 +28,7 @@ from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
 from tierkv.errors import BlockMissing
 from tierkv.manager.lease import Lent, lends_in_place
+from tierkv.manager.read_future import ReadFuture, packed_rows, thread_future
 from tierkv.manager.manager import Lease, TierManager
 from tierkv.manager.residency import touch_all
 from tierkv.manager.remote import Recompute, hold_or_fetch
@@ -38,97 +38,6 @@ from tierkv.events import AccessHook, EventRecorder
 
 T = TypeVar("T")
 UNPIN_TICK_S = 0.01   # the loop unpins released blocks at least this often when no caller asks it anything
-
-
-def _packed(places: Sequence[tuple[str, int]], ready: list[int], missing: list[int]) -> np.ndarray | None:
-    """Each key's row of a packed read: the blocks in place first, a run per tier in the order the keys
-    name them, then the missing ones; None where that is every key's own row."""
-    names = list(map(itemgetter(0), places))
-    tiers = list(dict.fromkeys(names))
-    if len(tiers) <= 1 and not missing:
-        return None
-    at = np.asarray(ready, np.int64)
-    if len(tiers) > 1:
-        code = np.fromiter(map({name: i for i, name in enumerate(tiers)}.__getitem__, names), np.int64, len(names))
-        at = at[np.argsort(code, kind="stable")]
-    placed = np.empty(len(ready) + len(missing), np.int64)
-    placed[at] = np.arange(len(at))
-    placed[np.asarray(missing, np.int64)] = np.arange(len(at), len(placed))
-    return placed
-
-
-def _thread_future(task: asyncio.Future) -> Future:
-    """A concurrent future that another thread can wait on, completed with ``task``."""
-    out: Future = Future()
-
-    def settle(done: asyncio.Future) -> None:
-        if done.cancelled():
-            out.cancel()
-        elif done.exception() is not None:
-            out.set_exception(done.exception())
-        else:
-            out.set_result(done.result())
-    out.set_running_or_notify_cancel()
-    task.add_done_callback(settle)
-    return out
-
-
-class ReadFuture:
-    """Blocks read into rows of a caller's tensor, in the style of kvikio's ``IOFuture``::
-
-        f = mgr.read(keys, into=rows)     # rows of the blocks in memory are copied before it returns
-        f.ready, f.missing                # positions in keys: in place / still loading (ascending)
-        f.wait()                          # every row in place; the time it blocked is recorded as a stall
-        f.cancel()                        # not waiting: what is loading is released as it arrives
-
-    A future is waited or cancelled once; a later call does nothing. A read that may lend
-    (``read(..., lend=True)``) and finds every block in one extent of a host tier copies nothing:
-    ``f.lease`` holds them pinned, ``f.extent`` is where they lie (``Lease.in_place``), and the
-    caller reads them there and releases the lease. A packed read (``read(..., packed=True)``)
-    puts block i in row ``f.placed[i]`` of ``into`` (None: row i).
-    """
-
-    def __init__(self, manager: BlockingTierManager, into: torch.Tensor, ready: list[int], missing: list[int],
-                 pending: Future | None, tier: str | None, layer: int | None) -> None:
-        self.ready, self.missing = ready, missing
-        self._manager, self._into, self._pending, self._tier, self._layer = manager, into, pending, tier, layer
-        self.lease: Lease | Lent | None = None
-        self.extent: tuple[torch.Tensor, np.ndarray] | None = None
-        self.rows: np.ndarray | None = None     # the keys' directory rows, where a lent read found them
-        self.placed: np.ndarray | None = None   # each key's row of ``into`` (packed reads; None: row i)
-
-    def done(self) -> bool:
-        """Nothing is left loading (or it was waited for, or cancelled)."""
-        return self._pending is None or self._pending.done()
-
-    def wait(self) -> torch.Tensor:
-        """Copy the missing rows in once they are loaded; returns the tensor read into. Raises what the
-        load raised (BlockMissing, BlockCorrupt, BudgetExceeded)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return self._into
-        mgr = self._manager.manager
-        start = time.perf_counter()
-        try:
-            lease = pending.result()
-        except BaseException:
-            pending.add_done_callback(self._release)     # interrupted: release the blocks when they arrive
-            raise
-        mgr.events.wait("", self._tier or mgr.memory_tiers[0], self._layer,
-                        len(self.missing) * mgr.block_bytes, start, len(self.missing))
-        rows = self.missing if self.placed is None else self.placed[self.missing].tolist()
-        self._manager._copy_out(self._manager._callers(lease), self._into, rows)
-        return self._into
-
-    def cancel(self) -> None:
-        """The caller will not wait: the missing blocks are released whenever they arrive."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.add_done_callback(self._release)
-
-    def _release(self, pending: Future) -> None:
-        if not pending.cancelled() and pending.exception() is None:
-            self._manager._callers(pending.result()).release()
 
 
 class BlockingTierManager:
@@ -188,22 +97,27 @@ class BlockingTierManager:
         is a plain blocking read. ``lend``: where every block is in memory, in one extent of a host
         tier, nothing is copied and the future lends them (``ReadFuture.lease``, ``.extent``).
 
-        ``pin=False`` (with ``lend``): where every block lies in one extent of the first tier read in
-        place, they are found on this thread, with no hop and no pin, and lent as a ``Lent``, whose
-        ``release()`` says whether they stayed put while they were read (False: read again, pinned).
-        Otherwise, or while an access hook records the reads, it is the pinned read. ``rows``: each
-        key's directory row as an earlier such read found it (``ReadFuture.rows``; -1: not known), a
-        guess checked against the keys that spares their lookup. ``packed``: where the blocks are copied
-        and lie in several tiers or some are loading, the rows of ``into`` go to the blocks in memory
-        first, a run per tier, then to those loading (``ReadFuture.placed``: each key's row): runs are
-        copied at memory speed, rows scattered among others at half of it."""
-        if lend and not pin:
-            future = self._lend_unpinned(keys, into, tier, layer, rows)
+        ``packed``: where the blocks are copied and lie in several tiers or some are loading, the rows of
+        ``into`` go to the blocks in memory first, a run per tier, then to those loading
+        (``ReadFuture.placed``: each key's row): runs are copied at memory speed, rows scattered among
+        others at half of it.
+
+        ``pin=False``: the blocks are found on this thread, with no hop and no pin. With ``lend``,
+        where every block lies in one extent of the first tier read in place, they are lent as a
+        ``Lent``, whose ``release()`` says whether they stayed put while they were read (False: read
+        again, pinned). With ``packed``, where some are in no tier read in place, the others are copied
+        here, checked as a ``Lent`` is (moved meanwhile: the pinned read instead), and the missing ones
+        start loading in a hop this thread does not wait for. Otherwise, or while an access hook records
+        the reads, it is the pinned read. ``rows``: each key's directory row as an earlier such read
+        found it (``ReadFuture.rows``; -1: not known), a guess checked against the keys that spares
+        their lookup."""
+        if not pin and (lend or packed):
+            future = self._read_unpinned(keys, into, tier, layer, rows, lend=lend, packed=packed)
             if future is not None:
                 return future
         async def begin() -> tuple[list[int], Lease, Future | None]:
             ready, lease, rest = await self.manager.read(keys, tier, layer=layer)
-            return ready, lease, None if rest is None else _thread_future(rest)
+            return ready, lease, None if rest is None else thread_future(rest)
         ready, lease, pending = self._run(begin())
         if len(ready) == len(keys):
             missing = []
@@ -213,7 +127,7 @@ class BlockingTierManager:
         future = ReadFuture(self, into, ready, missing, pending, tier, layer)
         lease = self._callers(lease)
         if packed:
-            future.placed = _packed(lease.places, ready, missing)
+            future.placed = packed_rows(lease.places, ready, missing)
         if lend and not missing:
             try:
                 future.extent = lease.in_place()
@@ -230,30 +144,67 @@ class BlockingTierManager:
             raise
         return future
 
-    def _lend_unpinned(self, keys: Sequence[BlockKey], into: torch.Tensor, tier: str | None,
-                       layer: int | None, rows: np.ndarray | None) -> ReadFuture | None:
-        """``read(..., lend=True, pin=False)`` done here, or None where it cannot be (see ``read``). The
-        directory is read while the loop may change it: whatever it changes under the lookup either
-        leaves the blocks where they were found or frees a slot of the tier first (``Lent``)."""
+    def _read_unpinned(self, keys: Sequence[BlockKey], into: torch.Tensor, tier: str | None, layer: int | None,
+                       rows: np.ndarray | None, *, lend: bool, packed: bool) -> ReadFuture | None:
+        """``read(..., pin=False)`` done here, or None where it cannot be (see ``read``). The directory
+        is read while the loop may change it: whatever it changes under the lookup either leaves the
+        blocks where they were found or frees a slot of their tier first, which bumps its pool's
+        ``epoch`` (``Lent``)."""
         mgr = self.manager
         if self._closed or mgr.access is not None or mgr.directory.cold or not keys or not mgr.in_place_tiers:
             return None     # (a guessed block's first read tells its policy: the loop's read does that)
-        name = tier or mgr.in_place_tiers[0]
-        host = mgr.tiers[name]
-        if not lends_in_place(host):
+        names = [tier] if tier is not None else mgr.in_place_tiers
+        hosts = [mgr.tiers[name] for name in names]
+        if not all(map(lends_in_place, hosts)):
             return None
-        epoch = host.pool.epoch
+        epochs = [host.pool.epoch for host in hosts]
         try:
-            slots, rows = mgr.directory.slots_and_rows(keys, name, rows)
-            where = None if slots.min() < 0 else host.locate_many(slots)
+            slots, rows = mgr.directory.slots_and_rows(keys, names[0], rows)
+            if lend and slots.min() >= 0:        # all in the first tier: lent where they lie, or not at all
+                where = hosts[0].locate_many(slots)
+                if where is None or hosts[0].pool.epoch != epochs[0]:
+                    return None
+                self._used.append((names[0], keys))       # its policy hears of the use on the loop
+                mgr.record_hits(names[0], len(keys), layer)
+                future = ReadFuture(self, into, list(range(len(keys))), [], None, tier, layer)
+                future.lease, future.extent, future.rows = Lent(tuple(keys), hosts[0].pool, epochs[0]), where, rows
+                return future
+            if not packed:
+                return None
+            found = [slots] + [mgr.directory.slots_and_rows(keys, name, rows)[0] for name in names[1:]]
         except (BlockMissing, IndexError):   # unknown keys, or a lookup that raced a change
             return None
-        if where is None or host.pool.epoch != epoch:
+        return self._copy_unpinned(keys, into, tier, layer, rows, names, found, epochs)
+
+    def _copy_unpinned(self, keys: Sequence[BlockKey], into: torch.Tensor, tier: str | None, layer: int | None,
+                       rows: np.ndarray, names: list[str], found: list[np.ndarray],
+                       epochs: list[int]) -> ReadFuture | None:
+        """The packed read of ``_read_unpinned`` where not every block is in the first tier: each block is
+        copied from the first of ``names`` holding it (``found``: its slot in each), and those none holds
+        start loading; None where none is missing (the pinned read copies those) or a slot was freed."""
+        mgr = self.manager
+        where = np.full(len(keys), -1)
+        for i, slots in reversed(list(enumerate(found))):   # the first tier holding a block wins
+            where[slots >= 0] = i
+        missing = np.flatnonzero(where < 0)
+        if not len(missing):
             return None
-        self._used.append((name, keys))       # its policy hears of the use on the loop
-        mgr.record_hits(name, len(keys), layer)
-        future = ReadFuture(self, into, list(range(len(keys))), [], None, tier, layer)
-        future.lease, future.extent, future.rows = Lent(tuple(keys), host.pool, epoch), where, rows
+        order = np.argsort(where, kind="stable")            # missing (-1) first, then a run per tier
+        placed = np.empty(len(keys), np.int64)
+        placed[np.concatenate((order[len(missing):], order[:len(missing)]))] = np.arange(len(keys))
+        copied = [(i, mine) for i in range(len(names)) if len(mine := np.flatnonzero(where == i))]
+        for i, mine in copied:
+            mgr.tiers[names[i]].gather(found[i][mine].tolist(), into, placed[mine].tolist())
+        if any(mgr.tiers[names[i]].pool.epoch != epochs[i] for i, _ in copied):
+            return None     # a slot was freed meanwhile: what was copied may be another block's
+        for i, mine in copied:
+            self._used.append((names[i], [keys[j] for j in mine.tolist()]))   # their policies hear of it on the loop
+            mgr.record_hits(names[i], len(mine), layer)
+        loading = [keys[j] for j in missing.tolist()]
+        pending = asyncio.run_coroutine_threadsafe(self._after_releases(mgr.load_missing(loading, tier, layer=layer)),
+                                                   self._loop)
+        future = ReadFuture(self, into, np.flatnonzero(where >= 0).tolist(), missing.tolist(), pending, tier, layer)
+        future.placed, future.rows = placed, rows
         return future
 
     def copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int] | None = None) -> None:

@@ -374,6 +374,13 @@ class TierManager:
             self._acquire(missing, tier, layer=layer, priority=Priority.NOW, rest_of=True))
         return ready, lease, rest
 
+    async def load_missing(self, keys: Sequence[BlockKey], tier: str | None = None, *,
+                           layer: int | None = None) -> Lease:
+        """``acquire`` of blocks a reader found in no tier read in place an instant ago (and recorded its
+        hits and access for): their caller computes meanwhile and records its own stall."""
+        self._check_read(tier)
+        return await self._acquire(keys, tier, layer=layer, priority=Priority.NOW, rest_of=True)
+
     def _check_read(self, tier: str | None) -> None:
         self._check_running()
         if tier is not None and tier not in self.memory_tiers:

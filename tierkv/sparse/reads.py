@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from tierkv.layout import Blocks
-from tierkv.manager.blocking import ReadFuture
+from tierkv.manager.read_future import ReadFuture
 from tierkv.sparse.order import Placed
 
 

@@ -310,7 +310,7 @@ class SparseSequence:
             for pin in (False, True):   # lent unpinned first: no hop to the manager's loop
                 future = self.manager.read(keys[first:], into=raw[first:], tier=self.read_tier, layer=layer,
                                            lend=first == 0, pin=pin, rows=hints, packed=True)
-                if future.rows is not None:   # where the pages' rows are: the next step's guesses
+                if future.rows is not None and first == 0:   # where the pages' rows are: the next step's guesses
                     state.page_rows[pages] = future.rows
                 if future.lease is None:
                     break
