@@ -78,7 +78,7 @@ class ReadFuture:
         self._manager, self._into, self._pending, self._tier, self._layer = manager, into, pending, tier, layer
         self.lease: Lease | Lent | None = None
         self.extent: tuple[torch.Tensor, np.ndarray] | None = None
-        self.rows: np.ndarray | None = None     # the keys' directory rows, where a lent read found them
+        self.rows: np.ndarray | None = None     # the keys' directory rows, where a read without pins found them
         self.placed: np.ndarray | None = None   # each key's row of ``into`` (packed reads; None: row i)
 
     def done(self) -> bool:
