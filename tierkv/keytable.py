@@ -14,11 +14,10 @@ it anywhere from an eighth to a quarter full), and walks forward to the first
 empty cell, going on from the last cell to the first. `find_many` walks every
 key of a batch at once (a read's hundreds of keys in a few numpy passes);
 `find` walks one in Python, through memoryviews of the arrays (plain ints, no
-numpy scalars). Removal leaves a
-"gone" cell so later keys of the chain are still found; the table is rebuilt
-(vectorised) when live and gone cells pass half of it. A 526-key batch among a
-million keys takes ~70 us at 30 %, ~60 at 23 %, ~190 at 47 % (the runs
-lengthen).
+numpy scalars). Removal leaves a "gone" cell so later keys of the chain are
+still found; the table is rebuilt (vectorised) when live and gone cells pass
+half of it. A 526-key batch among a million keys takes ~70 us at 30 %, ~60 at
+23 %, ~190 at 47 % (the runs lengthen).
 
 The caller owns the ids: it adds a key under an id that is not live and
 removes ids. Keys must be unique (`add` of a key already present under another

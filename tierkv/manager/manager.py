@@ -300,17 +300,14 @@ class TierManager:
     # -- reading --------------------------------------------------------
     async def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, *,
                       layer: int | None = None, priority: Priority = Priority.NOW) -> Lease:
-        """Pin ``keys`` in ``tier`` (None: any memory tier, loading into the fastest).
-
-        Raises BlockMissing for a block stored nowhere and BlockCorrupt for
-        one whose stored bytes failed their checksum (it is dropped: recompute it).
-        """
+        """Pin ``keys`` in ``tier`` (None: any memory tier, loading into the fastest). Raises BlockMissing
+        for a block stored nowhere and BlockCorrupt for one whose stored bytes failed their checksum (it
+        is dropped: recompute it)."""
         return await self._acquire(keys, tier, layer=layer, priority=priority, rest_of=False)
 
     async def _acquire(self, keys: Sequence[BlockKey], tier: str | None, *, layer: int | None,
                        priority: Priority, rest_of: bool) -> Lease:
-        """``acquire``; ``rest_of``: these are the blocks a ``read`` left loading, and its caller computes
-        meanwhile, so it records its own stall (and the read told ``access`` already)."""
+        """``acquire``; ``rest_of``: ``load_missing``'s, whose caller records its own stall and access."""
         self._check_read(tier)
         if self.access is not None and not rest_of:
             self.access.on_acquire(keys, layer)
@@ -370,15 +367,13 @@ class TierManager:
         else:                   # every block in place: the usual read at a step's reuse
             ready, ready_keys, places = list(range(len(keys))), keys, found
         lease = Lease(tuple(ready_keys), self._residency.pin(ready_keys, places), self.tiers, self._unpin)
-        rest = None if missing is None else asyncio.ensure_future(
-            self._acquire(missing, tier, layer=layer, priority=Priority.NOW, rest_of=True))
+        rest = None if missing is None else asyncio.ensure_future(self.load_missing(missing, tier, layer=layer))
         return ready, lease, rest
 
     async def load_missing(self, keys: Sequence[BlockKey], tier: str | None = None, *,
                            layer: int | None = None) -> Lease:
         """``acquire`` of blocks a reader found in no tier read in place an instant ago (and recorded its
         hits and access for): their caller computes meanwhile and records its own stall."""
-        self._check_read(tier)
         return await self._acquire(keys, tier, layer=layer, priority=Priority.NOW, rest_of=True)
 
     def _check_read(self, tier: str | None) -> None:
