@@ -76,3 +76,30 @@ def test_a_remembered_batch_lookup_never_outlives_a_change() -> None:
     assert table.find_many(keys)[5] == -1
     table.add(keys[5], 77)
     assert table.find_many(keys)[5] == 77 and table.find_many(list(keys)).tolist() == table.find_many(keys).tolist()
+
+
+def test_keys_found_lately_stay_exact_through_removals_and_reused_ids(monkeypatch) -> None:
+    """Lookups are remembered per key (a dict beside the arrays): a key removed and its id given to
+    another key must never be found under that id again, one by one or in a batch."""
+    monkeypatch.setattr("tierkv.keytable._HOT_KEYS", 700)     # the memory fills and starts again too
+    rng = random.Random(11)
+    keys = [os.urandom(16) for _ in range(3000)]
+    table = KeyTable()
+    table.add_many(split(keys[:2000]), np.arange(2000))
+    expected = {key: i for i, key in enumerate(keys[:2000])}
+    for _ in range(6):
+        for _ in range(20):        # remember many of them, in batches of many sizes and one by one
+            batch = rng.sample(keys, rng.randrange(12, 600))
+            assert table.find_many(batch).tolist() == [expected.get(k, -1) for k in batch]
+            single = rng.choice(keys)
+            assert table.find(single) == expected.get(single, -1)
+        gone = rng.sample(sorted(expected), 300)
+        freed = [expected.pop(key) for key in gone]
+        for i in freed:
+            table.remove(i)
+        newcomers = [k for k in keys if k not in expected and k not in gone][:300]
+        for key, i in zip(newcomers, freed):      # the freed ids go to other keys at once
+            table.add(key, i)
+            expected[key] = i
+    assert table.find_many(keys).tolist() == [expected.get(k, -1) for k in keys]
+    assert [table.find(k) for k in keys] == [expected.get(k, -1) for k in keys]

@@ -26,7 +26,7 @@ took ~390. Reads of hundreds of keys (`find`, `plan_loads`, `commit`,
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import compress, repeat
 
@@ -262,8 +262,11 @@ class Directory:
 
     def arrive(self, keys: Sequence[BlockKey], name: str, done: asyncio.Future) -> None:
         """The move ``done`` brings ``keys`` into ``name`` (readers of them join it)."""
-        arriving = self._rows.arriving
-        for row in self.rows(keys).tolist():
+        arriving, rows = self._rows.arriving, self.rows(keys).tolist()
+        if arriving.keys().isdisjoint(rows):   # the usual move: nothing else arriving for these blocks
+            arriving.update(zip(rows, map(dict, repeat(((name, done),), len(rows)))))
+            return
+        for row in rows:
             arriving.setdefault(row, {})[name] = done
 
     # -- bulk changes -------------------------------------------------------------
@@ -288,13 +291,16 @@ class Directory:
         arriving is forgotten."""
         rows = self._table.find_many(keys)
         rows = rows[rows >= 0]
-        arriving = self._rows.arriving
-        for row in rows.tolist():
-            moves = arriving.get(row)
-            if moves is not None and moves.get(name) is done:
-                del moves[name]
-                if not moves:
-                    del arriving[row]
+        arriving, known = self._rows.arriving, rows.tolist()
+        moves = list(map(arriving.get, known))
+        if moves.count({name: done}) == len(moves):   # the usual move: each block arrived by this one alone
+            deque(map(arriving.__delitem__, known), maxlen=0)
+        else:
+            for row, move in zip(known, moves):
+                if move is not None and move.get(name) is done:
+                    del move[name]
+                    if not move:
+                        del arriving[row]
         self._forget_empty(rows)
 
     def remove_copies(self, keys: Sequence[BlockKey], name: str) -> list[int]:
@@ -315,6 +321,10 @@ class Directory:
 
     def unwant(self, items: Iterable[tuple[BlockKey, str]]) -> None:
         wanted, drop = self.wanted, dict.__delitem__    # (a Counter's own del runs Python code per item)
+        items = list(items)
+        if len(items) == len(wanted) and wanted.keys() == set(items) and not any(n - 1 for n in wanted.values()):
+            wanted.clear()      # the usual read: its items were the only ones, each wanted once
+            return
         for item in items:
             if (left := wanted[item] - 1) > 0:
                 wanted[item] = left

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import cached_property, partial
-from itertools import compress
+from itertools import compress, repeat
 from operator import itemgetter, not_
 
 import numpy as np
@@ -323,7 +323,7 @@ class TierManager:
             return Lease(tuple(keys), self._residency.pin(keys, found), self.tiers, self._unpin)
         if not self.directory.knows_all(keys):
             self.refresh()   # another process may have stored them
-        wanted = [(k, target) for k in keys]
+        wanted = list(zip(keys, repeat(target)))
         self.directory.want(wanted)  # blocks in (or arriving into) the target stay there until pinned
         loaded: set[BlockKey] = set()
         missing = [k for k, place in zip(keys, found) if place is None]

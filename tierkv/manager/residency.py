@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, filterfalse
 from operator import itemgetter
 
 from tierkv.keys import BlockKey
@@ -140,9 +140,10 @@ class Residency:
         groups = _by_tier(places)
         for name, (slots, _) in groups.items():
             self.tiers[name].pool.pin_many(slots)
-        if not cold and not fresh:      # the common read: every key a reuse, in one call per tier
+        if not cold:      # the common read: the keys not loaded for it are reuses, one call per tier
             for name, (_, at) in groups.items():
-                touch_all(policies[name], keys if at is None else list(compress(keys, at)))
+                mine = keys if at is None else list(compress(keys, at))
+                touch_all(policies[name], list(filterfalse(fresh.__contains__, mine)) if fresh else mine)
             return tuple(places)
         for key, (name, _) in zip(keys, places):
             if cold and (key, name) in cold:  # a guessed block's first use: no longer a guess
