@@ -266,9 +266,9 @@ def test_overlapped_decode_over_pages_on_nvme_equals_dense_attention(positions, 
     pages still loading must be kept out of the first pass, not found zero by chance."""
     import transformers
     from tinymodels import TINY
-    from tierkv.sparse import sequence
+    from tierkv.sparse import reads
     from tierkv.sparse.sequence import Loading
-    monkeypatch.setattr(sequence, "pages_buffer",
+    monkeypatch.setattr(reads, "pages_buffer",
                         lambda pages, block_bytes: torch.full((pages, block_bytes), 255, dtype=torch.uint8))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY | {"num_hidden_layers": 4}))

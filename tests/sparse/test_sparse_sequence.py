@@ -12,6 +12,7 @@ from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
 from tierkv.sparse.order import Placed, ascending, merge_slots, page_slots, token_rows
+from tierkv.sparse.reads import PageReader
 from tierkv.sparse.step import gather_context
 
 H, D = 2, 16
@@ -122,7 +123,7 @@ def test_a_split_read_lends_pages_unpinned_and_reads_them_again_pinned_if_a_slot
         chunks = torch.stack([free[[0, 3, 9]], free[[2, 3, 17]]])
         expect = [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)]
         reads: list[bool] = []
-        real_read, real_rebuild = BlockingTierManager.read, SparseSequence._rebuild
+        real_read, real_rebuild = BlockingTierManager.read, PageReader._rebuild
         monkeypatch.setattr(BlockingTierManager, "read", lambda self, *a, **kw: (
             reads.append(kw.get("pin", True)), real_read(self, *a, **kw))[1])
         got = seq.gather_split(0, chunks)
@@ -133,7 +134,7 @@ def test_a_split_read_lends_pages_unpinned_and_reads_them_again_pinned_if_a_slot
             if manager.contains(other):
                 manager.drop([other])
             return real_rebuild(self, *a, **kw)
-        monkeypatch.setattr(SparseSequence, "_rebuild", rebuild_while_a_slot_is_freed)
+        monkeypatch.setattr(PageReader, "_rebuild", rebuild_while_a_slot_is_freed)
         reads.clear()
         got = seq.gather_split(0, chunks)
         assert reads == [False, True] and got[3] is None and manager.busy_blocks() == 0

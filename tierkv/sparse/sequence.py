@@ -13,10 +13,11 @@ dense. Afterwards, whenever the window holds a page more than
 ``window_tokens``, its oldest page is sealed: keys projected on the basis,
 chunk summaries and outliers indexed, the page put into the tier manager.
 
-Reading: for chunks chosen per KV head, the pages holding them are pinned
-through the manager (pages kept from the previous step are found in place:
-ShadowKV's cross-step reuse), keys rebuilt from the factors, and each head's
-chunks gathered in token order, merged with the outliers. A page holds every
+Reading (`tierkv.sparse.reads.PageReader`): for chunks chosen per KV head,
+the pages holding them are pinned through the manager (pages kept from the
+previous step are found in place: ShadowKV's cross-step reuse), keys rebuilt
+from the factors, and each head's chunks gathered in token order, merged with
+the outliers. A page holds every
 head's tokens, so a decode step may attend more of the pages read than the
 chunks chosen (``page_chunks``; see ``SparseEngine`` and ``SparseConfig.attend``).
 ``gather_split`` returns once the pages in place are copied, and a ``Loading``
@@ -36,17 +37,16 @@ from torch import Tensor
 
 from tierkv.errors import BlockMissing
 from tierkv.keys import BlockKey
-from tierkv.manager import BlockingTierManager, Lease
-from tierkv.manager.lease import Lent
+from tierkv.manager import BlockingTierManager
 from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
 from tierkv.sparse.layer_state import LayerState
-from tierkv.sparse.lowrank import project, reconstruct
+from tierkv.sparse.lowrank import project
 from tierkv.sparse.order import Placed, ascending, merge_slots, page_set, page_slots, token_rows
 from tierkv.sparse.plan import StepPlan
-from tierkv.sparse.reads import LayerRead, Loading
-from tierkv.layout import BlockLayout, Blocks, Index
+from tierkv.sparse.reads import Loading, PageReader
+from tierkv.layout import BlockLayout
 
 if TYPE_CHECKING:
     from tierkv.sparse.restore import Origin
@@ -71,6 +71,7 @@ class SparseSequence:
         self.root = root or BlockKey.of("private-sparse", os.urandom(16))
         self.persist = persist
         self.read_tier: str | None = None
+        self.reader = PageReader(manager, layout)
         self._layer_args = (needs, dtype)
         self.layers = [self.new_layer(i) for i in range(num_layers)]
         self.stats = ReadStats()
@@ -240,7 +241,10 @@ class SparseSequence:
         M = pos.shape[1]
         read = None
         if chunks.size:
-            read = self._read(layer, chunks, at, (before, M), before + M + after, shared=shared, split=split)
+            pages, page = page_slots(chunks // (self.layout.tokens // c))
+            self._count(state, pages)
+            place = Placed(chunks, page, at, (before, M), before + M + after, c, self.layout.tokens)
+            read = self.reader.read(state, layer, pages, place, tier=self.read_tier, shared=shared, split=split)
             k, v = read.k, read.v
         else:
             dtype = k_out.dtype if ids.numel() else self.layout.dtype
@@ -255,147 +259,7 @@ class SparseSequence:
             return k, v, pos, None
         rows = np.full((H, M), -1)                                               # outliers: -1
         rows[heads, read.place.at() - before] = read.place.rows()
-        return k, v, pos, self._loading(layer, read, torch.from_numpy(rows))
-
-    def _loading(self, layer: int, read: LayerRead, rows: Tensor) -> Loading:
-        """What brings the gathered rows whose page ``read`` is still loading; ``rows`` [Hkv, M]:
-        each gathered token's row in the read's pages (-1: an outlier, never missing)."""
-        future, blocks, P = read.future, read.blocks, self.layout.tokens
-        missing = (rows >= 0) & read.loading[rows.clamp(min=0) // P]
-
-        def finish() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-            future.wait()
-            count = missing.sum(dim=1)                                            # [Hkv]
-            at = (~missing).to(torch.uint8).argsort(dim=1, stable=True)[:, :int(count.max())]   # missing first
-            valid = torch.arange(at.shape[1]) < count.unsqueeze(1)
-            row = rows.gather(1, at).clamp(min=0)
-            page, tok = row.div(P, rounding_mode="floor"), row % P
-            heads = torch.arange(at.shape[0]).unsqueeze(1)
-            keys = self._head_keys(self.layers[layer], blocks, page, tok, heads)   # [Hkv, m, D]
-            return at, valid, keys, blocks.take("values", (page, tok, heads))
-        return Loading(missing, finish, future.cancel)
-
-    def _read(self, layer: int, chunks: np.ndarray, slot: np.ndarray, span: tuple[int, int], width: int, *,
-              shared: bool = False, split: bool = False) -> LayerRead:
-        """Pin the pages of ``chunks`` [Hkv, k]; rebuild each head's keys of its chunks only, into
-        their ``slot`` [Hkv, k] of the rows ``span`` (first, count) of K and V [Hkv, width, D], c rows a
-        slot (the other rows are the caller's)::
-
-            rows[h]  = page slot * P + chunk offset in page * c + 0..c-1      [Hkv, k*c]
-            K[h]     = A[rows[h]] @ B[:, h*D:(h+1)*D]                         [Hkv, k*c, D]
-            V[h]     = values[rows[h], h]
-
-        ``shared``: every head has the same chunks; their keys come from one product A[rows] @ B.
-        Pages pinned in one extent of a host tier are read in place (only the rows wanted are
-        copied; ``_read_lease``); otherwise they are copied out first, at most half the fastest
-        tier at once. ``split``: pages not in memory are left loading (their rows zero; see
-        ``gather_split``); a read of more than half the fastest tier splits its last group only.
-        """
-        state = self.layers[layer]
-        pages, page = page_slots(chunks // (self.layout.tokens // self.config.chunk_tokens))
-        self._count(state, pages)
-        place = Placed(chunks, page, slot, span, width, self.config.chunk_tokens, self.layout.tokens)
-        keys, step = [state.pages[p] for p in pages.tolist()], self.manager.pin_group(self.read_tier)
-        if not split and len(keys) <= step:
-            return self._read_pinned(state, layer, keys, place, shared)
-        raw = pages_buffer(len(pages), self.layout.block_bytes)
-        # pinned at most half the fastest tier at once; split: the last group is left loading
-        groups = [(first, first + step) for first in range(0, len(keys), step)]
-        for first, end in groups[:-1] if split else groups:
-            self.manager.read(keys[first:end], into=raw[first:end], tier=self.read_tier, layer=layer).wait()
-        future = loading = placed = None
-        if split:
-            first = groups[-1][0]
-            hints = state.row_hints(pages, self.manager.rows) if first == 0 else None
-            for pin in (False, True):   # lent unpinned first: no hop to the manager's loop
-                future = self.manager.read(keys[first:], into=raw[first:], tier=self.read_tier, layer=layer,
-                                           lend=first == 0, pin=pin, rows=hints, packed=True)
-                if future.rows is not None and first == 0:   # where the pages' rows are: the next step's guesses
-                    state.page_rows[pages] = future.rows
-                if future.lease is None:
-                    break
-                read = self._read_lease(state, future.lease, future.extent, place, shared)
-                if read is not None:              # every page in memory, in one extent: read there
-                    return read
-            placed = None if future.placed is None else np.concatenate((np.arange(first), first + future.placed))
-            if not future.missing:
-                future = None
-        try:
-            if future is not None:
-                loading = torch.zeros(len(keys), dtype=torch.bool)
-                loading[[first + row for row in future.missing]] = True
-            blocks = Blocks(self.layout, raw, placed)        # (a packed read's rows: in place first)
-            k, v = self._rebuild(state, place, blocks, shared)
-            if loading is not None:   # the pages still loading hold whatever ``raw`` held: their rows are zeros
-                late = place.at() + np.arange(k.shape[0])[:, None] * k.shape[1]
-                late = torch.from_numpy(late[loading.numpy()[place.rows() // self.layout.tokens]])
-                k, v = k.contiguous(), v.contiguous()                     # fresh: zeroed in place, by row
-                for x in (k, v):                                          # (a broadcast masked_fill: 3x slower)
-                    x.view(-1, x.shape[-1]).index_fill_(0, late, 0)
-        except BaseException:
-            if future is not None:
-                future.cancel()
-            raise
-        return LayerRead(k, v, place, blocks, future, loading)
-
-    def _read_pinned(self, state: LayerState, layer: int, keys: list[BlockKey], place: Placed,
-                     shared: bool) -> LayerRead:
-        """``_read`` of pages pinned at once: where they all lie in one extent of a host tier, their
-        rows are taken there, no page copied whole; otherwise they are copied out first (a take
-        over several buffers, measured, cost about what the copy does)."""
-        lease = self.manager.acquire(keys, self.read_tier, layer=layer)
-        try:
-            found = lease.in_place()
-        except BaseException:
-            lease.release()
-            raise
-        return self._read_lease(state, lease, found, place, shared)
-
-    def _read_lease(self, state: LayerState, lease: Lease | Lent, found: tuple[Tensor, np.ndarray] | None,
-                    place: Placed, shared: bool) -> LayerRead | None:
-        """``_read`` of pages ``lease`` pins (or lends, ``Lent``), which it releases: ``found``
-        (``Lease.in_place``) where they lie in one extent of a host tier, to be read there. None where
-        lent pages moved while they were read (read them again, pinned)."""
-        try:
-            raw = None
-            if found is not None:
-                blocks = Blocks(self.layout, found[0], found[1])
-            else:
-                raw = pages_buffer(len(lease.keys), self.layout.block_bytes)
-                self.manager.copy_out(lease, raw)
-                blocks = Blocks(self.layout, raw)
-            read = LayerRead(*self._rebuild(state, place, blocks, shared), place, blocks, None)
-        except BaseException:
-            lease.release()
-            raise
-        return read if lease.release() else None
-
-    def _rebuild(self, state: LayerState, place: Placed, blocks: Blocks, shared: bool) -> tuple[Tensor, Tensor]:
-        """Keys and values [Hkv, width, D] of the rows ``place`` gives: every row is taken, those of
-        no chunk from the first page's first row, for the caller to write over (one indexed copy of
-        the whole buffer, none of a part and then another of the whole)."""
-        H, D = self.layout.num_kv_heads, self.layout.head_dim
-        plain = state.basis.exact and self.layout.codec is None   # a head's keys: its own columns of the factors
-        table = blocks.row_table(("factors", D), ("values", None)) if plain else None
-        if table is not None:                                     # keys and values by one row index
-            rows = torch.from_numpy(place.table_rows(blocks.ids, table.per_block, table.per_token).reshape(-1))
-            return tuple(x.index_select(0, rows).view(H, -1, D) for x in table.fields)
-        page, tok = place.sources()                                              # [Hkv, width]
-        take = blocks.take                   # decodes only these rows when pages are quantized
-        if shared and not plain:
-            factors = take("factors", (page[0], tok[0]))                       # [width, r]
-            k = reconstruct(factors, state.basis.basis, H, exact=state.basis.exact)
-            return k.transpose(0, 1).contiguous(), take("values", (page[0], tok[0])).transpose(0, 1).contiguous()
-        heads = np.arange(H)[:, None]
-        return self._head_keys(state, blocks, page, tok, heads), take("values", (page, tok, heads))
-
-    def _head_keys(self, state: LayerState, blocks: Blocks, page: Index, tok: Index, heads: Index) -> Tensor:
-        """Each KV head's keys of rows (page, tok) of ``blocks`` [Hkv, ...]: with the identity basis the
-        factors are the keys, and only the head's own columns are read; otherwise factors @ B_h."""
-        if state.basis.exact and self.layout.codec is None:
-            return blocks.take("factors", (page, tok, heads), split=self.layout.head_dim)
-        factors = blocks.take("factors", (page, tok))                            # [Hkv, ..., r]
-        return state.head_keys(factors.flatten(1, -2)).view(*factors.shape[:-1], -1)
+        return k, v, pos, self.reader.loading(state, read, torch.from_numpy(rows))
 
     def _count(self, state: LayerState, pages: np.ndarray) -> None:
         self.stats.steps += 1
@@ -438,11 +302,6 @@ class SparseSequence:
             self.manager.unprotect(keys)
         else:
             self.manager.drop(keys)
-
-
-def pages_buffer(pages: int, block_bytes: int) -> Tensor:
-    """Room for pages copied out of the tiers, uninitialised (rows of pages not copied in yet are masked)."""
-    return torch.empty(pages, block_bytes, dtype=torch.uint8)
 
 
 def joinable(x: Tensor, *parts: Tensor) -> Tensor:
