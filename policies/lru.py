@@ -48,8 +48,7 @@ class LRUPolicy:
 
     def evict(self, n: int, protected: Container[Hashable]) -> list[Hashable] | None:
         victims = first_unprotected(self._order, n, protected)
-        for key in victims or ():
-            del self._order[key]
+        deque(map(self._order.__delitem__, victims or ()), maxlen=0)   # C speed: a load evicts hundreds
         return victims
 
     def __len__(self) -> int:

@@ -15,6 +15,7 @@ from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
 from tierkv.knobs import IOKnobs
 from tierkv.tiers import nvme_aio
+from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvme_io import o_direct_supported
 
@@ -127,6 +128,24 @@ def key(i: int) -> BlockKey:
     return BlockKey.of("aio-block", i)
 
 
+def stored(tier: NvmeTier, n: int, seed: int, damaged: int, lost_from: int) -> tuple[torch.Tensor, list]:
+    """``n`` random blocks written and flushed, block ``damaged`` with one flipped byte, the file cut
+    short so that blocks in slots ``lost_from``.. are lost: (the blocks, the (key, slot, block) items)."""
+    blocks = torch.randint(0, 256, (n, BB), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    items = [(key(i), tier.pool.reserve(), blocks[i]) for i in range(n)]
+    tier.write(items)
+    for _, slot, _ in items:
+        tier.pool.commit(slot)
+    tier.flush()
+    with open(tier.directory / "slots.dat", "r+b") as f:
+        f.seek(items[damaged][1] * BB + 99)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    os.truncate(tier.directory / "slots.dat", lost_from * BB + 100)
+    return blocks, items
+
+
 @pytest.mark.parametrize("aio", ["1", "0"])
 def test_the_store_reads_by_aio_or_on_its_workers_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         aio: str) -> None:
@@ -135,18 +154,7 @@ def test_the_store_reads_by_aio_or_on_its_workers_alike(tmp_path: Path, monkeypa
     monkeypatch.setenv("TIERKV_NVME_AIO", aio)
     with NvmeTier(tmp_path / "store", BB, 64 * BB, backend="odirect") as tier:
         assert tier._io.native_reads == (aio == "1" and nvme_aio.available())
-        blocks = torch.randint(0, 256, (24, BB), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-        items = [(key(i), tier.pool.reserve(), blocks[i]) for i in range(24)]
-        tier.write(items)
-        for _, slot, _ in items:
-            tier.pool.commit(slot)
-        tier.flush()
-        with open(tmp_path / "store" / "slots.dat", "r+b") as f:   # one flipped byte: that block fails
-            f.seek(items[7][1] * BB + 99)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 1]))
-        os.truncate(tmp_path / "store" / "slots.dat", 20 * BB + 100)   # blocks in slots 20.. are lost
+        blocks, items = stored(tier, 24, seed=1, damaged=7, lost_from=20)
         rows = host_buffer(24 * BB, pinned=False).view(24, BB)
         failed = tier.read([(k, slot, rows[i]) for i, (k, slot, _) in enumerate(items)], aligned=True)
         lost = {k for k, slot, _ in items if slot >= 20} | {items[7][0]}
@@ -154,6 +162,28 @@ def test_the_store_reads_by_aio_or_on_its_workers_alike(tmp_path: Path, monkeypa
         for i, (k, _, _) in enumerate(items):
             if k not in lost:
                 assert torch.equal(rows[i], blocks[i]), i
+
+
+@pytest.mark.parametrize("aio", ["1", "0"])
+def test_reads_into_a_host_tier_by_address_fail_the_same_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                aio: str) -> None:
+    """A load into a host tier hands the store its slots' addresses at once (no request asked of each
+    buffer): a damaged block, a lost one and a key the store does not hold fail; the rest land."""
+    if not o_direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    monkeypatch.setenv("TIERKV_NVME_AIO", aio)
+    with NvmeTier(tmp_path / "store", BB, 64 * BB, backend="odirect") as tier:
+        blocks, items = stored(tier, 24, seed=2, damaged=3, lost_from=22)
+        host = CpuTier(BB, 32 * BB)
+        slots = host.pool.reserve_many(25)[::-1]                          # any order of host slots
+        asked = [(k, slot) for k, slot, _ in items] + [(key(99), 7)]      # a key the store never held
+        failed = tier.read([(k, s, view) for (k, s), view in zip(asked, host.buffers(slots))], aligned=True,
+                           addresses=host.addresses(slots))
+        lost = {k for k, slot, _ in items if slot >= 22} | {key(3), key(99)}
+        assert set(failed) == lost and len(failed) == len(lost)
+        for i, (k, _, _) in enumerate(items):
+            if k not in lost:
+                assert torch.equal(host.view(slots[i]), blocks[i]), i
 
 
 def test_a_refused_read_falls_back_to_the_workers_for_good(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import cached_property, partial
 from itertools import compress, repeat
-from operator import itemgetter, not_
+from operator import is_not, itemgetter, not_
 
 import numpy as np
 import torch
@@ -326,7 +326,7 @@ class TierManager:
         wanted = list(zip(keys, repeat(target)))
         self.directory.want(wanted)  # blocks in (or arriving into) the target stay there until pinned
         loaded: set[BlockKey] = set()
-        missing = [k for k, place in zip(keys, found) if place is None]
+        missing = list(keys) if rest_of else [k for k, place in zip(keys, found) if place is None]
         readable = self._readable(tier)
         try:
             for attempt in range(_MAX_ATTEMPTS):
@@ -360,7 +360,7 @@ class TierManager:
         found = self.directory.find(keys, self._readable(tier))
         missing = None
         if self._record_hits(found, layer):
-            here = [place is not None for place in found]
+            here = list(map(is_not, found, repeat(None)))
             ready, ready_keys, places = list(compress(range(len(keys)), here)), list(compress(keys, here)), \
                 list(compress(found, here))
             missing = list(compress(keys, map(not_, here)))

@@ -129,6 +129,9 @@ def write_store(t: Transfer, src, store) -> list[BlockKey]:
 def read_store(t: Transfer, store, dst) -> list[BlockKey]:
     views = dst.buffers(t.dst_slots)
     priority = _IO_PRIORITY.get(t.kind, URGENT)
+    if dst.device.type == "cpu" and getattr(dst, "aligned_slots", False):   # host rows: their addresses at once
+        return store.read(list(zip(t.keys, t.src_slots, views)), priority=priority, aligned=True,
+                          addresses=dst.addresses(t.dst_slots))
     if dst.device.type != "cuda" or store.backend == "kvikio":
         return store.read(list(zip(t.keys, t.src_slots, views)), priority=priority,
                           aligned=getattr(dst, "aligned_slots", False))

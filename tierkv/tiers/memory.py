@@ -120,6 +120,20 @@ class MemoryTier:
         index, offset = self._locate(slot)
         return self._extents[index].data_ptr() + offset * self.block_bytes
 
+    def addresses(self, slots: Sequence[int]) -> np.ndarray:
+        """``address`` of each slot (uint64), in a few numpy passes: a native reader's targets."""
+        at = np.asarray(slots, np.int64)
+        if not len(at):
+            return np.empty(0, np.uint64)
+        if at.min() < 0 or at.max() >= self.pool.capacity:
+            bad = int(at.min() if at.min() < 0 else at.max())
+            raise IndexError(f"slot={bad}: outside 0..{self.pool.capacity - 1} of tier {self.name}")
+        extent, offset = np.divmod(at, self.extent_slots)
+        if extent.max() >= len(self._extents):
+            self._grow(int(extent.max()))
+        bases = np.fromiter((e.data_ptr() for e in self._extents), np.uint64, len(self._extents))
+        return bases[extent] + offset.astype(np.uint64) * np.uint64(self.block_bytes)
+
     def copy_slots(self, slots: Sequence[int], dst: MemoryTier, dst_slots: Sequence[int]) -> None:
         """Copy block ``slots[i]`` into ``dst``'s ``dst_slots[i]``, host to host: one ``memmove``
         each. A torch copy per block costs ~50 us of dispatch under load; a memmove of 12 KiB ~1."""

@@ -60,6 +60,8 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import compress
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -200,25 +202,36 @@ class NvmeTier:
             self._index.put_many(digests, slots, sums)
 
     def read(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT,
-             aligned: bool = False) -> list[BlockKey]:
+             aligned: bool = False, addresses: np.ndarray | None = None) -> list[BlockKey]:
         """Read blocks into the given tensors; the keys that failed (their tensors hold garbage).
-        ``priority`` and ``aligned`` as for `write`."""
+        ``priority`` and ``aligned`` as for `write`. ``addresses``: the tensors are flat uint8 host
+        arrays (a host tier's ``buffers``) starting there, on `ALIGN` boundaries, so none is asked
+        (a native read of a sparse layer's ~500 pages then prepares no request block by block)."""
         self._check_open()
-        asked = np.fromiter((slot for _, slot, _ in items), np.int64, count=len(items))
+        keys = list(map(itemgetter(0), items))
+        asked = np.fromiter(map(itemgetter(1), items), np.int64, count=len(items))
         with self._lock:
-            found, expected = self._index.find_many([key for key, _, _ in items])
+            found, expected = self._index.find_many(keys)
         here = found == asked   # a key gone, or now in another slot, fails
-        failed: set[BlockKey] = {items[i][0] for i in np.flatnonzero(~here).tolist()}
-        kept = np.flatnonzero(here).tolist()
-        wanted = [(items[i][0], checksum) for i, checksum in zip(kept, expected[here].tolist())]
-        slots = asked[here].tolist()
-        tensors = [items[i][2] for i in kept]
-        if slots:
+        if here.all():
+            kept, tensors = None, list(map(itemgetter(2), items))
+        else:
+            kept = np.flatnonzero(here)
+            tensors = [items[i][2] for i in kept.tolist()]
+        slots, expected = asked[here].tolist(), expected[here].tolist()
+        sums: list[int | None] = []
+        if slots and addresses is not None:
+            sums = self._io.read(slots, tensors, set(), priority=priority,
+                                 addresses=addresses if kept is None else addresses[kept])
+        elif slots:
             bufs = [self._buffer(tensor) for tensor in tensors]
             misaligned = set() if aligned else self._misaligned(tensors)
             sums = self._io.read(slots, bufs, misaligned, priority=priority)
-            failed.update(key for (key, expected), got in zip(wanted, sums) if got != expected)
-        return [key for key, _, _ in items if key in failed]
+        if kept is None and sums == expected:
+            return []
+        ok = np.zeros(len(items), bool)
+        ok[np.flatnonzero(here)] = [got == want for got, want in zip(sums, expected)]
+        return list(compress(keys, (~ok).tolist()))
 
     def drop(self, key: BlockKey) -> None:
         """Forget ``key``; the caller then releases its pool slot. A block in this process's slots
