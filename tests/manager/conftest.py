@@ -38,9 +38,9 @@ class SlowTier(MemoryTier):
         time.sleep(self.delay * len(slots))
         return super().buffers(slots)
 
-    def address(self, slot: int) -> int:   # host-to-host copies find a block by its address
-        time.sleep(self.delay)
-        return super().address(slot)
+    def addresses(self, slots):   # host-to-host copies find blocks by their addresses
+        time.sleep(self.delay * len(slots))
+        return super().addresses(slots)
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ import ctypes
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -140,7 +141,7 @@ class MemoryTier:
         if self.device.type != "cpu" or dst.device.type != "cpu":
             raise ValueError(f"copy_slots is host to host; {self.name} is on {self.device}, "
                              f"{dst.name} on {dst.device}")
-        moves = [(dst.address(d), self.address(s), self.block_bytes) for s, d in zip(slots, dst_slots)]
+        moves = list(zip(dst.addresses(dst_slots).tolist(), self.addresses(slots).tolist(), repeat(self.block_bytes)))
         self._memmove_all(moves, len(moves) * self.block_bytes)
 
     def close(self) -> None:
