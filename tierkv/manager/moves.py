@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from functools import partial
+from itertools import repeat
 
 import torch
 
@@ -178,7 +179,7 @@ class Moves:
         src_slots = found.tolist()
         self.tiers[src].pool.pin_many(src_slots)
         wanted = self.directory.wanted.get    # .get: a Counter's [] calls Python code for every absent key
-        if any(wanted((k, dst)) for k in keys):
+        if any(map(wanted, zip(keys, repeat(dst)))):
             priority = Priority.NOW  # a caller started waiting while this move was prepared
         transfer = Transfer(kind, src, dst, tuple(keys), tuple(src_slots), tuple(dst_slots),
                             len(keys) * self.block_bytes, layer, cold=cold)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Hashable, Mapping, Sequence
 from itertools import compress, repeat
+from operator import not_
 
 import numpy as np
 
@@ -132,7 +133,7 @@ def split_victims(victims: Sequence[BlockKey], name: str, directory: Directory,
     holders, copies, below_has = directory.counts(victims, below)
     if not room:    # no memory below (the store is next, or the tier under is full): last copies go down
         only = ((copies == 1) & (holders > 0)).tolist() if below is not None else [False] * len(victims)
-        return list(compress(victims, only)), list(compress(victims, [not x for x in only]))
+        return list(compress(victims, only)), list(compress(victims, map(not_, only)))
     for key, held, n, has in zip(victims, holders.tolist(), copies.tolist(), below_has.tolist()):
         only_copy = n == 1 and held > 0 and below is not None
         if only_copy or (len(demote) < room and not has):
