@@ -322,7 +322,7 @@ class Directory:
     def unwant(self, items: Iterable[tuple[BlockKey, str]]) -> None:
         wanted, drop = self.wanted, dict.__delitem__    # (a Counter's own del runs Python code per item)
         items = list(items)
-        if len(items) == len(wanted) and wanted.keys() == set(items) and not any(n - 1 for n in wanted.values()):
+        if items and len(items) == len(wanted) and max(wanted.values()) == 1 and wanted.keys() == set(items):
             wanted.clear()      # the usual read: its items were the only ones, each wanted once
             return
         for item in items:
