@@ -17,11 +17,11 @@ Reading (`tierkv.sparse.reads.PageReader`): for chunks chosen per KV head,
 the pages holding them are pinned through the manager (pages kept from the
 previous step are found in place: ShadowKV's cross-step reuse), keys rebuilt
 from the factors, and each head's chunks gathered in token order, merged with
-the outliers. A page holds every
-head's tokens, so a decode step may attend more of the pages read than the
-chunks chosen (``page_chunks``; see ``SparseEngine`` and ``SparseConfig.attend``).
-``gather_split`` returns once the pages in place are copied, and a ``Loading``
-brings the rest (``SparseConfig.overlap``).
+the outliers. A page holds every head's tokens, so a decode step may attend
+more of the pages read than the chunks chosen (``page_chunks``; see
+``SparseEngine`` and ``SparseConfig.attend``). ``gather_split`` returns once
+the pages in place are copied, and a ``Loading`` brings the rest
+(``SparseConfig.overlap``).
 """
 from __future__ import annotations
 
