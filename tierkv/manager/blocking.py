@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Awaitable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from operator import itemgetter
+from itertools import compress
 from typing import Any, TypeVar
 
 import numpy as np
@@ -30,7 +30,7 @@ from tierkv.errors import BlockMissing
 from tierkv.manager.lease import Lent, lends_in_place
 from tierkv.manager.read_future import ReadFuture, packed_rows, thread_future
 from tierkv.manager.manager import Lease, TierManager
-from tierkv.manager.residency import touch_all
+from tierkv.manager.residency import by_tier, touch_all
 from tierkv.manager.remote import Recompute, hold_or_fetch
 from tierkv.tiers.base import Tier
 from tierkv.tiers.remote import RemoteStore
@@ -214,20 +214,11 @@ class BlockingTierManager:
         if not places:
             return
         at = list(range(len(places))) if rows is None else list(rows)
-        names = list(map(itemgetter(0), places))
-        if names.count(names[0]) == len(names):   # the common read: one tier, grouped in C-level passes
-            groups = {names[0]: (list(map(itemgetter(1), places)), at)}
-        else:
-            groups = {}
-            for row, (name, slot) in zip(at, places):
-                slots, into = groups.setdefault(name, ([], []))
-                slots.append(slot)
-                into.append(row)
-        for name, (slots, into) in groups.items():
+        for name, (slots, mine) in by_tier(places).items():
             if len(slots) == len(out):     # every row, in order
                 tiers[name].gather(slots, out)
             else:
-                tiers[name].gather(slots, out, into)
+                tiers[name].gather(slots, out, at if mine is None else list(compress(at, mine)))
 
     def _copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int]) -> None:
         """``copy_out``, then release the lease."""

@@ -137,7 +137,7 @@ class Residency:
         """Pin every key where ``Directory.find`` found it, and tell the policies of the use
         (``fresh``: blocks loaded for this read, just inserted: not a reuse)."""
         policies, cold = self.policies, self.directory.cold
-        groups = _by_tier(places)
+        groups = by_tier(places)
         for name, (slots, _) in groups.items():
             self.tiers[name].pool.pin_many(slots)
         if not cold:      # the common read: the keys not loaded for it are reuses, one call per tier
@@ -154,7 +154,7 @@ class Residency:
         return tuple(places)
 
     def unpin(self, places: Iterable[Place]) -> None:
-        for name, (slots, _) in _by_tier(places).items():
+        for name, (slots, _) in by_tier(places).items():
             self.tiers[name].pool.unpin_many(slots)
         self.changed.set()
 
@@ -168,7 +168,7 @@ def touch_all(policy: EvictionPolicy, keys: Sequence[BlockKey]) -> None:
             policy.touch(key)
 
 
-def _by_tier(places: Iterable[Place]) -> dict[str, tuple[list[int], list[bool] | None]]:
+def by_tier(places: Iterable[Place]) -> dict[str, tuple[list[int], list[bool] | None]]:
     """Per tier: its slots, and which of ``places`` are its (None: all of them). A read's blocks sit in
     one tier or a few, so each is picked out in C-level passes, not a Python step per block."""
     places = list(places)

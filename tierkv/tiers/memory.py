@@ -116,22 +116,12 @@ class MemoryTier:
         """Copy ``src`` (contiguous, ``len(slots) * block_bytes`` bytes) into ``slots``, block i into slots[i]."""
         self._copy_runs(slots, src, into_slots=True)
 
-    def address(self, slot: int) -> int:
-        """Where ``slot``'s bytes start (host tiers: for ``memmove``)."""
-        index, offset = self._locate(slot)
-        return self._extents[index].data_ptr() + offset * self.block_bytes
-
     def addresses(self, slots: Sequence[int]) -> np.ndarray:
-        """``address`` of each slot (uint64), in a few numpy passes: a native reader's targets."""
-        at = np.asarray(slots, np.int64)
-        if not len(at):
+        """Where each slot's bytes start (uint64), in a few numpy passes: what ``memmove`` and a native
+        reader write to."""
+        if not len(slots):
             return np.empty(0, np.uint64)
-        if at.min() < 0 or at.max() >= self.pool.capacity:
-            bad = int(at.min() if at.min() < 0 else at.max())
-            raise IndexError(f"slot={bad}: outside 0..{self.pool.capacity - 1} of tier {self.name}")
-        extent, offset = np.divmod(at, self.extent_slots)
-        if extent.max() >= len(self._extents):
-            self._grow(int(extent.max()))
+        extent, offset = self._locate_many(slots)
         bases = np.fromiter((e.data_ptr() for e in self._extents), np.uint64, len(self._extents))
         return bases[extent] + offset.astype(np.uint64) * np.uint64(self.block_bytes)
 
@@ -160,6 +150,17 @@ class MemoryTier:
         if index >= len(self._extents):
             self._grow(index)
         return index, offset
+
+    def _locate_many(self, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``_locate`` of each of ``slots`` (not empty): their extents and offsets, in numpy passes."""
+        at = np.asarray(slots, dtype=np.int64)
+        if at.min() < 0 or at.max() >= self.pool.capacity:
+            bad = int(at.min() if at.min() < 0 else at.max())
+            raise IndexError(f"slot={bad}: outside 0..{self.pool.capacity - 1} of tier {self.name}")
+        extent, offset = np.divmod(at, self.extent_slots)
+        if extent.max() >= len(self._extents):
+            self._grow(int(extent.max()))
+        return extent, offset
 
     def _runs(self, slots: Sequence[int], rows: Sequence[int]) -> list[tuple[int, int, int, int]]:
         """``(row, extent, offset, count)`` per run of adjacent slots within one extent going to
@@ -205,17 +206,11 @@ class MemoryTier:
         """Host to host for small blocks (sparse pages): one indexed copy per extent, no Python per
         block. Pages read at random rarely sit in adjacent slots, and a memmove per 12 KiB page
         costs several times the copy (4.0 against 0.9 ms for a layer's 526 pages)."""
-        at = np.asarray(slots, dtype=np.int64)
-        if at.min() < 0 or at.max() >= self.pool.capacity:
-            bad = int(at.min() if at.min() < 0 else at.max())
-            raise IndexError(f"slot={bad}: outside 0..{self.pool.capacity - 1} of tier {self.name}")
-        extent, offset = np.divmod(at, self.extent_slots)
+        extent, offset = self._locate_many(slots)
         top = int(extent.max())
-        if top >= len(self._extents):
-            self._grow(top)
         rows_of = flat.view(-1).view(torch.uint8).view(-1, self.block_bytes)
         blocks = rows_of.numpy()
-        targets = np.arange(len(at)) if rows is None else np.asarray(rows, dtype=np.int64)
+        targets = np.arange(len(offset)) if rows is None else np.asarray(rows, dtype=np.int64)
         for index in np.unique(extent).tolist():
             mine = np.flatnonzero(extent == index) if top else slice(None)
             dst, src = targets[mine], offset[mine]
