@@ -10,7 +10,7 @@ keys)::
     directory  key table: key 16 B, live flag, hash cells     \\
                rows: holders, layer, index, generation,        > the manager's bookkeeping
                slot per tier, the store's LRU stamp            /  (target: 64 B a block)
-    pools      each tier's slot states and pins               /
+    pools      slot states and pins (memory tiers: generations)/
     journal    the store's own index: key table and checksum by slot
 
 Blocks are 4 KiB (the bookkeeping does not depend on their size); the write is
@@ -79,12 +79,12 @@ def measure(path: Path, n: int, report: Report) -> None:
             raise RuntimeError(f"the reopened store holds {len(directory)} blocks, {n} were written")
         parts = {
             **{f"directory: {part}": nbytes for part, nbytes in directory.nbytes_parts().items()},
-            "pools: states and pins": sum(pool.nbytes() for pool in pools),
+            "pools: states and pins (memory tiers: generations)": sum(pool.nbytes() for pool in pools),
             "journal index (the store's)": store.index_nbytes(),
         }
         for part, nbytes in parts.items():
             report.add_row(part, "bytes a block", round(nbytes / n, 2), "B")
-        manager_bytes = directory.nbytes() + parts["pools: states and pins"]
+        manager_bytes = directory.nbytes() + parts["pools: states and pins (memory tiers: generations)"]
         report.add_row("manager: directory + pools", "bytes a block", round(manager_bytes / n, 2), "B")
         report.add_row("all, with the journal index", "bytes a block",
                        round((manager_bytes + parts["journal index (the store's)"]) / n, 2), "B")

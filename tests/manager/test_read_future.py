@@ -296,6 +296,77 @@ def test_packed_reads_unpinned_beside_evictions_give_the_blocks_asked_for(tmp_pa
         assert_quiescent(mgr.manager)
 
 
+class HookedGpu(GpuTier):
+    """A gpu tier that calls ``before_gather()`` (when set) as a caller starts copying blocks out."""
+
+    before_gather = None
+
+    def gather(self, slots, out, rows=None):
+        if self.before_gather is not None:
+            self.before_gather()
+        super().gather(slots, out, rows)
+
+
+def hooked(path, knobs) -> tuple[BlockingTierManager, HookedGpu, list]:
+    """A gpu tier of 4 slots holding blocks 0..3 (0, 1 the oldest), 4..7 in the cpu tier."""
+    gpu = HookedGpu(BLOCK, 4 * BLOCK)
+    mgr = BlockingTierManager(TierManager([gpu, CpuTier(BLOCK, 8 * BLOCK), NvmeTier(path, BLOCK, 64 * BLOCK)],
+                                          knobs=knobs))
+    keys = [key(i) for i in range(8)]
+    for i, k in enumerate(keys):
+        mgr.put(k, block(i))
+    assert [mgr.where(k)[0] for k in keys] == ["gpu"] * 4 + ["cpu"] * 4
+    return mgr, gpu, keys
+
+
+def wait_until(done) -> None:
+    deadline = time.monotonic() + 10
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert done()
+
+
+def test_an_unpinned_read_s_own_load_starts_first_and_evicts_other_blocks_than_it_copies(tmp_path, knobs):
+    """A packed read unpinned sends its load before it copies; the load's evictions (free slots of the
+    very tier copied from) leave the copy standing: its blocks are touched first, so others go, and
+    only the slots copied from are checked."""
+    mgr, gpu, keys = hooked(tmp_path / "s", knobs)
+    with mgr:
+        asked = [keys[0], keys[1], keys[4], keys[5]]                   # 0, 1 in the gpu tier, the oldest; 4, 5 load
+        # the copy waits for the load to land: it evicted blocks of the tier meanwhile (2 and 3)
+        gpu.before_gather = lambda: wait_until(lambda: mgr.where(keys[4])[0] == mgr.where(keys[5])[0] == "gpu")
+        out = torch.zeros(len(asked), BLOCK, dtype=torch.uint8)
+        future = mgr.read(asked, into=out, pin=False, packed=True, tier="gpu")
+        gpu.before_gather = None
+        assert future.rows is not None and future.missing == [2, 3]    # the unpinned read, not the pinned one
+        assert [mgr.where(k)[0] for k in keys[2:4]] == ["cpu", "cpu"]   # what the load evicted
+        future.wait()
+        assert all(torch.equal(out[row], block(i)) for row, i in zip(future.placed.tolist(), (0, 1, 4, 5)))
+        mgr.contains(keys[0])
+        assert_quiescent(mgr.manager)
+
+
+def test_a_block_evicted_while_it_is_copied_unpinned_is_read_again_pinned(tmp_path, knobs):
+    """A packed read unpinned whose blocks are evicted and their slots given to others while it copies
+    them (its checks of the slots' generations) reads them again, pinned: every row is its block."""
+    mgr, gpu, keys = hooked(tmp_path / "s", knobs)
+    with mgr:
+        asked = [keys[2], keys[3], keys[4]]                            # 2, 3 in the gpu tier; 4 loads
+
+        def evict() -> None:                        # three other blocks take every slot the load leaves
+            gpu.before_gather = None
+            mgr.acquire([keys[5], keys[6], keys[7]], tier="gpu").release()
+        gpu.before_gather = evict
+        out = torch.zeros(len(asked), BLOCK, dtype=torch.uint8)
+        future = mgr.read(asked, into=out, pin=False, packed=True, tier="gpu")
+        assert future.rows is None                                     # the pinned read
+        future.wait()
+        rows = range(len(asked)) if future.placed is None else future.placed.tolist()
+        assert all(torch.equal(out[row], block(i)) for row, i in zip(rows, (2, 3, 4)))
+        mgr.contains(keys[0])
+        assert_quiescent(mgr.manager)
+
+
 def test_row_guesses_are_checked_against_the_keys_and_a_wrong_one_is_looked_up(tmp_path, knobs):
     """``read(..., rows=)``: each key's directory row as an earlier read found it spares the lookup; a
     guess that names another key's row (shuffled, stale after a row was reused), no row or one past the

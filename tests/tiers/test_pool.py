@@ -114,3 +114,22 @@ def test_a_huge_pool_costs_only_the_slots_it_has_used():
         assert tracemalloc.get_traced_memory()[1] < 64 * 1024
     finally:
         tracemalloc.stop()
+
+
+def test_generations_count_the_frees_of_each_slot_alone():
+    """A memory tier's pool counts each slot's frees (what an unpinned reader checks), even across the
+    arrays' growth and a failed release; a pool without them keeps nothing for it."""
+    pool = BlockPool(10_000, generations=True)
+    pool.commit_many(pool.reserve_many(5))
+    pool.release_many([1, 3])
+    assert pool.generations[:5].tolist() == [0, 1, 0, 1, 0]
+    pool.pin(4)
+    with pytest.raises(ValueError, match="still pinned"):
+        pool.release_many([0, 4])                          # refused whole: no generation moves
+    pool.commit_many(pool.reserve_many(5000))              # slots 1, 3 again, and the arrays grow
+    pool.release_many([3, 4999])
+    assert pool.generations[[0, 1, 3, 4999]].tolist() == [0, 1, 2, 1] and pool.nbytes() >= 9 * 5000
+    plain = BlockPool(10_000)
+    plain.commit_many(plain.reserve_many(5000))
+    plain.release_many([3])
+    assert plain.generations is None and plain.nbytes() < 9 * 5000

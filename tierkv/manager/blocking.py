@@ -105,9 +105,9 @@ class BlockingTierManager:
         ``pin=False``: the blocks are found on this thread, with no hop and no pin. With ``lend``,
         where every block lies in one extent of the first tier read in place, they are lent as a
         ``Lent``, whose ``release()`` says whether they stayed put while they were read (False: read
-        again, pinned). With ``packed``, where some are in no tier read in place, the others are copied
-        here, checked as a ``Lent`` is (moved meanwhile: the pinned read instead), and the missing ones
-        start loading in a hop this thread does not wait for. Otherwise, or while an access hook records
+        again, pinned). With ``packed``, where some are in no tier read in place, those start loading in a
+        hop this thread does not wait for, and the others are copied here meanwhile, each checked by its
+        slot's generation (freed meanwhile: the pinned read instead). Otherwise, or while an access hook records
         the reads, it is the pinned read. ``rows``: each key's directory row as an earlier such read
         found it (``ReadFuture.rows``; -1: not known), a guess checked against the keys that spares
         their lookup."""
@@ -179,9 +179,16 @@ class BlockingTierManager:
     def _copy_unpinned(self, keys: Sequence[BlockKey], into: torch.Tensor, tier: str | None, layer: int | None,
                        rows: np.ndarray, names: list[str], found: list[np.ndarray],
                        epochs: list[int]) -> ReadFuture | None:
-        """The packed read of ``_read_unpinned`` where not every block is in the first tier: each block is
-        copied from the first of ``names`` holding it (``found``: its slot in each), and those none holds
-        start loading; None where none is missing (the pinned read copies those) or a slot was freed."""
+        """The packed read of ``_read_unpinned`` where not every block is in the first tier: the blocks
+        none holds start loading, then each other block is copied from the first of ``names`` holding it
+        (``found``: its slot in each); None where none is missing (the pinned read copies those) or a
+        slot was freed.
+
+        The load goes first, so its preparation on the loop overlaps the copies here. Its evictions
+        free slots of the tiers copied from, so the copies are checked by their own slots'
+        ``generations``, noted before it is sent (and at the lookup's epochs: nothing freed between);
+        the blocks copied are touched before it, so their policies keep them.
+        """
         mgr = self.manager
         where = np.full(len(keys), -1)
         for i, slots in reversed(list(enumerate(found))):   # the first tier holding a block wins
@@ -192,19 +199,29 @@ class BlockingTierManager:
         order = np.argsort(where, kind="stable")            # missing (-1) first, then a run per tier
         placed = np.empty(len(keys), np.int64)
         placed[np.concatenate((order[len(missing):], order[:len(missing)]))] = np.arange(len(keys))
-        copied = [(i, mine) for i in range(len(names)) if len(mine := np.flatnonzero(where == i))]
-        for i, mine in copied:
-            mgr.tiers[names[i]].gather(found[i][mine].tolist(), into, placed[mine].tolist())
-        if any(mgr.tiers[names[i]].pool.epoch != epochs[i] for i, _ in copied):
-            return None     # a slot was freed meanwhile: what was copied may be another block's
-        for i, mine in copied:
-            self._used.append((names[i], [keys[j] for j in mine.tolist()]))   # their policies hear of it on the loop
-            mgr.record_hits(names[i], len(mine), layer)
+        copied = [(i, mine, found[i][mine]) for i in range(len(names)) if len(mine := np.flatnonzero(where == i))]
+        pools = [mgr.tiers[names[i]].pool for i, _, _ in copied]
+        noted = [pool.generations[slots] for pool, (_, _, slots) in zip(pools, copied)]
+        if any(mgr.tiers[names[i]].pool.epoch != epochs[i] for i, _, _ in copied):
+            return None     # a slot was freed since the lookup: it may hold another block now
+        for i, mine, _ in copied:
+            self._used.append((names[i], [keys[j] for j in mine.tolist()]))   # touched before the load's evictions
         loading = [keys[j] for j in missing.tolist()]
         pending = asyncio.run_coroutine_threadsafe(self._after_releases(mgr.load_missing(loading, tier, layer=layer)),
                                                    self._loop)
         future = ReadFuture(self, into, np.flatnonzero(where >= 0).tolist(), missing.tolist(), pending, tier, layer)
         future.placed, future.rows = placed, rows
+        try:
+            for i, mine, slots in copied:
+                mgr.tiers[names[i]].gather(slots.tolist(), into, placed[mine].tolist())
+        except BaseException:
+            future.cancel()
+            raise
+        if any((pool.generations[slots] != gens).any() for pool, (_, _, slots), gens in zip(pools, copied, noted)):
+            future.cancel()
+            return None     # a slot copied from was freed meanwhile: what was copied may be another block's
+        for i, mine, _ in copied:
+            mgr.record_hits(names[i], len(mine), layer)
         return future
 
     def copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int] | None = None) -> None:

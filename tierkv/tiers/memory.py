@@ -58,7 +58,7 @@ class MemoryTier:
         self.device = device
         self.block_bytes = block_bytes
         self.pinned = pinned
-        self.pool = BlockPool(budget // block_bytes)
+        self.pool = BlockPool(budget // block_bytes, generations=True)   # read unpinned: see `BlockPool`
         extent_bytes = EXTENT_BYTES if device.type == "cpu" and not (pinned and has_cuda()) else PINNED_EXTENT_BYTES
         self.extent_slots = max(1, min(self.pool.capacity, extent_bytes // block_bytes))
         self._extents: list[torch.Tensor] = []  # each [slots, block_bytes] uint8

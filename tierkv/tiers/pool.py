@@ -8,7 +8,7 @@ reused::
                            +------release()-------+-> FREE  (a transfer failed)
 
 The pool holds no bytes, does no I/O and knows no policy. States and pin
-counts live in two arrays (5 bytes a slot) that grow to the highest slot in use,
+counts live in two arrays (5 bytes a slot; 9 with generations) that grow to the highest slot in use,
 so a pool of millions of slots costs nothing up front, and the load path's
 batch calls check and change hundreds of slots in a few vectorised passes.
 Lowest free slot first: files and arenas stay compact.
@@ -36,9 +36,10 @@ _GROW = 4096                                                       # slots the a
 
 
 class BlockPool:
-    """Slot bookkeeping for ``capacity`` fixed-size slots."""
+    """Slot bookkeeping for ``capacity`` fixed-size slots; ``generations``: a count a slot of the times
+    it was freed, for readers that copy blocks out unpinned (a memory tier's)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, *, generations: bool = False) -> None:
         if capacity < 0:
             raise ValueError(f"capacity={capacity}: must be >= 0")
         self.capacity = capacity
@@ -46,13 +47,14 @@ class BlockPool:
         self._pins = np.zeros(0, np.int32)    # per slot below len: readers holding it
         self._used = 0                        # slots not FREE
         self.epoch = 0                        # bumped before any slot is freed (see `release_many`)
+        self.generations = np.zeros(0, np.uint32) if generations else None   # bumped before a slot is freed
         self._freed: list[int] = []           # heap of released slots below _next
         self._next = 0                        # slots >= _next were never used
 
     # -- queries ---------------------------------------------------------
     def nbytes(self) -> int:
-        """The bytes of the slot arrays (a state and a pin count a slot used so far)."""
-        return self._state.nbytes + self._pins.nbytes
+        """The bytes of the slot arrays (a state, a pin count and, where kept, a generation a slot used so far)."""
+        return self._state.nbytes + self._pins.nbytes + (0 if self.generations is None else self.generations.nbytes)
 
     def state(self, slot: int) -> SlotState:
         return _STATES[self._state.item(slot)] if 0 <= slot < len(self._state) else SlotState.FREE
@@ -153,9 +155,11 @@ class BlockPool:
 
     def release_many(self, slots: Sequence[int]) -> None:
         """Free every slot of ``slots``, each checked (in use, unpinned, named once) before any is.
-        ``epoch`` goes up before any is freed: a block is only ever written into a free slot, so a
-        reader that looked slots up at one epoch and reads the same epoch after reading them read
-        what was there at the lookup (`tierkv.manager.lease.Lent`)."""
+        ``epoch`` and the slots' ``generations`` (where kept) go up before any is freed: a block is
+        only ever written into a free slot, so a reader that looked slots up at one epoch and reads
+        the same epoch after reading them read what was there at the lookup
+        (`tierkv.manager.lease.Lent`); one that noted their generations before reading and finds
+        them unchanged after, the same of those slots alone, whatever else was freed meanwhile."""
         at = np.array(slots, np.int64)
         if len(at) == 0:
             return
@@ -169,6 +173,8 @@ class BlockPool:
                     raise ValueError(f"slot={slot}: still pinned {self.pins(slot)} time(s)")
                 seen.add(slot)
         self.epoch += 1    # first: a reader that found blocks here without pinning them sees it after
+        if self.generations is not None:
+            self.generations[at] += 1
         self._state[at] = FREE
         self._used -= len(at)
         self._released(at)
@@ -208,6 +214,8 @@ class BlockPool:
         grown = min(self.capacity, max(top + 1, 2 * size, _GROW))
         self._state = np.concatenate([self._state, np.zeros(grown - size, np.int8)])
         self._pins = np.concatenate([self._pins, np.zeros(grown - size, np.int32)])
+        if self.generations is not None:
+            self.generations = np.concatenate([self.generations, np.zeros(grown - size, np.uint32)])
 
     def _inside(self, slots: Sequence[int]) -> np.ndarray:
         at = np.array(slots, np.int64)
