@@ -105,12 +105,12 @@ class BlockingTierManager:
         ``pin=False``: the blocks are found on this thread, with no hop and no pin. With ``lend``,
         where every block lies in one extent of the first tier read in place, they are lent as a
         ``Lent``, whose ``release()`` says whether they stayed put while they were read (False: read
-        again, pinned). With ``packed``, where some are in no tier read in place, those start loading in a
-        hop this thread does not wait for, and the others are copied here meanwhile, each checked by its
-        slot's generation (freed meanwhile: the pinned read instead). Otherwise, or while an access hook records
-        the reads, it is the pinned read. ``rows``: each key's directory row as an earlier such read
-        found it (``ReadFuture.rows``; -1: not known), a guess checked against the keys that spares
-        their lookup."""
+        again, pinned). With ``packed``, where some are in no tier read in place, those start loading
+        in a hop this thread does not wait for, and the others are copied here meanwhile, each checked
+        by its slot's generation (freed meanwhile: the pinned read instead). Otherwise, or while an
+        access hook records the reads, it is the pinned read. ``rows``: each key's directory row as an
+        earlier such read found it (``ReadFuture.rows``; -1: not known), a guess checked against the
+        keys that spares their lookup."""
         if not pin and (lend or packed):
             future = self._read_unpinned(keys, into, tier, layer, rows, lend=lend, packed=packed)
             if future is not None:

@@ -8,9 +8,10 @@ reused::
                            +------release()-------+-> FREE  (a transfer failed)
 
 The pool holds no bytes, does no I/O and knows no policy. States and pin
-counts live in two arrays (5 bytes a slot; 9 with generations) that grow to the highest slot in use,
-so a pool of millions of slots costs nothing up front, and the load path's
-batch calls check and change hundreds of slots in a few vectorised passes.
+counts live in two arrays (5 bytes a slot; a memory tier's also counts each
+slot's frees, 4 more) that grow to the highest slot in use, so a pool of
+millions of slots costs nothing up front, and the load path's batch calls
+check and change hundreds of slots in a few vectorised passes.
 Lowest free slot first: files and arenas stay compact.
 """
 from __future__ import annotations
@@ -53,8 +54,10 @@ class BlockPool:
 
     # -- queries ---------------------------------------------------------
     def nbytes(self) -> int:
-        """The bytes of the slot arrays (a state, a pin count and, where kept, a generation a slot used so far)."""
-        return self._state.nbytes + self._pins.nbytes + (0 if self.generations is None else self.generations.nbytes)
+        """The bytes of the slot arrays (a state, a pin count and, where kept, a generation a slot used
+        so far)."""
+        generations = 0 if self.generations is None else self.generations.nbytes
+        return self._state.nbytes + self._pins.nbytes + generations
 
     def state(self, slot: int) -> SlotState:
         return _STATES[self._state.item(slot)] if 0 <= slot < len(self._state) else SlotState.FREE
