@@ -81,9 +81,9 @@ def top_landmark_chunks(query: Tensor, landmarks: Tensor, k: int, candidates: Te
     wide = rough.float()                                                   # [Hkv, C, rows]
 
     def row(g: int) -> Tensor:                           # query row g's scores, its bf16 head's and tail's summed
-        return wide[..., g] + wide[..., G + g] if split else wide[..., g].clone()
-    scores = row(0)         # the max over the group, a column at a time (amax over the last dimension: 2x slower)
-    for g in range(1, G):
+        return wide[..., g] + wide[..., G + g] if split else wide[..., g]
+    scores = row(0) if split else row(0).clone()   # the max over the group, a column at a time (amax over
+    for g in range(1, G):                          # the last dimension: 2x slower)
         torch.maximum(scores, row(g), out=scores)                          # [Hkv, C]
     # |scores - exact| <= u |scores| + c (see the docstring); exact: float32 products summed in any order
     u = 2.0 ** -8 * 1.02

@@ -346,25 +346,53 @@ def test_an_unpinned_read_s_own_load_starts_first_and_evicts_other_blocks_than_i
         assert_quiescent(mgr.manager)
 
 
+def read_2_3_4_pinned_again(mgr: BlockingTierManager, keys: list) -> None:
+    """Read blocks 2, 3 (in the gpu tier of ``hooked``) and 4 (to load) unpinned, where something evicts 2
+    and 3 on the way: the read is the pinned one, and every row is its block."""
+    asked = [keys[2], keys[3], keys[4]]
+    out = torch.zeros(len(asked), BLOCK, dtype=torch.uint8)
+    future = mgr.read(asked, into=out, pin=False, packed=True, tier="gpu")
+    assert future.rows is None                                     # the pinned read
+    future.wait()
+    rows = range(len(asked)) if future.placed is None else future.placed.tolist()
+    assert all(torch.equal(out[row], block(i)) for row, i in zip(rows, (2, 3, 4)))
+    mgr.contains(keys[0])
+    assert_quiescent(mgr.manager)
+
+
+def evict_2_and_3(mgr: BlockingTierManager, keys: list) -> None:
+    """Three other blocks take every slot of ``hooked``'s gpu tier that a load of block 4 leaves."""
+    mgr.acquire([keys[5], keys[6], keys[7]], tier="gpu").release()
+
+
 def test_a_block_evicted_while_it_is_copied_unpinned_is_read_again_pinned(tmp_path, knobs):
     """A packed read unpinned whose blocks are evicted and their slots given to others while it copies
     them (its checks of the slots' generations) reads them again, pinned: every row is its block."""
     mgr, gpu, keys = hooked(tmp_path / "s", knobs)
     with mgr:
-        asked = [keys[2], keys[3], keys[4]]                            # 2, 3 in the gpu tier; 4 loads
-
-        def evict() -> None:                        # three other blocks take every slot the load leaves
+        def evict() -> None:
             gpu.before_gather = None
-            mgr.acquire([keys[5], keys[6], keys[7]], tier="gpu").release()
+            evict_2_and_3(mgr, keys)
         gpu.before_gather = evict
-        out = torch.zeros(len(asked), BLOCK, dtype=torch.uint8)
-        future = mgr.read(asked, into=out, pin=False, packed=True, tier="gpu")
-        assert future.rows is None                                     # the pinned read
-        future.wait()
-        rows = range(len(asked)) if future.placed is None else future.placed.tolist()
-        assert all(torch.equal(out[row], block(i)) for row, i in zip(rows, (2, 3, 4)))
-        mgr.contains(keys[0])
-        assert_quiescent(mgr.manager)
+        read_2_3_4_pinned_again(mgr, keys)
+
+
+def test_blocks_evicted_between_the_lookup_and_the_noting_of_their_generations_are_read_pinned(tmp_path, knobs):
+    """Blocks evicted, and their slots given to others, right after an unpinned read looked them up and
+    before it noted their slots' generations (which then count the new blocks): the pool's epoch since
+    the lookup says so, and the read is the pinned one."""
+    mgr, _, keys = hooked(tmp_path / "s", knobs)
+    with mgr:
+        directory, lookup = mgr.manager.directory, mgr.manager.directory.slots_and_rows
+
+        def looked_up(*args, **kw):
+            found = lookup(*args, **kw)
+            directory.slots_and_rows = lookup
+            evict_2_and_3(mgr, keys)
+            return found
+        directory.slots_and_rows = looked_up
+        read_2_3_4_pinned_again(mgr, keys)
+        assert directory.slots_and_rows is lookup                      # the lookup was made once
 
 
 def test_row_guesses_are_checked_against_the_keys_and_a_wrong_one_is_looked_up(tmp_path, knobs):

@@ -201,8 +201,10 @@ class BlockingTierManager:
         placed[np.concatenate((order[len(missing):], order[:len(missing)]))] = np.arange(len(keys))
         copied = [(i, mine, found[i][mine]) for i in range(len(names)) if len(mine := np.flatnonzero(where == i))]
         pools = [mgr.tiers[names[i]].pool for i, _, _ in copied]
+        if any(pool.generations is None for pool in pools):
+            return None     # a tier whose pool counts no frees: the pinned read
         noted = [pool.generations[slots] for pool, (_, _, slots) in zip(pools, copied)]
-        if any(mgr.tiers[names[i]].pool.epoch != epochs[i] for i, _, _ in copied):
+        if any(pool.epoch != epochs[i] for pool, (i, _, _) in zip(pools, copied)):
             return None     # a slot was freed since the lookup: it may hold another block now
         for i, mine, _ in copied:
             self._used.append((names[i], [keys[j] for j in mine.tolist()]))   # touched before the load's evictions
@@ -210,8 +212,8 @@ class BlockingTierManager:
         pending = asyncio.run_coroutine_threadsafe(self._after_releases(mgr.load_missing(loading, tier, layer=layer)),
                                                    self._loop)
         future = ReadFuture(self, into, np.flatnonzero(where >= 0).tolist(), missing.tolist(), pending, tier, layer)
-        future.placed, future.rows = placed, rows
         try:
+            future.placed, future.rows = placed, rows
             for i, mine, slots in copied:
                 mgr.tiers[names[i]].gather(slots.tolist(), into, placed[mine].tolist())
         except BaseException:

@@ -161,8 +161,8 @@ class BlockPool:
         ``epoch`` and the slots' ``generations`` (where kept) go up before any is freed: a block is
         only ever written into a free slot, so a reader that looked slots up at one epoch and reads
         the same epoch after reading them read what was there at the lookup
-        (`tierkv.manager.lease.Lent`); one that noted their generations before reading and finds
-        them unchanged after, the same of those slots alone, whatever else was freed meanwhile."""
+        (`tierkv.manager.lease.Lent`); one that noted their generations at that epoch and finds them
+        unchanged after reading, the same of those slots alone, whatever else was freed meanwhile."""
         at = np.array(slots, np.int64)
         if len(at) == 0:
             return
