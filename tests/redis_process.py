@@ -26,6 +26,7 @@ class RedisServer:
         self.binary, self.directory, self.password, self.maxmemory = binary, directory, password, maxmemory
         self.port = free_port()
         self.process: subprocess.Popen | None = None
+        self.started = False
 
     @property
     def url(self) -> str:
@@ -33,23 +34,40 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(self.directory), "--daemonize", "no"]
+        """Start it and wait until it answers. A first start whose port another process took meanwhile
+        (tests run in parallel) moves to a new free port; a restart keeps the port its clients know."""
+        args = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.directory),
+                "--daemonize", "no"]
         if self.password:
             args += ["--requirepass", self.password]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(5):
+            self.process = subprocess.Popen([self.binary, "--port", str(self.port), *args],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if self._answers():
+                self.started = True
+                return self
+            if self.process.poll() is None:
+                break                          # alive but silent for 10 s
+            if not self.started:
+                self.port = free_port()        # it exited: its port was taken
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def _answers(self) -> bool:
+        """Whether this process, not another on its port, answers within 10 s (its ``process_id``)."""
+        import redis
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64):
-                        return self
-            except OSError:
+                with redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                                 socket_timeout=0.5, socket_connect_timeout=0.2) as client:
+                    return client.info("server")["process_id"] == self.process.pid
+            except redis.RedisError:
                 time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        return False
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -2,6 +2,7 @@
 import asyncio
 import time
 
+import pytest
 import torch
 
 from tierkv.config import TierConfig
@@ -68,6 +69,7 @@ async def test_pool_instead_of_cpu_with_prefetch(tmp_path, knobs):
         link_matches_moves(m)
 
 
+@pytest.mark.serial
 async def test_a_load_from_the_pool_costs_the_modelled_time(tmp_path):
     slow = dict(cxl_read_gbps=0.004, cxl_write_gbps=1.0, cxl_latency_ns=1e6)   # 4 MB/s, 1 ms
     cfg = config(tmp_path, gpu=0, cpu=32 * BLOCK, cxl=32 * BLOCK, **slow)

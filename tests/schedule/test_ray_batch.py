@@ -14,7 +14,7 @@ import pytest
 
 from tierkv.schedule.job import JobConfig, run_job
 
-pytestmark = [pytest.mark.model, pytest.mark.slow]
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.xdist_group("ray")]   # one cluster at a time
 TEXTS = {"a.txt": "The cat sat on the mat. It was warm and the cat was happy to be there all day.",
          "b.txt": "Rain fell on the city for three days. The river rose and the bridges were closed.",
          "c.txt": "A new library opened downtown with ten thousand books and a reading garden.",

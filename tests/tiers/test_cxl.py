@@ -17,6 +17,7 @@ MiB = 1024**2
 BB = 1 * MiB
 # A slow link, so that a transfer of a few MiB lasts long next to timer and scheduler noise.
 SLOW = LinkSpec(read_gbps=0.1, write_gbps=0.2, latency_ns=2e6)   # 2 ms load-to-use latency
+pytestmark = pytest.mark.serial                                    # its links time real waits
 SLACK_S = 0.1                                                       # a loaded 2-core machine (load 3-6)
 
 

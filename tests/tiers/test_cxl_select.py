@@ -81,6 +81,7 @@ def test_only_new_rows_queries_and_ids_cross_the_link():
     assert selector.stats["selections"] == 3 and selector.stats["mirrored_bytes"] == 1000 * 1024 + 125
 
 
+@pytest.mark.serial
 def test_a_selection_costs_the_modelled_time_and_commands_queue():
     slow = PnmSpec(scan_gbps=0.5, tflops=1.0, select_gcmps=100.0, launch_us=1000.0)
     processor = NearMemoryProcessor(LinkSpec(50.0, 50.0, 0.0), slow, recorder=EventRecorder())

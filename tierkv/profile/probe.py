@@ -246,6 +246,6 @@ def _read_cache(path: Path) -> dict[str, dict[str, object]]:
 
 def _write_cache(path: Path, results: dict[str, dict[str, object]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")     # two processes probing at once write apart
     tmp.write_text(json.dumps({"version": VERSION, "results": results}, indent=2))
     os.replace(tmp, path)
