@@ -36,7 +36,7 @@ demo: $(STAMP)
 
 # The remote-tier tests start real redis-server processes (the Debian package), installed here when absent.
 # Two pytest workers: most of the suite's time is one thread's (imports, model loads, subprocesses, the
-# manager's loop), so two of them share two cores (7-8.5 minutes against 12.3 in one process there).
+# manager's loop), so two of them share two cores (6-8.5 minutes against 12.3 in one process there).
 # The tests marked serial time real waits against a model and run alone after the rest; the two local
 # Ray clusters share one worker (their xdist group).
 test: $(STAMP)
