@@ -19,6 +19,7 @@ TIERKV_CACHE_DIR           ~/.cache/tierkv  converted models (GGUF -> safetensor
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import sys
 from pathlib import Path
@@ -121,3 +122,21 @@ def cache_dir() -> Path:
     """Where tierkv keeps what it can rebuild: converted models, probe and calibration results,
     chat history (``TIERKV_CACHE_DIR``, default ~/.cache/tierkv)."""
     return Path(os.environ.get("TIERKV_CACHE_DIR") or Path.home() / ".cache" / "tierkv").expanduser()
+
+
+def read_cache(path: Path) -> dict:
+    """The JSON object cached at ``path``; {} where there is none or it is damaged (it is rebuilt)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_cache(path: Path, data: dict) -> None:
+    """``data`` as JSON to ``path``, through a temporary file of this process renamed into place: two
+    processes writing one cache at once leave one whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)

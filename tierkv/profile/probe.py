@@ -18,7 +18,6 @@ moves a few hundred MiB and takes about a second.
 from __future__ import annotations
 
 import itertools
-import json
 import mmap
 import os
 import socket
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 
 from tierkv.device import ALIGN, has_cuda
-from tierkv.knobs import cache_dir
+from tierkv.knobs import cache_dir, read_cache, write_cache
 
 VERSION = 1
 CACHE_FILE = "probe.json"
@@ -235,17 +234,9 @@ def _link(gbps: float, latency_us: float, request_bytes: int, queue_depth: int, 
 
 # -- cache ---------------------------------------------------------------------
 def _read_cache(path: Path) -> dict[str, dict[str, object]]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("version") != VERSION:
-        return {}
-    return dict(data.get("results", {}))
+    data = read_cache(path)
+    return dict(data.get("results", {})) if data.get("version") == VERSION else {}
 
 
 def _write_cache(path: Path, results: dict[str, dict[str, object]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")     # two processes probing at once write apart
-    tmp.write_text(json.dumps({"version": VERSION, "results": results}, indent=2))
-    os.replace(tmp, path)
+    write_cache(path, {"version": VERSION, "results": results})

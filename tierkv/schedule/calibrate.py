@@ -26,8 +26,6 @@ measures again (``tierkv batch --recalibrate``).
 """
 from __future__ import annotations
 
-import json
-import os
 import socket
 import statistics
 import time
@@ -39,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierkv.knobs import cache_dir
+from tierkv.knobs import cache_dir, read_cache, write_cache
 from tierkv.layout import BlockLayout
 from tierkv.model import arch
 from tierkv.schedule.compute import GpuBatch, attend, keep_mask, layer_forward
@@ -59,13 +57,13 @@ def calibrate(model: nn.Module, *, nvme_dir: Path | None = None, max_rows: int =
     shape = ModelShape.of(model)
     key = f"{socket.gethostname()}|{shape}|{torch.get_num_threads()}"
     path = cache_path(cache_dir)
-    cached = _read(path)
+    cached = read_cache(path)
     entry = cached.get(key)
     stale = entry is None or entry.get("version") != VERSION or max(entry["layer"])[0] < min(max_rows, 4096)
     if refresh or stale:
         entry = measure_compute(model, max_rows)
         cached[key] = entry
-        _write(path, cached)
+        write_cache(path, cached)
     return machine_from(entry, links)
 
 
@@ -215,18 +213,3 @@ def _interpolate(table: list) -> Callable[[int], float]:
 # -- the cache ------------------------------------------------------------------
 def cache_path(root: Path | None = None) -> Path:
     return Path(root or cache_dir()).expanduser() / CACHE_FILE
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
