@@ -146,7 +146,7 @@ def test_weights_are_packed_only_for_bf16_on_a_cpu_that_computes_it(monkeypatch)
 
 
 @pytest.mark.skipif(not arch.packs_weights(torch.bfloat16),
-                    reason="bf16 weights are packed on a CPU with AMX and oneDNN only")
+                    reason="bf16 weights are packed on a CPU with AMX or AVX512-BF16, with oneDNN, only")
 def test_packed_weights_give_linear_bits_for_one_row_and_step_aside_otherwise(monkeypatch):
     """A decode row goes through the packed copies with the bits `linear` gives; rows in a batch, and a
     module whose weight was replaced since, run as before."""

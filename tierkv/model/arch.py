@@ -279,19 +279,19 @@ class Packed:
 
 
 def packs_weights(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether `pack_decode_weights` packs a model in ``dtype`` on ``device``: bf16 on a CPU with AMX, with
-    oneDNN, unless ``TIERKV_PACKED_WEIGHTS=0``. (On AVX512-BF16 alone oneDNN takes other kernels, whose
-    bits against ``linear``'s were not measured: nothing is packed there.)"""
+    """Whether `pack_decode_weights` packs a model in ``dtype`` on ``device``: bf16 on a CPU that computes it
+    natively (AMX or AVX512-BF16), with oneDNN, unless ``TIERKV_PACKED_WEIGHTS=0``. Where bf16 is emulated
+    nothing is packed: ``--dtype auto`` computes in float32 there."""
     return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and os.environ.get(PACKED_ENV) != "0"
-            and native_bf16() == "AMX" and torch.backends.mkldnn.is_available()
+            and native_bf16() in ("AMX", "AVX512-BF16") and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def pack_decode_weights(model: nn.Module) -> nn.Module:
     """A copy of every bf16 projection of a decode step laid out for oneDNN (the fused q/k/v and
     gate/up weights, o_proj, down_proj, the output head), used for single rows: a decode step's
-    products. On an AMX Xeon a 32K sparse step's took ~5 ms less, with the same bits as ``linear``'s
-    (tests/model/test_model_arch.py checks them where it runs). Rows in batches (a prefill chunk) keep ``linear``,
+    products. A 32K sparse step's took ~5 ms less on an AMX Xeon and ~13 ms less on an AVX512-BF16 EPYC, with
+    the same bits as ``linear``'s (tests/model/test_model_arch.py checks them where it runs). Rows in batches (a prefill chunk) keep ``linear``,
     which rounds differently there and is as fast. The copies cost the weights' bytes once more
     (~270 MB for SmolLM2); where `packs_weights` is False nothing is packed."""
     first = next(model.parameters(), None)
