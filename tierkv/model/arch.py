@@ -292,8 +292,9 @@ def pack_decode_weights(model: nn.Module) -> nn.Module:
     gate/up weights, o_proj, down_proj, the output head), used for single rows: a decode step's
     products. A 32K sparse step's took ~5 ms less on an AMX Xeon and ~13 ms less on an AVX512-BF16 EPYC,
     with the same bits as ``linear``'s (tests/model/test_model_arch.py checks them where it runs). Rows in
-    batches (a prefill chunk) keep ``linear``, which rounds differently there and is as fast. The copies cost the weights' bytes once more
-    (~270 MB for SmolLM2); where `packs_weights` is False nothing is packed."""
+    batches (a prefill chunk) keep ``linear``, which rounds differently there and is as fast. The copies
+    cost the weights' bytes once more (~270 MB for SmolLM2); where `packs_weights` is False nothing is
+    packed."""
     first = next(model.parameters(), None)
     if first is None or not packs_weights(first.dtype, first.device):
         return model
