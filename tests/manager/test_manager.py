@@ -1,5 +1,6 @@
 import asyncio
 import random
+import threading
 
 import pytest
 import torch
@@ -325,3 +326,42 @@ def test_the_blocking_facade_from_several_threads(knobs):
         assert not any(thread.is_alive() for thread in threads)
         m.flush()
         assert_quiescent(m.manager)
+
+
+class HeldGpu(GpuTier):
+    """A gpu tier whose host-to-host copies out wait for ``go`` (set by the test) once ``go`` is armed."""
+
+    go = None
+
+    def copy_slots(self, slots, dst, dst_slots):
+        if self.go is not None:
+            self.started.set()
+            assert self.go.wait(10)
+        super().copy_slots(slots, dst, dst_slots)
+
+
+async def test_a_block_pinned_while_it_is_demoted_keeps_its_copy_and_the_others_go(knobs):
+    """A demotion's blocks leave their tier once copied below, but one that a reader pinned while the
+    copy ran stays there too (its policy knows it again); every block reads back whole."""
+    gpu = HeldGpu(BLOCK, 4 * BLOCK)
+    gpu.started, gpu.go = threading.Event(), None
+    async with TierManager([gpu, CpuTier(BLOCK, 16 * BLOCK)], knobs=knobs) as m:
+        for i in range(7):
+            await m.put(key(i), block(i))                       # 0..3 in the gpu tier, the rest below
+        gpu.go = threading.Event()
+        room = asyncio.ensure_future(m.acquire([key(4), key(5), key(6)], "gpu"))   # demotes 0, 1, 2
+        assert await asyncio.to_thread(gpu.started.wait, 10)
+        reader = await m.acquire([key(1)], "gpu")               # pinned while it is copied below
+        gpu.go.set()
+        (await asyncio.wait_for(room, 20)).release()
+        assert m.where(key(0)) == ["cpu"] and m.where(key(2)) == ["cpu"]
+        assert sorted(m.where(key(1))) == ["cpu", "gpu"]
+        assert torch.equal(reader.views[0], block(1))
+        reader.release()
+        gpu.go = None
+        for i in range(7):
+            lease = await m.acquire([key(i)])
+            assert torch.equal(lease.views[0], block(i))
+            lease.release()
+        assert key(1) in m.policies["gpu"]._order
+        assert_quiescent(m)

@@ -22,8 +22,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from functools import partial
-from itertools import repeat
+from itertools import compress, repeat
 
+import numpy as np
 import torch
 
 from tierkv.errors import BlockCorrupt, BudgetExceeded
@@ -198,12 +199,14 @@ class Moves:
         self.residency.stats[t.src].bytes_out += t.nbytes
         for key in failed:
             self.residency.forget_copy(key, t.src)
-        if error is None and t.kind is Kind.DEMOTE:
-            for key, slot in zip(t.keys, t.src_slots):
-                if self.tiers[t.src].pool.pins(slot):
-                    self.residency.admit(t.src, (key,))  # a reader pinned it meanwhile: keep this copy
-                elif key not in failed:
-                    self.residency.remove_copy(key, t.src)  # its policy already forgot it
+        if error is None and t.kind is Kind.DEMOTE:   # the source's copies go, but those a reader pinned meanwhile
+            pinned = self.tiers[t.src].pool.pins_of(np.asarray(t.src_slots, np.int64)).astype(bool).tolist()
+            kept = list(compress(t.keys, pinned))
+            gone = [key for key, held in zip(t.keys, pinned) if not held and key not in failed]
+            if kept:
+                self.residency.admit(t.src, kept)
+            if gone:
+                self.residency.remove_copies(gone, t.src)   # their policy already forgot them
         self.residency.changed.set()
         self._settle(t.keys, t.dst, done, error, sorted(failed))
 
