@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from itertools import filterfalse
 
 from policies.lru import LRUPolicy
 from policies.registry import register
@@ -16,6 +17,11 @@ from policies.registry import register
 class FIFOPolicy(LRUPolicy):
     def insert(self, key: Hashable) -> None:
         self._order.setdefault(key, None)  # a key already queued keeps its place
+
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        """``insert`` each: the new ones queue in order, those queued already keep their place."""
+        order = self._order
+        order.update(dict.fromkeys(filterfalse(order.__contains__, keys)))
 
     def touch(self, key: Hashable) -> None:
         pass

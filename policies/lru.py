@@ -27,8 +27,10 @@ class LRUPolicy:
         """``insert`` each, in order, at C speed (a load admits hundreds at once)."""
         keys = list(keys)
         order = self._order
+        before = len(order)
         order.update(dict.fromkeys(keys))
-        deque(map(order.move_to_end, keys), maxlen=0)
+        if len(order) - before < len(keys):   # some were already known (or a key repeats): move them last
+            deque(map(order.move_to_end, keys), maxlen=0)
 
     def insert_cold(self, key: Hashable) -> None:
         """A guessed block (a speculative prefetch): first in line for eviction until a reader uses it."""

@@ -115,6 +115,11 @@ class KeyTable:
         self._recent = [(self._version, asked, found), *self._recent[:_RECENT - 1]]
         return found.copy()
 
+    def note(self, keys: Sequence[bytes], ids: np.ndarray) -> None:
+        """Remember ``ids`` as the answer to a `find_many` of ``keys`` (found another way, e.g. hinted and
+        checked by `find_hinted`) until the table next changes."""
+        self._recent = [(self._version, tuple(keys), ids.copy()), *self._recent[:_RECENT - 1]]
+
     def _find_hot(self, keys: Sequence[bytes]) -> np.ndarray:
         found = np.array(list(map(self._hot.get, keys, repeat(-2, len(keys)))), np.int64)
         if not len(found) or found.min() > -2:

@@ -72,6 +72,44 @@ def test_moves_in_flight_are_joined_and_settled() -> None:
         loop.close()
 
 
+def test_a_block_joining_a_second_move_leaves_the_other_blocks_of_the_first_as_they_were() -> None:
+    """The blocks of one move share one record of their moves in flight: a second move of one of them,
+    and the first move's settling, change that block's record alone."""
+    loop = asyncio.new_event_loop()
+    try:
+        d = Directory()
+        for i in range(3):
+            d.add(key(i), hold=False).copies["nvme"] = i
+        to_cpu, to_gpu = loop.create_future(), loop.create_future()
+        d.arrive([key(0), key(1), key(2)], "cpu", to_cpu)
+        d.arrive([key(1)], "gpu", to_gpu)
+        assert [dict(d.get(key(i)).arriving) for i in range(3)] == [{"cpu": to_cpu}, {"cpu": to_cpu, "gpu": to_gpu},
+                                                                    {"cpu": to_cpu}]
+        d.settle([key(0), key(1), key(2)], "cpu", to_cpu)
+        assert [dict(d.get(key(i)).arriving) for i in range(3)] == [{}, {"gpu": to_gpu}, {}]
+        assert d.plan_loads([key(1)], "gpu", ["gpu", "cpu", "nvme"]) == ({}, [(key(1), to_gpu)])
+        d.settle([key(1)], "gpu", to_gpu)
+        assert not d.get(key(1)).arriving
+    finally:
+        loop.close()
+
+
+def test_rows_a_reader_guessed_are_checked_and_spare_the_next_lookups() -> None:
+    d = Directory()
+    for i in range(40):
+        d.add(key(i), hold=False).copies["nvme"] = i
+    keys = [key(i) for i in range(40)]
+    rows = d.find_rows(keys)
+    wrong = rows.copy()
+    wrong[[3, 7]] = wrong[[7, 3]]                    # two guesses swapped: each names another key's row
+    wrong[9] = -1                                    # and one not guessed
+    assert d.knows_all(keys, wrong)
+    assert d.rows(keys).tolist() == rows.tolist()    # the rows noted are the right ones
+    assert not d.knows_all([key(1), key(99)], np.array([rows[1], rows[2]]))
+    d.add(key(99), hold=False)
+    assert d.knows_all([key(1), key(99)], np.array([rows[1], -1]))
+
+
 def test_a_block_on_its_way_counts_as_stored() -> None:
     loop = asyncio.new_event_loop()
     try:

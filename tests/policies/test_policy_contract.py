@@ -14,7 +14,7 @@ import pytest
 from policies import available, make_policy
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
-from tierkv.policy import EvictionPolicy, TouchesMany, implements
+from tierkv.policy import EvictionPolicy, InsertsMany, TouchesMany, implements
 
 NAMES = available()
 SEEDS = range(6)
@@ -230,3 +230,19 @@ def test_touch_many_is_touch_of_each_key_in_order(name: str, seed: int) -> None:
     for key in keys:
         twin.touch(key)
     assert drain(policy) == drain(twin)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", [n for n in NAMES if implements(make_policy(n), InsertsMany)])
+def test_insert_many_is_insert_of_each_key_in_order(name: str, seed: int) -> None:
+    """A load's one call leaves the policy as one ``insert`` per key would: keys new to it, keys it
+    knows, and a key named twice."""
+    rng = random.Random(seed)
+    universe = _universe(seed) + [BlockKey.of("new", i) if seed % 2 else 100 + i for i in range(8)]
+    for keys in (universe[30:], rng.sample(universe, 12), [universe[31], universe[2], universe[31]]):
+        policy, _ = history(name, seed)
+        twin, _ = history(name, seed)
+        policy.insert_many(keys)
+        for key in keys:
+            twin.insert(key)
+        assert drain(policy) == drain(twin)

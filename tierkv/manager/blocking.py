@@ -209,8 +209,8 @@ class BlockingTierManager:
         for i, mine, _ in copied:
             self._used.append((names[i], [keys[j] for j in mine.tolist()]))   # touched before the load's evictions
         loading = [keys[j] for j in missing.tolist()]
-        pending = asyncio.run_coroutine_threadsafe(self._after_releases(mgr.load_missing(loading, tier, layer=layer)),
-                                                   self._loop)
+        pending = asyncio.run_coroutine_threadsafe(
+            self._after_releases(mgr.load_missing(loading, tier, layer=layer, rows=rows[missing])), self._loop)
         future = ReadFuture(self, into, np.flatnonzero(where >= 0).tolist(), missing.tolist(), pending, tier, layer)
         try:
             future.placed, future.rows = placed, rows

@@ -29,6 +29,7 @@ import asyncio
 from collections import Counter, deque
 from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import compress, repeat
+from types import MappingProxyType
 
 import numpy as np
 
@@ -50,8 +51,17 @@ class Directory:
     def __contains__(self, key: object) -> bool:
         return isinstance(key, bytes) and self._table.find(key) >= 0
 
-    def knows_all(self, keys: Sequence[BlockKey]) -> bool:
-        return bool((self._table.find_many(keys) >= 0).all())
+    def knows_all(self, keys: Sequence[BlockKey], guesses: np.ndarray | None = None) -> bool:
+        """Every key is known. ``guesses``: each key's row as a reader found it an instant ago (-1: none),
+        checked without hashing; the rows found are remembered for the lookups of the same keys that
+        follow (a load's plan, claim and commit)."""
+        if guesses is None:
+            return bool((self._table.find_many(keys) >= 0).all())
+        rows = self._table.find_hinted(split(keys), guesses)
+        if len(rows) and rows.min() < 0:
+            return False
+        self._table.note(keys, rows)
+        return True
 
     def __len__(self) -> int:
         return len(self._table)
@@ -261,13 +271,16 @@ class Directory:
         return loads, joins
 
     def arrive(self, keys: Sequence[BlockKey], name: str, done: asyncio.Future) -> None:
-        """The move ``done`` brings ``keys`` into ``name`` (readers of them join it)."""
+        """The move ``done`` brings ``keys`` into ``name`` (readers of them join it). A row's record of
+        its moves in flight is never changed in place, so the rows of one move share one record."""
         arriving, rows = self._rows.arriving, self.rows(keys).tolist()
+        record = MappingProxyType({name: done})
         if arriving.keys().isdisjoint(rows):   # the usual move: nothing else arriving for these blocks
-            arriving.update(zip(rows, map(dict, repeat(((name, done),), len(rows)))))
+            arriving.update(zip(rows, repeat(record)))
             return
         for row in rows:
-            arriving.setdefault(row, {})[name] = done
+            moves = arriving.get(row)
+            arriving[row] = record if moves is None else MappingProxyType({**moves, name: done})
 
     # -- bulk changes -------------------------------------------------------------
     def commit(self, keys: Sequence[BlockKey], name: str, slots: Sequence[int],
@@ -293,13 +306,16 @@ class Directory:
         rows = rows[rows >= 0]
         arriving, known = self._rows.arriving, rows.tolist()
         moves = list(map(arriving.get, known))
-        if moves.count({name: done}) == len(moves):   # the usual move: each block arrived by this one alone
-            deque(map(arriving.__delitem__, known), maxlen=0)
+        first = moves[0] if moves else None
+        if first is not None and len(first) == 1 and first.get(name) is done and moves.count(first) == len(moves):
+            deque(map(arriving.__delitem__, known), maxlen=0)   # the usual move: its blocks' one shared record
         else:
             for row, move in zip(known, moves):
                 if move is not None and move.get(name) is done:
-                    del move[name]
-                    if not move:
+                    left = {other: future for other, future in move.items() if other != name}
+                    if left:
+                        arriving[row] = MappingProxyType(left)
+                    else:
                         del arriving[row]
         self._forget_empty(rows)
 

@@ -306,8 +306,9 @@ class TierManager:
         return await self._acquire(keys, tier, layer=layer, priority=priority, rest_of=False)
 
     async def _acquire(self, keys: Sequence[BlockKey], tier: str | None, *, layer: int | None,
-                       priority: Priority, rest_of: bool) -> Lease:
-        """``acquire``; ``rest_of``: ``load_missing``'s, whose caller records its own stall and access."""
+                       priority: Priority, rest_of: bool, rows: np.ndarray | None = None) -> Lease:
+        """``acquire``; ``rest_of``: ``load_missing``'s, whose caller records its own stall and access
+        (``rows``: its guesses of the keys' rows)."""
         self._check_read(tier)
         if self.access is not None and not rest_of:
             self.access.on_acquire(keys, layer)
@@ -321,7 +322,7 @@ class TierManager:
             not_in_place = self._record_hits(found, layer)
         if not not_in_place:   # all in place: pinned with no await, nothing can evict them meanwhile
             return Lease(tuple(keys), self._residency.pin(keys, found), self.tiers, self._unpin)
-        if not self.directory.knows_all(keys):
+        if not self.directory.knows_all(keys, rows):
             self.refresh()   # another process may have stored them
         wanted = list(zip(keys, repeat(target)))
         self.directory.want(wanted)  # blocks in (or arriving into) the target stay there until pinned
@@ -371,10 +372,11 @@ class TierManager:
         return ready, lease, rest
 
     async def load_missing(self, keys: Sequence[BlockKey], tier: str | None = None, *,
-                           layer: int | None = None) -> Lease:
+                           layer: int | None = None, rows: np.ndarray | None = None) -> Lease:
         """``acquire`` of blocks a reader found in no tier read in place an instant ago (and recorded its
-        hits and access for): their caller computes meanwhile and records its own stall."""
-        return await self._acquire(keys, tier, layer=layer, priority=Priority.NOW, rest_of=True)
+        hits and access for): their caller computes meanwhile and records its own stall. ``rows``: each
+        key's directory row as that reader found it (checked here: a guess, not trusted)."""
+        return await self._acquire(keys, tier, layer=layer, priority=Priority.NOW, rest_of=True, rows=rows)
 
     def _check_read(self, tier: str | None) -> None:
         self._check_running()

@@ -33,7 +33,7 @@ class Rows:
     def __init__(self) -> None:
         self.used = 0                     # rows ever handed out; released ones wait in ``free``
         self.free: list[int] = []
-        self.arriving: dict[int, dict[str, asyncio.Future]] = {}   # row -> tier -> move in flight
+        self.arriving: dict[int, Mapping[str, asyncio.Future]] = {}   # row -> tier -> move in flight (read-only)
         self.meta: dict[str, np.ndarray] = {}        # holders, layer + 1, index + 1, generation
         self.tiers: dict[str, np.ndarray] = {}       # tier -> slot + 1 (0: no copy there)
         self.slots: dict[str, memoryview] = {}       # the same, for reads of one row
