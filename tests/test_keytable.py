@@ -78,6 +78,21 @@ def test_a_remembered_batch_lookup_never_outlives_a_change() -> None:
     assert table.find_many(keys)[5] == 77 and table.find_many(list(keys)).tolist() == table.find_many(keys).tolist()
 
 
+def test_a_lookup_that_must_not_remember_leaves_the_memories_as_they_were() -> None:
+    """Another thread's lookup (``remember=False``) reads what the table remembers and writes nothing:
+    an answer it wrote while the owner removed its key would outlive the removal."""
+    keys = [os.urandom(16) for _ in range(100)]
+    table = KeyTable()
+    table.add_many(split(keys), np.arange(100))
+    assert table.find_many(keys[:50]).tolist() == list(range(50))        # the owner's: remembered
+    hot, recent = dict(table._hot), list(table._recent)
+    for batch in (keys[40:90], keys[60:65], keys[:50]):
+        assert table.find_many(batch, remember=False).tolist() == [keys.index(k) for k in batch]
+    assert table._hot == hot and table._recent == recent
+    table.note(keys[:5], np.arange(5))                                  # too few to be asked from memory
+    assert table._recent == recent
+
+
 def test_keys_found_lately_stay_exact_through_removals_and_reused_ids(monkeypatch) -> None:
     """Lookups are remembered per key (a dict beside the arrays): a key removed and its id given to
     another key must never be found under that id again, one by one or in a batch."""

@@ -96,31 +96,45 @@ class KeyTable:
                 self._remember((key,), (id,))
         return id
 
-    def find_many(self, keys: Sequence[bytes] | np.ndarray) -> np.ndarray:
+    def find_many(self, keys: Sequence[bytes] | np.ndarray, *, remember: bool = True) -> np.ndarray:
         """The id of each key (int64; -1 where absent). ``keys``: bytes, or their `split` halves.
 
         Batches and keys asked for lately are answered from memory; the other keys walk their probe
-        sequences together, a numpy pass per step, until few are left, and those walk on one by one."""
+        sequences together, a numpy pass per step, until few are left, and those walk on one by one.
+        ``remember=False``: a lookup from a thread other than the one that changes the table, which
+        reads the memories but never writes them (an answer written while a change removed its key
+        would outlive the change)."""
         if isinstance(keys, np.ndarray):
             return self._find_many(keys)
         if len(keys) < _SCALAR_BELOW:
-            return np.fromiter(map(self.find, keys), np.int64, count=len(keys))
+            one = self.find if remember else self._peek
+            return np.fromiter(map(one, keys), np.int64, count=len(keys))
         if len(keys) > _HOT_BATCH:   # a store's million keys: not worth remembering
             return self._find_many(split(keys))
-        asked = tuple(keys)
-        for version, recent, found in self._recent:
-            if version == self._version and recent == asked:
+        version, asked = self._version, tuple(keys)   # the version first: a change meanwhile makes it stale
+        for seen, recent, found in self._recent:
+            if seen == version and recent == asked:
                 return found.copy()
-        found = self._find_hot(keys)
-        self._recent = [(self._version, asked, found), *self._recent[:_RECENT - 1]]
+        found = self._find_hot(keys, remember)
+        if remember:
+            self._recent = [(version, asked, found), *self._recent[:_RECENT - 1]]
         return found.copy()
 
     def note(self, keys: Sequence[bytes], ids: np.ndarray) -> None:
         """Remember ``ids`` as the answer to a `find_many` of ``keys`` (found another way, e.g. hinted and
-        checked by `find_hinted`) until the table next changes."""
-        self._recent = [(self._version, tuple(keys), ids.copy()), *self._recent[:_RECENT - 1]]
+        checked by `find_hinted`) until the table next changes; batches `find_many` answers from
+        memory only."""
+        if _SCALAR_BELOW <= len(keys) <= _HOT_BATCH:
+            self._recent = [(self._version, tuple(keys), ids.copy()), *self._recent[:_RECENT - 1]]
 
-    def _find_hot(self, keys: Sequence[bytes]) -> np.ndarray:
+    def _peek(self, key: bytes) -> int:
+        """`find` that remembers nothing."""
+        id = self._hot.get(key)
+        if id is None:
+            id = self._find(int.from_bytes(key[:8], "little"), int.from_bytes(key[8:KEY_BYTES], "little"))
+        return id
+
+    def _find_hot(self, keys: Sequence[bytes], remember: bool = True) -> np.ndarray:
         found = np.array(list(map(self._hot.get, keys, repeat(-2, len(keys)))), np.int64)
         if not len(found) or found.min() > -2:
             return found
@@ -128,8 +142,9 @@ class KeyTable:
         asked = [keys[i] for i in miss.tolist()]
         ids = self._find_many(split(asked))
         found[miss] = ids
-        known = ids >= 0
-        self._remember(compress(asked, known.tolist()), ids[known].tolist())
+        if remember:
+            known = ids >= 0
+            self._remember(compress(asked, known.tolist()), ids[known].tolist())
         return found
 
     def _remember(self, keys: Iterable[bytes], ids: Iterable[int]) -> None:

@@ -88,8 +88,11 @@ def test_a_block_joining_a_second_move_leaves_the_other_blocks_of_the_first_as_t
         d.settle([key(0), key(1), key(2)], "cpu", to_cpu)
         assert [dict(d.get(key(i)).arriving) for i in range(3)] == [{}, {"gpu": to_gpu}, {}]
         assert d.plan_loads([key(1)], "gpu", ["gpu", "cpu", "nvme"]) == ({}, [(key(1), to_gpu)])
-        d.settle([key(1)], "gpu", to_gpu)
+        d.settle([key(1), key(1)], "gpu", to_gpu)      # a key named twice settles once
         assert not d.get(key(1)).arriving
+        d.arrive([key(0)], "cpu", to_cpu)
+        d.settle([key(2), key(0), key(0)], "cpu", to_cpu)
+        assert not d.get(key(0)).arriving
     finally:
         loop.close()
 

@@ -159,7 +159,7 @@ class BlockingTierManager:
             return None
         epochs = [host.pool.epoch for host in hosts]
         try:
-            slots, rows = mgr.directory.slots_and_rows(keys, names[0], rows)
+            slots, rows = mgr.directory.slots_and_rows(keys, names[0], rows, remember=False)   # not the loop
             if lend and slots.min() >= 0:        # all in the first tier: lent where they lie, or not at all
                 where = hosts[0].locate_many(slots)
                 if where is None or hosts[0].pool.epoch != epochs[0]:
@@ -171,7 +171,7 @@ class BlockingTierManager:
                 return future
             if not packed:
                 return None
-            found = [slots] + [mgr.directory.slots_and_rows(keys, name, rows)[0] for name in names[1:]]
+            found = [slots] + [mgr.directory.slots_and_rows(keys, name, rows, remember=False)[0] for name in names[1:]]
         except (BlockMissing, IndexError):   # unknown keys, or a lookup that raced a change
             return None
         return self._copy_unpinned(keys, into, tier, layer, rows, names, found, epochs)

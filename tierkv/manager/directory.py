@@ -103,11 +103,16 @@ class Directory:
         """The row of each key (-1 where unknown)."""
         return self._table.find_many(keys)
 
-    def rows(self, keys: Sequence[BlockKey], guesses: np.ndarray | None = None) -> np.ndarray:
+    def rows(self, keys: Sequence[BlockKey], guesses: np.ndarray | None = None, *,
+             remember: bool = True) -> np.ndarray:
         """The row of each key; BlockMissing names those stored nowhere. ``guesses``: each key's row as an
         earlier call returned it (-1: none), checked against the key in that row; only keys guessed wrong
-        are looked up (a sequence reads its pages' rows back each step, and skips the hashing)."""
-        rows = self._table.find_many(keys) if guesses is None else self._table.find_hinted(split(keys), guesses)
+        are looked up (a sequence reads its pages' rows back each step, and skips the hashing).
+        ``remember=False`` from any thread but the loop's (`KeyTable.find_many`)."""
+        if guesses is None:
+            rows = self._table.find_many(keys, remember=remember)
+        else:
+            rows = self._table.find_hinted(split(keys), guesses)
         if len(rows) and rows.min() < 0:
             missing = [key for key, row in zip(keys, rows.tolist()) if row < 0]
             raise BlockMissing(f"block {missing[0].hex()} is not stored in any tier", tuple(missing))
@@ -238,10 +243,10 @@ class Directory:
         """Each key's slot in ``name`` (-1: no copy there); BlockMissing names keys stored nowhere."""
         return self._rows.slots_of(self.rows(keys), name)
 
-    def slots_and_rows(self, keys: Sequence[BlockKey], name: str,
-                       guesses: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """`slots_in`, and the rows found (``guesses``: see ``rows``)."""
-        rows = self.rows(keys, guesses)
+    def slots_and_rows(self, keys: Sequence[BlockKey], name: str, guesses: np.ndarray | None = None, *,
+                       remember: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """`slots_in`, and the rows found (``guesses``, ``remember``: see ``rows``)."""
+        rows = self.rows(keys, guesses, remember=remember)
         return self._rows.slots_of(rows, name), rows
 
     def plan_loads(self, keys: Sequence[BlockKey], dst: str,
@@ -306,11 +311,12 @@ class Directory:
         rows = rows[rows >= 0]
         arriving, known = self._rows.arriving, rows.tolist()
         moves = list(map(arriving.get, known))
-        first = moves[0] if moves else None
-        if first is not None and len(first) == 1 and first.get(name) is done and moves.count(first) == len(moves):
-            deque(map(arriving.__delitem__, known), maxlen=0)   # the usual move: its blocks' one shared record
+        only = moves[0] if moves else None       # the usual move: every block's record is {name: done} alone
+        if only is not None and len(only) == 1 and only.get(name) is done and moves.count(only) == len(moves):
+            deque(map(arriving.pop, known, repeat(None)), maxlen=0)   # (count compares by value: none differs)
         else:
-            for row, move in zip(known, moves):
+            for row in known:      # each record looked up afresh: a key named twice finds it settled
+                move = arriving.get(row)
                 if move is not None and move.get(name) is done:
                     left = {other: future for other, future in move.items() if other != name}
                     if left:
