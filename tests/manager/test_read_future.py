@@ -221,6 +221,22 @@ def test_a_read_lent_unpinned_pins_nothing_and_says_whether_its_blocks_stayed(tm
         assert_quiescent(mgr.manager)
 
 
+def test_an_unpinned_read_looks_its_keys_up_without_writing_what_the_key_table_remembers(tmp_path, knobs):
+    """The loop alone writes the key table's memories: an answer written on the caller's thread while the
+    loop removed its key would outlive the removal, and could name the row another block takes later."""
+    with manager(tmp_path / "s", knobs, gpu=16) as mgr:
+        keys = stored(mgr, 14)
+        table = mgr.manager.directory._table
+        mgr.call(table._hot.clear)
+        mgr.call(table._recent.clear)
+        out = torch.zeros(14, BLOCK, dtype=torch.uint8)
+        for asked in (keys[:12], keys[:5], keys):                     # a batch, a few keys one by one, all
+            future = mgr.read(asked, into=out[:len(asked)], lend=True, pin=False)
+            assert isinstance(future.lease, Lent) and future.lease.release()
+        assert not table._hot and not table._recent
+        assert_quiescent(mgr.manager)
+
+
 def test_blocks_lent_unpinned_that_stayed_put_are_the_blocks_asked_for(tmp_path, knobs):
     """A reader lends blocks unpinned while another thread keeps evicting the tier they lie in: every
     read whose lease says the blocks stayed put holds exactly them."""
