@@ -313,7 +313,7 @@ class Directory:
         moves = list(map(arriving.get, known))
         only = moves[0] if moves else None       # the usual move: every block's record is {name: done} alone
         if only is not None and len(only) == 1 and only.get(name) is done and moves.count(only) == len(moves):
-            deque(map(arriving.pop, known, repeat(None)), maxlen=0)   # (count compares by value: none differs)
+            deque(map(arriving.pop, known, repeat(None)), maxlen=0)   # (count compared them all by value)
         else:
             for row in known:      # each record looked up afresh: a key named twice finds it settled
                 move = arriving.get(row)
