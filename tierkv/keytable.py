@@ -188,15 +188,21 @@ class KeyTable:
         whose id is live under that key is taken as it is (two array takes and compares, no hashing),
         the other keys are looked up."""
         ids = np.asarray(hints, np.int64)
-        inside = (ids >= 0) & (ids < len(self.live))
-        at = np.where(inside, ids, 0)
-        good = inside & self.live[at] & (self.keys[at, 0] == halves[:, 0]) & (self.keys[at, 1] == halves[:, 1])
+        good = self.holding(halves, ids)
         if good.all():
             return ids.copy()
         found = np.where(good, ids, -1)
         wrong = np.flatnonzero(~good)
         found[wrong] = self._find_many(halves[wrong])
         return found
+
+    def holding(self, halves: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Whether each of ``ids`` is live under the key in the same row of ``halves`` (two array takes
+        and compares, no hashing): a check of ids found earlier, which a change may have given away."""
+        ids = np.asarray(ids, np.int64)
+        inside = (ids >= 0) & (ids < len(self.live))
+        at = np.where(inside, ids, 0)
+        return inside & self.live[at] & (self.keys[at, 0] == halves[:, 0]) & (self.keys[at, 1] == halves[:, 1])
 
     def ids(self) -> np.ndarray:
         """The live ids, in order."""

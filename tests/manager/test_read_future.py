@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from tierkv.errors import BlockMissing
 from tierkv.manager import BlockingTierManager, TierManager
 from tierkv.manager.lease import Lent
 from tierkv.tiers.cpu import CpuTier
@@ -178,7 +179,6 @@ def test_an_interrupted_wait_releases_the_blocks_when_they_arrive(tmp_path, knob
 
 
 def test_a_plain_read_waits_for_every_row_and_raises_for_a_block_stored_nowhere(tmp_path, knobs):
-    from tierkv.errors import BlockMissing
     with manager(tmp_path / "s", knobs) as mgr:
         keys = stored(mgr, 12)
         out = mgr.read(keys, into=torch.zeros(len(keys), BLOCK, dtype=torch.uint8)).wait()
@@ -234,6 +234,47 @@ def test_an_unpinned_read_looks_its_keys_up_without_writing_what_the_key_table_r
             future = mgr.read(asked, into=out[:len(asked)], lend=True, pin=False)
             assert isinstance(future.lease, Lent) and future.lease.release()
         assert not table._hot and not table._recent
+        assert_quiescent(mgr.manager)
+
+
+@pytest.mark.parametrize("how", ["lend", "packed"])
+def test_a_row_given_to_another_block_under_an_unpinned_lookup_is_not_read_as_the_first(tmp_path, knobs, how):
+    """The caller finds a block's row; before it reads the row's slots, the loop lets the block go (its
+    last copy was in another tier) and gives the row to a new block, put into a slot of the tier read
+    that was free already: no slot of that tier is freed, so its epoch and generations stay as they
+    were. The row is checked again once its slots are read, and the read goes pinned."""
+    with manager(tmp_path / "s", knobs) as mgr:
+        for i in range(4):
+            mgr.put(key(i), block(i))
+        gone, newcomer = key(10), key(11)
+        mgr.put(gone, block(10))                       # in the cpu tier alone
+        for i in range(20, 24):
+            mgr.put(key(i), block(i))                  # the cpu tier's other slots, then one on disk alone
+        assert mgr.where(gone) == ["cpu"] and mgr.where(key(23)) == ["nvme"]
+        mgr.drop([key(0)])                             # a gpu slot free before the read starts
+        directory = mgr.manager.directory
+        lookup, swapped = directory.rows, []
+
+        def rows(keys, guesses=None, *, remember=True):
+            found = lookup(keys, guesses, remember=remember)
+            if threading.current_thread().name != "tierkv-loop" and not swapped:
+                swapped.append(found)                  # here, the loop runs before the caller goes on:
+                mgr.drop([gone])                       # the block's row is let go of ...
+                mgr.put(newcomer, block(11))           # ... and taken by a new block, in the free gpu slot
+            return found
+
+        directory.rows = rows
+        out = torch.zeros(2, BLOCK, dtype=torch.uint8)
+        if how == "lend":
+            future = mgr.read([gone], into=out[:1], lend=True, pin=False)
+        else:                                          # (one block on disk: the read splits, copying here)
+            future = mgr.read([gone, key(23)], into=out, packed=True, pin=False, tier="gpu")
+        directory.rows = lookup
+        assert swapped and mgr.rows([newcomer])[0] == swapped[0][0]      # the row did change hands
+        assert not isinstance(future.lease, Lent)
+        with pytest.raises(BlockMissing):              # the pinned read: the block is stored nowhere now
+            future.wait()
+        assert not any(torch.equal(row, block(11)) for row in out)
         assert_quiescent(mgr.manager)
 
 

@@ -149,7 +149,8 @@ class BlockingTierManager:
         """``read(..., pin=False)`` done here, or None where it cannot be (see ``read``). The directory
         is read while the loop may change it: whatever it changes under the lookup either leaves the
         blocks where they were found or frees a slot of their tier first, which bumps its pool's
-        ``epoch`` (``Lent``)."""
+        ``epoch`` (``Lent``), or gives a block's row to another block, which the lookup checks after
+        reading the row's slots (`Directory.slots_and_rows`)."""
         mgr = self.manager
         if self._closed or mgr.access is not None or mgr.directory.cold or not keys or not mgr.in_place_tiers:
             return None     # (a guessed block's first read tells its policy: the loop's read does that)
@@ -159,7 +160,7 @@ class BlockingTierManager:
             return None
         epochs = [host.pool.epoch for host in hosts]
         try:
-            slots, rows = mgr.directory.slots_and_rows(keys, names[0], rows, remember=False)   # not the loop
+            slots, rows = mgr.directory.slots_and_rows(keys, names[0], rows, off_loop=True)
             if lend and slots.min() >= 0:        # all in the first tier: lent where they lie, or not at all
                 where = hosts[0].locate_many(slots)
                 if where is None or hosts[0].pool.epoch != epochs[0]:
@@ -171,7 +172,7 @@ class BlockingTierManager:
                 return future
             if not packed:
                 return None
-            found = [slots] + [mgr.directory.slots_and_rows(keys, name, rows, remember=False)[0] for name in names[1:]]
+            found = [slots] + [mgr.directory.slots_and_rows(keys, name, rows, off_loop=True)[0] for name in names[1:]]
         except (BlockMissing, IndexError):   # unknown keys, or a lookup that raced a change
             return None
         return self._copy_unpinned(keys, into, tier, layer, rows, names, found, epochs)

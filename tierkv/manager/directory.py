@@ -244,10 +244,16 @@ class Directory:
         return self._rows.slots_of(self.rows(keys), name)
 
     def slots_and_rows(self, keys: Sequence[BlockKey], name: str, guesses: np.ndarray | None = None, *,
-                       remember: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """`slots_in`, and the rows found (``guesses``, ``remember``: see ``rows``)."""
-        rows = self.rows(keys, guesses, remember=remember)
-        return self._rows.slots_of(rows, name), rows
+                       off_loop: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """`slots_in`, and the rows found (``guesses``: see ``rows``). ``off_loop``: asked from a thread
+        other than the loop's, while the loop may change the directory: the key table's memories are
+        only read, and a row that no longer holds its key once its slot is read reads as no copy (its
+        block let go of and the row taken by another block meanwhile: no slot of ``name`` was freed)."""
+        rows = self.rows(keys, guesses, remember=not off_loop)
+        slots = self._rows.slots_of(rows, name)
+        if off_loop:
+            slots[~self._table.holding(split(keys), rows)] = -1
+        return slots, rows
 
     def plan_loads(self, keys: Sequence[BlockKey], dst: str,
                    order: Sequence[str]) -> tuple[dict[str, list[BlockKey]], list[tuple[BlockKey, asyncio.Future]]]:
