@@ -255,8 +255,8 @@ def test_a_row_given_to_another_block_under_an_unpinned_lookup_is_not_read_as_th
         directory = mgr.manager.directory
         lookup, swapped = directory.rows, []
 
-        def rows(keys, guesses=None, *, remember=True):
-            found = lookup(keys, guesses, remember=remember)
+        def rows(keys, guesses=None, *, off_loop=False):
+            found = lookup(keys, guesses, off_loop=off_loop)
             if threading.current_thread().name != "tierkv-loop" and not swapped:
                 swapped.append(found)                  # here, the loop runs before the caller goes on:
                 mgr.drop([gone])                       # the block's row is let go of ...

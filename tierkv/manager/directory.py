@@ -104,13 +104,13 @@ class Directory:
         return self._table.find_many(keys)
 
     def rows(self, keys: Sequence[BlockKey], guesses: np.ndarray | None = None, *,
-             remember: bool = True) -> np.ndarray:
+             off_loop: bool = False) -> np.ndarray:
         """The row of each key; BlockMissing names those stored nowhere. ``guesses``: each key's row as an
         earlier call returned it (-1: none), checked against the key in that row; only keys guessed wrong
         are looked up (a sequence reads its pages' rows back each step, and skips the hashing).
-        ``remember=False`` from any thread but the loop's (`KeyTable.find_many`)."""
+        ``off_loop``: asked from a thread other than the loop's: the key table's memories are only read."""
         if guesses is None:
-            rows = self._table.find_many(keys, remember=remember)
+            rows = self._table.find_many(keys, remember=not off_loop)
         else:
             rows = self._table.find_hinted(split(keys), guesses)
         if len(rows) and rows.min() < 0:
@@ -249,7 +249,7 @@ class Directory:
         other than the loop's, while the loop may change the directory: the key table's memories are
         only read, and a row that no longer holds its key once its slot is read reads as no copy (its
         block let go of and the row taken by another block meanwhile: no slot of ``name`` was freed)."""
-        rows = self.rows(keys, guesses, remember=not off_loop)
+        rows = self.rows(keys, guesses, off_loop=off_loop)
         slots = self._rows.slots_of(rows, name)
         if off_loop:
             slots[~self._table.holding(split(keys), rows)] = -1

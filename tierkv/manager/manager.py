@@ -307,8 +307,7 @@ class TierManager:
 
     async def _acquire(self, keys: Sequence[BlockKey], tier: str | None, *, layer: int | None,
                        priority: Priority, rest_of: bool, rows: np.ndarray | None = None) -> Lease:
-        """``acquire``; ``rest_of``: ``load_missing``'s, whose caller records its own stall and access
-        (``rows``: its guesses of the keys' rows)."""
+        """``acquire``; ``rest_of``: ``load_missing``'s (``rows``: its guesses), whose caller records its own stall."""
         self._check_read(tier)
         if self.access is not None and not rest_of:
             self.access.on_acquire(keys, layer)
@@ -373,9 +372,8 @@ class TierManager:
 
     async def load_missing(self, keys: Sequence[BlockKey], tier: str | None = None, *,
                            layer: int | None = None, rows: np.ndarray | None = None) -> Lease:
-        """``acquire`` of blocks a reader found in no tier read in place an instant ago (and recorded its
-        hits and access for): their caller computes meanwhile and records its own stall. ``rows``: each
-        key's directory row as that reader found it (checked here: a guess, not trusted)."""
+        """``acquire`` of blocks a reader found in no tier read in place an instant ago (and recorded its hits
+        and access for; ``rows``: their rows as it found them, checked as guesses): it computes meanwhile."""
         return await self._acquire(keys, tier, layer=layer, priority=Priority.NOW, rest_of=True, rows=rows)
 
     def _check_read(self, tier: str | None) -> None:
