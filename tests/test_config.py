@@ -56,6 +56,47 @@ def test_malloc_keep_knob():
         IOKnobs.from_env({"TIERKV_MALLOC_KEEP": "lots"})
 
 
+def test_malloc_arenas_knob():
+    assert IOKnobs.from_env({}).malloc_arenas == 2
+    assert IOKnobs.from_env({"TIERKV_MALLOC_ARENAS": "0"}).malloc_arenas == 0
+    with pytest.raises(ConfigError, match="TIERKV_MALLOC_ARENAS='two'"):
+        IOKnobs.from_env({"TIERKV_MALLOC_ARENAS": "two"})
+    with pytest.raises(ConfigError, match="TIERKV_MALLOC_ARENAS=-1"):
+        IOKnobs.from_env({"TIERKV_MALLOC_ARENAS": "-1"})
+
+
+HEAPS_PROBE = """
+import ctypes, sys, threading
+from tierkv.knobs import limit_heaps
+
+limited = limit_heaps(int(sys.argv[1])) if sys.argv[1] != "0" else None
+held, together = [], threading.Barrier(6)
+def allocate():
+    held.append(bytearray(100_000))      # malloc'd (under the mmap threshold), in this thread's heap
+    together.wait()                      # all alive at once: none hands its heap on to the next
+threads = [threading.Thread(target=allocate) for _ in range(6)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(limited, flush=True)
+ctypes.CDLL(None).malloc_stats()          # to stderr: an "Arena N:" block per heap
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+@pytest.mark.parametrize("arenas", [0, 1, 2])
+def test_threads_share_as_many_heaps_as_the_knob_allows(arenas):
+    """Each thread that allocates gets a heap of its own, keeping its own freed memory; the tierkv command
+    caps them (TIERKV_MALLOC_ARENAS)."""
+    run = subprocess.run([sys.executable, "-c", HEAPS_PROBE, str(arenas)], capture_output=True, text=True, check=True)
+    heaps = run.stderr.count("Arena ")
+    if arenas:
+        assert run.stdout.split() == ["True"] and heaps == arenas
+    else:
+        assert heaps > 2       # glibc's own: a heap per thread here, up to 8 per core
+
+
 KEEP_PROBE = """
 import resource, numpy as np
 from tierkv.knobs import keep_freed_memory

@@ -13,6 +13,8 @@ TIERKV_SWITCH_INTERVAL     0.0005    seconds: the interpreter's thread switch in
 TIERKV_MALLOC_KEEP         64MiB     freed heap memory glibc may keep for reuse in the tierkv command
                                      (its trim threshold; blocks under half of it, at most 32 MiB,
                                      come from the heap, not from mmap); 0: glibc's own behaviour
+TIERKV_MALLOC_ARENAS       2         glibc heaps (arenas) the tierkv command's threads share, each
+                                     keeping its own freed memory; 0: glibc's own (8 per core)
 TIERKV_CACHE_DIR           ~/.cache/tierkv  converted models (GGUF -> safetensors) under models/
 =========================  ========  ===============================================
 """
@@ -50,6 +52,9 @@ class IOKnobs:
     # a sparse decode step allocates and frees ~20 MB of temporaries a layer; glibc handed the freed
     # top of its heap back at once, so each layer faulted fresh pages in (bench/RESULTS.md)
     malloc_keep: int = 64 * 1024**2
+    # every thread that allocates (I/O, copies, the loop, OpenMP) gets a heap of its own, each keeping
+    # up to ``malloc_keep`` freed: two shared heaps took a 32K run's peak RSS 120-150 MB lower, as fast
+    malloc_arenas: int = 2
     backends: tuple[str, ...] = field(default=("auto", "kvikio", "odirect", "buffered"), repr=False)
 
     def __post_init__(self) -> None:
@@ -62,13 +67,18 @@ class IOKnobs:
             raise ConfigError(f"TIERKV_NVME_BACKEND={self.nvme_backend!r}: allowed: {', '.join(self.backends)}")
         if self.malloc_keep < 0:
             raise ConfigError(f"TIERKV_MALLOC_KEEP={self.malloc_keep}: must be >= 0 bytes (0: glibc's own)")
+        if self.malloc_arenas < 0:
+            raise ConfigError(f"TIERKV_MALLOC_ARENAS={self.malloc_arenas}: must be >= 0 (0: glibc's own)")
 
     def apply_to_process(self) -> None:
-        """What the tierkv command sets for its own process (the library leaves both as they are): the
-        interpreter's switch interval and, on glibc, how much freed memory malloc keeps."""
+        """What the tierkv command sets for its own process (the library leaves them as they are): the
+        interpreter's switch interval and, on glibc, how much freed memory malloc keeps and in how many
+        heaps."""
         sys.setswitchinterval(self.switch_interval)
         if self.malloc_keep:
             keep_freed_memory(self.malloc_keep)
+        if self.malloc_arenas:
+            limit_heaps(self.malloc_arenas)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> IOKnobs:
@@ -98,6 +108,7 @@ class IOKnobs:
             switch_interval=number("TIERKV_SWITCH_INTERVAL", defaults["switch_interval"], float,
                                    "seconds, like 0.0005"),
             malloc_keep=parse_size(env.get("TIERKV_MALLOC_KEEP", defaults["malloc_keep"]), "TIERKV_MALLOC_KEEP"),
+            malloc_arenas=number("TIERKV_MALLOC_ARENAS", defaults["malloc_arenas"], int, "an integer"),
         )
 
 
@@ -108,14 +119,29 @@ def keep_freed_memory(nbytes: int) -> bool:
     """Let glibc's malloc keep up to ``nbytes`` of freed heap for reuse (``M_TRIM_THRESHOLD``) and take
     blocks under half of it (at most 32 MiB) from the heap (``M_MMAP_THRESHOLD``); this also stops it
     moving both thresholds as it goes. False where the C library has no ``mallopt`` (not glibc)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     trim, mmap_threshold = -1, -3                  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD (malloc.h)
     kept = bool(mallopt(trim, min(nbytes, 2**31 - 1)))
     return kept and bool(mallopt(mmap_threshold, min(nbytes // 2, MMAP_THRESHOLD_MAX)))
+
+
+def limit_heaps(arenas: int) -> bool:
+    """At most ``arenas`` glibc heaps for the threads that allocate from now on (``M_ARENA_MAX``); heaps
+    made before stay. False where the C library has no ``mallopt`` (not glibc)."""
+    mallopt = _mallopt()
+    return mallopt is not None and bool(mallopt(-8, arenas))     # M_ARENA_MAX (malloc.h)
+
+
+def _mallopt():
+    """glibc's ``mallopt(param, value)``, or None."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
 
 
 def cache_dir() -> Path:
