@@ -53,7 +53,7 @@ class IOKnobs:
     # top of its heap back at once, so each layer faulted fresh pages in (bench/RESULTS.md)
     malloc_keep: int = 64 * 1024**2
     # every thread that allocates (I/O, copies, the loop, OpenMP) gets a heap of its own, each keeping
-    # up to ``malloc_keep`` freed: two shared heaps took a 32K run's peak RSS 120-150 MB lower, as fast
+    # up to ``malloc_keep`` freed: two shared heaps took a 32K run's peak RSS 74-148 MB lower, as fast
     malloc_arenas: int = 2
     backends: tuple[str, ...] = field(default=("auto", "kvikio", "odirect", "buffered"), repr=False)
 
