@@ -91,7 +91,7 @@ class KeyTable:
         """The id of ``key``, or -1."""
         id = self._hot.get(key)
         if id is None:
-            id = self._find(int.from_bytes(key[:8], "little"), int.from_bytes(key[8:KEY_BYTES], "little"))
+            id = self._walk(key)
             if id >= 0:
                 self._remember((key,), (id,))
         return id
@@ -130,9 +130,11 @@ class KeyTable:
     def _peek(self, key: bytes) -> int:
         """`find` that remembers nothing."""
         id = self._hot.get(key)
-        if id is None:
-            id = self._find(int.from_bytes(key[:8], "little"), int.from_bytes(key[8:KEY_BYTES], "little"))
-        return id
+        return self._walk(key) if id is None else id
+
+    def _walk(self, key: bytes) -> int:
+        """``key``'s id by its probe sequence (-1: absent)."""
+        return self._find(int.from_bytes(key[:8], "little"), int.from_bytes(key[8:KEY_BYTES], "little"))
 
     def _find_hot(self, keys: Sequence[bytes], remember: bool = True) -> np.ndarray:
         found = np.array(list(map(self._hot.get, keys, repeat(-2, len(keys)))), np.int64)

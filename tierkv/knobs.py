@@ -26,6 +26,7 @@ import os
 import sys
 from pathlib import Path
 from dataclasses import dataclass, field, fields
+from collections.abc import Callable
 from typing import Any
 
 from tierkv.errors import ConfigError
@@ -134,7 +135,7 @@ def limit_heaps(arenas: int) -> bool:
     return mallopt is not None and bool(mallopt(-8, arenas))     # M_ARENA_MAX (malloc.h)
 
 
-def _mallopt():
+def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's ``mallopt(param, value)``, or None."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
