@@ -82,31 +82,42 @@ def top_landmark_chunks(query: Tensor, landmarks: Tensor, k: int, candidates: Te
 
     def row(g: int) -> Tensor:                           # query row g's scores, its bf16 head's and tail's summed
         return wide[..., g] + wide[..., G + g] if split else wide[..., g]
-    scores = row(0) if split else row(0).clone()   # the max over the group, a column at a time (amax over
-    for g in range(1, G):                          # the last dimension: 2x slower)
+    # the max over the group, a column at a time (amax over the last dimension: 2x slower)
+    scores = torch.maximum(row(0), row(1)) if G > 1 else row(0) if split else row(0).clone()
+    for g in range(2, G):
         torch.maximum(scores, row(g), out=scores)                          # [Hkv, C]
     # |scores - exact| <= u |scores| + c (see the docstring); exact: float32 products summed in any order
     u = 2.0 ** -8 * 1.02
     residual = (tail - tail.bfloat16().float()).norm(dim=-1) if split else torch.zeros(Hkv, G)
     summed = 3 * D * 2.0 ** -24 * q.norm(dim=-1)                           # this pass's, the rescoring's, slack
     c = ((summed + residual + 2 * u * tail.norm(dim=-1)).amax(dim=1) * norm.float() * 1.05).unsqueeze(1)
-    if candidates is not None:
-        scores.masked_fill_(~candidates.to(scores.device), float("-inf"))
+    rough_scores = scores.numpy()            # masked and compared by numpy: torch's masked_fill_ and >= over
+    if candidates is not None:               # [3, 131K] took 0.44 and 0.31 ms here, numpy 0.14 and 0.03
+        np.copyto(rough_scores, -np.inf, where=~candidates.cpu().numpy())
         k = min(k, int(candidates.sum()))
     k = min(k, C)
     if k == 0:
         return torch.empty(Hkv, 0, dtype=torch.long)
-    kth = torch.from_numpy(np.partition(scores.numpy(), C - k, axis=1)[:, C - k:C - k + 1].copy())   # [Hkv, 1]
+    kth = torch.from_numpy(np.partition(rough_scores, C - k, axis=1)[:, C - k:C - k + 1].copy())   # [Hkv, 1]
     low = kth - u * kth.abs() - c            # at least k chunks score this much or more, exactly
     above = low - c                          # a chunk whose rough score + its error reaches ``low``:
     floor = torch.where(above >= 0, above / (1 + u), above / (1 - u))            # rough >= floor
-    kept = (scores >= floor).numpy()                                       # [Hkv, C]: at least k a head
+    kept = rough_scores >= floor.numpy()                                   # [Hkv, C]: at least k a head
     best = []
     for h in range(Hkv):
         ids = torch.from_numpy(np.flatnonzero(kept[h]))                    # numpy's: 5x torch.nonzero's speed
         exact = (q[h] @ per_head[h].index_select(0, ids).float().T).amax(dim=0)   # [m]
         best.append(ids[exact.topk(k, sorted=False).indices])
     return torch.stack(best).sort(dim=1).values
+
+
+def chunk_rows(summary: Tensor, chunks: Tensor) -> Tensor:
+    """``summary[chunks]`` of a chunk summary [C, Hkv, D] (landmarks, lo, hi), as [n, Hkv, D] over rows
+    stored head-major, as the index keeps them: gathered a head at a time, 2.6x the speed of indexing
+    the permuted view (154 against 407 us for 2,260 of 131K bf16 landmarks; ``index_select`` along
+    the chunks of the whole [Hkv, C, D] view, not contiguous, took 19 ms)."""
+    per_head = summary.permute(1, 0, 2)
+    return torch.stack([rows.index_select(0, chunks) for rows in per_head]).permute(1, 0, 2)
 
 
 def scores_every_chunk(landmarks: Tensor, k: int, *, scale: Tensor | None = None,

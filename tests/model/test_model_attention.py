@@ -142,3 +142,25 @@ def test_a_key_mask_per_kv_head_equals_attending_to_each_heads_keys_alone():
         assert torch.allclose(lse[:, 3 * h:3 * h + 3], want_lse, atol=1e-5)
     with pytest.raises(ValueError, match="non-causal"):
         attend(q, k, v, causal=True, mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_put_rows_writes_what_torch_indexing_writes(dtype):
+    import numpy as np
+    from tierkv.ops.rows import put_rows
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 12, 8, generator=g).to(dtype)
+    window = x[:, 2:10].view(3, 4, 16)                  # a strided view, as a context's chunk rows are
+    heads, at = np.arange(3)[:, None], np.array([[0, 3], [1, 2], [3, 0]])
+    rows = torch.randn(3, 2, 16, generator=g)
+    want = x.clone()
+    want[:, 2:10].view(3, 4, 16)[torch.from_numpy(heads), torch.from_numpy(at)] = rows.to(dtype)
+    put_rows(window, (heads, at), rows.to(dtype))       # same dtype: numpy over the bytes
+    assert torch.equal(x, want)
+    put_rows(window, (heads, at), rows * 2)             # another dtype: torch's indexing, cast
+    want[:, 2:10].view(3, 4, 16)[torch.from_numpy(heads), torch.from_numpy(at)] = (rows * 2).to(dtype)
+    assert torch.equal(x, want)
+    flat, late = x.view(-1, 8), np.array([0, 5, 35])
+    put_rows(flat, late)                                # zeros: +0.0, as index_fill_ writes
+    assert torch.equal(x, want.view(-1, 8).index_fill_(0, torch.from_numpy(late), 0).view(3, 12, 8))
+    assert not torch.signbit(flat[late].float()).any()

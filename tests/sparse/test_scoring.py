@@ -106,6 +106,16 @@ def test_landmarks_with_room_to_grow_pick_what_contiguous_ones_pick(monkeypatch)
     assert torch.equal(top_landmark_chunks(query, grown, 40, norm=norm), top_landmark_chunks(query, packed, 40, norm=norm))
 
 
+
+def test_chunk_rows_of_landmarks_with_room_to_grow_are_those_indexing_gives():
+    from tierkv.scoring import chunk_rows
+    storage = torch.randn(3, 700, 32, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    grown = storage[:, :500].permute(1, 0, 2)                      # [C, H, D], as the index keeps them
+    chunks = torch.tensor([0, 7, 8, 250, 499])
+    assert torch.equal(chunk_rows(grown, chunks), grown[chunks])
+    assert chunk_rows(grown, chunks[:0]).shape == (0, 3, 32)
+
+
 @pytest.mark.parametrize("k", [0, 1, 7, 63, 64])
 def test_top_indices_are_each_rows_k_best_ascending(k):
     g = torch.Generator().manual_seed(k)

@@ -1,1 +1,1 @@
-"""Tensor math that holds no state and knows no model: attention with exact merges, RoPE."""
+"""Tensor math that holds no state and knows no model: attention with exact merges, RoPE, row writes."""

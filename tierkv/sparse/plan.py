@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tierkv.ops.rope import RopeTable, apply_rope
-from tierkv.scoring import bound_scores, landmark_scores, landmark_values, top_indices
+from tierkv.scoring import bound_scores, chunk_rows, landmark_scores, landmark_values, top_indices
 from tierkv.sparse.config import SparseConfig
 
 if TYPE_CHECKING:
@@ -158,9 +158,9 @@ class WholePages:
             scores = scores[:, wide]
         elif index.landmarks is not None:
             scale = index.landmark_scale
-            scores = landmark_scores(query, index.landmarks[wide], None if scale is None else scale[wide])
+            scores = landmark_scores(query, chunk_rows(index.landmarks, wide), None if scale is None else scale[wide])
         elif index.lo is not None:
-            scores = bound_scores(query, index.lo[wide], index.hi[wide])
+            scores = bound_scores(query, chunk_rows(index.lo, wide), chunk_rows(index.hi, wide))
         else:
             return chunks, False
         scores.scatter_(1, torch.searchsorted(wide, chunks), float("inf"))     # a head's own chunks stay

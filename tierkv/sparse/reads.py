@@ -25,6 +25,7 @@ from tierkv.layout import BlockLayout, Blocks, Index
 from tierkv.manager import BlockingTierManager, Lease
 from tierkv.manager.lease import Lent
 from tierkv.manager.read_future import ReadFuture
+from tierkv.ops.rows import put_rows
 from tierkv.sparse.layer_state import LayerState
 from tierkv.sparse.lowrank import reconstruct
 from tierkv.sparse.order import Placed
@@ -84,12 +85,14 @@ class PageReader:
         """What brings the gathered rows whose page ``read`` is still loading; ``rows`` [Hkv, M]:
         each gathered token's row in the read's pages (-1: an outlier, never missing)."""
         future, blocks, P = read.future, read.blocks, self.layout.tokens
-        missing = (rows >= 0) & read.loading[rows.clamp(min=0) // P]
+        at_rows = rows.numpy()                     # numpy: torch's indexing and compares cost ~5x here
+        missing = torch.from_numpy((at_rows >= 0) & read.loading.numpy()[np.maximum(at_rows, 0) // P])
 
         def finish() -> tuple[Tensor, Tensor, Tensor, Tensor]:
             future.wait()
             count = missing.sum(dim=1)                                            # [Hkv]
-            at = (~missing).to(torch.uint8).argsort(dim=1, stable=True)[:, :int(count.max())]   # missing first
+            at = np.argsort(~missing.numpy(), axis=1, kind="stable")[:, :int(count.max())]   # missing first
+            at = torch.from_numpy(np.ascontiguousarray(at))
             valid = torch.arange(at.shape[1]) < count.unsqueeze(1)
             row = rows.gather(1, at).clamp(min=0)
             page, tok = row.div(P, rounding_mode="floor"), row % P
@@ -148,10 +151,10 @@ class PageReader:
             k, v = self._rebuild(state, place, blocks, shared)
             if loading is not None:   # the pages still loading hold whatever ``raw`` held: their rows are zeros
                 late = place.at() + np.arange(k.shape[0])[:, None] * k.shape[1]
-                late = torch.from_numpy(late[loading.numpy()[place.rows() // self.layout.tokens]])
+                late = late[loading.numpy()[place.rows() // self.layout.tokens]]
                 k, v = k.contiguous(), v.contiguous()                     # fresh: zeroed in place, by row
-                for x in (k, v):                                          # (a broadcast masked_fill: 3x slower)
-                    x.view(-1, x.shape[-1]).index_fill_(0, late, 0)
+                for x in (k, v):                  # (index_fill_: 3x slower; a broadcast masked_fill: more)
+                    put_rows(x.view(-1, x.shape[-1]), late)
         except BaseException:
             if future is not None:
                 future.cancel()

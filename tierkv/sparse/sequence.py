@@ -38,6 +38,7 @@ from torch import Tensor
 from tierkv.errors import BlockMissing
 from tierkv.keys import BlockKey
 from tierkv.manager import BlockingTierManager
+from tierkv.ops.rows import put_rows
 from tierkv.sparse.allocation import Allocation
 from tierkv.sparse.config import SparseConfig
 from tierkv.sparse.index import ChunkIndex
@@ -251,9 +252,8 @@ class SparseSequence:
             k, v = (torch.empty(H, before + M + after, D, dtype=dtype) for _ in range(2))
         if ids.numel():                 # written whole chunks at a time: rows [c*D] of a view of the buffer
             k, v = joinable(k, k_out).contiguous(), joinable(v, v_out).contiguous()   # (a decoded take may not be)
-            at_out, heads_t = torch.from_numpy(at_out), torch.from_numpy(heads)
             for x, exact in zip((k, v), state.index.exact_by_head()):
-                x[:, before:before + M].view(H, M // c, c * D)[heads_t, at_out] = exact
+                put_rows(x[:, before:before + M].view(H, M // c, c * D), (heads, at_out), exact)
         self.stats.tokens += M
         if read is None or read.future is None:
             return k, v, pos, None
