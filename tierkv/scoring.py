@@ -83,7 +83,7 @@ def top_landmark_chunks(query: Tensor, landmarks: Tensor, k: int, candidates: Te
     def row(g: int) -> Tensor:                           # query row g's scores, its bf16 head's and tail's summed
         return wide[..., g] + wide[..., G + g] if split else wide[..., g]
     # the max over the group, a column at a time (amax over the last dimension: 2x slower)
-    scores = torch.maximum(row(0), row(1)) if G > 1 else row(0) if split else row(0).clone()
+    scores = torch.maximum(row(0), row(1)) if G > 1 else row(0).clone()
     for g in range(2, G):
         torch.maximum(scores, row(g), out=scores)                          # [Hkv, C]
     # |scores - exact| <= u |scores| + c (see the docstring); exact: float32 products summed in any order
