@@ -10,9 +10,10 @@ import torch
 
 from tierkv.errors import BlockMissing
 from tierkv.manager import BlockingTierManager, TierManager
-from tierkv.manager.lease import Lent
+from tierkv.manager.lease import Lease, Lent, Watched
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier
+from tierkv.tiers.memory import HostSpace
 from tierkv.tiers.nvme import NvmeTier
 
 from conftest import BLOCK, assert_quiescent, block, key
@@ -480,4 +481,62 @@ def test_row_guesses_are_checked_against_the_keys_and_a_wrong_one_is_looked_up(t
         mgr.put(newcomer, block(50))
         assert mgr.rows([newcomer]).tolist() == [rows[0]]                 # keys[0]'s row, reused
         lent([1, 5, 6, 7], [int(rows[0]), *rows[[5, 6, 7]].tolist()])  # a stale guess: the newcomer's row
+        assert_quiescent(mgr.manager)
+
+
+def space_manager(path, knobs, gpu=4, cpu=4) -> BlockingTierManager:
+    """The gpu and cpu tiers as ranges of one HostSpace (what build_tiers makes without CUDA), a store below."""
+    space = HostSpace(BLOCK)
+    tiers = [GpuTier(BLOCK, gpu * BLOCK, torch.device("cpu"), space=space), CpuTier(BLOCK, cpu * BLOCK, space=space),
+             NvmeTier(path, BLOCK, 256 * BLOCK)]
+    return BlockingTierManager(TierManager(tiers, knobs=knobs))
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_lent_packed_read_in_one_host_space_copies_nothing_the_loaded_blocks_included(tmp_path, knobs, pin):
+    """Blocks in the gpu and the cpu tier and on disk: the ones in memory are lent where they lie, as rows
+    of the space; ``wait`` fills in the rows of the loaded ones, pinned until ``release``."""
+    with space_manager(tmp_path / "s", knobs) as mgr:
+        keys = stored(mgr, 12)
+        assert {mgr.where(k)[0] for k in keys} == {"gpu", "cpu", "nvme"}
+        out = torch.zeros(len(keys), BLOCK, dtype=torch.uint8)
+        future = mgr.read(keys, into=out, lend=True, pin=pin, packed=True)
+        space, at = future.extent
+        assert space.data_ptr() == mgr.space.rows().data_ptr() and future.missing
+        assert (at[future.missing] == -1).all() and (at[future.ready] >= 0).all()
+        assert all(torch.equal(space[at[i]], block(i)) for i in future.ready) and not out.any()
+        assert isinstance(future.lease, Lease if pin else Watched) and future.lease.release()
+        future.wait()                        # (its loads may take the slots of the blocks lent before)
+        assert (at >= 0).all() and all(torch.equal(space[at[i]], block(i)) for i in future.missing)
+        assert not out.any() and sum(t.pool.busy_slots() for t in mgr.manager.tiers.values())   # the loaded: pinned
+        future.release()
+        mgr.contains(keys[0])
+        assert_quiescent(mgr.manager)
+
+
+def test_a_watched_lend_fails_when_one_of_its_own_slots_was_freed_not_another(tmp_path, knobs):
+    """Unlike a ``Lent`` (any slot of the tier freed), a ``Watched`` lease fails only when a slot it
+    lent was freed: a load running beside the read evicts other blocks without failing it. A future
+    cancelled after ``wait`` lets go of what it lent."""
+    with space_manager(tmp_path / "s", knobs, gpu=8) as mgr:
+        keys = stored(mgr, 20)
+        out = torch.zeros(4, BLOCK, dtype=torch.uint8)
+        on_gpu, on_cpu = ([k for k in keys if mgr.where(k)[0] == name] for name in ("gpu", "cpu"))
+        on_disk = [k for k in keys if mgr.where(k) == ["nvme"]]
+        future = mgr.read([on_gpu[0], on_cpu[0], *on_disk[:2]], into=out, lend=True, pin=False, packed=True)
+        assert isinstance(future.lease, Watched) and future.missing
+        mgr.drop([on_gpu[5]])                               # another block's slot
+        assert future.lease.release()
+        future.wait()
+        future.cancel()                                     # lets go of the loaded blocks
+        mgr.contains(keys[0])
+        assert_quiescent(mgr.manager)
+        on_gpu, on_cpu = ([k for k in keys if mgr.where(k)[:1] == [name]] for name in ("gpu", "cpu"))
+        asked = [on_gpu[0], on_cpu[0], *(k for k in on_disk if mgr.where(k) == ["nvme"])][:4]
+        future = mgr.read(asked, into=out, lend=True, pin=False, packed=True)
+        assert isinstance(future.lease, Watched) and future.missing == [2, 3]
+        mgr.drop([on_cpu[0]])                               # one of the lent blocks' own slots
+        assert not future.lease.release()
+        future.cancel()
+        settle(mgr, keys[0])
         assert_quiescent(mgr.manager)

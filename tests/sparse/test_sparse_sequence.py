@@ -8,12 +8,14 @@ from tierkv.config import TierConfig
 from tierkv.keys import BlockKey
 from tierkv.errors import BlockCorrupt
 from tierkv.manager import BlockingTierManager, TierManager
+from tierkv.manager.lease import Watched
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
 from tierkv.sparse.order import Placed, ascending, merge_slots, page_slots, token_rows
 from tierkv.sparse.reads import PageReader
 from tierkv.sparse.step import gather_context
+from tierkv.tiers.memory import MemoryTier
 
 H, D = 2, 16
 
@@ -87,10 +89,10 @@ def test_full_rank_gather_returns_the_exact_keys_values_and_positions():
         assert_exact(seq.gather(0, chunks), k, v, [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)])
 
 
-def test_pages_in_one_host_tier_are_read_in_place_pages_in_two_are_copied(monkeypatch):
+def test_pages_in_one_host_tier_or_two_sharing_a_space_are_read_in_place(monkeypatch):
     """A read whose pages all lie in one host tier takes their rows where they lie (nothing copied out
-    whole); one whose pages lie in the gpu and the cpu tier (both host memory here) copies them out
-    first. Both give the exact keys and values, and leave nothing pinned."""
+    whole); so does one whose pages lie in the gpu and the cpu tier, both host memory here and ranges
+    of one ``HostSpace``. Both give the exact keys and values, and leave nothing pinned."""
     cfg = config(outlier_fraction=0.2)
     block = BlockLayout.page(cfg.page_tokens, H, D, H * D, torch.float32).block_bytes
     copies: list[int] = []
@@ -104,11 +106,12 @@ def test_pages_in_one_host_tier_are_read_in_place_pages_in_two_are_copied(monkey
         on_gpu = [c for c, tier in tier_of.items() if tier == "gpu"]
         on_cpu = [c for c, tier in tier_of.items() if tier == "cpu"]
         assert on_gpu and on_cpu                                  # the gpu tier holds 8 of 11 pages
-        for chunks, copied in ((torch.tensor([[on_gpu[0]], [on_gpu[-1]]]), []),    # one tier: in place
-                               (torch.tensor([[on_gpu[0]], [on_cpu[0]]]), [2])):    # two: copied out
+        assert manager.space is not None
+        for chunks in (torch.tensor([[on_gpu[0]], [on_gpu[-1]]]),        # one tier
+                       torch.tensor([[on_gpu[0]], [on_cpu[0]]])):        # two, one space
             copies.clear()
             assert_exact(seq.gather(0, chunks), k, v, [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)])
-            assert copies == copied and manager.busy_blocks() == 0
+            assert copies == [] and manager.busy_blocks() == 0
 
 
 def test_a_split_read_lends_pages_unpinned_and_reads_them_again_pinned_if_a_slot_was_freed(monkeypatch):
@@ -269,6 +272,59 @@ def test_a_split_gather_returns_what_is_in_place_and_brings_the_rest(tmp_path):
             loading.finish()
         assert manager.busy_blocks() == 0
         assert seq.gather_split(0, chunks)[3] is None                     # every page is in place now
+
+
+def whole_split_gather(seq, chunks):
+    """``gather_split``, then its late rows written in: (k, v, pos), and whether any were late."""
+    k, v, pos, loading = seq.gather_split(0, chunks)
+    if loading is None:
+        return (k, v, pos), False
+    at, valid, k_new, v_new = loading.finish()
+    k, v = k.clone(), v.clone()
+    for h in range(k.shape[0]):
+        k[h, at[h, valid[h]]], v[h, at[h, valid[h]]] = k_new[h, valid[h]], v_new[h, valid[h]]
+    return (k, v, pos), True
+
+
+def test_a_split_gather_in_one_host_space_copies_no_page_the_loaded_ones_included(tmp_path, monkeypatch):
+    """The gpu and the cpu tier are ranges of one ``HostSpace``: a split gather takes the rows of the
+    pages in memory where they lie, and of those it loads from disk where they land, copying no page
+    whole. When its lent pages may have moved while their rows were taken (the check fails), it reads
+    them again, pinned. Exact either way, nothing left pinned."""
+    cfg = config(outlier_fraction=0.2)
+    block = BlockLayout.page(cfg.page_tokens, H, D, H * D, torch.float32).block_bytes
+    with pages_manager(cfg, gpu=8 * block, cpu=2 * block, nvme_dir=tmp_path / "s") as manager:
+        seq, k, v, outliers, candidates = indexed_tokens(manager, cfg)      # 11 pages: the first on disk alone
+        assert manager.space is not None
+
+        def spread() -> torch.Tensor:
+            """Per head, a chunk of a page on disk alone or in the cpu tier, and one in the gpu tier: four
+            pages, no more than half the gpu tier (read in one group)."""
+            tier = {c: manager.where(seq.layers[0].pages[c // 2])[0] for c in candidates.tolist()}
+            first = {name: [c for c, t in tier.items() if t == name] for name in ("gpu", "cpu", "nvme")}
+            assert all(first.values())
+            return torch.tensor([sorted([first["nvme"][0], first["gpu"][0]]),
+                                 sorted([first["cpu"][0], first["gpu"][-1]])])
+        copies, reads = [], []
+        monkeypatch.setattr(MemoryTier, "gather", lambda self, *a, **kw: copies.append(self.name))
+        real_read = BlockingTierManager.read
+        monkeypatch.setattr(BlockingTierManager, "read", lambda self, *a, **kw: (
+            reads.append(kw.get("pin", True)), real_read(self, *a, **kw))[1])
+        chunks = spread()
+        expect = [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)]
+        got, late = whole_split_gather(seq, chunks)
+        assert late and copies == [] and reads == [False] and manager.busy_blocks() == 0
+        assert_exact(got, k, v, expect)
+
+        checks = iter([False])
+        real_release = Watched.release
+        monkeypatch.setattr(Watched, "release", lambda self: next(checks, None) is not False and real_release(self))
+        chunks = spread()
+        expect = [tokens_of([*chunks[h].tolist(), *outliers]) for h in range(H)]
+        reads.clear()
+        got, late = whole_split_gather(seq, chunks)
+        assert late and reads == [False, True] and copies == [] and manager.busy_blocks() == 0
+        assert_exact(got, k, v, expect)
 
 
 def test_a_crop_before_the_basis_is_fitted_takes_its_keys_out_of_the_gram_matrix():

@@ -11,6 +11,7 @@ loop runs on a thread of its own. Each call hops to that loop and waits::
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections import deque
 from collections.abc import Awaitable, Coroutine, Iterator, Sequence
@@ -27,12 +28,13 @@ from tierkv.config import TierConfig
 from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
 from tierkv.errors import BlockMissing
-from tierkv.manager.lease import Lent, lends_in_place
+from tierkv.manager.lease import Lent, Watched, lends_in_place, shared_space, space_rows
 from tierkv.manager.read_future import ReadFuture, packed_rows, thread_future
 from tierkv.manager.manager import Lease, TierManager
 from tierkv.manager.residency import by_tier, touch_all
 from tierkv.manager.remote import Recompute, hold_or_fetch
 from tierkv.tiers.base import Tier
+from tierkv.tiers.memory import HostSpace
 from tierkv.tiers.remote import RemoteStore
 from tierkv.events import AccessHook, EventRecorder
 
@@ -60,6 +62,13 @@ class BlockingTierManager:
     def from_config(cls, config: TierConfig, *, namespace: str = "default", knobs: IOKnobs | None = None,
                     recorder: EventRecorder | None = None) -> BlockingTierManager:
         return cls(TierManager.from_config(config, namespace=namespace, knobs=knobs, recorder=recorder))
+
+    @functools.cached_property
+    def space(self) -> HostSpace | None:
+        """The ``HostSpace`` every memory tier lies in, or None: where there is one, a packed read that
+        may lend lends its blocks where they lie, those it loads too (see ``read``)."""
+        mgr = self.manager
+        return shared_space(mgr.tiers[name] for name in mgr.memory_tiers)
 
     # -- calls ----------------------------------------------------------
     def pin_group(self, tier: str | None = None) -> int:
@@ -100,7 +109,10 @@ class BlockingTierManager:
         ``packed``: where the blocks are copied and lie in several tiers or some are loading, the rows of
         ``into`` go to the blocks in memory first, a run per tier, then to those loading
         (``ReadFuture.placed``: each key's row): runs are copied at memory speed, rows scattered among
-        others at half of it.
+        others at half of it. ``lend`` and ``packed`` where every memory tier lies in one ``HostSpace``
+        (``space``): nothing is copied; ``ReadFuture.extent`` gives each block's row of the space
+        (-1: loading, filled in by ``wait``), ``lease`` holds those in memory, and ``ReadFuture.release``
+        lets go of those ``wait`` lent.
 
         ``pin=False``: the blocks are found on this thread, with no hop and no pin. With ``lend``,
         where every block lies in one extent of the first tier read in place, they are lent as a
@@ -128,6 +140,17 @@ class BlockingTierManager:
         lease = self._callers(lease)
         if packed:
             future.placed = packed_rows(lease.places, ready, missing)
+        space = self.space if lend and packed else None
+        if space is not None:           # lent where they lie, the loading ones too once they arrive
+            at = np.full(len(keys), -1, np.int64)
+            try:
+                at[ready] = space_rows(self.manager.tiers, lease.places)
+            except BaseException:
+                lease.release()
+                future.cancel()
+                raise
+            future.extent, future.lease = (space.rows(), at), lease
+            return future
         if lend and not missing:
             try:
                 future.extent = lease.in_place()
@@ -175,15 +198,17 @@ class BlockingTierManager:
             found = [slots] + [mgr.directory.slots_and_rows(keys, name, rows, off_loop=True)[0] for name in names[1:]]
         except (BlockMissing, IndexError):   # unknown keys, or a lookup that raced a change
             return None
-        return self._copy_unpinned(keys, into, tier, layer, rows, names, found, epochs)
+        return self._copy_unpinned(keys, into, tier, layer, rows, names, found, epochs, lend=lend)
 
     def _copy_unpinned(self, keys: Sequence[BlockKey], into: torch.Tensor, tier: str | None, layer: int | None,
                        rows: np.ndarray, names: list[str], found: list[np.ndarray],
-                       epochs: list[int]) -> ReadFuture | None:
+                       epochs: list[int], *, lend: bool) -> ReadFuture | None:
         """The packed read of ``_read_unpinned`` where not every block is in the first tier: the blocks
         none holds start loading, then each other block is copied from the first of ``names`` holding it
         (``found``: its slot in each); None where none is missing (the pinned read copies those) or a
-        slot was freed.
+        slot was freed. ``lend``, where every memory tier lies in one ``HostSpace``: nothing is copied;
+        the future lends the blocks where they lie (``ReadFuture.extent``, rows of the space; -1: still
+        loading) and its ``lease`` is a ``Watched`` one, the loading ones too once they arrive.
 
         The load goes first, so its preparation on the loop overlaps the copies here. Its evictions
         free slots of the tiers copied from, so the copies are checked by their own slots'
@@ -195,7 +220,8 @@ class BlockingTierManager:
         for i, slots in reversed(list(enumerate(found))):   # the first tier holding a block wins
             where[slots >= 0] = i
         missing = np.flatnonzero(where < 0)
-        if not len(missing):
+        space = self.space if lend else None
+        if not len(missing) and space is None:
             return None
         order = np.argsort(where, kind="stable")            # missing (-1) first, then a run per tier
         placed = np.empty(len(keys), np.int64)
@@ -211,10 +237,20 @@ class BlockingTierManager:
             self._used.append((names[i], [keys[j] for j in mine.tolist()]))   # touched before the load's evictions
         loading = [keys[j] for j in missing.tolist()]
         pending = asyncio.run_coroutine_threadsafe(
-            self._after_releases(mgr.load_missing(loading, tier, layer=layer, rows=rows[missing])), self._loop)
+            self._after_releases(mgr.load_missing(loading, tier, layer=layer, rows=rows[missing])), self._loop) \
+            if len(loading) else None
         future = ReadFuture(self, into, np.flatnonzero(where >= 0).tolist(), missing.tolist(), pending, tier, layer)
+        future.placed, future.rows = placed, rows
+        if space is not None:
+            at = np.full(len(keys), -1, np.int64)
+            for i, mine, slots in copied:
+                at[mine] = mgr.tiers[names[i]].space_rows(slots)
+                mgr.record_hits(names[i], len(mine), layer)
+            future.extent = space.rows(), at
+            future.lease = Watched(tuple(keys), tuple((pool, slots, gens) for pool, (_, _, slots), gens
+                                                      in zip(pools, copied, noted)))
+            return future
         try:
-            future.placed, future.rows = placed, rows
             for i, mine, slots in copied:
                 mgr.tiers[names[i]].gather(slots.tolist(), into, placed[mine].tolist())
         except BaseException:

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 
 from policies import make_policy
 from tierkv.config import TierConfig
+from tierkv.device import compute_device, has_cuda
 from tierkv.knobs import IOKnobs
 from tierkv.manager.array_lru import ArrayLRU
 from tierkv.manager.directory import Directory
@@ -13,16 +14,21 @@ from tierkv.policy import EvictionPolicy
 from tierkv.tiers.base import Medium, Tier
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier
+from tierkv.tiers.memory import HostSpace
 
 
 def build_tiers(config: TierConfig, *, namespace: str = "default",
                 knobs: IOKnobs | None = None) -> list[Tier]:
+    """The tiers, fastest first. The gpu and cpu tiers that are plain host memory (no CUDA) share one
+    ``HostSpace``: a read of blocks spread over both takes their rows in place, copying none whole."""
     knobs = knobs or IOKnobs.from_env()
     tiers: list[Tier] = []
+    space = HostSpace(config.block_bytes)
     if config.gpu:
-        tiers.append(GpuTier(config.block_bytes, config.gpu))
+        device = compute_device()
+        tiers.append(GpuTier(config.block_bytes, config.gpu, device, space=space if device.type == "cpu" else None))
     if config.cpu:
-        tiers.append(CpuTier(config.block_bytes, config.cpu))
+        tiers.append(CpuTier(config.block_bytes, config.cpu, space=None if has_cuda() else space))
     if config.cxl:
         from tierkv.tiers.cxl import CxlTier
         tiers.append(CxlTier(config.block_bytes, config.cxl, config.cxl_link()))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tierkv.manager.lease import Lease, Lent
+from tierkv.manager.lease import Lease, Lent, Watched, space_rows
 
 if TYPE_CHECKING:
     from tierkv.manager.blocking import BlockingTierManager
@@ -70,16 +70,26 @@ class ReadFuture:
     ``f.lease`` holds them pinned, ``f.extent`` is where they lie (``Lease.in_place``), and the
     caller reads them there and releases the lease. A packed read (``read(..., packed=True)``)
     puts block i in row ``f.placed[i]`` of ``into`` (None: row i).
+
+    A packed read that may lend, where every memory tier lies in one ``HostSpace``, copies nothing
+    at all: ``f.extent`` is (the space's rows, each key's row in it, -1 while it loads), ``f.lease``
+    holds the blocks found in memory, and ``wait()`` fills in the rows of the rest, which stay pinned
+    until ``f.release()``::
+
+        f = mgr.read(keys, into=rows, lend=True, packed=True)
+        space, at = f.extent               # read rows space[at[i]] where at[i] >= 0, then f.lease.release()
+        f.wait(); read the rest; f.release()
     """
 
     def __init__(self, manager: BlockingTierManager, into: torch.Tensor, ready: list[int], missing: list[int],
                  pending: Future | None, tier: str | None, layer: int | None) -> None:
         self.ready, self.missing = ready, missing
         self._manager, self._into, self._pending, self._tier, self._layer = manager, into, pending, tier, layer
-        self.lease: Lease | Lent | None = None
+        self.lease: Lease | Lent | Watched | None = None
         self.extent: tuple[torch.Tensor, np.ndarray] | None = None
         self.rows: np.ndarray | None = None     # the keys' directory rows, where a read without pins found them
         self.placed: np.ndarray | None = None   # each key's row of ``into`` (packed reads; None: row i)
+        self._loaded: Lease | None = None       # what ``wait`` lent in place, until ``release``
 
     def done(self) -> bool:
         """Nothing is left loading (or it was waited for, or cancelled)."""
@@ -100,15 +110,32 @@ class ReadFuture:
             raise
         mgr.events.wait("", self._tier or mgr.memory_tiers[0], self._layer,
                         len(self.missing) * mgr.block_bytes, start, len(self.missing))
+        lease = self._manager._callers(lease)
+        if self.extent is not None:           # lent in place: these too, pinned until ``release``
+            try:
+                self.extent[1][self.missing] = space_rows(mgr.tiers, lease.places)
+            except BaseException:
+                lease.release()
+                raise
+            self._loaded = lease
+            return self._into
         rows = self.missing if self.placed is None else self.placed[self.missing].tolist()
-        self._manager._copy_out(self._manager._callers(lease), self._into, rows)
+        self._manager._copy_out(lease, self._into, rows)
         return self._into
 
+    def release(self) -> None:
+        """Unpin the blocks ``wait`` lent in place (a read that lent some: see ``extent``)."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None:
+            loaded.release()
+
     def cancel(self) -> None:
-        """The caller will not wait: the missing blocks are released whenever they arrive."""
+        """The caller will not wait: the missing blocks are released whenever they arrive (and those
+        ``wait`` lent in place, now)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.add_done_callback(self._release)
+        self.release()
 
     def _release(self, pending: Future) -> None:
         if not pending.cancelled() and pending.exception() is None:

@@ -3,8 +3,9 @@ it gives back, the chosen tokens' keys and values and, for a split read (``Spars
 ``Loading`` that brings the rows of the pages still loading.
 
 A read pins the pages, or, split, takes those in memory without a pin and leaves the rest
-loading; pages pinned in one extent of a host tier are read in place, others are copied out
-first. Keys are rebuilt from each page's factors (the identity basis: the factors are the keys),
+loading; pages pinned in one extent of a host tier are read in place, and so are a split read's
+where the memory tiers share a ``HostSpace`` (the loaded ones too); others are copied out first.
+Keys are rebuilt from each page's factors (the identity basis: the factors are the keys),
 values taken as they are, each head's rows only (``tierkv.sparse.order.Placed`` says which)::
 
     SparseSequence._gather --chunks, Placed--> PageReader.read --> LayerRead (k, v, and what loads)
@@ -70,7 +71,7 @@ class LayerRead:
     k: Tensor
     v: Tensor
     place: Placed
-    blocks: Blocks | None              # the pages, each in its row (a split read's: copied out)
+    blocks: Blocks | None              # the pages, each in its row (a split read's: copied out, or lent)
     future: ReadFuture | None
     loading: Tensor | None = None      # [pages] bool: still loading into blocks
 
@@ -90,15 +91,19 @@ class PageReader:
 
         def finish() -> tuple[Tensor, Tensor, Tensor, Tensor]:
             future.wait()
-            count = missing.sum(dim=1)                                            # [Hkv]
-            at = np.argsort(~missing.numpy(), axis=1, kind="stable")[:, :int(count.max())]   # missing first
-            at = torch.from_numpy(np.ascontiguousarray(at))
-            valid = torch.arange(at.shape[1]) < count.unsqueeze(1)
-            row = rows.gather(1, at).clamp(min=0)
-            page, tok = row.div(P, rounding_mode="floor"), row % P
-            heads = torch.arange(at.shape[0]).unsqueeze(1)
-            keys = self._head_keys(state, blocks, page, tok, heads)                 # [Hkv, m, D]
-            return at, valid, keys, blocks.take("values", (page, tok, heads))
+            try:                               # lent in place: the loaded pages are rows of the space too
+                loaded = blocks if future.extent is None else Blocks(self.layout, *future.extent)
+                count = missing.sum(dim=1)                                            # [Hkv]
+                at = np.argsort(~missing.numpy(), axis=1, kind="stable")[:, :int(count.max())]   # missing first
+                at = torch.from_numpy(np.ascontiguousarray(at))
+                valid = torch.arange(at.shape[1]) < count.unsqueeze(1)
+                row = rows.gather(1, at).clamp(min=0)
+                page, tok = row.div(P, rounding_mode="floor"), row % P
+                heads = torch.arange(at.shape[0]).unsqueeze(1)
+                keys = self._head_keys(state, loaded, page, tok, heads)                 # [Hkv, m, D]
+                return at, valid, keys, loaded.take("values", (page, tok, heads))
+            finally:
+                future.release()
         return Loading(missing, finish, future.cancel)
 
     def read(self, state: LayerState, layer: int, pages: np.ndarray, place: Placed, *, tier: str | None,
@@ -137,7 +142,10 @@ class PageReader:
                     state.page_rows[pages] = future.rows
                 if future.lease is None:
                     break
-                read = self._read_lease(state, future.lease, future.extent, place, shared)
+                if future.missing:                # lent where they lie in a HostSpace, some loading
+                    read = self._read_lent(state, future, place, shared)
+                else:
+                    read = self._read_lease(state, future.lease, future.extent, place, shared)
                 if read is not None:              # every page in memory, in one extent: read there
                     return read
             placed = None if future.placed is None else np.concatenate((np.arange(first), first + future.placed))
@@ -150,11 +158,7 @@ class PageReader:
             blocks = Blocks(self.layout, raw, placed)        # (a packed read's rows: in place first)
             k, v = self._rebuild(state, place, blocks, shared)
             if loading is not None:   # the pages still loading hold whatever ``raw`` held: their rows are zeros
-                late = place.at() + np.arange(k.shape[0])[:, None] * k.shape[1]
-                late = late[loading.numpy()[place.rows() // self.layout.tokens]]
-                k, v = k.contiguous(), v.contiguous()                     # fresh: zeroed in place, by row
-                for x in (k, v):                  # (index_fill_: 3x slower; a broadcast masked_fill: more)
-                    put_rows(x.view(-1, x.shape[-1]), late)
+                k, v = self._zero_late(k, v, place, loading.numpy())
         except BaseException:
             if future is not None:
                 future.cancel()
@@ -192,6 +196,34 @@ class PageReader:
             lease.release()
             raise
         return read if lease.release() else None
+
+    def _read_lent(self, state: LayerState, future: ReadFuture, place: Placed, shared: bool) -> LayerRead | None:
+        """A split read whose pages ``future`` lends where they lie in a ``HostSpace`` (``future.extent``),
+        some still loading: the rows of those in memory are taken there, those of the loading ones are
+        zeros, and the future brings the rest (``loading``). None where lent pages moved while they were
+        read (the future cancelled: read them again, pinned)."""
+        space, at = future.extent
+        late = at < 0
+        try:
+            blocks = Blocks(self.layout, space, np.maximum(at, 0))    # (a loading page's rows: zeroed below)
+            k, v = self._zero_late(*self._rebuild(state, place, blocks, shared), place, late)
+        except BaseException:
+            future.lease.release()
+            future.cancel()
+            raise
+        if not future.lease.release():
+            future.cancel()
+            return None
+        return LayerRead(k, v, place, blocks, future, torch.from_numpy(late))
+
+    def _zero_late(self, k: Tensor, v: Tensor, place: Placed, late: np.ndarray) -> tuple[Tensor, Tensor]:
+        """``k`` and ``v`` with the rows of the pages ``late`` [pages] bool says are still loading zeroed."""
+        rows = place.at() + np.arange(k.shape[0])[:, None] * k.shape[1]
+        rows = rows[late[place.rows() // self.layout.tokens]]
+        k, v = k.contiguous(), v.contiguous()                     # fresh: zeroed in place, by row
+        for x in (k, v):                  # (index_fill_: 3x slower; a broadcast masked_fill: more)
+            put_rows(x.view(-1, x.shape[-1]), rows)
+        return k, v
 
     def _rebuild(self, state: LayerState, place: Placed, blocks: Blocks, shared: bool) -> tuple[Tensor, Tensor]:
         """Keys and values [Hkv, width, D] of the rows ``place`` gives: every row is taken, those of

@@ -14,6 +14,13 @@ a caller that reads blocks in place (`locate_many`) then finds a read's blocks i
 one or two of them. Pinned and device memory is committed when allocated, so its
 extents stay small (`PINNED_EXTENT_BYTES`).
 
+Plain host tiers of one manager may share one `HostSpace`: one mapping of memory in which each
+tier owns a range of rows, so blocks spread over several such tiers are rows of one tensor, and a
+reader takes the rows it wants of all of them with one index and copies no block whole::
+
+    space:   | gpu tier's slots 0..n-1 | cpu tier's slots 0..m-1 |      (rows of block_bytes)
+    row of (tier, slot) = tier.space_first + slot                      (`MemoryTier.space_rows`)
+
 `gather` and `scatter` move many slots to or from one contiguous tensor,
 adjacent slots of one extent as one copy (a run; runs stop at extent edges)::
 
@@ -30,6 +37,8 @@ scheduler holds back delays one run, not half the batch.
 from __future__ import annotations
 
 import ctypes
+import mmap
+import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,21 +55,67 @@ EXTENT_BYTES = 1024**3             # plain host memory: committed as it is writt
 PINNED_EXTENT_BYTES = 64 * 1024**2  # pinned host and device memory: committed when allocated
 SPLIT_BYTES = 4 * 1024**2  # host gathers/scatters this big also run on torch's other intra-op threads
 INDEXED_BYTES = 64 * 1024  # host copies of blocks this small go by numpy indexing, not a memmove each
+MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0   # (mmap's own constant: Python 3.12 on)
+
+
+class HostSpace:
+    """Rows of ``block_bytes`` of plain host memory that several host tiers share, each claiming a range
+    of them when it is made; mapped on first use, all at once and without reserving swap, so the OS
+    commits a page only when it is first written (as with the tiers' own extents)::
+
+        space = HostSpace(block_bytes)
+        first = space.claim(slots)        # rows first .. first + slots - 1 are the claimer's
+        space.rows()                      # uint8 [rows, block_bytes], every claimer's rows
+    """
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.claimed = 0
+        self._rows: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def claim(self, slots: int) -> int:
+        """Rows for ``slots`` blocks; the first of them. Only before the space is first used."""
+        with self._lock:
+            if self._rows is not None:
+                raise RuntimeError("HostSpace.claim: the space is already mapped; claim every range first")
+            first, self.claimed = self.claimed, self.claimed + slots
+            return first
+
+    def rows(self) -> torch.Tensor:
+        """Every claimed row, uint8 [rows, block_bytes], starting on a page boundary (mapped on first use)."""
+        if self._rows is None:
+            with self._lock:
+                if self._rows is None:
+                    nbytes = max(1, self.claimed * self.block_bytes)
+                    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+                    self._rows = torch.frombuffer(mapped, dtype=torch.uint8)[:self.claimed * self.block_bytes] \
+                        .view(self.claimed, self.block_bytes)
+        return self._rows
 
 
 class MemoryTier:
     """Slots of ``block_bytes`` in memory on ``device``, at most ``budget`` bytes of them."""
 
     def __init__(self, name: str, medium: Medium, device: torch.device, block_bytes: int,
-                 budget: int, *, pinned: bool = False) -> None:
+                 budget: int, *, pinned: bool = False, space: HostSpace | None = None) -> None:
         self.name = name
         self.medium = medium
         self.device = device
         self.block_bytes = block_bytes
         self.pinned = pinned
         self.pool = BlockPool(budget // block_bytes, generations=True)   # read unpinned: see `BlockPool`
-        extent_bytes = EXTENT_BYTES if device.type == "cpu" and not (pinned and has_cuda()) else PINNED_EXTENT_BYTES
-        self.extent_slots = max(1, min(self.pool.capacity, extent_bytes // block_bytes))
+        plain = device.type == "cpu" and not (pinned and has_cuda())
+        if space is not None and (not plain or space.block_bytes != block_bytes):
+            raise ValueError(f"tier {name}: a HostSpace holds plain host memory of {space.block_bytes}-byte "
+                             f"blocks; this tier is {'plain host' if plain else 'pinned or device'} memory "
+                             f"of {block_bytes}-byte blocks")
+        # in a space, the tier's slots are one range of its rows (one extent); rows of host tiers
+        # sharing it are read in place together (`space_rows`)
+        self.space, self.space_first = space, None if space is None else space.claim(self.pool.capacity)
+        extent_bytes = EXTENT_BYTES if plain else PINNED_EXTENT_BYTES
+        slots = self.pool.capacity if space else min(self.pool.capacity, extent_bytes // block_bytes)
+        self.extent_slots = max(1, slots)
         self._extents: list[torch.Tensor] = []  # each [slots, block_bytes] uint8
         self._arrays: list[np.ndarray] = []     # host tiers: the same extents as numpy arrays
         self._grow_lock = threading.Lock()
@@ -106,6 +161,19 @@ class MemoryTier:
         if int(extent[0]) >= len(self._extents):
             self._grow(int(extent[0]))
         return self._extents[int(extent[0])], offset
+
+    def space_rows(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Each slot's row of the tier's ``space`` (``HostSpace.rows()``), where it may be read in place
+        while it is pinned. A ValueError for a tier in no space."""
+        if self.space is None:
+            raise ValueError(f"tier {self.name} is in no HostSpace: its slots are not rows of one")
+        at = np.asarray(slots, dtype=np.int64)
+        if at.size and (at.min() < 0 or at.max() >= self.pool.capacity):
+            bad = int(at.min() if at.min() < 0 else at.max())
+            raise IndexError(f"slot={bad}: outside 0..{self.pool.capacity - 1} of tier {self.name}")
+        if not self._extents:
+            self._grow(0)
+        return at + self.space_first
 
     def gather(self, slots: Sequence[int], out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """Copy the blocks in ``slots``, in that order, into ``out``: contiguous, ``len(slots) * block_bytes``
@@ -265,6 +333,8 @@ class MemoryTier:
                     self._arrays.append(extent.numpy())
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.space is not None:        # the tier's one extent: its range of the space
+            return self.space.rows()[self.space_first:self.space_first + self.pool.capacity].view(-1)[:nbytes]
         if self.device.type == "cpu":
             return host_buffer(nbytes, pinned=self.pinned)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
