@@ -2,6 +2,9 @@
 import pytest
 import torch
 
+from tierkv.config import TierConfig
+from tierkv.errors import ConfigError
+from tierkv.manager.build import build_tiers
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.memory import HostSpace
@@ -32,3 +35,14 @@ def test_a_space_takes_only_plain_host_tiers_of_its_block_size():
         CpuTier(2 * BLOCK, 2 * BLOCK, space=HostSpace(BLOCK))
     with pytest.raises(ValueError, match="in no HostSpace"):
         CpuTier(BLOCK, BLOCK).space_rows([0])
+
+
+def test_a_space_too_large_to_map_says_so():
+    """More than the address space holds (1 PiB): a ConfigError naming the budgets, not a bare OSError,
+    and from the tier manager's making, before any block is put."""
+    space = HostSpace(2**30)
+    space.claim(2**20)
+    with pytest.raises(ConfigError, match="gpu and cpu budgets"):
+        space.rows()
+    with pytest.raises(ConfigError, match="could not be mapped"):
+        build_tiers(TierConfig(block_bytes=BLOCK, gpu=BLOCK, cpu=200 * 2**40))

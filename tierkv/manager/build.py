@@ -29,6 +29,8 @@ def build_tiers(config: TierConfig, *, namespace: str = "default",
         tiers.append(GpuTier(config.block_bytes, config.gpu, device, space=space if device.type == "cpu" else None))
     if config.cpu:
         tiers.append(CpuTier(config.block_bytes, config.cpu, space=None if has_cuda() else space))
+    if space.claimed:
+        space.rows()            # mapped now (committed only as written): budgets it cannot map fail here
     if config.cxl:
         from tierkv.tiers.cxl import CxlTier
         tiers.append(CxlTier(config.block_bytes, config.cxl, config.cxl_link()))

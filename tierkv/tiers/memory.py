@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from tierkv.device import ALIGN, has_cuda, host_buffer
+from tierkv.errors import ConfigError
 from tierkv.tiers.base import Medium
 from tierkv.tiers.pool import BlockPool
 
@@ -83,12 +84,19 @@ class HostSpace:
             return first
 
     def rows(self) -> torch.Tensor:
-        """Every claimed row, uint8 [rows, block_bytes], starting on a page boundary (mapped on first use)."""
+        """Every claimed row, uint8 [rows, block_bytes], starting on a page boundary (mapped on first use;
+        a ConfigError where the claims are more than the OS will map)."""
         if self._rows is None:
             with self._lock:
                 if self._rows is None:
                     nbytes = max(1, self.claimed * self.block_bytes)
-                    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+                    try:
+                        mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+                    except OSError as e:
+                        raise ConfigError(f"the host tiers' memory ({nbytes / 2**30:.1f} GiB, the gpu and cpu "
+                                          f"budgets without CUDA) could not be mapped: {e.strerror}; give the "
+                                          f"tiers smaller budgets (where the OS commits memory strictly, "
+                                          f"vm.overcommit_memory=2, their sum must fit its limit)") from e
                     self._rows = torch.frombuffer(mapped, dtype=torch.uint8)[:self.claimed * self.block_bytes] \
                         .view(self.claimed, self.block_bytes)
         return self._rows
