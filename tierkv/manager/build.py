@@ -29,7 +29,7 @@ def build_tiers(config: TierConfig, *, namespace: str = "default",
         tiers.append(GpuTier(config.block_bytes, config.gpu, device, space=space if device.type == "cpu" else None))
     if config.cpu:
         tiers.append(CpuTier(config.block_bytes, config.cpu, space=None if has_cuda() else space))
-    if space.claimed:
+    if space.tiers_rows:
         space.rows()            # mapped now (committed only as written): budgets it cannot map fail here
     if config.cxl:
         from tierkv.tiers.cxl import CxlTier

@@ -30,6 +30,7 @@ from tierkv.ops.rows import put_rows
 from tierkv.sparse.layer_state import LayerState
 from tierkv.sparse.lowrank import reconstruct
 from tierkv.sparse.order import Placed
+from tierkv.tiers.memory import ZERO_ROW
 
 
 class Loading:
@@ -200,13 +201,15 @@ class PageReader:
     def _read_lent(self, state: LayerState, future: ReadFuture, place: Placed, shared: bool) -> LayerRead | None:
         """A split read whose pages ``future`` lends where they lie in a ``HostSpace`` (``future.extent``),
         some still loading: the rows of those in memory are taken there, those of the loading ones are
-        zeros, and the future brings the rest (``loading``). None where lent pages moved while they were
-        read (the future cancelled: read them again, pinned)."""
+        zeros (taken from the space's zero row), and the future brings the rest (``loading``). None where
+        lent pages moved while they were read (the future cancelled: read them again, pinned)."""
         space, at = future.extent
         late = at < 0
         try:
-            blocks = Blocks(self.layout, space, np.maximum(at, 0))    # (a loading page's rows: zeroed below)
-            k, v = self._zero_late(*self._rebuild(state, place, blocks, shared), place, late)
+            blocks = Blocks(self.layout, space, np.where(late, ZERO_ROW, at))    # a loading page: zeros
+            k, v = self._rebuild(state, place, blocks, shared)
+            if not (state.basis.exact and self.layout.codec is None):   # keys not taken as stored: zero them
+                k, v = self._zero_late(k, v, place, late)
         except BaseException:
             future.lease.release()
             future.cancel()

@@ -18,8 +18,11 @@ Plain host tiers of one manager may share one `HostSpace`: one mapping of memory
 tier owns a range of rows, so blocks spread over several such tiers are rows of one tensor, and a
 reader takes the rows it wants of all of them with one index and copies no block whole::
 
-    space:   | gpu tier's slots 0..n-1 | cpu tier's slots 0..m-1 |      (rows of block_bytes)
-    row of (tier, slot) = tier.space_first + slot                      (`MemoryTier.space_rows`)
+    space:   | zeros | gpu tier's slots 0..n-1 | cpu tier's slots 0..m-1 |      (rows of block_bytes)
+    row of (tier, slot) = tier.space_first + slot                              (`MemoryTier.space_rows`)
+
+Row 0 (`ZERO_ROW`) is no tier's: never written, it reads as zeros, what a reader takes for a block
+still loading.
 
 `gather` and `scatter` move many slots to or from one contiguous tensor,
 adjacent slots of one extent as one copy (a run; runs stop at extent edges)::
@@ -57,6 +60,7 @@ PINNED_EXTENT_BYTES = 64 * 1024**2  # pinned host and device memory: committed w
 SPLIT_BYTES = 4 * 1024**2  # host gathers/scatters this big also run on torch's other intra-op threads
 INDEXED_BYTES = 64 * 1024  # host copies of blocks this small go by numpy indexing, not a memmove each
 MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0   # (mmap's own constant: Python 3.12 on)
+ZERO_ROW = 0      # a HostSpace's row that no tier claims: zeros
 
 
 class HostSpace:
@@ -66,14 +70,19 @@ class HostSpace:
 
         space = HostSpace(block_bytes)
         first = space.claim(slots)        # rows first .. first + slots - 1 are the claimer's
-        space.rows()                      # uint8 [rows, block_bytes], every claimer's rows
+        space.rows()                      # uint8 [rows, block_bytes]: ZERO_ROW, then every claimer's rows
     """
 
     def __init__(self, block_bytes: int) -> None:
         self.block_bytes = block_bytes
-        self.claimed = 0
+        self.claimed = ZERO_ROW + 1       # rows taken: the zero row, then the claims'
         self._rows: torch.Tensor | None = None
         self._lock = threading.Lock()
+
+    @property
+    def tiers_rows(self) -> int:
+        """Rows the tiers claimed (the zero row not counted)."""
+        return self.claimed - ZERO_ROW - 1
 
     def claim(self, slots: int) -> int:
         """Rows for ``slots`` blocks; the first of them. Only before the space is first used."""
@@ -89,7 +98,7 @@ class HostSpace:
         if self._rows is None:
             with self._lock:
                 if self._rows is None:
-                    nbytes = max(1, self.claimed * self.block_bytes)
+                    nbytes = self.claimed * self.block_bytes
                     try:
                         mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
                     except OSError as e:
