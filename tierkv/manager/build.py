@@ -23,13 +23,14 @@ def build_tiers(config: TierConfig, *, namespace: str = "default",
     ``HostSpace``: a read of blocks spread over both takes their rows in place, copying none whole."""
     knobs = knobs or IOKnobs.from_env()
     tiers: list[Tier] = []
-    space = HostSpace(config.block_bytes)
+    device = compute_device()
+    in_space = {"gpu": bool(config.gpu) and device.type == "cpu", "cpu": bool(config.cpu) and not has_cuda()}
+    space = HostSpace(config.block_bytes) if any(in_space.values()) else None
     if config.gpu:
-        device = compute_device()
-        tiers.append(GpuTier(config.block_bytes, config.gpu, device, space=space if device.type == "cpu" else None))
+        tiers.append(GpuTier(config.block_bytes, config.gpu, device, space=space if in_space["gpu"] else None))
     if config.cpu:
-        tiers.append(CpuTier(config.block_bytes, config.cpu, space=None if has_cuda() else space))
-    if space.tiers_rows:
+        tiers.append(CpuTier(config.block_bytes, config.cpu, space=space if in_space["cpu"] else None))
+    if space is not None:
         space.rows()            # mapped now (committed only as written): budgets it cannot map fail here
     if config.cxl:
         from tierkv.tiers.cxl import CxlTier

@@ -22,8 +22,8 @@ def lends_in_place(tier: Tier) -> bool:
 
 def shared_space(tiers: Iterable[Tier]) -> HostSpace | None:
     """The one ``HostSpace`` every tier of ``tiers`` lies in, each lent in place; else None."""
-    spaces = {id(space): space for space in (getattr(t, "space", None) if lends_in_place(t) else None for t in tiers)}
-    return spaces.popitem()[1] if len(spaces) == 1 and None not in spaces.values() else None
+    spaces = {getattr(t, "space", None) if lends_in_place(t) else None for t in tiers}
+    return spaces.pop() if len(spaces) == 1 else None
 
 
 def space_rows(tiers: Mapping[str, Tier], places: Sequence[tuple[str, int]]) -> np.ndarray:

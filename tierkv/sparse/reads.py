@@ -208,7 +208,7 @@ class PageReader:
         try:
             blocks = Blocks(self.layout, space, np.where(late, ZERO_ROW, at))    # a loading page: zeros
             k, v = self._rebuild(state, place, blocks, shared)
-            if not (state.basis.exact and self.layout.codec is None):   # keys not taken as stored: zero them
+            if not self._as_stored(state):    # keys rebuilt or decoded from the zero row: zero them
                 k, v = self._zero_late(k, v, place, late)
         except BaseException:
             future.lease.release()
@@ -233,7 +233,7 @@ class PageReader:
         no chunk from the first page's first row, for the caller to write over (one indexed copy of
         the whole buffer, none of a part and then another of the whole)."""
         H, D = self.layout.num_kv_heads, self.layout.head_dim
-        plain = state.basis.exact and self.layout.codec is None   # a head's keys: its own columns of the factors
+        plain = self._as_stored(state)                           # a head's keys: its own columns of the factors
         table = blocks.row_table(("factors", D), ("values", None)) if plain else None
         if table is not None:                                     # keys and values by one row index
             rows = torch.from_numpy(place.table_rows(blocks.ids, table.per_block, table.per_token).reshape(-1))
@@ -247,10 +247,15 @@ class PageReader:
         heads = np.arange(H)[:, None]
         return self._head_keys(state, blocks, page, tok, heads), take("values", (page, tok, heads))
 
+    def _as_stored(self, state: LayerState) -> bool:
+        """Whether keys and values are taken as the pages store them: the identity basis (the factors are
+        the keys) and no codec."""
+        return state.basis.exact and self.layout.codec is None
+
     def _head_keys(self, state: LayerState, blocks: Blocks, page: Index, tok: Index, heads: Index) -> Tensor:
         """Each KV head's keys of rows (page, tok) of ``blocks`` [Hkv, ...]: with the identity basis the
         factors are the keys, and only the head's own columns are read; otherwise factors @ B_h."""
-        if state.basis.exact and self.layout.codec is None:
+        if self._as_stored(state):
             return blocks.take("factors", (page, tok, heads), split=self.layout.head_dim)
         factors = blocks.take("factors", (page, tok))                            # [Hkv, ..., r]
         return state.head_keys(factors.flatten(1, -2)).view(*factors.shape[:-1], -1)

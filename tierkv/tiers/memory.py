@@ -79,11 +79,6 @@ class HostSpace:
         self._rows: torch.Tensor | None = None
         self._lock = threading.Lock()
 
-    @property
-    def tiers_rows(self) -> int:
-        """Rows the tiers claimed (the zero row not counted)."""
-        return self.claimed - ZERO_ROW - 1
-
     def claim(self, slots: int) -> int:
         """Rows for ``slots`` blocks; the first of them. Only before the space is first used."""
         with self._lock:
@@ -106,8 +101,7 @@ class HostSpace:
                                           f"budgets without CUDA) could not be mapped: {e.strerror}; give the "
                                           f"tiers smaller budgets (where the OS commits memory strictly, "
                                           f"vm.overcommit_memory=2, their sum must fit its limit)") from e
-                    self._rows = torch.frombuffer(mapped, dtype=torch.uint8)[:self.claimed * self.block_bytes] \
-                        .view(self.claimed, self.block_bytes)
+                    self._rows = torch.frombuffer(mapped, dtype=torch.uint8).view(self.claimed, self.block_bytes)
         return self._rows
 
 
@@ -184,13 +178,8 @@ class MemoryTier:
         while it is pinned. A ValueError for a tier in no space."""
         if self.space is None:
             raise ValueError(f"tier {self.name} is in no HostSpace: its slots are not rows of one")
-        at = np.asarray(slots, dtype=np.int64)
-        if at.size and (at.min() < 0 or at.max() >= self.pool.capacity):
-            bad = int(at.min() if at.min() < 0 else at.max())
-            raise IndexError(f"slot={bad}: outside 0..{self.pool.capacity - 1} of tier {self.name}")
-        if not self._extents:
-            self._grow(0)
-        return at + self.space_first
+        _, offset = self._locate_many(slots)        # (checked; in a space the tier is one extent)
+        return offset + self.space_first
 
     def gather(self, slots: Sequence[int], out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """Copy the blocks in ``slots``, in that order, into ``out``: contiguous, ``len(slots) * block_bytes``
