@@ -138,6 +138,25 @@ async def test_cancelled_waiter_leaks_nothing(knobs):
         lease.release()
 
 
+async def test_a_put_cancelled_while_it_writes_frees_its_slot_only_once_the_write_is_over(knobs):
+    """A slot freed under a running write could be given to another block and then overwritten."""
+    slow = SlowTier("cxl", Medium.CXL, 4, 0.2)
+    async with TierManager([CpuTier(BLOCK, 4 * BLOCK), slow], knobs=knobs) as m:
+        task = asyncio.create_task(m.put(key(0), block(0), tier="cxl"))
+        while not m._executor._running:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert m._executor._running and slow.pool.used == 1     # the write runs on: its slot stays taken
+        while m._executor.busy:
+            await m._executor.progress()
+        for _ in range(10):                                      # freed by the write's completion
+            await asyncio.sleep(0)
+        assert slow.pool.used == 0 and not m.contains(key(0))
+        assert_quiescent(m)
+
+
 async def test_close_with_queued_transfers_leaks_nothing(knobs):
     tiers = [CpuTier(BLOCK, 32 * BLOCK), SlowTier("cxl", Medium.CXL, 32, 0.02)]
     m = await TierManager(tiers, knobs=knobs).start()

@@ -1,4 +1,6 @@
 """ReadFuture: the blocks in place are copied at once, the rest when they arrive; one read, one shape."""
+import asyncio
+import concurrent.futures
 import random
 import threading
 import time
@@ -11,6 +13,7 @@ import torch
 from tierkv.errors import BlockMissing
 from tierkv.manager import BlockingTierManager, TierManager
 from tierkv.manager.lease import Lease, Lent, Watched
+from tierkv.manager.read_future import thread_future
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier
 from tierkv.tiers.memory import HostSpace
@@ -53,6 +56,18 @@ def churning(mgr: BlockingTierManager, keys: list) -> Iterator[None]:
 
 class Interrupted(BaseException):
     pass
+
+
+async def test_the_thread_future_of_a_cancelled_load_is_done_and_raises():
+    """A thread waiting on a load whose task was cancelled is woken, not left waiting for ever."""
+    task = asyncio.ensure_future(asyncio.sleep(10))
+    out = thread_future(task)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)
+    with pytest.raises(concurrent.futures.CancelledError):
+        out.result(timeout=0)
 
 
 def settle(mgr: BlockingTierManager, key) -> None:
@@ -201,15 +216,20 @@ def test_a_read_lent_unpinned_pins_nothing_and_says_whether_its_blocks_stayed(tm
         extent, rows = future.extent
         assert all(torch.equal(extent[row], block(i)) for i, row in enumerate(rows.tolist()))
         assert mgr.manager.tiers["gpu"].pool.busy_slots() == 0          # nothing pinned
-        assert [(e.layer, e.blocks) for e in mgr.manager.events.of_kind("hit")[hits:]] == [(2, 8)]
-        assert future.lease.release()                                   # nothing moved meanwhile
+
+        def hit_events() -> list:
+            return [(e.layer, e.blocks) for e in mgr.manager.events.of_kind("hit")[hits:]]
+        assert hit_events() == []                                       # hits once the check has passed
+        assert future.lease.release() and hit_events() == [(2, 8)]      # nothing moved meanwhile
+        assert future.lease.release() and hit_events() == [(2, 8)]      # (counted once)
         order = mgr.manager.policies["gpu"]._order
         mgr.contains(keys[0])                                           # the loop told the policy
         assert list(order)[-8:] == keys[:8]
 
-        future = mgr.read(keys[:8], into=out, lend=True, pin=False)
+        future = mgr.read(keys[:8], into=out, lend=True, pin=False, layer=3)
         mgr.drop([keys[8]])                                             # a slot of the tier freed meanwhile
         assert not future.lease.release()                               # what was read may be another block
+        assert hit_events() == [(2, 8)]                                 # read again pinned: no hit counted twice
         assert_quiescent(mgr.manager)
     with manager(tmp_path / "t", knobs) as mgr:                         # some only on disk: the pinned read
         keys = stored(mgr, 12)
@@ -526,8 +546,10 @@ def test_a_watched_lend_fails_when_one_of_its_own_slots_was_freed_not_another(tm
         on_disk = [k for k in keys if mgr.where(k) == ["nvme"]]
         future = mgr.read([on_gpu[0], on_cpu[0], *on_disk[:2]], into=out, lend=True, pin=False, packed=True)
         assert isinstance(future.lease, Watched) and future.missing
+        hits = len(mgr.manager.events.of_kind("hit"))
         mgr.drop([on_gpu[5]])                               # another block's slot
         assert future.lease.release()
+        assert [e.src for e in mgr.manager.events.of_kind("hit")[hits:]] == ["gpu", "cpu"]   # once it passed
         future.wait()
         future.cancel()                                     # lets go of the loaded blocks
         mgr.contains(keys[0])
@@ -536,8 +558,9 @@ def test_a_watched_lend_fails_when_one_of_its_own_slots_was_freed_not_another(tm
         asked = [on_gpu[0], on_cpu[0], *(k for k in on_disk if mgr.where(k) == ["nvme"])][:4]
         future = mgr.read(asked, into=out, lend=True, pin=False, packed=True)
         assert isinstance(future.lease, Watched) and future.missing == [2, 3]
+        hits = len(mgr.manager.events.of_kind("hit"))
         mgr.drop([on_cpu[0]])                               # one of the lent blocks' own slots
-        assert not future.lease.release()
+        assert not future.lease.release() and len(mgr.manager.events.of_kind("hit")) == hits
         future.cancel()
         settle(mgr, keys[0])
         assert_quiescent(mgr.manager)

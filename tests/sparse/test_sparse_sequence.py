@@ -1,4 +1,5 @@
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from tierkv.manager.lease import Watched
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.layout import BlockLayout
 from tierkv.sparse import SparseConfig, SparseSequence
+from tierkv.sparse import sequence as sequence_module, step as step_module
 from tierkv.sparse.order import Placed, ascending, merge_slots, page_slots, token_rows
 from tierkv.sparse.reads import PageReader
 from tierkv.sparse.step import gather_context
@@ -274,6 +276,10 @@ def test_a_split_gather_returns_what_is_in_place_and_brings_the_rest(tmp_path):
         assert seq.gather_split(0, chunks)[3] is None                     # every page is in place now
 
 
+class Interrupted(Exception):
+    pass
+
+
 def whole_split_gather(seq, chunks):
     """``gather_split``, then its late rows written in: (k, v, pos), and whether any were late."""
     k, v, pos, loading = seq.gather_split(0, chunks)
@@ -284,6 +290,41 @@ def whole_split_gather(seq, chunks):
     for h in range(k.shape[0]):
         k[h, at[h, valid[h]]], v[h, at[h, valid[h]]] = k_new[h, valid[h]], v_new[h, valid[h]]
     return (k, v, pos), True
+
+
+def test_a_split_gather_that_fails_after_its_read_lets_go_of_the_pages_still_loading(tmp_path, monkeypatch):
+    """An error between the read and the ``Loading`` that would bring its late pages (writing the
+    outliers' rows; joining the sinks and the window) leaves nothing pinned once the loads land: a
+    leaked pin would keep a page in its slot for good, and enough of them would leave a long-running
+    server no room."""
+    cfg = config(outlier_fraction=0.2)
+    block = BlockLayout.page(cfg.page_tokens, H, D, H * D, torch.float32).block_bytes
+    with pages_manager(cfg, gpu=8 * block, cpu=8 * block, nvme_dir=tmp_path / "s") as manager:
+        seq, _, _, outliers, candidates = indexed_tokens(manager, cfg, 408)
+        assert len(outliers)
+
+        def broken(*args, **kwargs):
+            raise Interrupted()
+
+        def let_go() -> bool:
+            """Whether a moment comes, within 10 s, with no slot pinned or reserved (the manager's own moves
+            come and go; a leaked pin stays)."""
+            deadline = time.monotonic() + 10
+            while manager.busy_blocks():                # (each count is a hop: released pins go first)
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.01)
+            return True
+        for module, name, gather in ((sequence_module, "put_rows", seq.gather_split),
+                                     (step_module, "joinable", lambda layer, chunks: gather_context(
+                                         seq, layer, chunks, split=True))):
+            on_disk = [c for c in candidates.tolist() if manager.where(seq.layers[0].pages[c // 2]) == ["nvme"]]
+            chunks = torch.tensor(on_disk[:2 * H]).view(H, 2).sort(dim=1).values
+            with monkeypatch.context() as patch:
+                patch.setattr(module, name, broken)
+                with pytest.raises(Interrupted):
+                    gather(0, chunks)
+            assert let_go(), name
 
 
 def test_a_split_gather_in_one_host_space_copies_no_page_the_loaded_ones_included(tmp_path, monkeypatch):

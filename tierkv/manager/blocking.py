@@ -189,9 +189,10 @@ class BlockingTierManager:
                 if where is None or hosts[0].pool.epoch != epochs[0]:
                     return None
                 self._used.append((names[0], keys))       # its policy hears of the use on the loop
-                mgr.record_hits(names[0], len(keys), layer)
                 future = ReadFuture(self, into, list(range(len(keys))), [], None, tier, layer)
-                future.lease, future.extent, future.rows = Lent(tuple(keys), hosts[0].pool, epochs[0]), where, rows
+                future.lease = Lent(tuple(keys), hosts[0].pool, epochs[0],
+                                    functools.partial(self._record_hits, [(names[0], len(keys))], layer))
+                future.extent, future.rows = where, rows
                 return future
             if not packed:
                 return None
@@ -242,13 +243,18 @@ class BlockingTierManager:
         future = ReadFuture(self, into, np.flatnonzero(where >= 0).tolist(), missing.tolist(), pending, tier, layer)
         future.placed, future.rows = placed, rows
         if space is not None:
-            at = np.full(len(keys), -1, np.int64)
-            for i, mine, slots in copied:
-                at[mine] = mgr.tiers[names[i]].space_rows(slots)
-                mgr.record_hits(names[i], len(mine), layer)
-            future.extent = space.rows(), at
+            try:
+                at = np.full(len(keys), -1, np.int64)
+                for i, mine, slots in copied:
+                    at[mine] = mgr.tiers[names[i]].space_rows(slots)
+                future.extent = space.rows(), at
+            except BaseException:
+                future.cancel()
+                raise
+            hits = [(names[i], len(mine)) for i, mine, _ in copied]
             future.lease = Watched(tuple(keys), tuple((pool, slots, gens) for pool, (_, _, slots), gens
-                                                      in zip(pools, copied, noted)))
+                                                      in zip(pools, copied, noted)),
+                                   functools.partial(self._record_hits, hits, layer))
             return future
         try:
             for i, mine, slots in copied:
@@ -262,6 +268,11 @@ class BlockingTierManager:
         for i, mine, _ in copied:
             mgr.record_hits(names[i], len(mine), layer)
         return future
+
+    def _record_hits(self, hits: list[tuple[str, int]], layer: int | None) -> None:
+        """A ``hit`` event per (tier, blocks) of a read lent unpinned, once its check passed."""
+        for name, blocks in hits:
+            self.manager.record_hits(name, blocks, layer)
 
     def copy_out(self, lease: Lease, out: torch.Tensor, rows: Sequence[int] | None = None) -> None:
         """Copy ``lease``'s blocks into ``out`` [n, block_bytes], block i into row i (or ``rows[i]``,

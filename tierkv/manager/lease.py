@@ -90,11 +90,12 @@ class Lent:
     keys: tuple[BlockKey, ...]
     pool: object        # the tier's BlockPool
     epoch: int
+    kept: Callable[[], None] | None = None    # run once, by the first release() that finds them put
 
     def release(self) -> bool:
         """Whether the blocks stayed put until now: no slot of the tier was freed since they were found
         (False: what was read may be another block's)."""
-        return self.pool.epoch == self.epoch
+        return _checked(self, self.pool.epoch == self.epoch)
 
 
 @dataclass(slots=True, eq=False)
@@ -105,7 +106,18 @@ class Watched:
 
     keys: tuple[BlockKey, ...]
     watched: tuple[tuple[object, np.ndarray, np.ndarray], ...]    # (pool, slots, their generations then)
+    kept: Callable[[], None] | None = None    # run once, by the first release() that finds them put
 
     def release(self) -> bool:
         """Whether every block stayed in its slot until now (False: what was read may be another's)."""
-        return all(np.array_equal(pool.generations[slots], noted) for pool, slots, noted in self.watched)
+        return _checked(self, all(np.array_equal(pool.generations[slots], noted)
+                                  for pool, slots, noted in self.watched))
+
+
+def _checked(lent: Lent | Watched, put: bool) -> bool:
+    """``put``, having run the lease's ``kept`` the first time it is true (the reads it lent count as hits
+    only once they are known to be the blocks asked for: a failed check reads them again, pinned)."""
+    if put and lent.kept is not None:
+        kept, lent.kept = lent.kept, None
+        kept()
+    return put

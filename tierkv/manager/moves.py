@@ -81,12 +81,21 @@ class Moves:
         tier = self.tiers[name]
         transfer = Transfer(Kind.PUT, "", name, tuple(keys), (), tuple(slots), len(keys) * self.block_bytes, layer)
         body = partial(put_handler_for(tier.medium), transfer, rows, tier)
-        try:
-            await asyncio.shield(self.executor.submit(transfer, body, Priority.NOW))
-        except BaseException:
+        job = self.executor.submit(transfer, body, Priority.NOW)
+
+        def forget(_: object = None) -> None:
+            if job.done() and not job.cancelled():
+                job.exception()          # retrieved: what it raised reached this call's caller, or nobody
             tier.pool.release_many(list(slots))
             for key in keys:
                 self.directory.forget_if_empty(key)
+        try:
+            await asyncio.shield(job)
+        except BaseException:
+            if job.done():
+                forget()
+            else:        # cancelled while the write runs: its slots are freed once it is over, not under it
+                job.add_done_callback(forget)
             raise
         self.residency.commit(transfer.keys, name, transfer.dst_slots)
 

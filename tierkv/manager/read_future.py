@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -46,8 +46,8 @@ def thread_future(task: asyncio.Future) -> Future:
     out: Future = Future()
 
     def settle(done: asyncio.Future) -> None:
-        if done.cancelled():
-            out.cancel()
+        if done.cancelled():      # (``out`` is running: ``out.cancel()`` would leave it so, and its waiters waiting)
+            out.set_exception(CancelledError())
         elif done.exception() is not None:
             out.set_exception(done.exception())
         else:
@@ -108,17 +108,17 @@ class ReadFuture:
         except BaseException:
             pending.add_done_callback(self._release)     # interrupted: release the blocks when they arrive
             raise
-        mgr.events.wait("", self._tier or mgr.memory_tiers[0], self._layer,
-                        len(self.missing) * mgr.block_bytes, start, len(self.missing))
         lease = self._manager._callers(lease)
-        if self.extent is not None:           # lent in place: these too, pinned until ``release``
-            try:
+        try:
+            mgr.events.wait("", self._tier or mgr.memory_tiers[0], self._layer,
+                            len(self.missing) * mgr.block_bytes, start, len(self.missing))
+            if self.extent is not None:           # lent in place: these too, pinned until ``release``
                 self.extent[1][self.missing] = space_rows(mgr.tiers, lease.places)
-            except BaseException:
-                lease.release()
-                raise
-            self._loaded = lease
-            return self._into
+                self._loaded = lease
+                return self._into
+        except BaseException:
+            lease.release()
+            raise
         rows = self.missing if self.placed is None else self.placed[self.missing].tolist()
         self._manager._copy_out(lease, self._into, rows)
         return self._into

@@ -250,16 +250,21 @@ class SparseSequence:
         else:
             dtype = k_out.dtype if ids.numel() else self.layout.dtype
             k, v = (torch.empty(H, before + M + after, D, dtype=dtype) for _ in range(2))
-        if ids.numel():                 # written whole chunks at a time: rows [c*D] of a view of the buffer
-            k, v = joinable(k, k_out).contiguous(), joinable(v, v_out).contiguous()   # (a decoded take may not be)
-            for x, exact in zip((k, v), state.index.exact_by_head()):
-                put_rows(x[:, before:before + M].view(H, M // c, c * D), (heads, at_out), exact)
-        self.stats.tokens += M
-        if read is None or read.future is None:
-            return k, v, pos, None
-        rows = np.full((H, M), -1)                                               # outliers: -1
-        rows[heads, read.place.at() - before] = read.place.rows()
-        return k, v, pos, self.reader.loading(state, read, torch.from_numpy(rows))
+        try:
+            if ids.numel():             # written whole chunks at a time: rows [c*D] of a view of the buffer
+                k, v = joinable(k, k_out).contiguous(), joinable(v, v_out).contiguous()   # (a decoded take may not be)
+                for x, exact in zip((k, v), state.index.exact_by_head()):
+                    put_rows(x[:, before:before + M].view(H, M // c, c * D), (heads, at_out), exact)
+            self.stats.tokens += M
+            if read is None or read.future is None:
+                return k, v, pos, None
+            rows = np.full((H, M), -1)                                           # outliers: -1
+            rows[heads, read.place.at() - before] = read.place.rows()
+            return k, v, pos, self.reader.loading(state, read, torch.from_numpy(rows))
+        except BaseException:
+            if read is not None and read.future is not None:    # what is loading is let go of as it arrives
+                read.future.cancel()
+            raise
 
     def _count(self, state: LayerState, pages: np.ndarray) -> None:
         self.stats.steps += 1

@@ -75,19 +75,24 @@ def gather_context(seq: SparseSequence, layer: int, chunks: Tensor, *, shared: b
     k, v, p_mid, loading = seq.gather_split(layer, chunks, shared=shared, margins=margins) if split else \
         (*seq.gather(layer, chunks, shared=shared, margins=margins), None)
     M = p_mid.shape[1]
-    if loading is not None and not (S or W):
-        at, valid, k_new, v_new = loading.finish()      # nothing to attend meanwhile: a head could
-        heads = torch.arange(H).unsqueeze(1).expand_as(at)   # be left with no key at all
-        k[heads[valid], at[valid]] = k_new[valid].to(k.dtype)   # (joined with float32 outliers,
-        v[heads[valid], at[valid]] = v_new[valid].to(v.dtype)   # bf16 page rows were widened)
-        loading = None
-    start = seq.length(layer) - W
-    k_own, v_own, own_pos = new if new is not None else (k[:, :0], v[:, :0], 0)
-    k, v = joinable(k, sink_k, win_k, k_own), joinable(v, sink_v, win_v, v_own)
-    for x, sinks, window, own in ((k, sink_k, win_k, k_own), (v, sink_v, win_v, v_own)):
-        x[:, :S], x[:, S + M:S + M + W], x[:, S + M + W:] = sinks.transpose(0, 1), window.transpose(0, 1), own
-    p = torch.cat([torch.arange(S).expand(H, -1), p_mid, torch.arange(start, start + W).expand(H, -1),
-                   torch.arange(own_pos, own_pos + n).expand(H, -1)], dim=1)
+    try:
+        if loading is not None and not (S or W):
+            at, valid, k_new, v_new = loading.finish()      # nothing to attend meanwhile: a head could
+            heads = torch.arange(H).unsqueeze(1).expand_as(at)   # be left with no key at all
+            k[heads[valid], at[valid]] = k_new[valid].to(k.dtype)   # (joined with float32 outliers,
+            v[heads[valid], at[valid]] = v_new[valid].to(v.dtype)   # bf16 page rows were widened)
+            loading = None
+        start = seq.length(layer) - W
+        k_own, v_own, own_pos = new if new is not None else (k[:, :0], v[:, :0], 0)
+        k, v = joinable(k, sink_k, win_k, k_own), joinable(v, sink_v, win_v, v_own)
+        for x, sinks, window, own in ((k, sink_k, win_k, k_own), (v, sink_v, win_v, v_own)):
+            x[:, :S], x[:, S + M:S + M + W], x[:, S + M + W:] = sinks.transpose(0, 1), window.transpose(0, 1), own
+        p = torch.cat([torch.arange(S).expand(H, -1), p_mid, torch.arange(start, start + W).expand(H, -1),
+                       torch.arange(own_pos, own_pos + n).expand(H, -1)], dim=1)
+    except BaseException:
+        if loading is not None:     # its pages are let go of as they arrive
+            loading.abandon()
+        raise
     return Context(k, v, p, loading, S, p_mid, n)
 
 
