@@ -10,6 +10,7 @@ from tierkv.manager import TierManager
 from tierkv.tiers.base import Medium
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.gpu import GpuTier
+from tierkv.tiers.nvme import NvmeTier
 
 from conftest import BLOCK, SlowTier, assert_quiescent, block, key
 
@@ -383,4 +384,23 @@ async def test_a_block_pinned_while_it_is_demoted_keeps_its_copy_and_the_others_
             assert torch.equal(lease.views[0], block(i))
             lease.release()
         assert key(1) in m.policies["gpu"]._order
+        assert_quiescent(m)
+
+
+async def test_only_copies_evicted_beyond_what_the_tier_below_holds_go_further_down(tmp_path, knobs):
+    """A load evicts more protected blocks, held nowhere else, than the tier below can hold at all: those
+    that fit go down one tier, the rest to the store, none lost and no BudgetExceeded for the reader."""
+    tiers = [GpuTier(BLOCK, 4 * BLOCK), CpuTier(BLOCK, 1 * BLOCK), NvmeTier(tmp_path / "s", BLOCK, 64 * BLOCK)]
+    async with TierManager(tiers, knobs=knobs) as m:
+        for i in range(4):
+            await m.put(key(i), block(i), tier="gpu")                  # only copies, held
+        for i in range(4, 7):
+            await m.put(key(i), block(i), tier="nvme")
+        lease = await m.acquire([key(4), key(5), key(6)], "gpu")      # three of the four must leave the gpu tier
+        assert all(torch.equal(view, block(i)) for view, i in zip(lease.views, (4, 5, 6)))
+        lease.release()
+        for i in range(4):
+            lease = await m.acquire([key(i)], "cpu")
+            assert torch.equal(lease.views[0], block(i))
+            lease.release()
         assert_quiescent(m)

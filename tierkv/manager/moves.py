@@ -272,9 +272,15 @@ class Moves:
         return True
 
     async def _demote(self, keys: list[BlockKey], name: str) -> None:
+        """Move ``keys`` down from ``name``: to the tier below, or, for more than it can hold at all (a
+        small tier under a load's only copies), those beyond its capacity to the tier under it."""
         try:
             below = placement.tier_below(self.order, name)
-            await self._move(keys, name, below, Kind.DEMOTE, Priority.NOW, None, self.claim(keys, below))
+            further = placement.tier_below(self.order, below)
+            fits = self.tiers[below].pool.capacity if further is not None else len(keys)
+            for part, dst in ((keys[:fits], below), (keys[fits:], further)):
+                if part:
+                    await self._move(part, name, dst, Kind.DEMOTE, Priority.NOW, None, self.claim(part, dst))
         except BaseException:
             for key in keys:  # still resident here: give them back to the policy
                 if name in self.directory.entry(key).copies:
