@@ -43,6 +43,12 @@ class DiskFullError(TierKVError, OSError):
     """The NVMe tier's file system has no space left for a block."""
 
 
+class StoreReadError(TierKVError, OSError):
+    """The device answered a read of a stored block with an error (EIO: perhaps a passing fault): the
+    read fails, and the store keeps the block, to be read again (a checksum that fails is not this:
+    that block is dropped, `BlockCorrupt`)."""
+
+
 class StoreLocked(TierKVError):
     """Another process holds the NVMe store exclusively (a tierkv that cannot share stores)."""
 

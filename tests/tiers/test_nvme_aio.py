@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tierkv.device import host_buffer
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, StoreReadError
 from tierkv.keys import BlockKey
 from tierkv.knobs import IOKnobs
 from tierkv.tiers import nvme_aio
@@ -236,3 +236,80 @@ def test_a_read_refused_halfway_reads_the_rest_on_the_workers_and_loses_nothing(
         rows = host_buffer(12 * BB, pinned=False).view(12, BB)
         assert tier.read([(k, slot, rows[i]) for i, (k, slot, _) in enumerate(items)], aligned=True) == []
         assert torch.equal(rows, blocks) and len(submits) == 2 and not tier._io.native_reads
+
+
+@pytest.mark.parametrize("where", ["submit", "reap"])
+def test_a_batch_interrupted_between_a_call_and_its_count_leaves_nothing_in_flight(direct_file, monkeypatch,
+                                                                                   where: str) -> None:
+    """An interrupt right after ``io_submit`` or ``io_getevents`` returns, before the batch counts what
+    it did: the thread's context goes with every request it held, so no read lands after the batch
+    raised and the thread's next batch takes only its own completions (a stale one would pass a block
+    past the end of the file for whole)."""
+    fd, data = direct_file
+    number = nvme_aio._numbers[3 if where == "submit" else 2]
+    real = nvme_aio._call
+
+    def interrupted(n, *args):
+        got = real(n, *args)
+        if n == number and got > 0:
+            monkeypatch.setattr(nvme_aio, "_call", real)
+            raise KeyboardInterrupt
+        return got
+    rows, addresses = landing(2)
+    monkeypatch.setattr(nvme_aio, "_call", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        nvme_aio.read_blocks(fd, np.arange(2), addresses, BB, lambda done: None)
+    rows, addresses = landing(2)
+    seen: list[int] = []
+    results = nvme_aio.read_blocks(fd, np.array([3, 99]), addresses, BB, seen.extend)   # slot 99: past the end
+    assert results[0] == BB and results[1] != BB and seen == [0]
+    assert np.array_equal(rows[0].numpy(), data[3])
+
+
+@pytest.mark.parametrize("aio", ["1", "0"])
+def test_a_read_the_device_fails_raises_and_keeps_the_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           aio: str) -> None:
+    """An I/O error is not a damaged block: the read raises `StoreReadError` and the store keeps the block,
+    whole when read again (a failed checksum drops it; a passing fault must not)."""
+    if not o_direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    monkeypatch.setenv("TIERKV_NVME_AIO", aio)
+    with NvmeTier(tmp_path / "store", BB, 64 * BB, backend="odirect") as tier:
+        blocks, items = stored(tier, 8, seed=4, damaged=0, lost_from=64)
+        if tier._io.native_reads:
+            real = nvme_aio._reap
+
+            def failing(handle, events, outstanding):       # one completion comes back EIO, once
+                got = real(handle, events, outstanding)
+                monkeypatch.setattr(nvme_aio, "_reap", real)
+                events["res"][0] = -errno.EIO
+                return got
+            monkeypatch.setattr(nvme_aio, "_reap", failing)
+        else:
+            file, real = tier._io.file, tier._io.file.preadv
+
+            def failing(iov, offset):
+                monkeypatch.setattr(file, "preadv", real)
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            monkeypatch.setattr(file, "preadv", failing)
+        rows = host_buffer(8 * BB, pinned=False).view(8, BB)
+        asked = [(k, slot, rows[i]) for i, (k, slot, _) in enumerate(items)]
+        with pytest.raises(StoreReadError, match="I/O error; the blocks are kept"):
+            tier.read(asked, aligned=True)
+        assert all(tier.lookup(k) == slot for k, slot, _ in items)
+        assert tier.read(asked, aligned=True) == [items[0][0]]           # only the damaged block fails
+        assert all(torch.equal(rows[i], blocks[i]) for i in range(1, 8))
+
+
+def test_a_copy_dropped_by_its_slot_leaves_a_copy_of_the_key_written_elsewhere(tmp_path: Path) -> None:
+    """A reader that found a key's block gone from the slot it knew (another process wrote the key again
+    elsewhere) forgets its own copy only: the store's copy in the other slot stays."""
+    with NvmeTier(tmp_path / "store", BB, 8 * BB) as tier:
+        block = host_buffer(BB, pinned=False).fill_(5)
+        slot = tier.pool.reserve()
+        tier.write([(key(0), slot, block)])
+        tier.pool.commit(slot)
+        tier.drop(key(0), slot + 1)
+        assert tier.lookup(key(0)) == slot
+        tier.drop(key(0), slot)
+        assert tier.lookup(key(0)) is None

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tierkv.tiers import nvme_striped
-from tierkv.tiers.nvme_striped import (BACKGROUND, LAST, URGENT, JobQueue, StripedIO, checksum, plan_runs,
+from tierkv.tiers.nvme_striped import (BACKGROUND, LAST, UNREADABLE, URGENT, JobQueue, StripedIO, checksum, plan_runs,
                                       plan_tasks)
 
 BB = 4096
@@ -163,7 +163,7 @@ def test_failed_run_skips_the_rest_and_wait_outlasts_every_run(monkeypatch: pyte
     assert all(end <= raised for end in ended)          # and none was still running when write raised
 
 
-def test_read_error_fails_only_that_run() -> None:
+def test_a_read_error_marks_only_that_run_unreadable() -> None:
     file = MemoryFile(16)
     io = StripedIO(file, BB, threads=2)
     try:
@@ -178,7 +178,7 @@ def test_read_error_fails_only_that_run() -> None:
         sums = io.read([0, 4, 12], [np.zeros(BB, np.uint8) for _ in range(3)])
     finally:
         io.close()
-    assert sums == [checksum(src[0]), None, checksum(src[12])]
+    assert sums == [checksum(src[0]), UNREADABLE, checksum(src[12])]
 
 
 def test_a_read_task_that_raises_fails_the_read_with_its_own_error() -> None:
@@ -209,7 +209,7 @@ def test_plan_tasks_deals_runs_in_order_as_evenly_as_can_be() -> None:
 
 def test_scattered_blocks_are_read_a_task_of_runs_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """12 blocks on every other slot, 1 thread, 2 tasks: 6 runs (one call each) per claim; a
-    failed call in the middle of a task loses that block only."""
+    failed call in the middle of a task makes that block unreadable only."""
     monkeypatch.setattr(nvme_striped, "READ_TASKS_PER_THREAD", 2)
     file = MemoryFile(24)
     io = StripedIO(file, BB, threads=1)
@@ -230,7 +230,7 @@ def test_scattered_blocks_are_read_a_task_of_runs_at_a_time(monkeypatch: pytest.
     finally:
         io.close()
     assert claims == [2]
-    assert sums == [None if s == 8 else checksum(b) for s, b in zip(slots, src)]
+    assert sums == [UNREADABLE if s == 8 else checksum(b) for s, b in zip(slots, src)]
 
 
 def _fail_at(offset: int, bad: int) -> None:

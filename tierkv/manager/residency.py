@@ -76,7 +76,7 @@ class Residency:
         slot = entry.copies.pop(name)
         tier = self.tiers[name]
         if tier.medium is Medium.NVME:
-            tier.drop(key)
+            tier.drop(key, slot)
         tier.pool.release(slot)
 
     def remove_copies(self, keys: Sequence[BlockKey], name: str) -> None:
@@ -85,10 +85,11 @@ class Residency:
         tier, cold = self.tiers[name], self.directory.cold
         if cold:
             cold.difference_update((key, name) for key in keys)
+        slots = self.directory.remove_copies(keys, name)
         if tier.medium is Medium.NVME:
-            for key in keys:
-                tier.drop(key)
-        tier.pool.release_many(self.directory.remove_copies(keys, name))
+            for key, slot in zip(keys, slots):
+                tier.drop(key, slot)
+        tier.pool.release_many(slots)
 
     def forget_copy(self, key: BlockKey, name: str) -> None:
         """``remove_copy``, and ``name``'s policy forgets the block too."""

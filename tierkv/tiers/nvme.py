@@ -72,14 +72,14 @@ from tierkv.knobs import IOKnobs
 from tierkv.sizes import format_size
 from tierkv.device import ALIGN
 from tierkv.failpoints import failpoint
-from tierkv.errors import ConfigError, DiskFullError, StoreUnusable
+from tierkv.errors import ConfigError, DiskFullError, StoreReadError, StoreUnusable
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
 from tierkv.tiers.journal import Journal, Op, Record, encode_puts
 from tierkv.tiers.nvme_io import BACKENDS, Buffer, choose_backend
 from tierkv.tiers.nvme_pool import SharedPool
 from tierkv.tiers.nvme_share import Membership
-from tierkv.tiers.nvme_striped import URGENT, StripedIO
+from tierkv.tiers.nvme_striped import UNREADABLE, URGENT, StripedIO
 from tierkv.tiers.nvme_view import Changes, SharedView
 
 log = logging.getLogger(__name__)
@@ -203,8 +203,10 @@ class NvmeTier:
 
     def read(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT,
              aligned: bool = False, addresses: np.ndarray | None = None) -> list[BlockKey]:
-        """Read blocks into the given tensors; the keys that failed (their tensors hold garbage).
-        ``priority`` and ``aligned`` as for `write`. ``addresses``: the tensors are flat uint8 host
+        """Read blocks into the given tensors; the keys that failed (their tensors hold garbage): a
+        checksum that does not match, a short read, or a key no longer in that slot. A `StoreReadError`
+        where the device answered a read with an error: the blocks are kept, and the read may be tried
+        again. ``priority`` and ``aligned`` as for `write`. ``addresses``: the tensors are flat uint8 host
         arrays (a host tier's ``buffers``) starting there, on `ALIGN` boundaries, so none is asked
         (a native read of a sparse layer's ~500 pages then prepares no request block by block)."""
         self._check_open()
@@ -229,18 +231,23 @@ class NvmeTier:
             sums = self._io.read(slots, bufs, misaligned, priority=priority)
         if kept is None and sums == expected:
             return []
+        if UNREADABLE in sums:
+            raise StoreReadError(errno.EIO, f"{self.directory}: the device failed {sums.count(UNREADABLE)} of "
+                                 f"{len(sums)} block read(s) with an I/O error; the blocks are kept: read them "
+                                 f"again, or check the disk ({os.strerror(errno.EIO)})")
         ok = np.zeros(len(items), bool)
         ok[np.flatnonzero(here)] = [got == want for got, want in zip(sums, expected)]
         return list(compress(keys, (~ok).tolist()))
 
-    def drop(self, key: BlockKey) -> None:
+    def drop(self, key: BlockKey, slot: int | None = None) -> None:
         """Forget ``key``; the caller then releases its pool slot. A block in this process's slots
         is gone for every process (journal DROP_AT); one in an unclaimed extent too, once this process
-        has claimed the extent; one in another live process's slot is forgotten here only."""
+        has claimed the extent; one in another live process's slot is forgotten here only. ``slot``:
+        only the copy in that slot (a key written again elsewhere by another process keeps that copy)."""
         self._check_open()
         with self._lock:
             entry = self._index.get(key)
-            if entry is None:
+            if entry is None or slot is not None and entry.slot != slot:
                 return
             self._index.drop(key.digest)
             if not self.pool.claim_extent_of(entry.slot):

@@ -15,7 +15,8 @@ do the read itself, synchronously. The calls go through ``syscall(2)`` by
 number (what libaio's wrappers are); where the kernel refuses them (a seccomp
 filter, a kernel without AIO) `available` is false and the store keeps its
 worker threads. A completion belongs to whoever reaps it, so each thread has
-its own context, made on first use and destroyed with the thread.
+its own context, made on first use and destroyed with the thread (or at once,
+by a batch interrupted part-way: the thread's next batch makes a new one).
 """
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ def _call(number: int, *args: object) -> int:
 class _Context:
     """One thread's AIO context (``aio_context_t``), destroyed when the thread's locals go."""
 
+    handle = 0
+
     def __init__(self) -> None:
         handle = ctypes.c_ulong(0)
         result = _call(_numbers[0], ctypes.c_long(MAX_DEPTH), ctypes.byref(handle))
@@ -69,10 +72,14 @@ class _Context:
             raise AioRefused(-result, f"io_setup: {os.strerror(-result)}")
         self.handle = handle.value
 
-    def __del__(self) -> None:
+    def destroy(self) -> None:
+        """``io_destroy``: returns once every request in flight is over, whatever was reaped of them."""
         if _libc is not None and self.handle:
-            _call(_numbers[1], ctypes.c_ulong(self.handle))
-            self.handle = 0
+            handle, self.handle = self.handle, 0
+            _call(_numbers[1], ctypes.c_ulong(handle))
+
+    def __del__(self) -> None:
+        self.destroy()
 
 
 _local = threading.local()
@@ -108,8 +115,8 @@ def read_blocks(fd: int, slots: np.ndarray, addresses: np.ndarray, block_bytes: 
     or ``-errno``.
 
     Raises `AioRefused` if the kernel refuses a request (with ``results`` of those before it), and
-    whatever ``landed`` raises; either way every request submitted is reaped first, so no read lands
-    in a buffer after this returns.
+    whatever ``landed`` raises; either way every request submitted is over first (reaped, or waited
+    for as this thread's context is destroyed), so no read lands in a buffer after this returns.
     """
     n = len(slots)
     results = np.full(n, -errno.ECANCELED, np.int64)
@@ -125,7 +132,8 @@ def read_blocks(fd: int, slots: np.ndarray, addresses: np.ndarray, block_bytes: 
     iocbs["offset"] = np.asarray(slots, np.int64) * block_bytes
     pointers = np.uint64(iocbs.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(IOCB.itemsize)
     events = np.zeros(min(n, depth), EVENT)
-    handle = ctypes.c_ulong(_context().handle)
+    context = _context()
+    handle = ctypes.c_ulong(context.handle)
     submitted = reaped = 0
     refused = 0   # errno of a submit the kernel refused: the rest of the batch is not submitted
     try:
@@ -154,8 +162,13 @@ def read_blocks(fd: int, slots: np.ndarray, addresses: np.ndarray, block_bytes: 
             whole = index[result == block_bytes]
             if len(whole):
                 landed(whole.tolist())
-    finally:
-        _drain(handle, events, submitted - reaped)
+    except BaseException:
+        # raised between a call and its count (an interrupt, a failed reap), ``submitted - reaped`` may
+        # be wrong: the context goes, waiting for all it holds, so that no read lands in a buffer after
+        # this returns and no stale completion is taken for a later batch's
+        _local.context = None
+        context.destroy()
+        raise
     if refused:
         what = f"{n} reads" if not submitted else f"the last {n - submitted} of {n} reads"
         exc = AioRefused(refused, f"io_submit of {what}: {os.strerror(refused)}")
@@ -177,12 +190,6 @@ def _reap(handle: ctypes.c_ulong, events: np.ndarray, outstanding: int) -> int:
     if got < 0 and got != -errno.EINTR:
         raise OSError(-got, f"io_getevents with {outstanding} read(s) in flight: {os.strerror(-got)}")
     return got
-
-
-def _drain(handle: ctypes.c_ulong, events: np.ndarray, outstanding: int) -> None:
-    """Reap ``outstanding`` requests, whatever they did: their buffers are the caller's."""
-    while outstanding > 0:
-        outstanding -= max(0, _reap(handle, events, outstanding))
 
 
 def _describe(result: int, block_bytes: int) -> str:
