@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -105,6 +106,12 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(launch, tmp_path
                     headers=key), 413, "at most 65536 bytes"),
         (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": DOC * 2}]},
                     headers=key, timeout=120), 400, "at most 600"),
+        (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "seed": 2**70},
+                    headers=key), 400, "seed"),
+        (httpx.post(f"{server.url}/v1/completions", json={"model": "smollm2", "prompt": [5, 10**9], "stream": True},
+                    headers=key), 400, "token id 1000000000 is not in the model's vocabulary"),
+        (httpx.post(f"{server.url}/v1/completions", json={"model": "smollm2", "prompt": [5, -1]}, headers=key),
+         400, "token id -1"),
     ]
     for response, status, words in cases:
         assert response.status_code == status, response.text
@@ -132,3 +139,52 @@ def test_a_run_beside_the_server_shares_its_store(launch, tmp_path):
     assert result["reused_prompt_tokens"] > 0                      # found what the server stored
     assert result["text"] == served.choices[0].message.content
     assert server.idle()["pinned_blocks"] == 0
+
+
+def test_a_whole_answer_s_client_that_hangs_up_during_its_prefill_stops_the_work(launch, tmp_path):
+    """Not streamed, the server writes nothing until the answer is whole: the handler watches for the
+    client leaving, and the work stops at the prompt's next chunk, not once a 20K-token prefill and its
+    answer are done."""
+    server = launch("--nvme-dir", str(tmp_path / "store"), *SMALL)
+    body = {"model": "smollm2", "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": DOC * 40}, {"role": "user", "content": "Summarize."}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=2,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    state = server.idle(timeout=60)
+    assert state["pinned_blocks"] == 0
+    assert "tierkv_cancelled_total 1.0" in httpx.get(f"{server.url}/metrics").text
+    assert "prompt tokens" not in server.log.read_text()         # no answer was finished and logged
+
+
+def test_a_server_stopped_with_a_request_running_and_one_waiting_exits_cleanly(launch, tmp_path):
+    server = launch("--nvme-dir", str(tmp_path / "store"), *SMALL)
+    import threading
+    long = {"model": "smollm2", "stream": True, "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": DOC * 40}, {"role": "user", "content": "Summarize."}]}
+    short = {"model": "smollm2", "stream": True, "max_tokens": 8, "temperature": 0,
+             "messages": [{"role": "user", "content": "Hello."}]}
+    outcomes: list[str] = []
+
+    def stream(body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+                for _ in response.iter_lines():
+                    pass
+            outcomes.append("closed")
+        except httpx.HTTPError as error:
+            outcomes.append(type(error).__name__)
+    clients = [threading.Thread(target=stream, args=(body,)) for body in (long, short)]   # one runs, one waits
+    for c in clients:
+        c.start()
+        time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while not (server.health()["busy"] and server.health()["queue"] == 1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.stop() == 0, server.log.read_text()
+    for c in clients:
+        c.join(30)
+    assert len(outcomes) == 2 and "Traceback" not in server.log.read_text()
+    again = launch("--nvme-dir", str(tmp_path / "store"), *SMALL)              # the store opens as it was left
+    assert ask(client(again), "Who founded the bakery?", max_tokens=2).usage.completion_tokens <= 2

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierkv.errors import ConfigError, TierKVError
+from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
 from tierkv.model.arch import model_spec
 from tierkv.model.loading import LoadedModel
 from tierkv.model.settings import SessionConfig
 from tierkv.session import Session
+from tierkv.session.session import Cancelled
+from tierkv.session.generation import Sampling
+from tierkv.session.state import DenseState
 
 from tinymodels import tiny_model
 
@@ -106,6 +109,8 @@ def test_bad_requests_are_clear_errors(tmp_path):
             session.complete([1, 2, 3], temperature=-1)
         with pytest.raises(ConfigError, match="messages\\[0\\]"):
             session.chat([{"role": "robot", "content": "hi"}])
+        with pytest.raises(ConfigError, match="token id 128 is not in the model's vocabulary; ids are 0..127"):
+            session.complete([1, 128, 2])
     with pytest.raises(TierKVError, match="closed"):
         session.complete([1, 2])
 
@@ -113,6 +118,79 @@ def test_bad_requests_are_clear_errors(tmp_path):
 def tiny_loaded() -> LoadedModel:
     model = tiny_model("llama")                           # trained window 512 tokens, no tokenizer
     return LoadedModel(model, None, "tiny-llama", model_spec(model))
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_prompt_the_tiers_cannot_hold_fails_and_holds_nothing():
+    """Its prefix prefilled part-way, then out of room: what it sealed is let go of, not held for good
+    (every later prompt would find the tiers full)."""
+    lm = tiny_loaded()
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense", gpu_budget="128KiB", cpu_budget="128KiB"),
+                 loaded=lm) as session:
+        with pytest.raises(BudgetExceeded):
+            session.complete(random_ids(3000, 1), max_new_tokens=2)
+        assert session.backends["dense"].held_blocks() == 0
+        assert session.complete(random_ids(40, 2), max_new_tokens=2).generated_tokens == 2
+
+
+def test_states_kept_for_later_turns_make_room_for_a_prompt_that_needs_it():
+    """Each prompt's prefix state is kept for a turn that may follow; when the next prompt finds no
+    room, the kept states go (a cache), not the request."""
+    lm = tiny_loaded()
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense", gpu_budget="192KiB", cpu_budget="192KiB"),
+                 loaded=lm) as session:
+        for seed in range(3):
+            assert session.complete(random_ids(900, seed), max_new_tokens=2).generated_tokens == 2
+
+
+def test_an_answer_that_fails_midway_is_not_kept_for_the_next_turn(monkeypatch):
+    """A step that raised may have left the state part-way through a token: a next turn built on it
+    would attend to that. Only an answer read to its end is kept."""
+    lm = tiny_loaded()
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=lm) as session:
+        kept = len(session._states)
+        real, calls = DenseState.step, []
+
+        def failing(self, token):
+            calls.append(token)
+            if len(calls) == 3:
+                raise BudgetExceeded("injected")
+            return real(self, token)
+        monkeypatch.setattr(DenseState, "step", failing)
+        stream = session._respond(random_ids(60, 3), [], Sampling(max_new_tokens=8), True, keep=True, start=0.0)
+        with pytest.raises(BudgetExceeded):
+            list(stream)
+        assert len(session._states) == kept and session.backends["dense"].pinned_blocks() == 0
+
+
+def test_a_stream_closed_before_its_first_piece_lets_go_of_its_state():
+    lm = tiny_loaded()
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=lm) as session:
+        ids = random_ids(300, 4)
+        session.complete(ids, max_new_tokens=2)                     # the prefix state: kept
+        held = session.backends["dense"].held_blocks()
+        for _ in range(3):
+            session.complete(ids, stream=True, max_new_tokens=4).close()
+        assert session.backends["dense"].held_blocks() == held
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_a_request_cancelled_while_its_prompt_is_computed_stops_and_holds_nothing(tmp_path, mode):
+    lm = tiny_loaded()
+    settings = dict(nvme_dir=tmp_path, mode=mode, chunk_tokens=256, sparse_budget=128, page_tokens=16)
+    with Session(SessionConfig.of(**settings), loaded=lm) as session:
+        asked = []
+
+        def cancelled() -> bool:
+            asked.append(1)
+            return len(asked) > 1                       # after the prompt's first chunk
+        with pytest.raises(Cancelled):
+            session.complete(random_ids(1400, 5), stream=True, max_new_tokens=4, cancelled=cancelled)
+        backend = session.backends[mode]
+        assert len(asked) == 2 and backend.held_blocks() == 0 and backend.pinned_blocks() == 0
 
 
 def test_past_the_trained_window_a_second_prompt_reuses_the_stored_sparse_index(tmp_path):

@@ -29,10 +29,13 @@ from starlette.exceptions import HTTPException
 
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.session import Answer
-from tierkv.session.session import PromptTooLong
+from tierkv.session.session import PromptTooLong, check_token_ids
 from tierkv.serve.metrics import Metrics
 from tierkv.serve.protocol import ChatRequest, CompletionRequest, error_body
 from tierkv.serve.worker import Job, QueueFull, Worker
+
+
+DISCONNECT_POLL_S = 0.25    # how often a whole answer's handler asks whether its client is still there
 
 
 class ApiError(Exception):
@@ -88,13 +91,18 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
     async def chat(body: ChatRequest, request: Request) -> Any:
         _check_model(body.model, model_name)
         job = _job("chat", body.chat_messages(), body, limits)
-        return await _answer(job, body, worker, model_name, chat=True)
+        return await _answer(job, body, worker, model_name, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_model(body.model, model_name)
+        if isinstance(body.prompt, list):     # checked here, so that a stream is refused before it starts
+            try:
+                check_token_ids(body.prompt, worker.session.loaded.spec.vocab)
+            except ConfigError as error:
+                raise ApiError(400, str(error), param="prompt") from None
         job = _job("completion", body.prompt, body, dict(limits, default_tokens=16))
-        return await _answer(job, body, worker, model_name, chat=False)
+        return await _answer(job, body, worker, model_name, request, chat=False)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -187,7 +195,7 @@ def _job(kind: str, prompt: Any, body: ChatRequest | CompletionRequest, limits: 
     return Job(kind, prompt, sampling, asyncio.get_running_loop())
 
 
-async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worker, model: str, *,
+async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worker, model: str, request: Request, *,
                   chat: bool) -> Any:
     try:
         worker.submit(job)
@@ -198,6 +206,7 @@ async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worke
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventSourceResponse(_events(job, reply, include_usage), ping=15)
     text = []
+    watch = asyncio.create_task(_watch(request, job))
     try:
         async for kind, value in _results(job):
             if kind == "text":
@@ -205,12 +214,24 @@ async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worke
             else:
                 return reply.whole("".join(text), value)
     finally:
+        watch.cancel()
         job.cancel()            # a client that hung up, or an error: stop the work, let go of its state
+
+
+async def _watch(request: Request, job: Job) -> None:
+    """A whole (not streamed) answer's client: once it hangs up, the work stops and the handler ends
+    (nothing else tells either: the server only writes when the answer is whole)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    job.cancel()
+    job.events.put_nowait(("gone", None))
 
 
 async def _results(job: Job) -> AsyncIterator[tuple[str, Any]]:
     while True:
         kind, value = await job.events.get()
+        if kind == "gone":          # its client hung up: nobody reads what would follow
+            raise ApiError(499, "the client closed the request", kind="client_closed")
         if kind == "error":
             raise _as_api_error(value)
         yield kind, value

@@ -74,6 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     finally:
-        worker.stop()
-        session.close()
+        try:
+            worker.stop(cancel=True)      # the server no longer listens: the answer running stops too
+        finally:
+            session.close()               # what the tiers hold is written back whatever happened above
     return 0

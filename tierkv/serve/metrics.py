@@ -51,7 +51,7 @@ class Metrics:
 
     def refresh(self, session: Session) -> None:
         pinned = 0
-        for mode, backend in session.backends.items():
+        for mode, backend in list(session.backends.items()):    # (the worker may open one meanwhile)
             for tier, row in backend.tier_report().items():
                 self.tier_bytes.labels(mode, tier).set(row["final_bytes"])
                 self.tier_budget.labels(mode, tier).set(row["budget_bytes"])

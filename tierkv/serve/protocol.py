@@ -47,7 +47,7 @@ class _Generation(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)    # (a 64-bit generator's seed)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -8,7 +8,8 @@ both without finishing either sooner. Others wait in a bounded queue (a full que
     HTTP handler (event loop)            worker thread
     submit(job) ──queue──▶               session.chat / complete, stream=True
     await job.events  ◀──call_soon_threadsafe──  ("text", piece) ... ("done", answer) | ("error", exc)
-    client hung up: job.cancel() ──▶     stops before the next token; the answer's state is let go
+    client hung up: job.cancel() ──▶     stops at the prompt's next chunk or the next token; its state
+                                         is let go
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from tierkv.errors import TierKVError
 from tierkv.session import Answer, Sampling, Session
+from tierkv.session.session import Cancelled
 from tierkv.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,10 @@ class Job:
         self.cancelled.set()
 
     def emit(self, kind: str, value: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:      # the server's event loop is closed (shutting down): nobody is listening
+            self.cancel()
 
 
 class Worker:
@@ -53,6 +58,7 @@ class Worker:
         self.session, self.metrics = session, metrics
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.busy = False
+        self.current: Job | None = None       # the request running
         self._thread = threading.Thread(target=self._run, name="tierkv-serve", daemon=True)
 
     def start(self) -> Worker:
@@ -67,8 +73,10 @@ class Worker:
                             "try again later") from None
         self.metrics.queued.set(self.jobs.qsize())
 
-    def stop(self) -> None:
-        """Finish the request running, drop the waiting ones (their clients get an error), stop."""
+    def stop(self, *, cancel: bool = False) -> None:
+        """Drop the waiting requests (their clients get an error, where they still listen), then stop once
+        the request running is over; ``cancel``: stop that one too, at its next token (the server has
+        stopped listening: nobody would read the rest)."""
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -76,6 +84,8 @@ class Worker:
                 break
             if job is not None:
                 job.emit("error", TierKVError("the server is shutting down"))
+        if cancel and (running := self.current) is not None:
+            running.cancel()
         self.jobs.put(None)
         self._thread.join()
 
@@ -84,15 +94,17 @@ class Worker:
             self.metrics.queued.set(self.jobs.qsize())
             if job.cancelled.is_set():
                 continue                     # its client left while it waited
-            self.busy = True
+            self.busy, self.current = True, job
             try:
                 self._serve(job)
+            except Cancelled:                # its client left while its prompt was computed
+                self.metrics.cancelled.inc()
             except Exception as error:       # the job's error goes to its client; the server goes on
                 if not isinstance(error, TierKVError):
                     log.exception("request failed")
                 job.emit("error", error)
             finally:
-                self.busy = False
+                self.busy, self.current = False, None
 
     def _serve(self, job: Job) -> None:
         started = time.perf_counter()
@@ -118,7 +130,7 @@ class Worker:
             job.emit("done", answer)
 
     def _start(self, job: Job):
-        args = dict(stream=True, **_sampling_args(job.sampling))
+        args = dict(stream=True, cancelled=job.cancelled.is_set, **_sampling_args(job.sampling))
         if job.kind == "chat":
             return self.session.chat(job.prompt, **args)
         return self.session.complete(job.prompt, **args)

@@ -52,7 +52,11 @@ class Backend:
         """The state covering ``ids``, found stored where it can be, and the tokens found."""
         if self.mode == "dense":
             state = DenseState(self.engine)
-            state.absorb(list(ids), progress)
+            try:
+                state.absorb(list(ids), progress)
+            except BaseException:        # what it sealed is let go of (a held block would stay for good)
+                state.release()
+                raise
             return state, state.reused
         settings = self.config.engine
         opened = sparse_state(self.engine, list(ids), self.shelf, reuse=settings.reuse,

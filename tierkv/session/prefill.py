@@ -67,7 +67,11 @@ def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, 
             if found == len(ids):
                 return Opened(state, found)
             state.seq.detach()                       # the stored state stays as it was stored
-            state.absorb(ids[found:], progress)
+            try:
+                state.absorb(ids[found:], progress)
+            except BaseException:
+                state.release()
+                raise
             return Opened(state, found)
     return _prefill(engine, ids, shelf if store else None, reuse=reuse, checkpoint_every=checkpoint_every,
                     progress=progress)
@@ -95,6 +99,16 @@ def stored_state(engine: SparseEngine, shelf: Shelf, ids: Sequence[int]) -> Spar
 def _prefill(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, *, reuse: bool,
              checkpoint_every: float, progress: Progress) -> Opened:
     seq = engine.new_sequence(len(ids), root=None if shelf is None else shelf.key(ids), persist=shelf is not None)
+    try:
+        return _prefill_into(seq, engine, ids, shelf, reuse=reuse, checkpoint_every=checkpoint_every,
+                             progress=progress)
+    except BaseException:     # what it sealed is let go of, kept in the store where there is one
+        seq.release(keep=engine.manager.has_store)
+        raise
+
+
+def _prefill_into(seq: SparseSequence, engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, *,
+                  reuse: bool, checkpoint_every: float, progress: Progress) -> Opened:
     if shelf is None:
         engine.prefill(seq, ids, progress)
         return Opened(SparseState(engine, seq, ids), 0)

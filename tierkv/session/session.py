@@ -23,13 +23,17 @@ A session is not thread-safe: one request at a time (``tierkv serve`` queues the
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from dataclasses import replace
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierkv.errors import ConfigError, TierKVError
+from torch import Tensor
+
+from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import chat_ids, read_document
 from tierkv.model.settings import SessionConfig
@@ -45,13 +49,24 @@ class PromptTooLong(ConfigError):
     """A prompt longer than the session takes (``Session(max_prompt_tokens=...)``)."""
 
 
+class Cancelled(TierKVError):
+    """The request's ``cancelled()`` came true while its prompt was computed; what it had computed
+    is let go of (kept in the store where there is one)."""
+
+
+Cancel = Callable[[], bool]
+
+
 class Stream:
     """The text pieces of an answer as they are generated; ``answer`` is complete once the stream
     is exhausted. ``close()`` (or leaving it unfinished and dropping it) stops the generation and
     lets go of what it held."""
 
-    def __init__(self, pieces: Iterator[str], answer: Answer) -> None:
-        self._pieces, self.answer = pieces, answer
+    def __init__(self, pieces: Generator[str, None, None], answer: Answer,
+                 unstarted: Callable[[], None] | None = None) -> None:
+        """``unstarted``: what lets go of the answer's state where the stream is closed before its
+        first piece (a generator closed unstarted runs none of its body, its cleanup included)."""
+        self._pieces, self.answer, self._unstarted = pieces, answer, unstarted
 
     def __iter__(self) -> Iterator[str]:
         return self._pieces
@@ -60,7 +75,11 @@ class Stream:
         return next(self._pieces)
 
     def close(self) -> None:
+        unstarted = inspect.getgeneratorstate(self._pieces) == inspect.GEN_CREATED
         self._pieces.close()
+        if unstarted and self._unstarted is not None:
+            self._unstarted, let_go = None, self._unstarted
+            let_go()
 
 
 class Session:
@@ -116,35 +135,43 @@ class Session:
         return len(ids)
 
     # -- asking -------------------------------------------------------------------------------------
-    def ask(self, question: str, *, stream: bool = False, **sampling: Any) -> Answer | Stream:
-        """A question about the document ``read`` took in, seeing nothing asked before."""
+    def ask(self, question: str, *, stream: bool = False, cancelled: Cancel | None = None,
+            **sampling: Any) -> Answer | Stream:
+        """A question about the document ``read`` took in, seeing nothing asked before. ``cancelled``
+        (of every request call): asked as the prompt is computed and at every token; once it is true
+        the answer stops (``Cancelled`` while the prompt is computed, ``finish_reason`` "cancelled" after)."""
         if self.document is None or not self._messages:
             raise TierKVError("read a document first: session.read(path_or_text)")
-        return self._chat([*self._messages, {"role": "user", "content": question}], stream, sampling, keep=False)
+        return self._chat([*self._messages, {"role": "user", "content": question}], stream, sampling, keep=False,
+                          cancelled=cancelled)
 
-    def chat(self, messages: Sequence[Message], *, stream: bool = False, **sampling: Any) -> Answer | Stream:
+    def chat(self, messages: Sequence[Message], *, stream: bool = False, cancelled: Cancel | None = None,
+             **sampling: Any) -> Answer | Stream:
         """The assistant's reply to ``messages`` (OpenAI-style dicts with role and content). The
         state after the reply is kept a while, so a next turn that repeats these messages and the
         reply goes on from it."""
-        return self._chat(messages, stream, sampling, keep=True)
+        return self._chat(messages, stream, sampling, keep=True, cancelled=cancelled)
 
     def _chat(self, messages: Sequence[Message], stream: bool, sampling: dict[str, Any], *,
-              keep: bool) -> Answer | Stream:
+              keep: bool, cancelled: Cancel | None) -> Answer | Stream:
         start = time.perf_counter()
         _check_messages(messages)
         tokenizer = self.loaded.tokenizer
         ids = chat_ids(tokenizer, list(messages))
         prefix = chat_ids(tokenizer, list(messages[:-1]), generation=False) if len(messages) > 1 else []
-        return self._respond(ids, prefix, Sampling(**sampling), stream, keep=keep, start=start)
+        return self._respond(ids, prefix, Sampling(**sampling), stream, keep=keep, start=start, cancelled=cancelled)
 
-    def complete(self, prompt: str | Sequence[int], *, stream: bool = False, **sampling: Any) -> Answer | Stream:
+    def complete(self, prompt: str | Sequence[int], *, stream: bool = False, cancelled: Cancel | None = None,
+                 **sampling: Any) -> Answer | Stream:
         """The continuation of a plain prompt (no chat template): text, or token ids."""
         start = time.perf_counter()
         ids = list(prompt) if not isinstance(prompt, str) else \
             self.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if not ids:
             raise ConfigError("the prompt is empty")
-        return self._respond(ids, ids[:-1], Sampling(**sampling), stream, keep=False, start=start)
+        check_token_ids(ids, self.loaded.spec.vocab)
+        return self._respond(ids, ids[:-1], Sampling(**sampling), stream, keep=False, start=start,
+                             cancelled=cancelled)
 
     def fork(self) -> Session:
         """A session over the same model, tiers and document, whose questions and conversations are
@@ -184,32 +211,51 @@ class Session:
 
     # -- the request path -----------------------------------------------------------------------------------
     def _respond(self, ids: list[int], prefix: list[int], sampling: Sampling, stream: bool, keep: bool,
-                 start: float) -> Answer | Stream:
+                 start: float, cancelled: Cancel | None = None) -> Answer | Stream:
         """``start``: when the request came in (its TTFT counts the prompt's rendering too)."""
         self._check_open()
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             raise PromptTooLong(f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are taken "
                                 "(tierkv serve --max-prompt-tokens)")
-        answer = Answer(prompt_tokens=len(ids))
-        state, covered = self._branch(ids, prefix, answer)
+        progress = None if cancelled is None else functools.partial(_stop_if, cancelled)
+        answer, state, logits = self._prompted(ids, prefix, progress)
         self.last_mode = state.mode
         sampling = self._drafts(sampling, state.mode)
-        try:
-            logits = state.extend(ids[covered:])
-        except BaseException:
-            state.release()
-            raise
         first = state.computed_from if answer.computed_from is None else min(answer.computed_from, state.computed_from)
         answer.reused_tokens = first          # prompt tokens whose KV this answer did not compute
         answer.ttft_s = time.perf_counter() - start
         backend = self.backend(state.mode)
         pieces = self._finish(state, generate(state, logits, answer, sampling, tokenizer=self.loaded.tokenizer,
-                                              eos=backend.eos, events=backend.events), answer, keep)
+                                              eos=backend.eos, events=backend.events,
+                                              cancelled=cancelled or (lambda: False)), answer, keep)
         if stream:
-            return Stream(pieces, answer)
+            return Stream(pieces, answer, functools.partial(self._settle, state, answer, False))
         for _ in pieces:
             pass
         return answer
+
+    def _prompted(self, ids: list[int], prefix: list[int],
+                  progress: Progress | None) -> tuple[Answer, KVState, Tensor]:
+        """The state of the prompt ``ids`` and its last logits. Where the tiers have no room for it, the
+        states kept for conversations are let go of (not the document's) and it is tried once more:
+        kept states are a cache, and one request's must not leave every later one without room."""
+        while True:
+            answer, state = Answer(prompt_tokens=len(ids)), None
+            try:
+                state, covered = self._branch(ids, prefix, answer, progress)
+                return answer, state, state.extend(ids[covered:], progress)
+            except BaseException as error:
+                if state is not None:
+                    state.release()
+                if not isinstance(error, BudgetExceeded) or not self._states:
+                    raise
+                self._shed()
+
+    def _shed(self) -> None:
+        """Let go of every state kept for a conversation's next turn."""
+        states, self._states = self._states, []
+        for state in states:
+            state.release()
 
     def _drafts(self, sampling: Sampling, mode: str) -> Sampling:
         """Speculative decoding where it gives greedy decoding's tokens: dense mode, temperature 0."""
@@ -217,20 +263,28 @@ class Session:
         return replace(sampling, draft_tokens=k if mode == "dense" and sampling.temperature == 0 else 0)
 
     def _finish(self, state: KVState, pieces: Iterator[str], answer: Answer, keep: bool) -> Iterator[str]:
-        """``pieces``, then: the state kept for the conversation's next turn, or let go."""
+        """``pieces``, then: the state kept for the conversation's next turn, or let go (an answer that
+        raised or was not read to its end leaves a state its next turn must not build on)."""
+        whole = False
         try:
             yield from pieces
+            whole = True
         finally:
-            backend = self.backend(state.mode)
-            answer.report = backend.report(state)
-            if keep and answer.finish_reason != "cancelled":
-                self._keep(state)
-            else:
-                state.release()
-            if not self.keep_events:
-                backend.events.clear()
+            self._settle(state, answer, keep and whole)
 
-    def _branch(self, ids: list[int], prefix: list[int], answer: Answer) -> tuple[KVState, int]:
+    def _settle(self, state: KVState, answer: Answer, keep: bool) -> None:
+        """An answer over: its state kept for the next turn (``keep``, unless cancelled), or let go."""
+        backend = self.backend(state.mode)
+        answer.report = backend.report(state)
+        if keep and answer.finish_reason != "cancelled":
+            self._keep(state)
+        else:
+            state.release()
+        if not self.keep_events:
+            backend.events.clear()
+
+    def _branch(self, ids: list[int], prefix: list[int], answer: Answer,
+                progress: Progress | None = None) -> tuple[KVState, int]:
         """A fork of the longest state whose tokens start ``ids`` (the document's prefix state made
         first when it is longer), and how many tokens of ``ids`` it covers."""
         mode = self.config.engine.resolve_mode(len(ids), self.loaded.spec.max_position)
@@ -238,21 +292,22 @@ class Session:
                 and ids[:len(s.tokens)] == s.tokens]
         best = max(held, key=lambda s: len(s.tokens), default=None)
         if prefix and ids[:len(prefix)] == prefix and (best is None or len(best.tokens) < len(prefix)):
-            best = self._grown(best, prefix, mode, answer)
+            best = self._grown(best, prefix, mode, answer, progress)
             self._keep(best)
         if best is None:
             return self.backend(mode).empty(len(ids)), 0
         return best.fork(), len(best.tokens)
 
-    def _grown(self, best: KVState | None, prefix: list[int], mode: str, answer: Answer) -> KVState:
+    def _grown(self, best: KVState | None, prefix: list[int], mode: str, answer: Answer,
+               progress: Progress | None = None) -> KVState:
         """The state of ``prefix``: ``best`` (a held state it starts with) grown to it, or found
         stored / prefilled."""
         if best is None:
-            state, answer.computed_from = self._prefix_state(prefix, None, mode)
+            state, answer.computed_from = self._prefix_state(prefix, progress, mode)
             return state
         state = best.fork()
         try:
-            state.absorb(prefix[len(best.tokens):])
+            state.absorb(prefix[len(best.tokens):], progress)
         except BaseException:
             state.release()
             raise
@@ -280,6 +335,19 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise TierKVError("the session is closed")
+
+
+def _stop_if(cancelled: Cancel, _tokens: int) -> None:
+    """A prompt's progress: `Cancelled` once ``cancelled()`` is true."""
+    if cancelled():
+        raise Cancelled("the request was cancelled while its prompt was computed")
+
+
+def check_token_ids(ids: Sequence[int], vocab: int) -> None:
+    """A ConfigError naming the first id of ``ids`` outside the model's vocabulary (0..vocab-1)."""
+    bad = next((i for i in ids if not isinstance(i, int) or not 0 <= i < vocab), None)
+    if bad is not None:
+        raise ConfigError(f"prompt: token id {bad!r} is not in the model's vocabulary; ids are 0..{vocab - 1}")
 
 
 def _check_messages(messages: Sequence[Message]) -> None:
