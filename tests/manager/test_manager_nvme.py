@@ -1,5 +1,6 @@
 """The manager over a real NVMe store: demotion, write-back, reopen, a full disk, a cancelled read."""
 import asyncio
+import time
 
 import pytest
 import torch
@@ -186,4 +187,20 @@ async def test_a_read_cancelled_before_its_loads_start_leaves_no_claim_behind(tm
         lease.release()
         while m._executor.busy:
             await m._executor.progress()
+        assert_quiescent(m)
+
+
+async def test_a_block_dropped_while_a_scrub_reads_it_waits_for_the_read(tmp_path, knobs, monkeypatch):
+    """The scrub pins the store's copy while it reads it: a drop meanwhile waits for the read, then
+    removes the block; neither raises, and nothing stays pinned."""
+    async with TierManager([CpuTier(BLOCK, 4 * BLOCK), NvmeTier(tmp_path, BLOCK, 64 * BLOCK)], knobs=knobs) as m:
+        await m.put(key(1), block(1), tier="nvme")
+        store = m.tiers["nvme"]
+        real = store.read
+        monkeypatch.setattr(store, "read", lambda items, **kw: (time.sleep(0.3), real(items, **kw))[1])  # a slow disk
+        scrub = asyncio.create_task(m.scrub([key(1)]))
+        await asyncio.sleep(0.05)
+        await m.drop([key(1)])
+        await scrub
+        assert store.lookup(key(1)) is None and not m.contains(key(1))
         assert_quiescent(m)

@@ -158,17 +158,25 @@ class Moves:
         on_disk = [(k, e.copies[store.name]) for k, e in entries if store and e and store.name in e.copies]
         if not on_disk:
             return
-        for _, slot in on_disk:
-            store.pool.pin(slot)
-        buf = torch.empty(len(on_disk), self.block_bytes, dtype=torch.uint8)
+        checked = [k for k, _ in on_disk]
+        done = self.claim(checked, store.name)   # announced as a move: a drop of one of them waits for it
         try:
-            failed = await asyncio.to_thread(store.read, [(k, s, buf[i]) for i, (k, s) in enumerate(on_disk)])
-        finally:
             for _, slot in on_disk:
-                store.pool.unpin(slot)
-        for key in failed:
-            self.residency.forget_copy(key, store.name)
-            self.directory.forget_if_empty(key)
+                store.pool.pin(slot)
+            buf = torch.empty(len(on_disk), self.block_bytes, dtype=torch.uint8)
+            try:
+                failed = await asyncio.to_thread(store.read, [(k, s, buf[i]) for i, (k, s) in enumerate(on_disk)])
+            finally:
+                for _, slot in on_disk:
+                    store.pool.unpin(slot)
+            read_at = dict(on_disk)
+            for key in failed:
+                entry = self.directory.get(key)
+                if entry is not None and entry.copies.get(store.name) == read_at[key]:   # the copy read, still
+                    self.residency.forget_copy(key, store.name)
+                    self.directory.forget_if_empty(key)
+        finally:
+            self._settle(checked, store.name, done, None)
 
     async def _move(self, keys: list[BlockKey], src: str, dst: str, kind: Kind, priority: Priority,
                     layer: int | None, done: asyncio.Future, *, cold: bool = False,

@@ -147,11 +147,10 @@ class KvikioFile:
     def pwritev(self, bufs: Sequence[Buffer], offset: int) -> None:
         futures = []
         for buf in bufs:
-            futures.append((self._file.pwrite(buf, _nbytes(buf), offset), _nbytes(buf)))
+            futures.append(self._file.pwrite(buf, _nbytes(buf), offset))
             offset += _nbytes(buf)
-        for future, size in futures:
-            if future.get() != size:
-                raise OSError(errno.EIO, "kvikio wrote fewer bytes than asked")
+        if any(got != _nbytes(buf) for got, buf in zip(_settled(futures), bufs)):
+            raise OSError(errno.EIO, "kvikio wrote fewer bytes than asked")
 
     def preadv(self, bufs: Sequence[Buffer], offset: int) -> int:
         futures = []
@@ -159,8 +158,7 @@ class KvikioFile:
             futures.append(self._file.pread(buf, _nbytes(buf), offset))
             offset += _nbytes(buf)
         total, short = 0, False
-        for future, buf in zip(futures, bufs):
-            got = future.get()
+        for got, buf in zip(_settled(futures), bufs):
             short = short or got < _nbytes(buf)
             total += 0 if short else got
         return total
@@ -170,6 +168,21 @@ class KvikioFile:
             self._file.close()
             os.close(self.fd)
             self.fd = -1
+
+
+def _settled(futures: Sequence[Any]) -> list[int]:
+    """Each kvikio future's byte count, every one waited for before the first error is raised: a
+    buffer must not be written after its call failed (its slot may be given to another block)."""
+    results: list[int] = []
+    error: BaseException | None = None
+    for future in futures:
+        try:
+            results.append(future.get())
+        except BaseException as raised:      # noqa: BLE001 - raised once all are over
+            error = error or raised
+    if error is not None:
+        raise error
+    return results
 
 
 BACKENDS: dict[str, Callable[[Path], BlockFile]] = {
