@@ -209,6 +209,22 @@ def test_extents_are_shared_equally_and_come_back_with_their_blocks_on_close(tmp
         assert verify(b) == (8, 0)
 
 
+def test_an_extent_taken_over_after_its_owner_closed_keeps_the_blocks_it_wrote(tmp_path: Path) -> None:
+    """B had not read the journal since A wrote into an extent; A closes, and B takes the extent to
+    write: A's block is not taken for a free slot, and B's next refresh brings it in."""
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as b:   # 8 extents of one slot
+        a = NvmeTier(store, BB, 8 * BB)
+        placed = put(a, "A", range(1))
+        a.close()
+        taken = put(b, "B", range(1))
+        assert taken[key("B", 0)] != placed[key("A", 0)]
+        assert (key("A", 0), placed[key("A", 0)]) in b.refresh().added
+        assert verify(b) == (2, 0)
+    with NvmeTier(store, BB, 8 * BB) as later:
+        assert verify(later) == (2, 0)
+
+
 def test_an_owner_file_removed_by_hand_stops_writes(tmp_path: Path) -> None:
     store = tmp_path / "store"
     with NvmeTier(store, BB, 8 * BB) as tier:
@@ -331,3 +347,39 @@ def test_killed_writer_leaves_a_consistent_store_and_its_slots_come_back(workers
         assert (visible, wrong) == (32, 0)
         assert {k for k, _ in later.items()} == {key("A", i) for i in range(32, 64)}  # every slot is the survivor's
     survivor.call("close")
+
+
+async def test_a_manager_at_its_share_of_a_shared_store_makes_room_in_its_own_slots(tmp_path: Path) -> None:
+    """Another process has the store open, so this one may claim half its extents: past them it evicts
+    its own blocks to write back (never another's, whose slot would free nothing here), rather than
+    failing, and it keeps seeing the other's blocks."""
+    store = tmp_path / "store"
+    other = NvmeTier(store, BB, 8 * BB)          # 8 extents of one slot: 4 each while both are open
+    try:
+        async with TierManager([CpuTier(BB, 1 * BB), NvmeTier(store, BB, 8 * BB)]) as m:
+            theirs = put(other, "A", range(4))
+            assert all(m.contains(k) for k in theirs)
+            for i in range(6):
+                await m.put(key("B", i), torch.from_numpy(nvme_worker.expected(key("B", i), BB)), persist=True,
+                            protect=False)
+                await m.flush()
+            assert all(m.contains(k) for k in theirs) and all(other.lookup(k) == s for k, s in theirs.items())
+            assert m.contains(key("B", 5)) and len(m.tiers["nvme"].pool._own) == 4
+    finally:
+        other.close()
+
+
+async def test_a_manager_at_its_share_while_extents_stay_unclaimed_still_writes_back(tmp_path: Path) -> None:
+    """The other opener holds no extent, so free slots remain in extents this process may not claim:
+    past its share it still makes room in its own slots (it asked for a negative number of victims)."""
+    store = tmp_path / "store"
+    other = NvmeTier(store, BB, 8 * BB)
+    try:
+        async with TierManager([CpuTier(BB, 2 * BB), NvmeTier(store, BB, 8 * BB)]) as m:
+            for i in range(6):
+                await m.put(key("M", i), torch.from_numpy(nvme_worker.expected(key("M", i), BB)), persist=True,
+                            protect=False)
+                await m.flush()
+            assert m.contains(key("M", 5)) and len(m.tiers["nvme"].pool._own) == 4
+    finally:
+        other.close()

@@ -244,8 +244,8 @@ class Moves:
         pool = self.tiers[name].pool
         if n > pool.capacity:
             raise BudgetExceeded(f"tier {name}: {n} blocks requested, the budget holds {pool.capacity}")
-        while not pool.can_reserve(n):
-            await self._make_room(name, n - pool.free)
+        while not pool.can_reserve(n):   # (a shared store counts free slots it may not claim: at least one)
+            await self._make_room(name, max(1, n - pool.free))
         slots = pool.reserve_many(n)
         self.residency.stats[name].peak_slots = max(self.residency.stats[name].peak_slots, pool.used)
         return slots

@@ -239,17 +239,24 @@ class Session:
         """The state of the prompt ``ids`` and its last logits. Where the tiers have no room for it, the
         states kept for conversations are let go of (not the document's) and it is tried once more:
         kept states are a cache, and one request's must not leave every later one without room."""
-        while True:
-            answer, state = Answer(prompt_tokens=len(ids)), None
-            try:
-                state, covered = self._branch(ids, prefix, answer, progress)
-                return answer, state, state.extend(ids[covered:], progress)
-            except BaseException as error:
-                if state is not None:
-                    state.release()
-                if not isinstance(error, BudgetExceeded) or not self._states:
-                    raise
-                self._shed()
+        try:
+            return self._prompt_once(ids, prefix, progress)
+        except BudgetExceeded:
+            if not self._states:
+                raise
+            self._shed()
+        return self._prompt_once(ids, prefix, progress)
+
+    def _prompt_once(self, ids: list[int], prefix: list[int],
+                     progress: Progress | None) -> tuple[Answer, KVState, Tensor]:
+        answer, state = Answer(prompt_tokens=len(ids)), None
+        try:
+            state, covered = self._branch(ids, prefix, answer, progress)
+            return answer, state, state.extend(ids[covered:], progress)
+        except BaseException:
+            if state is not None:
+                state.release()
+            raise
 
     def _shed(self) -> None:
         """Let go of every state kept for a conversation's next turn."""

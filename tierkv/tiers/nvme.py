@@ -102,7 +102,7 @@ class NvmeTier:
         self.block_bytes = block_bytes
         self.namespace = namespace
         self._capacity = budget_bytes // block_bytes
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # (re-entered: a claim under it reads the journal's news)
         self._closed = True
         with _permission_named(self.directory):
             self._share = Membership(self.directory)
@@ -143,6 +143,8 @@ class NvmeTier:
         self.pool = SharedPool(self._capacity, self._share.claims, self._share.owner.id)
         self._recover()
         self._view = SharedView(self._index, self.pool)
+        self._news = Changes()          # what the journal said as an extent was taken: for the next refresh
+        self.pool.catch_up = self._catch_up
         self._share.settle()
 
     # -- queries -----------------------------------------------------------
@@ -269,7 +271,20 @@ class NvmeTier:
         READY records to `pool`, so it runs on the thread that uses the pool."""
         self._check_open()
         with self._lock:
-            return self._view.apply(self._journal.tail())
+            changes, self._news = self._news, Changes()
+            new = self._view.apply(self._journal.tail())
+        changes.added += new.added
+        changes.removed += new.removed
+        return changes
+
+    def _catch_up(self) -> None:
+        """Before the pool takes an extent as this process's: the journal's records since the last look,
+        so that blocks another process wrote there (it closed or died since) are not taken for free
+        slots and written over."""
+        with self._lock:
+            news = self._view.apply(self._journal.tail())
+            self._news.added += news.added
+            self._news.removed += news.removed
 
     # -- lifecycle -----------------------------------------------------------
     def flush(self) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -48,6 +48,7 @@ class SharedPool(BlockPool):
         self._unclaimed: set[int] = set()   # as the claims table said at the last look
         self._records = np.zeros(self.extents, np.int64)   # slots in use per extent
         self._reaped = -math.inf
+        self.catch_up: Callable[[], None] = lambda: None   # reads the journal's news (set by the store)
         self._look(claims.read())
 
     # -- queries ---------------------------------------------------------
@@ -57,6 +58,10 @@ class SharedPool(BlockPool):
 
     def owns(self, slot: int) -> bool:
         return slot // self._extent in self._own
+
+    def owns_many(self, slots: np.ndarray) -> np.ndarray:
+        """`owns` of each of ``slots``: a block in another process's slot frees no room here."""
+        return np.isin(np.asarray(slots) // self._extent, np.fromiter(self._own, np.int64, len(self._own)))
 
     @property
     def free(self) -> int:
@@ -157,6 +162,9 @@ class SharedPool(BlockPool):
         return -(-self.extents // max(1, self._claims.openers()))
 
     def _adopt(self, extent: int) -> None:
+        """Make ``extent`` this process's: its free slots are those nobody's block is in, as the journal
+        says now (its last owner may have written since this process last read it)."""
+        self.catch_up()
         self._own.add(extent)
         self._unclaimed.discard(extent)
         first = extent * self._extent

@@ -55,6 +55,9 @@ def check_url(url: str, flag: str = "--remote") -> str:
     db = parts.path.strip("/")
     if db and not db.isdigit():
         raise ConfigError(f"{flag} {url!r}: the database after the host is a number (redis://host:6379/0)")
+    if parts.query or parts.fragment:   # (options there would override the client's own: decoding, timeouts)
+        raise ConfigError(f"{flag} {url!r}: no options after the database (redis://host:6379/0); tierkv sets "
+                          "the client's options itself")
     return url
 
 
@@ -133,6 +136,7 @@ class RemoteStore:
                                             socket_connect_timeout=self.timeout_s, health_check_interval=30)
         self._prefix = f"tierkv:{self.namespace}:".encode()
         self._down_until = 0.0
+        self._told_until = 0.0         # a refusal is logged again after this
         self._lock = threading.Lock()
         self.link: Link | None = None
 
@@ -155,11 +159,26 @@ class RemoteStore:
             log.warning("remote store %s unavailable (%s: %s); going on with the local tiers, trying it again "
                         "in %.0f s", self.name, doing, error, self.retry_s)
 
+    def _refused(self, error: Exception, doing: str) -> None:
+        """The server answered with an error (a write refused under ``maxmemory`` with ``noeviction``):
+        it is up, so reads go on; counted, and logged once a retry period."""
+        with self._lock:
+            self.stats.errors += 1
+            self.stats.last_error = f"{doing}: {error}"
+            tell = self._told_until <= time.monotonic()
+            if tell:
+                self._told_until = time.monotonic() + self.retry_s
+        if tell:
+            log.warning("remote store %s refused %s (%s); going on without it", self.name, doing, error)
+
     def _call(self, doing: str, fn, default):
         if not self.available:
             return default
         try:
             return fn()
+        except self._redis.ResponseError as e:
+            self._refused(e, doing)
+            return default
         except (self._redis.RedisError, OSError) as e:
             self._failed(e, doing)
             return default
