@@ -204,3 +204,23 @@ async def test_a_block_dropped_while_a_scrub_reads_it_waits_for_the_read(tmp_pat
         await scrub
         assert store.lookup(key(1)) is None and not m.contains(key(1))
         assert_quiescent(m)
+
+
+async def test_a_store_reopened_alone_makes_room_by_evicting_the_blocks_it_found(tmp_path, knobs):
+    """The blocks found at open lie in extents nobody holds yet: evicting one claims its extent and
+    frees its slot, so a full store takes new blocks (only another live process's blocks are kept)."""
+    def tiers_of():
+        return [CpuTier(BLOCK, 2 * BLOCK), NvmeTier(tmp_path, BLOCK, 8 * BLOCK)]
+    async with TierManager(tiers_of(), knobs=knobs) as m:
+        for i in range(8):
+            await m.put(key(i), block(i), persist=True, protect=False)
+        await m.flush()
+    async with TierManager(tiers_of(), knobs=knobs) as m:
+        for i in range(8, 12):
+            await m.put(key(i), block(i), persist=True, protect=False)
+        await m.flush()
+        assert len(m.tiers["nvme"]) == 8 and m.contains(key(11))
+        lease = await m.acquire([key(11)], "cpu")
+        assert torch.equal(lease.views[0], block(11))
+        lease.release()
+        assert_quiescent(m)

@@ -87,9 +87,8 @@ class Unevictable(Container[Hashable]):
         self._name, self._guard, self._wanted = name, directory.guard, directory.wanted
         self._directory, self._pins_of = directory, tiers[name].pool.pins_of
         self._pins, self._last = tiers[name].pool.pins, tier_below(order, name) is None
-        # a shared store's blocks in other processes' slots: evicting one here frees no room
-        self._owns_many = getattr(tiers[name].pool, "owns_many", None)
-        self._owns = getattr(tiers[name].pool, "owns", None)
+        # a shared store's blocks in other live processes' slots: evicting one here frees no room
+        self._may_free = getattr(tiers[name].pool, "may_free", None)
 
     def screen(self, keys: Sequence[BlockKey]) -> list[bool]:
         """``key in self`` for each of ``keys``, in one lookup (a policy's batch of candidates)."""
@@ -97,8 +96,8 @@ class Unevictable(Container[Hashable]):
         here = slots >= 0
         pinned = np.zeros(len(keys), bool)
         pinned[here] = self._pins_of(slots[here]) > 0
-        if self._owns_many is not None:
-            pinned[here] |= ~self._owns_many(slots[here])
+        if self._may_free is not None:
+            pinned[here] |= ~self._may_free(slots[here])
         out = pinned | (here & self._last & (holders > 0) & (copies == 1))
         if self._wanted:   # (a key is in ``wanted`` only while its count is above 0)
             asked = map(self._wanted.__contains__, zip(keys, repeat(self._name)))
@@ -113,7 +112,7 @@ class Unevictable(Container[Hashable]):
         slot, holders, copies = state
         if self._pins(slot) or (self._wanted and self._wanted.get((key, self._name))):
             return True
-        if self._owns is not None and not self._owns(slot):
+        if self._may_free is not None and not self._may_free(np.array([slot]))[0]:
             return True
         return self._last and holders > 0 and copies == 1
 

@@ -59,9 +59,12 @@ class SharedPool(BlockPool):
     def owns(self, slot: int) -> bool:
         return slot // self._extent in self._own
 
-    def owns_many(self, slots: np.ndarray) -> np.ndarray:
-        """`owns` of each of ``slots``: a block in another process's slot frees no room here."""
-        return np.isin(np.asarray(slots) // self._extent, np.fromiter(self._own, np.int64, len(self._own)))
+    def may_free(self, slots: np.ndarray) -> np.ndarray:
+        """Whether dropping the block in each of ``slots`` can free that slot here: its extent is this
+        process's, or nobody's (a drop claims it). Not in an extent another live process holds: that
+        block is only forgotten here, and no room is made."""
+        extents = self._own | self._unclaimed
+        return np.isin(np.asarray(slots) // self._extent, np.fromiter(extents, np.int64, len(extents)))
 
     @property
     def free(self) -> int:
