@@ -52,6 +52,12 @@ def test_the_command_sets_the_thread_switch_interval_from_its_knob(tmp_path, cap
         sys.setswitchinterval(before)
 
 
+def test_store_verify_of_a_folder_with_no_store_is_an_error_not_clean(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a store")
+    assert main(["store", "verify", "--nvme-dir", str(tmp_path)]) == 2
+    assert "no tierkv store in it" in capsys.readouterr().err
+
+
 def test_info_text(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out

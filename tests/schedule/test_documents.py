@@ -42,3 +42,31 @@ def test_output_log_resumes_and_cuts_a_torn_last_line(tmp_path):
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b", "c"]
     with pytest.raises(ConfigError, match="is a directory"):
         OutputLog(tmp_path)
+
+
+def test_an_output_file_of_another_kind_is_refused_and_left_as_it_was(tmp_path):
+    """Only a torn last line is cut: a file whose other lines are no records (notes, an edited line) is
+    not truncated to its first good lines."""
+    notes = tmp_path / "notes.md"
+    notes.write_text("# my notes\n\nkeep these\n")
+    with pytest.raises(ConfigError, match="line 1 is not a record of tierkv batch"):
+        OutputLog(notes)
+    assert notes.read_text() == "# my notes\n\nkeep these\n"
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "summary": "x"}\nedited by hand\n{"id": "b", "summary": "y"}\n')
+    with pytest.raises(ConfigError, match="line 2"):
+        OutputLog(out)
+    assert out.read_text().count("\n") == 3
+
+
+def test_directory_inputs_skip_the_output_and_hidden_files_and_an_empty_one_is_named(tmp_path):
+    docs_dir = tmp_path / "docs"
+    (docs_dir / ".git").mkdir(parents=True)
+    (docs_dir / ".git" / "HEAD").write_text("ref")
+    (docs_dir / "a.txt").write_text("ay")
+    (docs_dir / "summaries.jsonl").write_text('{"id": "a.txt", "summary": "x"}\n')
+    docs = read_inputs(docs_dir, out=docs_dir / "summaries.jsonl")
+    assert [d.id for d in docs] == ["a.txt"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no documents in it"):
+        read_inputs(tmp_path / "empty")

@@ -91,3 +91,14 @@ def test_a_killed_job_resumes_without_redoing_finished_documents(single, tmp_pat
     summary = json.loads(stdout)
     assert summary["skipped"] == len(done) and summary["documents"] == 6 - len(done)
     same(records(out), want)
+
+
+def test_a_policy_file_that_cannot_be_read_fails_before_ray_starts(tmp_path):
+    """``--policy`` is read on the driver and handed to every worker (it was not read at all)."""
+    from tierkv.errors import ConfigError
+    from tierkv.schedule.ray_job import RayOptions, run_ray_job
+    config = JobConfig(inputs=documents(tmp_path, bad=False), out=tmp_path / "out.jsonl",
+                       policy=str(tmp_path / "missing.json"))
+    with pytest.raises((ConfigError, OSError), match="missing.json"):
+        run_ray_job(config, RayOptions(address="local", workers=1))
+    assert not (tmp_path / "out.jsonl").exists()

@@ -293,6 +293,8 @@ def test_a_tier_model_from_a_run_prices_links_by_their_busy_time() -> None:
     ({"links": {"a->b": {"gbps": 1.0, "queue_depth": 0}}}, "queue_depth=0"),
     ({"links": {"a->b": {"gbit": 1.0}}}, "expected"),
     ({}, "expected"),
+    ([1, 2, 3], "tier model \\[1, 2, 3\\]: expected"),
+    (None, "tier model None: expected"),
 ])
 def test_a_bad_tier_model_is_a_clear_error(bad, message) -> None:
     with pytest.raises(ConfigError, match=message):

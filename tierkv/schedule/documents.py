@@ -32,10 +32,20 @@ class Document:
     error: str | None = None
 
 
-def read_inputs(path: Path) -> list[Document]:
+def read_inputs(path: Path, *, out: Path | None = None) -> list[Document]:
+    """The documents of ``--inputs``: a .jsonl file, or every file below a directory but hidden ones and
+    the output file ``out`` (an output written into the inputs is not a document)."""
     path = Path(path)
     if path.is_dir():
-        return [_read_file(f, path) for f in sorted(p for p in path.rglob("*") if p.is_file())]
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise ConfigError(f"--inputs {path}: cannot read the directory (permission denied)")
+        skip = None if out is None else Path(out).resolve()
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.resolve() != skip
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise ConfigError(f"--inputs {path}: no documents in it (give a directory of text files, or a "
+                              '.jsonl file of {"id": ..., "text": ...} lines)')
+        return [_read_file(f, path) for f in files]
     if path.is_file():
         return _read_jsonl(path)
     raise ConfigError(f"--inputs {path}: no such file or directory (give a .jsonl file or a directory of texts)")
@@ -99,11 +109,14 @@ class OutputLog:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return
-        good = 0
-        for line in raw.splitlines(keepends=True):
+        good, lines = 0, raw.splitlines(keepends=True)
+        for number, line in enumerate(lines, start=1):
             record = _complete_record(line)
             if record is None:
-                break
+                if number == len(lines) and not line.endswith(b"\n"):
+                    break           # the last record's write was cut short: it is written again
+                raise ConfigError(f"--out {self.path}: line {number} is not a record of tierkv batch (another "
+                                  "kind of file, or edited by hand); give a new .jsonl file, or remove that line")
             self.done.add(str(record["id"]))
             good += len(line)
         if good < len(raw):

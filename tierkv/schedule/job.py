@@ -109,7 +109,7 @@ class _Prompt:
 def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: Progress | None = None,
             on_policy: Callable[[Policy, float], None] | None = None) -> JobResult:
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before the model loads
-    docs = read_inputs(config.inputs)
+    docs = read_inputs(config.inputs, out=config.out)
     with OutputLog(config.out) as out:
         todo = [d for d in docs if d.id not in out.done]
         if not todo:

@@ -31,6 +31,7 @@ from tierkv.errors import ConfigError
 from tierkv.failpoints import failpoint
 from tierkv.schedule.documents import Document, OutputLog, read_inputs
 from tierkv.schedule.job import JobConfig, JobResult, Progress, compute_dtype
+from tierkv.schedule.policy import Policy, read_policy
 
 log = logging.getLogger(__name__)
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}    # as the CLI: spinning OpenMP threads starve tierkv's I/O threads
@@ -60,7 +61,8 @@ class RayOptions:
 class Summarizer:
     """A Ray actor: loads the model once, then summarizes batches of documents into JSON records."""
 
-    def __init__(self, config: JobConfig, threads: int) -> None:
+    def __init__(self, config: JobConfig, threads: int, fixed: Policy | None = None) -> None:
+        """``fixed``: the ``--policy`` the driver read (None: each batch searches its own)."""
         import torch
 
         from tierkv.model.loading import load_model
@@ -68,7 +70,7 @@ class Summarizer:
         with contextlib.suppress(OSError):          # a cluster that nices its workers: undo it where allowed
             if os.getpriority(os.PRIO_PROCESS, 0) > 0:
                 os.setpriority(os.PRIO_PROCESS, 0, 0)
-        self.config = config
+        self.config, self.fixed = config, fixed
         self.loaded = load_model(config.model, dtype=compute_dtype(config.dtype))
 
     def __call__(self, batch: dict) -> dict:
@@ -90,12 +92,13 @@ class Summarizer:
 
     def _summarize(self, docs: list[Document], write: Callable[[dict], None]) -> None:
         from tierkv.schedule.job import summarize
-        summarize(self.config, self.loaded, docs, write)
+        summarize(self.config, self.loaded, docs, write, fixed=self.fixed)
 
 
 def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | None = None) -> JobResult:
     """Summarize ``config.inputs`` into ``config.out`` through Ray; resumes like ``run_job``."""
-    docs = read_inputs(config.inputs)
+    fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before Ray starts
+    docs = read_inputs(config.inputs, out=config.out)
     result = JobResult()
     with OutputLog(config.out) as out:
         todo = [d for d in docs if d.id not in out.done]
@@ -103,12 +106,12 @@ def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | 
         if not todo:
             return result
         with contextlib.redirect_stdout(sys.stderr):     # Ray reports dead workers on stdout: --json owns it
-            _run(config, options, todo, out, result, progress)
+            _run(config, options, todo, out, result, progress, fixed)
     return result
 
 
 def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: OutputLog, result: JobResult,
-         progress: Progress | None) -> None:
+         progress: Progress | None, fixed: Policy | None) -> None:
     ray = _start(options)
     try:
         threads = _threads(ray, options)
@@ -116,7 +119,7 @@ def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: Outp
         batch = options.batch_documents or min(MAX_BATCH, -(-len(todo) // options.workers))
         dataset = ray.data.from_items([{"id": d.id, "text": d.text, "error": d.error} for d in todo])
         records = dataset.map_batches(
-            Summarizer, fn_constructor_kwargs={"config": config, "threads": threads},
+            Summarizer, fn_constructor_kwargs={"config": config, "threads": threads, "fixed": fixed},
             batch_size=batch, concurrency=options.workers, num_cpus=cpus,
             num_gpus=options.gpus_per_worker or None, batch_format="numpy",
             max_restarts=-1, max_task_retries=-1, runtime_env={"env_vars": WORKER_ENV})

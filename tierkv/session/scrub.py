@@ -92,6 +92,11 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     start, verdict = time.perf_counter(), Verdict()
     if not Path(nvme_dir).is_dir():
         raise FileNotFoundError(f"--nvme-dir {nvme_dir}: no such directory")
+    if not stores_in(nvme_dir):      # nothing checked is not "clean"
+        hint = f"; give the directory above it ({Path(nvme_dir).resolve().parent})" \
+            if (Path(nvme_dir) / "store.json").is_file() else ""
+        raise FileNotFoundError(f"--nvme-dir {nvme_dir}: no tierkv store in it (a store is a folder with a "
+                                f"store.json, as --nvme-dir of tierkv run makes){hint}")
     sound: set[BlockKey] = set()
     for directory in stores_in(nvme_dir):
         check = StoreCheck(directory)

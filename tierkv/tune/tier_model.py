@@ -81,7 +81,9 @@ class TierModel:
             links = {k: Link(**v) for k, v in raw["links"].items()}
             return cls(links, float(raw.get("overhead_us", 0.0)))
         except (KeyError, TypeError, AttributeError) as err:
-            raise ConfigError(f"tier model {dict(raw)!r}: expected {{'links': {{'src->dst': {{'gbps': ..., "
+            shown = repr(raw)
+            shown = shown if len(shown) <= 200 else shown[:200] + "..."
+            raise ConfigError(f"tier model {shown}: expected {{'links': {{'src->dst': {{'gbps': ..., "
                               f"'latency_us': ..., 'queue_depth': ..., 'channel': ...}}}}, 'overhead_us': ...}} "
                               f"({err})") from None
 
