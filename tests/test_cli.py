@@ -69,6 +69,8 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--bogus"], "tierkv run: unrecognized arguments: --bogus (see tierkv run --help)"),
     (["store", "verify", "--nvme-dir", "x", "--bogus"], "(see tierkv store verify --help)"),
     (["nonsense"], "invalid choice: 'nonsense'"),
+    (["chat", "--max-new-tokens", "0"], "max_new_tokens=0: must be >= 1"),        # before the model loads
+    (["chat", "--temperature", "-1"], "temperature=-1.0: must be between 0 and 100"),
     (["run"], "give exactly one of --doc FILE or --synthetic-tokens N"),
     (["run", "--synthetic-tokens", "x"], "invalid int value: 'x'"),
     (["run", "--synthetic-tokens", "100", "--cpu-budget", "lots"], "cpu_budget='lots'"),

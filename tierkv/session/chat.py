@@ -20,7 +20,7 @@ from tierkv.knobs import cache_dir
 from tierkv.model.prompt import read_document
 from tierkv.model.settings import SessionConfig
 from tierkv.sizes import format_size
-from tierkv.session.generation import Answer
+from tierkv.session.generation import Answer, Sampling
 from tierkv.session.session import Session
 
 HELP = "commands: /stats (the last answer and the tiers), /reset (a new conversation), /quit"
@@ -39,6 +39,8 @@ def add_chat(sub: argparse._SubParsersAction) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     config = build(SessionConfig, given(args, SessionConfig))
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    Sampling(**sampling)            # checked before the model loads, not at the first question
     text = read_document(args.doc) if args.doc is not None else None
     _history()
     print(f"loading {config.engine.model} ...", file=sys.stderr, flush=True)
@@ -48,7 +50,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             tokens = session.read(text)
             print(f"{tokens} tokens ({session.document_reused} found stored) in {session.document_s:.1f} s. {HELP}",
                   file=sys.stderr)
-        _converse(session, text, dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature))
+        _converse(session, text, sampling)
     return 0
 
 
