@@ -271,20 +271,16 @@ class NvmeTier:
         READY records to `pool`, so it runs on the thread that uses the pool."""
         self._check_open()
         with self._lock:
+            self._catch_up()
             changes, self._news = self._news, Changes()
-            new = self._view.apply(self._journal.tail())
-        changes.added += new.added
-        changes.removed += new.removed
         return changes
 
     def _catch_up(self) -> None:
-        """Before the pool takes an extent as this process's: the journal's records since the last look,
-        so that blocks another process wrote there (it closed or died since) are not taken for free
-        slots and written over."""
+        """The journal's records since the last look, kept for the next `refresh`; also run by the pool
+        before it takes an extent, so that blocks another process wrote there (it closed or died since)
+        are not taken for free slots and written over."""
         with self._lock:
-            news = self._view.apply(self._journal.tail())
-            self._news.added += news.added
-            self._news.removed += news.removed
+            self._news.extend(self._view.apply(self._journal.tail()))
 
     # -- lifecycle -----------------------------------------------------------
     def flush(self) -> None:

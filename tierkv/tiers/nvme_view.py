@@ -43,6 +43,11 @@ class Changes:
     def __bool__(self) -> bool:
         return bool(self.added or self.removed)
 
+    def extend(self, later: Changes) -> None:
+        """These changes, then ``later``'s."""
+        self.added += later.added
+        self.removed += later.removed
+
 
 class SharedView:
     def __init__(self, index: Index, pool: SharedPool) -> None:
