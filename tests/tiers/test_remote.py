@@ -70,6 +70,26 @@ def test_a_damaged_value_is_never_served_and_is_deleted(redis_server):
     assert client.exists(store.block_name(key)) == 0
 
 
+def test_a_value_in_another_format_is_a_miss_and_left_alone(redis_server):
+    store = RemoteStore(redis_server.url, "ns")
+    key, client = BlockKey.of("k"), redis_server.client()
+    other = b"TKV2" + bytes(HEADER.size + BLOCK)             # a later version's frame, say
+    client.set(store.block_name(key), other)
+    client.set(b"tierkv:ns:f:idx", other)
+    assert store.get_many([key], BLOCK) == [None] and store.get_file("idx") is None
+    assert store.stats.corrupt == 0 and store.stats.misses == 1
+    assert client.get(store.block_name(key)) == other and client.get(b"tierkv:ns:f:idx") == other
+
+
+def test_a_files_head_lives_as_long_as_its_parts(redis_server):
+    store = RemoteStore(redis_server.url, "ns", ttl_s=600)
+    assert store.put_file("idx", b"x" * 100)
+    client = redis_server.client()
+    client.expire(b"tierkv:ns:f:idx", 5)
+    assert store.get_file("idx") == b"x" * 100
+    assert client.ttl(b"tierkv:ns:f:idx") > 500 and client.ttl(b"tierkv:ns:f:idx:0") > 500
+
+
 def test_a_dead_server_is_reported_once_and_every_call_goes_on(redis_server, caplog):
     store = RemoteStore(redis_server.url, "ns", timeout_s=0.5, retry_s=60)
     key = BlockKey.of("k")

@@ -12,7 +12,8 @@ Blocks are content-addressed by the same keys as the NVMe store, under the store
     frame = b"TKV1" | u32 payload bytes | u64 xxh3-64(key | payload) | payload
 
 The checksum covers the key too, so a value under another key (or cut short, or flipped) never
-passes. A value that fails it is deleted and reported as a miss: the caller recomputes.
+passes. A value that fails it is deleted and reported as a miss: the caller recomputes. A value
+that does not start with the magic (another version's format) is a miss too, and left alone.
 
 A remote is a helper, never a dependency: every call has a short timeout, and an error (down,
 refused, out of memory, a TLS or auth failure) marks it unavailable for ``retry_s``: it is logged
@@ -74,6 +75,12 @@ def frame(key: bytes, payload: bytes | memoryview) -> bytes:
     digest = xxhash.xxh3_64(key)
     digest.update(payload)
     return HEADER.pack(MAGIC, len(payload), digest.intdigest()) + bytes(payload)
+
+
+def foreign(value: bytes) -> bool:
+    """``value`` is not in this frame format (another version's, another program's): it is not ours
+    to judge damaged or to delete, and reads as missing."""
+    return not value.startswith(MAGIC)
 
 
 def unframe(key: bytes, value: bytes, size: int | None = None) -> bytes | None:
@@ -208,7 +215,7 @@ class RemoteStore:
         damaged = []
         for key, name, value in zip(keys, names, values):
             payload = None if value is None else unframe(bytes(key), value, size)
-            if value is not None and payload is None:
+            if value is not None and payload is None and not foreign(value):
                 damaged.append(name)
             out.append(payload)
         found = sum(p is not None for p in out)
@@ -269,15 +276,18 @@ class RemoteStore:
         base = self._prefix + b"f:" + name.encode()
 
         def read() -> list | None:
-            head = self._client.get(base)
+            head = self._client.getex(base, ex=self.ttl_s)     # (its time to live kept in step with its parts')
             count = None if head is None else unframe(name.encode(), head, 4)
             if count is None:
-                return None if head is None else [None]
+                return None if head is None or foreign(head) else [None]
             pipe = self._client.pipeline(transaction=False)
             for i in range(struct.unpack("<I", count)[0]):
                 pipe.getex(base + b":%d" % i, ex=self.ttl_s)
+            values = pipe.execute()
+            if any(v is not None and foreign(v) for v in values):
+                return None
             return [unframe(name.encode() + b":%d" % i, v) if v is not None else None
-                    for i, v in enumerate(pipe.execute())]
+                    for i, v in enumerate(values)]
         parts = self._call("read", read, None)
         if parts is None:
             return None
