@@ -6,6 +6,7 @@ the process, not an exception a ``with`` would catch)::
 
     TIERKV_FAILPOINTS="journal.mid-record:3"            the third journal append dies half written
     TIERKV_FAILPOINTS="nvme.after-data:1,index.before-rename:2"
+    TIERKV_FAILPOINTS="batch.worker-document@c.txt"     every visit with that key dies (a poison input)
 
     point                      where
     nvme.after-data            a block batch's bytes are in slots.dat, its journal record is not
@@ -15,6 +16,7 @@ the process, not an exception a ``with`` would catch)::
     checkpoint.before-rename   a prefill checkpoint likewise
     restore.before-rename      a prefill's restore point likewise
     batch.worker-call          a Ray batch worker takes a batch of documents (the worker dies)
+    batch.worker-document      a Ray batch worker starts on a document (key: its id)
 
 Unarmed (the default) a point costs one truth test of an empty dict.
 """
@@ -26,13 +28,20 @@ import signal
 from tierkv.errors import ConfigError
 
 POINTS = ("nvme.after-data", "journal.mid-record", "journal.after-record", "index.before-rename",
-          "checkpoint.before-rename", "restore.before-rename", "batch.worker-call")
+          "checkpoint.before-rename", "restore.before-rename", "batch.worker-call", "batch.worker-document")
 
 
 def parse(text: str) -> dict[str, int]:
-    """``"name:count,name"`` -> {name: count (1 when not given)}."""
+    """``"name:count,name,name@key"`` -> {name: count (1 when not given), "name@key": 1}."""
     armed: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
+        if "@" in item:
+            name, _, key = item.partition("@")
+            if name not in POINTS or not key:
+                raise ConfigError(f"TIERKV_FAILPOINTS: {item!r}: give a known point and a key after '@'; "
+                                  f"points: {', '.join(POINTS)}")
+            armed[item] = 1
+            continue
         name, _, count = item.partition(":")
         if name not in POINTS:
             raise ConfigError(f"TIERKV_FAILPOINTS: unknown point {name!r}; points: {', '.join(POINTS)}")
@@ -52,9 +61,10 @@ def arm(text: str) -> None:
     _ARMED.update(armed)
 
 
-def failpoint(name: str) -> None:
-    """Die here (SIGKILL) if ``name`` is armed and this is its count-th visit."""
-    if _ARMED and due(name):
+def failpoint(name: str, key: str | None = None) -> None:
+    """Die here (SIGKILL) if ``name`` is armed and this is its count-th visit, or if it is armed for ``key``
+    (then at every visit with it)."""
+    if _ARMED and (due(name) or (key is not None and f"{name}@{key}" in _ARMED)):
         kill()
 
 

@@ -67,6 +67,9 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
     ray.add_argument("--ray-batch", type=int, default=None,
                      help="documents per worker call, the unit a killed worker redoes (default: the documents "
                           "shared out among the workers, at most 64; each call plans its own schedule over them)")
+    ray.add_argument("--ray-retries", type=int, default=3, metavar="N",
+                     help="runs of a batch again after its worker died (default 3); a document that kills its "
+                          "worker every time gets an error line")
     p.set_defaults(func=cmd_batch)
 
 
@@ -101,7 +104,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     try:
         if args.ray is not None:
             from tierkv.schedule.ray_job import RayOptions, run_ray_job
-            options = RayOptions(args.ray, args.workers, args.cpus_per_worker, args.gpus_per_worker, args.ray_batch)
+            options = RayOptions(args.ray, args.workers, args.cpus_per_worker, args.gpus_per_worker, args.ray_batch,
+                                 args.ray_retries)
             result = run_ray_job(config, options, progress=progress)
         else:
             result = run_job(config, progress=progress, on_policy=on_policy)
@@ -124,7 +128,8 @@ def _report(r: JobResult, args: argparse.Namespace) -> None:
         return
     print(f"{r.documents} documents written to {args.out} ({r.failed} failed, {r.skipped} already done)")
     if args.ray is not None and r.seconds:
-        print(f"ray {args.ray}, {args.workers} worker(s), each searching its own policy: {r.generated_tokens} tokens "
+        planned = "each searching its own policy" if args.policy == "auto" else f"policy {args.policy}"
+        print(f"ray {args.ray}, {args.workers} worker(s), {planned}: {r.generated_tokens} tokens "
               f"in {r.seconds:.1f} s ({r.tokens_per_s:.2f} tok/s, {r.documents / r.seconds:.3f} documents/s, "
               f"model loads and prefill included)")
     if r.policy is not None:

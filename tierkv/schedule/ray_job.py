@@ -10,8 +10,11 @@
 
 A document that fails is one error line, not a failed job: a batch that raises is run again one
 document at a time, and the document that still raises gets its error. A worker that is killed is
-restarted by Ray and its batch retried (``max_restarts``/``max_task_retries``), so each document is
-written once. ``address`` is ``local`` (start a Ray instance in this process, on this machine's cores)
+restarted by Ray and its batch retried, up to ``retries`` times; a batch that kills its worker every
+time (a document that runs it out of memory, say) is skipped, its documents are run again one at a
+time, and the one that still kills its worker gets an error line. Where no document of the run got
+through at all, nothing is written and the job fails (the cause is the setup, not the documents):
+a rerun retries them. Each document is written once. ``address`` is ``local`` (start a Ray instance in this process, on this machine's cores)
 or what ``ray start --head`` printed (``ray://host:10001`` or ``host:6379``), or ``auto``.
 """
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, TierKVError
 from tierkv.failpoints import failpoint
 from tierkv.schedule.documents import Document, OutputLog, read_inputs
 from tierkv.schedule.job import JobConfig, JobResult, Progress, compute_dtype
@@ -36,6 +39,7 @@ from tierkv.schedule.policy import Policy, read_policy
 log = logging.getLogger(__name__)
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}    # as the CLI: spinning OpenMP threads starve tierkv's I/O threads
 MAX_BATCH = 64      # documents per worker call at most by default: a killed worker redoes at most these
+RETRIES = 3         # a batch whose worker died is run again at most this many times
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +50,13 @@ class RayOptions:
     gpus_per_worker: float = 0.0
     batch_documents: int | None = None       # documents per actor call (a retry redoes at most these); None:
                                              # the documents shared out among the workers, at most MAX_BATCH
+    retries: int = RETRIES                   # runs of a batch again after its worker died
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ConfigError(f"--workers={self.workers}: must be >= 1")
+        if self.retries < 0:
+            raise ConfigError(f"--ray-retries={self.retries}: must be >= 0")
         if self.batch_documents is not None and self.batch_documents < 1:
             raise ConfigError(f"--ray-batch={self.batch_documents}: must be >= 1")
         if self.cpus_per_worker is not None and self.cpus_per_worker <= 0:
@@ -78,6 +85,8 @@ class Summarizer:
         docs = [Document(str(i), t, e) for i, t, e in zip(batch["id"], batch["text"], batch["error"])]
         docs = [Document(d.id, d.text if isinstance(d.text, str) else None,
                          d.error if isinstance(d.error, str) else None) for d in docs]
+        for doc in docs:
+            failpoint("batch.worker-document", doc.id)
         records: list[dict] = []
         try:
             self._summarize(docs, records.append)
@@ -117,31 +126,53 @@ def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: Outp
         threads = _threads(ray, options)
         cpus = options.cpus_per_worker or threads
         batch = options.batch_documents or min(MAX_BATCH, -(-len(todo) // options.workers))
-        dataset = ray.data.from_items([{"id": d.id, "text": d.text, "error": d.error} for d in todo])
-        records = dataset.map_batches(
-            Summarizer, fn_constructor_kwargs={"config": config, "threads": threads, "fixed": fixed},
-            batch_size=batch, concurrency=options.workers, num_cpus=cpus,
-            num_gpus=options.gpus_per_worker or None, batch_format="numpy",
-            max_restarts=-1, max_task_retries=-1, runtime_env={"env_vars": WORKER_ENV})
         if progress:
             progress(0, 0, 0.0, len(todo))
-        began = last = time.perf_counter()
-        for row in records.iter_rows():
-            record = json.loads(row["record"])
-            if record["id"] in out.done:     # a retried batch's second answer
-                continue
-            out.write(record)
-            result.documents += 1
-            result.failed += "error" in record
-            result.generated_tokens += record.get("tokens", 0)
-            now = time.perf_counter()
-            if progress:
-                progress(1, record.get("tokens", 0), now - last, len(todo))
-            last = now
+        began, written = time.perf_counter(), len(out.done)
+
+        def records(docs: list[Document], size: int):
+            """The records of ``docs`` in batches of ``size``; a batch that killed its worker every time
+            is left out (its documents get none)."""
+            dataset = ray.data.from_items([{"id": d.id, "text": d.text, "error": d.error} for d in docs])
+            return dataset.map_batches(
+                Summarizer, fn_constructor_kwargs={"config": config, "threads": threads, "fixed": fixed},
+                batch_size=size, concurrency=options.workers, num_cpus=cpus,
+                num_gpus=options.gpus_per_worker or None, batch_format="numpy", max_restarts=-1,
+                max_task_retries=options.retries, runtime_env={"env_vars": WORKER_ENV}).iter_rows()
+
+        _write(records(todo, batch), out, result, progress, len(todo))
+        left = [d for d in todo if d.id not in out.done]
+        if left and batch > 1:               # the batches that killed their workers, one document at a time
+            _write(records(left, 1), out, result, progress, len(todo))
+            left = [d for d in todo if d.id not in out.done]
+        if left and len(out.done) == written:
+            raise TierKVError(f"--ray: every task failed ({len(left)} document(s), each run {options.retries + 1} "
+                               "times): the workers died before finishing any (out of memory, or killed); nothing "
+                               "was written, so a rerun retries them")
+        for doc in left:
+            _write([{"record": json.dumps({"id": doc.id, "error": f"failed: its worker died each of the "
+                                           f"{options.retries + 1} times it ran it (killed, out of memory "
+                                           "or crashed)"})}], out, result, progress, len(todo))
         result.seconds = time.perf_counter() - began
     finally:
         if options.address == "local":
             ray.shutdown()
+
+
+def _write(rows, out: OutputLog, result: JobResult, progress: Progress | None, total: int) -> None:
+    last = time.perf_counter()
+    for row in rows:
+        record = json.loads(row["record"])
+        if record["id"] in out.done:         # a retried batch's second answer
+            continue
+        out.write(record)
+        result.documents += 1
+        result.failed += "error" in record
+        result.generated_tokens += record.get("tokens", 0)
+        now = time.perf_counter()
+        if progress:
+            progress(1, record.get("tokens", 0), now - last, total)
+        last = now
 
 
 def _start(options: RayOptions):
@@ -160,7 +191,8 @@ def _start(options: RayOptions):
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
-    logging.getLogger("ray.data").setLevel(logging.ERROR)        # tierkv draws the progress
+    context.max_errored_blocks = -1              # a batch that killed its workers is skipped, then run one by one
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)     # tierkv draws the progress and says what failed
     if options.address == "local":
         for attempt in (1, 2):       # on a loaded machine Ray's own start can miss its connect timeout
             try:
