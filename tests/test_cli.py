@@ -89,6 +89,9 @@ def test_info_text(capsys):
      "unrecognized arguments: --sparse-overlap; --sparse-overlap: overlap is the default; --no-sparse-overlap"),
     (["run", "--synthetic-tokens", "100", "--mode", "dense", "--layer-budget", "0:4096", "--rank", "64"],
      "--rank, --layer-budgets: sparse-mode settings, but --mode dense attends to every stored key"),
+    (["chat", "--mode", "dense", "--sparse-budget", "64"], "--sparse-budget: sparse-mode settings, but --mode dense"),
+    (["serve", "--mode", "dense", "--rank", "64"], "--rank: sparse-mode settings, but --mode dense"),
+    (["serve", "--mode", "sparse", "--draft-tokens", "2"], "--draft-tokens: drafts are verified in dense mode only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert main(args) == 2

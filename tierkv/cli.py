@@ -229,12 +229,7 @@ def run_config(args: argparse.Namespace):
     from_file = nest(RunConfig, read_run_config(args.config)) if args.config else {}
     config = build(RunConfig, from_file, given(args, RunConfig))
     sparse_given = given_flags(args, SparseConfig)
-    if config.engine.draft_tokens and config.engine.mode == "sparse":
-        raise ConfigError("--draft-tokens: drafts are verified in dense mode only (a sparse pass over several "
-                          "tokens selects for all of them at once); use --mode dense or auto")
-    if sparse_given and config.engine.mode == "dense":
-        raise ConfigError(f"{', '.join(sparse_given)}: sparse-mode settings, but --mode dense attends to every "
-                          "stored key; drop them, or use --mode sparse (or auto: sparse past the trained window)")
+    config.engine.check_flags(sparse_given)
     return config, sparse_given
 
 

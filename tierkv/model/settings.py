@@ -152,6 +152,15 @@ class EngineSettings:
     def torch_dtype(self) -> torch.dtype:
         return auto_dtype() if self.dtype == "auto" else DTYPES[self.dtype]
 
+    def check_flags(self, sparse_given: list[str]) -> None:
+        """Refuse flags the chosen mode would never use (``sparse_given``: the sparse flags given)."""
+        if self.draft_tokens and self.mode == "sparse":
+            raise ConfigError("--draft-tokens: drafts are verified in dense mode only (a sparse pass over several "
+                              "tokens selects for all of them at once); use --mode dense or auto")
+        if sparse_given and self.mode == "dense":
+            raise ConfigError(f"{', '.join(sparse_given)}: sparse-mode settings, but --mode dense attends to every "
+                              "stored key; drop them, or use --mode sparse (or auto: sparse past the trained window)")
+
     def resolve_mode(self, prompt_tokens: int, trained_tokens: int) -> str:
         """``auto`` is sparse past the model's trained window: there dense attention leaves the positions
         the model knows (SmolLM2 at 16K: perplexity > 200), and each step would read every key."""

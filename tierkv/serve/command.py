@@ -14,8 +14,9 @@ import sys
 from dataclasses import dataclass
 
 from tierkv.errors import ConfigError
-from tierkv.flags import add_flags, build, given, setting
+from tierkv.flags import add_flags, build, given, given_flags, setting
 from tierkv.model.settings import SessionConfig
+from tierkv.sparse import SparseConfig
 from tierkv.sizes import parse_size
 
 
@@ -58,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierkv.serve.worker import Worker
     from tierkv.session import Session
     settings, config = build(ServeSettings, given(args, ServeSettings)), build(SessionConfig, given(args, SessionConfig))
+    config.engine.check_flags(given_flags(args, SparseConfig))
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         print(f"tierkv serve: warning: listening on {settings.host} without --api-key: anyone who can reach it "
               "can use it", file=sys.stderr)
