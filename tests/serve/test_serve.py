@@ -106,6 +106,8 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(launch, tmp_path
                     headers=key), 413, "at most 65536 bytes"),
         (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": DOC * 2}]},
                     headers=key, timeout=120), 400, "at most 600"),
+        (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": DOC * 2}], "stream": True},
+                    headers=key, timeout=120), 400, "at most 600"),       # a status, not a 200 and an error event
         (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "seed": 2**70},
                     headers=key), 400, "seed"),
         (httpx.post(f"{server.url}/v1/completions", json={"model": "smollm2", "prompt": [5, 10**9], "stream": True},

@@ -201,21 +201,25 @@ async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worke
         worker.submit(job)
     except QueueFull as error:
         raise ApiError(503, str(error), kind="server_error", code="server_busy") from None
-    reply = _Reply(model, chat)
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_events(job, reply, include_usage), ping=15)
-    text = []
+    reply, results = _Reply(model, chat), _results(job)
     watch = asyncio.create_task(_watch(request, job))
+    streaming = False
     try:
-        async for kind, value in _results(job):
+        if body.stream:         # the stream starts once the prompt is taken: a prompt refused is a status, not a 200
+            first = await anext(results)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            streaming = True
+            return EventSourceResponse(_events(job, first, results, reply, include_usage), ping=15)
+        text = []
+        async for kind, value in results:
             if kind == "text":
                 text.append(value)
-            else:
+            elif kind == "done":
                 return reply.whole("".join(text), value)
     finally:
         watch.cancel()
-        job.cancel()            # a client that hung up, or an error: stop the work, let go of its state
+        if not streaming:
+            job.cancel()        # a client that hung up, or an error: stop the work, let go of its state
 
 
 async def _watch(request: Request, job: Job) -> None:
@@ -239,16 +243,21 @@ async def _results(job: Job) -> AsyncIterator[tuple[str, Any]]:
             return
 
 
-async def _events(job: Job, reply: _Reply, include_usage: bool) -> AsyncIterator[dict[str, str]]:
-    """The SSE events of a streamed answer. A client that disconnects cancels this generator, and
-    with it the work on the worker."""
+async def _events(job: Job, first: tuple[str, Any], results: AsyncIterator[tuple[str, Any]], reply: _Reply,
+                  include_usage: bool) -> AsyncIterator[dict[str, str]]:
+    """The SSE events of a streamed answer, from its ``first`` result on. A client that disconnects
+    cancels this generator, and with it the work on the worker."""
+    async def rest() -> AsyncIterator[tuple[str, Any]]:
+        yield first
+        async for result in results:
+            yield result
     try:
         if reply.chat:
             yield {"data": json.dumps(reply.first())}
-        async for kind, value in _results(job):
+        async for kind, value in rest():
             if kind == "text":
                 yield {"data": json.dumps(reply.piece(value))}
-            else:
+            elif kind == "done":
                 yield {"data": json.dumps(reply.last(value))}
                 if include_usage:
                     yield {"data": json.dumps(reply.usage_chunk(value))}
