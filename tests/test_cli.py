@@ -102,6 +102,9 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
 def test_missing_document_and_missing_model_are_clear(tmp_path):
     done = tierkv("run", "--doc", str(tmp_path / "nope.txt"))
     assert done.returncode == 2 and "no such file" in done.stderr and "Traceback" not in done.stderr
+    (tmp_path / "doc.pdf").write_bytes(b"%PDF-1.7\n\xe2\xe3\xcf\xd3\n")
+    done = tierkv("run", "--doc", str(tmp_path / "doc.pdf"))
+    assert done.returncode == 2 and "not UTF-8 text (byte 0xe2 at offset 9)" in done.stderr, done.stderr
     done = tierkv("run", "--synthetic-tokens", "100", "--model", str(tmp_path / "missing.gguf"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
 
