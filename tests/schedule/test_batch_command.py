@@ -83,6 +83,28 @@ def test_resume_after_sigkill_writes_each_document_once(model_dir, tmp_path):
     assert all(r["tokens"] > 0 and "summary" in r and r["timings"]["block_s"] > 0 for r in lines)
 
 
+def test_sigterm_stops_a_batch_cleanly_and_removes_its_scratch(model_dir, tmp_path):
+    """SIGTERM closes what is open as Ctrl-C does: the scratch of weights and KV on disk goes (the
+    signal's default left it behind, GBs at real sizes) and the records written stay whole."""
+    _docs(tmp_path / "in.jsonl", 10)
+    write_policy(Policy(1, 1, weights=Placement(0, 0, 1), kv=Placement(0, 0, 1)), tmp_path / "p.json")
+    out, scratch = tmp_path / "out.jsonl", tmp_path / "nvme"
+    scratch.mkdir()
+    job = _batch("--inputs", str(tmp_path / "in.jsonl"), "--out", str(out), "--model", str(model_dir),
+                 "--policy", str(tmp_path / "p.json"), "--max-new-tokens", "48", "--nvme-dir", str(scratch),
+                 env={"TIERKV_CACHE_DIR": str(tmp_path / "cache")})
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 1):
+        assert job.poll() is None, job.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    assert list(scratch.glob("tierkv-batch-*")), "the policy should put weights and KV on disk"
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 128 + signal.SIGTERM and b"tierkv: terminated" in stderr, stderr.decode()[-2000:]
+    assert list(scratch.iterdir()) == []
+    assert all("summary" in json.loads(line) for line in out.read_text().splitlines())
+
+
 def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path / "cache"))
     docs = tmp_path / "docs"
