@@ -3,7 +3,7 @@ import json
 import pytest
 
 from tierkv.errors import ConfigError
-from tierkv.schedule.documents import OutputLog, read_inputs
+from tierkv.schedule.documents import OutputLog, read_inputs, settings_digest
 
 
 def test_jsonl_inputs_report_bad_lines_as_documents(tmp_path):
@@ -42,6 +42,25 @@ def test_output_log_resumes_and_cuts_a_torn_last_line(tmp_path):
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b", "c"]
     with pytest.raises(ConfigError, match="is a directory"):
         OutputLog(tmp_path)
+
+
+def test_a_resume_with_other_settings_is_refused_and_the_file_left_as_it_was(tmp_path):
+    path = tmp_path / "out.jsonl"
+    first = {"--model": "smollm2", "--max-new-tokens": 64}
+    with OutputLog(path, first) as log:
+        log.write({"id": "a", "summary": "x"})
+    with OutputLog(path, dict(first)) as log:           # the same settings: resumed
+        assert log.done == {"a"}
+        log.write({"id": "b", "summary": "y"})
+    written = path.read_text()
+    assert [json.loads(line)["job"] for line in written.splitlines()] == [settings_digest(first)] * 2
+    with pytest.raises(ConfigError, match=r"line 1 was made with other settings .*--max-new-tokens 32"):
+        OutputLog(path, {"--model": "smollm2", "--max-new-tokens": 32})
+    assert path.read_text() == written
+    older = tmp_path / "older.jsonl"                     # records written before the digest: taken as they are
+    older.write_text('{"id": "a", "summary": "x"}\n')
+    with OutputLog(older, first) as log:
+        assert log.done == {"a"}
 
 
 def test_an_output_file_of_another_kind_is_refused_and_left_as_it_was(tmp_path):

@@ -13,11 +13,17 @@ The output is append-only JSONL; each record is written with one ``write`` and f
 Resuming reads the file first: every complete line names a finished document, which is skipped.
 A last line cut short by a kill (no newline, or not JSON) is cut off before appending, so each
 document appears exactly once however often the run is interrupted.
+
+Each record carries ``"job"``: a digest of the settings that shape a summary (the model, the
+instruction, the token limits, the dtypes; see ``JobConfig.output_settings``). A resume with other
+settings is refused, so one file never mixes summaries made two ways.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,12 +98,19 @@ def _parse_line(line: str, number: int) -> Document:
     return Document(doc_id, text)
 
 
-class OutputLog:
-    """The output JSONL: which ids are done, and appending a record durably."""
+def settings_digest(settings: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(dict(settings), sort_keys=True).encode()).hexdigest()[:16]
 
-    def __init__(self, path: Path) -> None:
+
+class OutputLog:
+    """The output JSONL: which ids are done, and appending a record durably. ``settings``: what shapes
+    a record (its digest goes into each one; records made under others are refused)."""
+
+    def __init__(self, path: Path, settings: Mapping[str, Any] | None = None) -> None:
         self.path = Path(path)
         self.done: set[str] = set()
+        self.settings = dict(settings or {})
+        self.job = settings_digest(self.settings) if settings is not None else None
         if self.path.is_dir():
             raise ConfigError(f"--out {self.path}: is a directory; give a .jsonl file")
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,6 +130,10 @@ class OutputLog:
                     break           # the last record's write was cut short: it is written again
                 raise ConfigError(f"--out {self.path}: line {number} is not a record of tierkv batch (another "
                                   "kind of file, or edited by hand); give a new .jsonl file, or remove that line")
+            if self.job is not None and record.get("job", self.job) != self.job:
+                shown = ", ".join(f"{name} {value!r}" for name, value in self.settings.items())
+                raise ConfigError(f"--out {self.path}: line {number} was made with other settings than this run's "
+                                  f"({shown}); resume with the settings that wrote it, or give a new --out")
             self.done.add(str(record["id"]))
             good += len(line)
         if good < len(raw):
@@ -125,6 +142,8 @@ class OutputLog:
                 os.fsync(f.fileno())
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.job is not None:
+            record = {**record, "job": self.job}
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
         self._file.write(line)
         self._file.flush()

@@ -80,6 +80,16 @@ class JobConfig:
         if not self.instruction.strip():
             raise ConfigError("--instruction: must not be empty")
 
+    def output_settings(self, fixed: Policy | None = None) -> dict[str, object]:
+        """What shapes a summary, by its flag's name (``fixed``: the --policy file's policy). The placement
+        and budgets do not: greedy decoding is the same wherever the weights and KV live; int4 KV is lossy."""
+        dtype = str(compute_dtype(self.dtype)).removeprefix("torch.")
+        weight_dtype = self.weight_dtype or (fixed.weight_dtype if fixed is not None else None)
+        compress = fixed.compress_kv if fixed is not None else self.allow_compress
+        return {"--model": self.model, "--instruction": self.instruction, "--max-new-tokens": self.max_new_tokens,
+                "--max-prompt-tokens": self.max_prompt_tokens, "--dtype": dtype, "--weight-dtype": weight_dtype,
+                "--compress-kv": compress}
+
 
 @dataclass(slots=True)
 class JobResult:
@@ -110,7 +120,7 @@ def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: P
             on_policy: Callable[[Policy, float], None] | None = None) -> JobResult:
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before the model loads
     docs = read_inputs(config.inputs, out=config.out)
-    with OutputLog(config.out) as out:
+    with OutputLog(config.out, config.output_settings(fixed)) as out:
         todo = [d for d in docs if d.id not in out.done]
         if not todo:
             return JobResult(skipped=len(docs))

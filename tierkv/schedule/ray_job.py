@@ -109,7 +109,7 @@ def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | 
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before Ray starts
     docs = read_inputs(config.inputs, out=config.out)
     result = JobResult()
-    with OutputLog(config.out) as out:
+    with OutputLog(config.out, config.output_settings(fixed)) as out:
         todo = [d for d in docs if d.id not in out.done]
         result.skipped = len(docs) - len(todo)
         if not todo:
