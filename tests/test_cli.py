@@ -90,6 +90,9 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--mode", "dense", "--layer-budget", "0:4096", "--rank", "64"],
      "--rank, --layer-budgets: sparse-mode settings, but --mode dense attends to every stored key"),
     (["chat", "--mode", "dense", "--sparse-budget", "64"], "--sparse-budget: sparse-mode settings, but --mode dense"),
+    (["run", "--synthetic-tokens", "100", "--trace", "no/such/dir/t.json"], "--trace no/such/dir/t.json: no such "
+                                                                            "directory no/such/dir"),
+    (["run", "--synthetic-tokens", "100", "--record-access", "."], "--record-access .: is a directory"),
     (["serve", "--mode", "dense", "--rank", "64"], "--rank: sparse-mode settings, but --mode dense"),
     (["serve", "--mode", "sparse", "--draft-tokens", "2"], "--draft-tokens: drafts are verified in dense mode only"),
 ])

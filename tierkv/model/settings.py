@@ -15,6 +15,7 @@ gpu_budget="64MiB", sparse_budget="2%")``); every default is the field's.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,19 @@ class OutputSettings:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+
+    def check_paths(self) -> None:
+        """The files a run writes at its end can be written: said before the run, not after it."""
+        for flag, path in (("--trace", self.trace), ("--record-access", self.record_access)):
+            if path is None:
+                continue
+            path = Path(path)
+            if path.is_dir():
+                raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+            if not path.parent.is_dir():
+                raise ConfigError(f"{flag} {path}: no such directory {path.parent}")
+            if not os.access(path if path.exists() else path.parent, os.W_OK):
+                raise ConfigError(f"{flag} {path}: cannot write there (permission denied)")
 
 
 class _Flat:
