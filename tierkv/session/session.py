@@ -218,7 +218,7 @@ class Session:
             raise PromptTooLong(f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are taken "
                                 "(tierkv serve --max-prompt-tokens)")
         progress = None if cancelled is None else functools.partial(_stop_if, cancelled)
-        answer, state, logits = self._prompted(ids, prefix, progress)
+        answer, state, logits = self._prompted(ids, prefix, progress, reach=len(ids) + sampling.max_new_tokens)
         self.last_mode = state.mode
         sampling = self._drafts(sampling, state.mode)
         first = state.computed_from if answer.computed_from is None else min(answer.computed_from, state.computed_from)
@@ -234,24 +234,25 @@ class Session:
             pass
         return answer
 
-    def _prompted(self, ids: list[int], prefix: list[int],
-                  progress: Progress | None) -> tuple[Answer, KVState, Tensor]:
-        """The state of the prompt ``ids`` and its last logits. Where the tiers have no room for it, the
-        states kept for conversations are let go of (not the document's) and it is tried once more:
-        kept states are a cache, and one request's must not leave every later one without room."""
+    def _prompted(self, ids: list[int], prefix: list[int], progress: Progress | None, *,
+                  reach: int) -> tuple[Answer, KVState, Tensor]:
+        """The state of the prompt ``ids`` and its last logits, in the mode for ``reach`` positions (the
+        prompt's and its answer's at most). Where the tiers have no room for it, the states kept for
+        conversations are let go of (not the document's) and it is tried once more: kept states are a
+        cache, and one request's must not leave every later one without room."""
         try:
-            return self._prompt_once(ids, prefix, progress)
+            return self._prompt_once(ids, prefix, progress, reach)
         except BudgetExceeded:
             if not self._states:
                 raise
             self._shed()
-        return self._prompt_once(ids, prefix, progress)
+        return self._prompt_once(ids, prefix, progress, reach)
 
-    def _prompt_once(self, ids: list[int], prefix: list[int],
-                     progress: Progress | None) -> tuple[Answer, KVState, Tensor]:
+    def _prompt_once(self, ids: list[int], prefix: list[int], progress: Progress | None,
+                     reach: int) -> tuple[Answer, KVState, Tensor]:
         answer, state = Answer(prompt_tokens=len(ids)), None
         try:
-            state, covered = self._branch(ids, prefix, answer, progress)
+            state, covered = self._branch(ids, prefix, answer, progress, reach)
             return answer, state, state.extend(ids[covered:], progress)
         except BaseException:
             if state is not None:
@@ -290,11 +291,12 @@ class Session:
         if not self.keep_events:
             backend.events.clear()
 
-    def _branch(self, ids: list[int], prefix: list[int], answer: Answer,
-                progress: Progress | None = None) -> tuple[KVState, int]:
+    def _branch(self, ids: list[int], prefix: list[int], answer: Answer, progress: Progress | None,
+                reach: int) -> tuple[KVState, int]:
         """A fork of the longest state whose tokens start ``ids`` (the document's prefix state made
-        first when it is longer), and how many tokens of ``ids`` it covers."""
-        mode = self.config.engine.resolve_mode(len(ids), self.loaded.spec.max_position)
+        first when it is longer), and how many tokens of ``ids`` it covers; in the mode for ``reach``
+        positions (an answer that would decode past the trained window is sparse from its prompt on)."""
+        mode = self.config.engine.resolve_mode(reach, self.loaded.spec.max_position)
         held = [s for s in self._held() if s.mode == mode and len(s.tokens) < len(ids)
                 and ids[:len(s.tokens)] == s.tokens]
         best = max(held, key=lambda s: len(s.tokens), default=None)
