@@ -268,8 +268,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print()
         _print_run_summary(result, config)
         if sparse_given and result.mode != "sparse":
-            print(f"note: {', '.join(sparse_given)} unused: --mode auto ran dense, the prompt and its answer being within the "
-                  "model's trained window; --mode sparse applies them")
+            print(f"note: {', '.join(sparse_given)} unused: --mode auto ran dense, the prompt and its answer "
+                  "being within the model's trained window; --mode sparse applies them")
     return 0
 
 
