@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -202,6 +203,39 @@ def test_a_refused_read_falls_back_to_the_workers_for_good(tmp_path: Path, monke
         out = host_buffer(BB, pinned=False)
         assert tier.read([(key(0), slot, out)], aligned=True) == []
         assert torch.equal(out, block) and not tier._io.native_reads
+
+
+def test_a_read_refused_for_want_of_room_pauses_native_reads_a_while_only(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """EAGAIN with nothing in flight: the system's AIO requests are used up by others for now; the store
+    reads on its workers for a while, then natively again (it switched native reads off for good)."""
+    if not o_direct_supported(tmp_path) or not nvme_aio.available():
+        pytest.skip("no O_DIRECT or no native AIO here")
+    from tierkv.tiers import nvme_striped
+    with NvmeTier(tmp_path / "store", BB, 8 * BB, backend="odirect") as tier:
+        block = host_buffer(BB, pinned=False).fill_(9)
+        slot = tier.pool.reserve()
+        tier.write([(key(0), slot, block)])
+        tier.pool.commit(slot)
+        real, calls = nvme_aio.read_blocks, []
+
+        def busy_once(*args, **kw):
+            calls.append(1)
+            if len(calls) == 1:
+                raise nvme_aio.AioRefused(errno.EAGAIN, "io_submit: resource temporarily unavailable")
+            return real(*args, **kw)
+        now = [100.0]                                        # the store's clock, moved by hand
+        monkeypatch.setattr(nvme_aio, "read_blocks", busy_once)
+        monkeypatch.setattr(nvme_striped, "time", SimpleNamespace(monotonic=lambda: now[0]))
+        for _ in range(2):                                   # refused, then paused: both read by the workers
+            out = host_buffer(BB, pinned=False)
+            assert tier.read([(key(0), slot, out)], aligned=True) == [] and torch.equal(out, block)
+            now[0] += nvme_striped.NATIVE_PAUSE_S / 2
+        assert len(calls) == 1 and tier._io.native_reads
+        now[0] += nvme_striped.NATIVE_PAUSE_S / 2
+        out = host_buffer(BB, pinned=False)
+        assert tier.read([(key(0), slot, out)], aligned=True) == [] and torch.equal(out, block)
+        assert len(calls) == 2                               # native again
 
 
 def test_the_aio_knob_takes_on_and_off_only() -> None:

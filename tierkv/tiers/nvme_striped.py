@@ -50,6 +50,7 @@ buffers.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import heapq
 import itertools
@@ -59,6 +60,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -83,6 +85,10 @@ READ_TASKS_PER_THREAD = 2
 # Native reads in flight at once per call: a read a caller waits for puts its whole batch before the
 # device; a guess or a write-back's read a few at a time, so a caller's read queues behind few of them.
 NATIVE_DEPTH = {URGENT: nvme_aio.MAX_DEPTH, BACKGROUND: 32, LAST: 16}
+# a refusal for want of room (the system's AIO requests, fs.aio-max-nr, used up by other processes for
+# now): reads go to the workers this long, then native again; any other refusal is for good
+NATIVE_PAUSE_S = 5.0
+NATIVE_BUSY = (errno.EAGAIN, errno.ENOMEM)
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 
@@ -260,6 +266,7 @@ class StripedIO:
         # reads by native AIO on the calling thread (tierkv.tiers.nvme_aio): O_DIRECT files only
         self.native_reads = (native_reads and file.name == "odirect" and block_bytes % ALIGN == 0
                              and nvme_aio.available())
+        self._native_from = 0.0            # (monotonic) native reads paused until then after a busy refusal
         self._max_run = max(1, min(IOV_MAX, MAX_RUN_BYTES // block_bytes))
         self._queue = JobQueue()
         self._local = threading.local()
@@ -296,7 +303,7 @@ class StripedIO:
         device answered with an error. ``addresses``: where each of ``bufs`` (host arrays) starts, where
         the caller knows it without asking each."""
         batch = Batch(slots, bufs, misaligned, [None] * len(slots), addresses)
-        if self.native_reads and self._read_native(batch, priority):
+        if self.native_reads and self._native_from <= time.monotonic() and self._read_native(batch, priority):
             return batch.sums
         job = self._submit(self._read_task, batch, READ_TASKS_PER_THREAD, verify_tail=True, priority=priority)
         try:  # verify task k while the workers read the tasks after it
@@ -361,8 +368,14 @@ class StripedIO:
             for i in np.flatnonzero(results < 0).tolist():
                 batch.sums[i] = UNREADABLE
         except nvme_aio.AioRefused as exc:
-            log.warning("native AIO refused a read (%s): this store reads on its worker threads from now on", exc)
-            self.native_reads = False
+            if exc.errno in NATIVE_BUSY:
+                log.info("native AIO refused a read (%s): worker threads read for the next %.0f s", exc,
+                         NATIVE_PAUSE_S)
+                self._native_from = time.monotonic() + NATIVE_PAUSE_S
+            else:
+                log.warning("native AIO refused a read (%s): this store reads on its worker threads from now on",
+                            exc)
+                self.native_reads = False
             if exc.results is None:
                 return False
             rest = np.flatnonzero(exc.results != self.block_bytes).tolist() + \
