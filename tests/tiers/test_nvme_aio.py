@@ -187,14 +187,21 @@ def test_reads_into_a_host_tier_by_address_fail_the_same_blocks(tmp_path: Path, 
                 assert torch.equal(host.view(slots[i]), blocks[i]), i
 
 
-def test_a_refused_read_falls_back_to_the_workers_for_good(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def one_block_store(tmp_path: Path) -> tuple[NvmeTier, int, torch.Tensor]:
+    """An O_DIRECT store holding one block (skipped where there is no O_DIRECT or no native AIO)."""
     if not o_direct_supported(tmp_path) or not nvme_aio.available():
         pytest.skip("no O_DIRECT or no native AIO here")
-    with NvmeTier(tmp_path / "store", BB, 8 * BB, backend="odirect") as tier:
-        block = host_buffer(BB, pinned=False).fill_(7)
-        slot = tier.pool.reserve()
-        tier.write([(key(0), slot, block)])
-        tier.pool.commit(slot)
+    tier = NvmeTier(tmp_path / "store", BB, 8 * BB, backend="odirect")
+    block = host_buffer(BB, pinned=False).fill_(7)
+    slot = tier.pool.reserve()
+    tier.write([(key(0), slot, block)])
+    tier.pool.commit(slot)
+    return tier, slot, block
+
+
+def test_a_refused_read_falls_back_to_the_workers_for_good(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier, slot, block = one_block_store(tmp_path)
+    with tier:
 
         def refuse(*args, **kw):
             raise nvme_aio.AioRefused(errno.ENOSYS, "io_submit: refused")
@@ -209,14 +216,9 @@ def test_a_read_refused_for_want_of_room_pauses_native_reads_a_while_only(tmp_pa
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """EAGAIN with nothing in flight: the system's AIO requests are used up by others for now; the store
     reads on its workers for a while, then natively again (it switched native reads off for good)."""
-    if not o_direct_supported(tmp_path) or not nvme_aio.available():
-        pytest.skip("no O_DIRECT or no native AIO here")
     from tierkv.tiers import nvme_striped
-    with NvmeTier(tmp_path / "store", BB, 8 * BB, backend="odirect") as tier:
-        block = host_buffer(BB, pinned=False).fill_(9)
-        slot = tier.pool.reserve()
-        tier.write([(key(0), slot, block)])
-        tier.pool.commit(slot)
+    tier, slot, block = one_block_store(tmp_path)
+    with tier:
         real, calls = nvme_aio.read_blocks, []
 
         def busy_once(*args, **kw):
