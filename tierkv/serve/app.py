@@ -15,10 +15,12 @@ shows it a traceback or stops the server.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,7 +31,7 @@ from starlette.exceptions import HTTPException
 
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.session import Answer
-from tierkv.session.session import PromptTooLong, check_token_ids
+from tierkv.session.session import PromptTooLong, Session, check_length, prompt_ids
 from tierkv.serve.metrics import Metrics
 from tierkv.serve.protocol import ChatRequest, CompletionRequest, error_body
 from tierkv.serve.worker import Job, QueueFull, Worker
@@ -52,6 +54,7 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
     limits = dict(default_tokens=default_tokens, most_tokens=max_new_tokens)
 
     app.add_middleware(Guard, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    prompts = PromptCheck(worker.session)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -91,17 +94,14 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
     async def chat(body: ChatRequest, request: Request) -> Any:
         _check_model(body.model, model_name)
         job = _job("chat", body.chat_messages(), body, limits)
+        await prompts.check(job, "messages")
         return await _answer(job, body, worker, model_name, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_model(body.model, model_name)
-        if isinstance(body.prompt, list):     # checked here, so that a stream is refused before it starts
-            try:
-                check_token_ids(body.prompt, worker.session.loaded.spec.vocab)
-            except ConfigError as error:
-                raise ApiError(400, str(error), param="prompt") from None
         job = _job("completion", body.prompt, body, dict(limits, default_tokens=16))
+        await prompts.check(job, "prompt")
         return await _answer(job, body, worker, model_name, request, chat=False)
 
     @app.get("/health")
@@ -121,6 +121,29 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
 def _pool_figures(worker: Worker) -> tuple[int, int]:
     backends = list(worker.session.backends.values())
     return sum(b.pinned_blocks() for b in backends), sum(b.held_blocks() for b in backends)
+
+
+class PromptCheck:
+    """What refuses a prompt before it runs (its messages, its token ids, its length), checked as the
+    request comes in: a refused prompt is a 400 before any stream starts, and an accepted one's stream
+    starts at once (a request waiting in the queue gets its headers and pings). On a tokenizer of its own
+    in one thread of its own: the worker's is busy, and a fast tokenizer must not be shared between threads."""
+
+    def __init__(self, session: Session) -> None:
+        self.loaded, self.most = session.loaded, session.max_prompt_tokens
+        self.tokenizer = copy.deepcopy(session.loaded.tokenizer)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tierkv-prompt-check")
+
+    async def check(self, job: Job, param: str) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.pool, self._check, job)
+        except PromptTooLong as error:
+            raise ApiError(400, str(error), param=param, code="context_length_exceeded") from None
+        except ConfigError as error:
+            raise ApiError(400, str(error), param=param) from None
+
+    def _check(self, job: Job) -> None:
+        check_length(prompt_ids(self.loaded, job.kind, job.prompt, self.tokenizer), self.most)
 
 
 class BodyTooLarge(Exception):
@@ -201,25 +224,21 @@ async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worke
         worker.submit(job)
     except QueueFull as error:
         raise ApiError(503, str(error), kind="server_error", code="server_busy") from None
-    reply, results = _Reply(model, chat), _results(job)
+    reply = _Reply(model, chat)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventSourceResponse(_events(job, reply, include_usage), ping=15)
+    text = []
     watch = asyncio.create_task(_watch(request, job))
-    streaming = False
     try:
-        if body.stream:         # the stream starts once the prompt is taken: a prompt refused is a status, not a 200
-            first = await anext(results)
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            streaming = True
-            return EventSourceResponse(_events(job, first, results, reply, include_usage), ping=15)
-        text = []
-        async for kind, value in results:
+        async for kind, value in _results(job):
             if kind == "text":
                 text.append(value)
-            elif kind == "done":
+            else:
                 return reply.whole("".join(text), value)
     finally:
         watch.cancel()
-        if not streaming:
-            job.cancel()        # a client that hung up, or an error: stop the work, let go of its state
+        job.cancel()            # a client that hung up, or an error: stop the work, let go of its state
 
 
 async def _watch(request: Request, job: Job) -> None:
@@ -243,21 +262,16 @@ async def _results(job: Job) -> AsyncIterator[tuple[str, Any]]:
             return
 
 
-async def _events(job: Job, first: tuple[str, Any], results: AsyncIterator[tuple[str, Any]], reply: _Reply,
-                  include_usage: bool) -> AsyncIterator[dict[str, str]]:
-    """The SSE events of a streamed answer, from its ``first`` result on. A client that disconnects
-    cancels this generator, and with it the work on the worker."""
-    async def rest() -> AsyncIterator[tuple[str, Any]]:
-        yield first
-        async for result in results:
-            yield result
+async def _events(job: Job, reply: _Reply, include_usage: bool) -> AsyncIterator[dict[str, str]]:
+    """The SSE events of a streamed answer. A client that disconnects cancels this generator, and
+    with it the work on the worker."""
     try:
         if reply.chat:
             yield {"data": json.dumps(reply.first())}
-        async for kind, value in rest():
+        async for kind, value in _results(job):
             if kind == "text":
                 yield {"data": json.dumps(reply.piece(value))}
-            elif kind == "done":
+            else:
                 yield {"data": json.dumps(reply.last(value))}
                 if include_usage:
                     yield {"data": json.dumps(reply.usage_chunk(value))}

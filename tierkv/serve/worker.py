@@ -7,8 +7,7 @@ both without finishing either sooner. Others wait in a bounded queue (a full que
 
     HTTP handler (event loop)            worker thread
     submit(job) ──queue──▶               session.chat / complete, stream=True
-    await job.events  ◀──call_soon_threadsafe──  ("started", None) once the prompt is taken, then
-                                         ("text", piece) ... ("done", answer) | ("error", exc)
+    await job.events  ◀──call_soon_threadsafe──  ("text", piece) ... ("done", answer) | ("error", exc)
     client hung up: job.cancel() ──▶     stops at the prompt's next chunk or the next token; its state
                                          is let go
 """
@@ -43,8 +42,6 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
-    started: bool = False                  # its prompt was taken ("started" sent): its tokens are counted
-                                           # and within the limit, and its prefill runs
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -133,12 +130,7 @@ class Worker:
             job.emit("done", answer)
 
     def _start(self, job: Job):
-        def cancelled() -> bool:             # first asked once the prompt is taken, at its first chunk or token
-            if not job.started:
-                job.started = True
-                job.emit("started", None)
-            return job.cancelled.is_set()
-        args = dict(stream=True, cancelled=cancelled, **_sampling_args(job.sampling))
+        args = dict(stream=True, cancelled=job.cancelled.is_set, **_sampling_args(job.sampling))
         if job.kind == "chat":
             return self.session.chat(job.prompt, **args)
         return self.session.complete(job.prompt, **args)

@@ -155,21 +155,15 @@ class Session:
     def _chat(self, messages: Sequence[Message], stream: bool, sampling: dict[str, Any], *,
               keep: bool, cancelled: Cancel | None) -> Answer | Stream:
         start = time.perf_counter()
-        _check_messages(messages)
-        tokenizer = self.loaded.tokenizer
-        ids = chat_ids(tokenizer, list(messages))
-        prefix = chat_ids(tokenizer, list(messages[:-1]), generation=False) if len(messages) > 1 else []
+        ids = prompt_ids(self.loaded, "chat", messages)
+        prefix = chat_ids(self.loaded.tokenizer, list(messages[:-1]), generation=False) if len(messages) > 1 else []
         return self._respond(ids, prefix, Sampling(**sampling), stream, keep=keep, start=start, cancelled=cancelled)
 
     def complete(self, prompt: str | Sequence[int], *, stream: bool = False, cancelled: Cancel | None = None,
                  **sampling: Any) -> Answer | Stream:
         """The continuation of a plain prompt (no chat template): text, or token ids."""
         start = time.perf_counter()
-        ids = list(prompt) if not isinstance(prompt, str) else \
-            self.loaded.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ConfigError("the prompt is empty")
-        check_token_ids(ids, self.loaded.spec.vocab)
+        ids = prompt_ids(self.loaded, "completion", prompt)
         return self._respond(ids, ids[:-1], Sampling(**sampling), stream, keep=False, start=start,
                              cancelled=cancelled)
 
@@ -214,9 +208,7 @@ class Session:
                  start: float, cancelled: Cancel | None = None) -> Answer | Stream:
         """``start``: when the request came in (its TTFT counts the prompt's rendering too)."""
         self._check_open()
-        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            raise PromptTooLong(f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are taken "
-                                "(tierkv serve --max-prompt-tokens)")
+        check_length(ids, self.max_prompt_tokens)
         progress = None if cancelled is None else functools.partial(_stop_if, cancelled)
         answer, state, logits = self._prompted(ids, prefix, progress, reach=len(ids) + sampling.max_new_tokens)
         self.last_mode = state.mode
@@ -350,6 +342,26 @@ def _stop_if(cancelled: Cancel, _tokens: int) -> None:
     """A prompt's progress: `Cancelled` once ``cancelled()`` is true."""
     if cancelled():
         raise Cancelled("the request was cancelled while its prompt was computed")
+
+
+def prompt_ids(loaded: LoadedModel, kind: str, prompt: Any, tokenizer: Any = None) -> list[int]:
+    """The token ids a request's prompt runs as, checked: ``kind`` "chat" (messages, in the model's chat
+    template) or "completion" (text, or token ids). ``tokenizer``: another copy of the model's."""
+    tokenizer = tokenizer or loaded.tokenizer
+    if kind == "chat":
+        _check_messages(prompt)
+        return chat_ids(tokenizer, list(prompt))
+    ids = list(prompt) if not isinstance(prompt, str) else tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ConfigError("the prompt is empty")
+    check_token_ids(ids, loaded.spec.vocab)
+    return ids
+
+
+def check_length(ids: Sequence[int], most: int | None) -> None:
+    if most is not None and len(ids) > most:
+        raise PromptTooLong(f"the prompt has {len(ids)} tokens; at most {most} are taken "
+                            "(tierkv serve --max-prompt-tokens)")
 
 
 def check_token_ids(ids: Sequence[int], vocab: int) -> None:
