@@ -59,7 +59,10 @@ def test_store_verify_of_a_folder_with_no_store_is_an_error_not_clean(tmp_path, 
 
 
 def test_info_text(capsys):
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
     assert main(["info"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before          # a caller's own handler is back
     out = capsys.readouterr().out
     assert "RAM" in out and "CUDA" in out and "GDS" in out
 

@@ -81,6 +81,15 @@ def test_a_value_in_another_format_is_a_miss_and_left_alone(redis_server):
     assert client.get(store.block_name(key)) == other and client.get(b"tierkv:ns:f:idx") == other
 
 
+def test_a_damaged_part_of_a_file_deletes_the_file(redis_server):
+    store = RemoteStore(redis_server.url, "ns")
+    assert store.put_file("idx", b"x" * 100)
+    client = redis_server.client()
+    client.set(b"tierkv:ns:f:idx:0", b"XX")                 # cut short: ours, damaged (not another format)
+    assert store.get_file("idx") is None and store.stats.corrupt == 1
+    assert client.exists(b"tierkv:ns:f:idx") == 0 and store.file_names() == []
+
+
 def test_a_files_head_lives_as_long_as_its_parts(redis_server):
     store = RemoteStore(redis_server.url, "ns", ttl_s=600)
     assert store.put_file("idx", b"x" * 100)

@@ -12,9 +12,9 @@ A document that fails is one error line, not a failed job: a batch that raises i
 document at a time, and the document that still raises gets its error. A worker that is killed is
 restarted by Ray and its batch retried, up to ``retries`` times; a batch that kills its worker every
 time (a document that runs it out of memory, say) is skipped, its documents are run again one at a
-time, and the one that still kills its worker gets an error line. Where no document of the run got
-through at all, nothing is written and the job fails (the cause is the setup, not the documents):
-a rerun retries them. Each document is written once. ``address`` is ``local`` (start a Ray instance in this process, on this machine's cores)
+time, and the one that still kills its worker gets an error line. Where no document got through at
+all (the output holds none), nothing is written and the job fails (the cause is likelier the setup
+than the documents): a rerun retries them. Each document is written once. ``address`` is ``local`` (start a Ray instance in this process, on this machine's cores)
 or what ``ray start --head`` printed (``ray://host:10001`` or ``host:6379``), or ``auto``.
 """
 from __future__ import annotations
@@ -23,8 +23,10 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +42,9 @@ log = logging.getLogger(__name__)
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}    # as the CLI: spinning OpenMP threads starve tierkv's I/O threads
 MAX_BATCH = 64      # documents per worker call at most by default: a killed worker redoes at most these
 RETRIES = 3         # a batch whose worker died is run again at most this many times
+JOB_CONTEXT = {"enable_progress_bars": False,          # Ray Data's settings for the job (tierkv draws the progress)
+               "print_on_execution_start": False,
+               "max_errored_blocks": -1}               # a batch that killed its workers is skipped, then run alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,42 +126,46 @@ def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | 
 
 def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: OutputLog, result: JobResult,
          progress: Progress | None, fixed: Policy | None) -> None:
-    ray = _start(options)
+    ray, saved = _start(options)
     try:
         threads = _threads(ray, options)
         cpus = options.cpus_per_worker or threads
         batch = options.batch_documents or min(MAX_BATCH, -(-len(todo) // options.workers))
         if progress:
             progress(0, 0, 0.0, len(todo))
-        began, written = time.perf_counter(), len(out.done)
+        began = time.perf_counter()
 
         def records(docs: list[Document], size: int):
             """The records of ``docs`` in batches of ``size``; a batch that killed its worker every time
             is left out (its documents get none)."""
             dataset = ray.data.from_items([{"id": d.id, "text": d.text, "error": d.error} for d in docs])
+            # one batch a worker at a time: a worker that dies takes its own batch with it, not batches queued
+            # behind it (their retries would run out on a poison document's account)
+            pool = ray.data.ActorPoolStrategy(size=options.workers, max_tasks_in_flight_per_actor=1)
             return dataset.map_batches(
                 Summarizer, fn_constructor_kwargs={"config": config, "threads": threads, "fixed": fixed},
-                batch_size=size, concurrency=options.workers, num_cpus=cpus,
-                num_gpus=options.gpus_per_worker or None, batch_format="numpy", max_restarts=-1,
-                max_task_retries=options.retries, runtime_env={"env_vars": WORKER_ENV}).iter_rows()
+                batch_size=size, compute=pool, num_cpus=cpus, num_gpus=options.gpus_per_worker or None,
+                batch_format="numpy", max_restarts=-1, max_task_retries=options.retries,
+                runtime_env={"env_vars": WORKER_ENV}).iter_rows()
 
         _write(records(todo, batch), out, result, progress, len(todo))
         left = [d for d in todo if d.id not in out.done]
         if left and batch > 1:               # the batches that killed their workers, one document at a time
             _write(records(left, 1), out, result, progress, len(todo))
             left = [d for d in todo if d.id not in out.done]
-        if left and len(out.done) == written:
-            raise TierKVError(f"--ray: every task failed ({len(left)} document(s), each run {options.retries + 1} "
-                               "times): the workers died before finishing any (out of memory, or killed); nothing "
-                               "was written, so a rerun retries them")
+        if left and not out.done:
+            raise TierKVError(f"--ray: every task failed ({len(left)} document(s), each tried {options.retries + 1} "
+                              "time(s)): the workers died before finishing any (out of memory, or killed), or "
+                              "could not start; nothing was written, so a rerun retries them")
         for doc in left:
-            _write([{"record": json.dumps({"id": doc.id, "error": f"failed: its worker died each of the "
-                                           f"{options.retries + 1} times it ran it (killed, out of memory "
-                                           "or crashed)"})}], out, result, progress, len(todo))
+            _write([{"record": json.dumps({"id": doc.id, "error": "failed: the worker running it died at every try "
+                                           f"(killed, out of memory or crashed; --ray-retries {options.retries})"})}],
+                   out, result, progress, len(todo))
         result.seconds = time.perf_counter() - began
     finally:
         if options.address == "local":
             ray.shutdown()
+        _restore(ray, saved)
 
 
 def _write(rows, out: OutputLog, result: JobResult, progress: Progress | None, total: int) -> None:
@@ -188,11 +197,33 @@ def _start(options: RayOptions):
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'tierkv-runtime[ray]'") from None
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    context, logger = ray.data.DataContext.get_current(), logging.getLogger("ray.data")
+    saved = {name: getattr(context, name) for name in JOB_CONTEXT} | {"level": logger.level}
+    for name, value in JOB_CONTEXT.items():
+        setattr(context, name, value)
+    logger.setLevel(logging.CRITICAL)            # tierkv draws the progress and says what failed
+    terminate = signal.getsignal(signal.SIGTERM)
+    try:
+        _init(ray, options)
+    except BaseException:
+        _restore(ray, saved)
+        raise
+    finally:                                     # ray.init puts in its own: SIGTERM would abort, not close what is open
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, terminate)
+    return ray, saved
+
+
+def _restore(ray, saved: dict) -> None:
+    """Ray Data's settings and logger as the calling process had them (a later job of its own must not
+    skip failed blocks silently)."""
     context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False
-    context.print_on_execution_start = False
-    context.max_errored_blocks = -1              # a batch that killed its workers is skipped, then run one by one
-    logging.getLogger("ray.data").setLevel(logging.CRITICAL)     # tierkv draws the progress and says what failed
+    for name in JOB_CONTEXT:
+        setattr(context, name, saved[name])
+    logging.getLogger("ray.data").setLevel(saved["level"])
+
+
+def _init(ray, options: RayOptions) -> None:
     if options.address == "local":
         for attempt in (1, 2):       # on a loaded machine Ray's own start can miss its connect timeout
             try:
@@ -212,7 +243,6 @@ def _start(options: RayOptions):
             raise ConfigError(f"--ray {options.address}: no Ray cluster there, or it refused this process's "
                               f"token ({error}); start one with `ray start --head`, set RAY_AUTH_MODE and "
                               f"RAY_AUTH_TOKEN as the cluster has them, or give --ray local") from None
-    return ray
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

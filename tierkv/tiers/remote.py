@@ -13,7 +13,7 @@ Blocks are content-addressed by the same keys as the NVMe store, under the store
 
 The checksum covers the key too, so a value under another key (or cut short, or flipped) never
 passes. A value that fails it is deleted and reported as a miss: the caller recomputes. A value
-that does not start with the magic (another version's format) is a miss too, and left alone.
+that does not start with the magic (another version's format) is a miss too, and not deleted.
 
 A remote is a helper, never a dependency: every call has a short timeout, and an error (down,
 refused, out of memory, a TLS or auth failure) marks it unavailable for ``retry_s``: it is logged
@@ -78,9 +78,9 @@ def frame(key: bytes, payload: bytes | memoryview) -> bytes:
 
 
 def foreign(value: bytes) -> bool:
-    """``value`` is not in this frame format (another version's, another program's): it is not ours
-    to judge damaged or to delete, and reads as missing."""
-    return not value.startswith(MAGIC)
+    """``value`` is in another frame format (another version's): not ours to judge damaged or to delete,
+    and it reads as missing. A value too short to hold the magic is a damaged frame of ours."""
+    return len(value) >= len(MAGIC) and not value.startswith(MAGIC)
 
 
 def unframe(key: bytes, value: bytes, size: int | None = None) -> bytes | None:
@@ -283,11 +283,8 @@ class RemoteStore:
             pipe = self._client.pipeline(transaction=False)
             for i in range(struct.unpack("<I", count)[0]):
                 pipe.getex(base + b":%d" % i, ex=self.ttl_s)
-            values = pipe.execute()
-            if any(v is not None and foreign(v) for v in values):
-                return None
-            return [unframe(name.encode() + b":%d" % i, v) if v is not None else None
-                    for i, v in enumerate(values)]
+            return [unframe(name.encode() + b":%d" % i, v) if v is not None else None     # (a head of ours
+                    for i, v in enumerate(pipe.execute())]                               # has parts of ours)
         parts = self._call("read", read, None)
         if parts is None:
             return None
