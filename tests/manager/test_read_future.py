@@ -44,6 +44,7 @@ def churning(mgr: BlockingTierManager, keys: list) -> Iterator[None]:
         rng = random.Random(1)
         while not stop.is_set():
             mgr.acquire(rng.sample(keys, 3), tier="gpu").release()
+            stop.wait(0.001)        # (a tight loop starves the reads it churns under, on a loaded machine)
 
     churner = threading.Thread(target=churn)
     churner.start()

@@ -34,6 +34,17 @@ class Server:
             time.sleep(0.2)
         raise AssertionError("the server stayed busy")
 
+    def settled(self, timeout: float = 60) -> dict:
+        """/health once the worker is idle and no block is pinned (write-backs to the store run on after
+        an answer); a block still pinned at ``timeout`` is a leak."""
+        deadline = time.monotonic() + timeout
+        state = self.idle(timeout)
+        while state["pinned_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+            state = self.health()
+        assert state["pinned_blocks"] == 0, f"{state['pinned_blocks']} block(s) stayed pinned"
+        return state
+
     def stop(self) -> int:
         self.process.send_signal(signal.SIGINT)
         return self.process.wait(timeout=60)

@@ -28,6 +28,7 @@ def smollm2_session(smollm2, tmp_path, **settings) -> Session:
 def assert_only_documents_held(session: Session) -> None:
     """Nothing pinned in any tier; every held block belongs to a state the session keeps."""
     for backend in session.backends.values():
+        backend.manager.flush()                  # (dense mode writes computed blocks back to the store meanwhile)
         mgr = backend.manager.manager
         assert all(mgr.tiers[name].pool.busy_slots() == 0 for name in mgr.order)
         assert not mgr.directory.wanted
