@@ -80,7 +80,8 @@ def batch(folder: Path, out: Path, *extra: str) -> dict:
     out.unlink(missing_ok=True)
     began = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "tierkv.cli", "batch", "--inputs", str(folder), "--out", str(out),
-                           "--max-new-tokens", "16", "--json", *extra], capture_output=True, text=True)
+                           "--max-new-tokens", "16", "--dtype", "float32", "--json", *extra],  # (auto: bf16 with AMX)
+                          capture_output=True, text=True)
     wall = time.perf_counter() - began
     if done.returncode:
         raise RuntimeError(f"tierkv batch {' '.join(extra)} failed: {done.stderr[-2000:]}")
