@@ -181,3 +181,25 @@ def test_a_chunk_seals_its_whole_blocks_in_one_put_and_a_failed_put_leaves_the_l
     got_k, got_v = by_blocks(layer)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
     layer.release(keep=False)
+
+
+def test_a_crop_into_a_lossy_block_keeps_the_tokens_it_keeps_exact():
+    """A rejected draft that sealed an int8 block: the tokens kept become the tail again as they were
+    computed, not decoded (and then quantized a second time, on scales the draft set)."""
+    from tierkv.codec import block_codec
+    lossy = BlockLayout.kv(1, HKV, D, torch.float32, T, codec=block_codec("int8", T))
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, HKV, 2 * T, D, generator=g), torch.randn(1, HKV, 2 * T, D, generator=g)
+    draft = torch.randn(1, HKV, 6, D, generator=g) * 10
+    with BlockingTierManager.from_config(TierConfig(lossy.block_bytes, gpu=64 * lossy.block_bytes, cpu=0)) as mgr:
+        layer, direct = LayerKV(mgr, lossy, 0), LayerKV(mgr, lossy, 0)
+        layer.append(k[:, :, :T - 4], v[:, :, :T - 4], keys_for(1), persist=False)
+        layer.append(torch.cat([k[:, :, T - 4:T - 2], draft], 2), torch.cat([v[:, :, T - 4:T - 2], draft], 2),
+                     keys_for(1), persist=False)                  # seals block 0 with 2 draft tokens in it
+        layer.crop(6, keep=False)
+        assert layer.tail_len == T - 2 and not layer.blocks
+        assert torch.equal(layer.tail()[0], k[:, :, :T - 2]) and torch.equal(layer.tail()[1], v[:, :, :T - 2])
+        layer.append(k[:, :, T - 2:], v[:, :, T - 2:], keys_for(1), persist=False)
+        direct.append(k, v, keys_for(2), persist=False)
+        with mgr.blocks(layer.blocks) as again, mgr.blocks(direct.blocks) as once:
+            assert all(torch.equal(a, b) for a, b in zip(again, once))      # stored as if never drafted

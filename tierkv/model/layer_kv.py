@@ -43,6 +43,9 @@ class LayerKV:
         self.tail_v = torch.empty(shape, dtype=layout.dtype, device=device)
         self.tail_len = 0
         self.budget, self.device = budget, device
+        # a lossy codec's last sealed block, exact ([index, K, V]): a crop into it (a rejected draft, a step
+        # back) makes the tokens it keeps the tail again, and they must be their own values, not decoded ones
+        self.exact_last: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self.buffer: KVBuffer | None = None      # made at the first read that can use one
 
     @property
@@ -73,6 +76,8 @@ class LayerKV:
         keys = [key_of(first + i) for i in range(n)]
         self.manager.put_many(list(zip(keys, raws)), layer=self.layer, first_index=first, persist=persist)
         self.blocks.extend(keys)
+        if self.layout.codec is not None:
+            self.exact_last = (first + n - 1, as_blocks[0][-1].clone(), as_blocks[1][-1].clone())
         buffer = self.buffer
         for index, raw in enumerate(raws, start=first):
             if buffer is not None and buffer.filled == index * T and buffer.reserve((index + 1) * T):
@@ -105,12 +110,18 @@ class LayerKV:
             return
         T, left = self.layout.tokens, self.length - tokens
         whole, rest = divmod(left, T)
-        if rest:                                  # the block that now ends the sequence becomes the tail
+        if rest and self.exact_last is not None and self.exact_last[0] == whole:
+            _, k, v = self.exact_last             # (a lossy codec's block: its tokens as they were computed)
+            self.tail_k[:, :, :rest].copy_(k[:, :, :rest])
+            self.tail_v[:, :, :rest].copy_(v[:, :, :rest])
+        elif rest:                                # the block that now ends the sequence becomes the tail
             with self.manager.blocks([self.blocks[whole]], self.read_tier, layer=self.layer) as views:
                 k, v = self.layout.unpack(views[0])
                 self.tail_k[:, :, :rest].copy_(k[:, :, :rest])
                 self.tail_v[:, :, :rest].copy_(v[:, :, :rest])
         self.let_go(self.blocks[whole:], keep=keep)
+        if self.exact_last is not None and self.exact_last[0] >= whole:
+            self.exact_last = None
         self.blocks, self.tail_len = self.blocks[:whole], rest
         self._forget_after(whole)
 
@@ -119,6 +130,8 @@ class LayerKV:
         self.let_go(self.blocks[n_blocks:], keep=keep)
         self.blocks, self.tail_len = self.blocks[:n_blocks], 0
         self._forget_after(n_blocks)
+        if self.exact_last is not None and self.exact_last[0] >= n_blocks:
+            self.exact_last = None
 
     def _forget_after(self, n_blocks: int) -> None:
         if self.buffer is not None:
@@ -130,7 +143,7 @@ class LayerKV:
 
     def release(self, *, keep: bool) -> None:
         self.let_go(self.blocks, keep=keep)
-        self.blocks, self.tail_len = [], 0
+        self.blocks, self.tail_len, self.exact_last = [], 0, None
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
