@@ -2,6 +2,7 @@
 store that keeps what codec wrote it."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,9 @@ def test_a_group_that_does_not_divide_the_field_is_refused():
 def test_values_beyond_the_scale_dtype_are_refused_not_stored_as_inf():
     with pytest.raises(ConfigError, match="use a wider one"):
         Quant(8, "token", 64, torch.float16).encode(torch.full((2, 64), 1e6) * torch.arange(64))
+    for bad in (math.nan, math.inf):                   # said as what it is, not as a range to widen
+        with pytest.raises(ConfigError, match="NaN or inf"):
+            Quant(8, "token", 64, torch.float32).encode(torch.full((2, 64), bad))
 
 
 def test_a_store_written_with_one_codec_refuses_another(tmp_path: Path):

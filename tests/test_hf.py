@@ -109,9 +109,10 @@ def test_smollm2_with_int8_blocks_keeps_dynamic_cache_s_logits_from_a_third_of_t
     assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
-def test_a_cache_with_an_unknown_kv_dtype_says_what_is_allowed():
-    with pytest.raises(ConfigError, match="'int3': allowed: float32, bfloat16, float16, or int8/int4/int2"):
-        TieredCache(FAMILIES["llama"](), kv_dtype="int3")
+@pytest.mark.parametrize("name", ["int3", "bfloat16"])     # (a float dtype was taken, and changed nothing)
+def test_a_cache_with_an_unknown_kv_dtype_says_what_is_allowed(name):
+    with pytest.raises(ConfigError, match=f"'{name}': allowed: int8, int4 or int2 .* stored in the compute dtype"):
+        TieredCache(FAMILIES["llama"](), kv_dtype=name)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -158,6 +159,22 @@ def test_crop_then_regenerate_equals_the_uncropped_run(tmp_path):
         assert cache.get_seq_length() == 97
         again = model(ids[:, 97:], cache=cache).logits[0, -1]
         assert torch.allclose(again, whole, atol=1e-5)
+
+
+def test_branching_a_fresh_layer_a_mask_and_an_over_long_crop_do_what_dynamic_cache_does(tmp_path):
+    """A layer that never took KV (a model whose layers share KV) is reordered without a word; a boolean
+    mask keeps the rows it marks; a crop of more than the cache holds empties it."""
+    torch.manual_seed(0)
+    config = FAMILIES["llama"]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with TieredCache(config, gpu="8MiB", cpu=0, block_tokens=32) as cache, torch.inference_mode():
+        cache.reorder_cache(torch.tensor([0, 0]))
+        cache.batch_select_indices(torch.tensor([0]))
+        model(torch.randint(0, 256, (2, 40)), cache=cache)
+        cache.batch_select_indices(torch.tensor([False, True]))
+        assert all(len(layer.rows) == 1 for layer in cache.layers)
+        cache.crop(-50)
+        assert cache.get_seq_length() == 0 and cache.manager.held_blocks() == 0
 
 
 def test_beams_share_their_prefix_and_a_dropped_branch_frees_only_its_own_blocks(tmp_path):

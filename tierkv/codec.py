@@ -145,8 +145,11 @@ class Quant:
         scale = step.to(self.scale_dtype)
         scale = torch.where(scale.float() < step, torch.nextafter(scale, up.to(self.scale_dtype)), scale).float()
         if not (torch.isfinite(scale).all() and torch.isfinite(lo).all()):
+            if not (torch.isfinite(lo32).all() and torch.isfinite(hi32).all()):
+                raise ConfigError("KV values with NaN or inf (the model's computation overflowed; a wider --dtype "
+                                  "may help): they cannot be quantized")
             raise ConfigError(f"KV values out of the range of scale dtype {self.scale_dtype}: "
-                              "use a wider one (float32)")
+                              "use a wider one (-sf32)")
         return lo, scale.clamp_min(torch.finfo(self.scale_dtype).tiny)
 
     # -- decode -----------------------------------------------------------------------------
@@ -276,5 +279,10 @@ KEY_GROUP = 64      # tokens that share a key channel's scale in a dense block (
 
 def block_codec(text: str | None, block_tokens: int) -> KVCodec | None:
     """The codec ``text`` names for dense KV blocks of ``block_tokens``: keys per channel in groups of
-    64 tokens (of the whole block when it is not a multiple of 64), values per token."""
+    64 tokens (of the whole block when it is not a multiple of 64), values per token. A float dtype is
+    refused: dense blocks are stored in the compute dtype (it was taken and changed nothing)."""
+    if text is not None and text.split("-")[0] not in BITS:
+        raise ConfigError(f"{text!r}: allowed: int8, int4 or int2 (lossy), with optional -g<channels per value "
+                          "scale> and -s<f16|bf16|f32>; unquantized, dense KV blocks are stored in the compute dtype "
+                          "(--dtype)")
     return KVCodec.parse(text, key_group=KEY_GROUP if block_tokens % KEY_GROUP == 0 else None)

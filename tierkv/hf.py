@@ -96,16 +96,24 @@ class TieredLayer(CacheLayerMixin):
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
         for row in self.rows:
-            row.crop(-tokens_to_remove, keep=False)
+            row.crop(min(-tokens_to_remove, row.length), keep=False)     # (more than it holds: empty, as DynamicCache)
 
+    # a layer that never took KV (one whose model shares another layer's) has no rows to pick from
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.rows = select_rows(self.rows, beam_idx.tolist())
+        if self.rows:
+            self.rows = select_rows(self.rows, beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.rows = select_rows(self.rows, [b for b in range(len(self.rows)) for _ in range(repeats)])
+        if self.rows:
+            self.rows = select_rows(self.rows, [b for b in range(len(self.rows)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.rows = select_rows(self.rows, torch.as_tensor(indices).tolist())
+        """``indices``: row numbers, or a mask of the rows kept."""
+        picked = torch.as_tensor(indices)
+        if picked.dtype == torch.bool:
+            picked = picked.nonzero().flatten()
+        if self.rows:
+            self.rows = select_rows(self.rows, picked.tolist())
 
 
 def select_rows(rows: list[LayerKV], order: Sequence[int]) -> list[LayerKV]:
