@@ -196,6 +196,16 @@ def test_a_request_cancelled_while_its_prompt_is_computed_stops_and_holds_nothin
         assert len(asked) == 2 and backend.held_blocks() == 0 and backend.pinned_blocks() == 0
 
 
+def test_a_fork_whose_parent_closed_says_so_and_closes_quietly(tmp_path):
+    session = Session(SessionConfig.of(nvme_dir=tmp_path, mode="dense"), loaded=tiny_loaded())
+    session.read_ids(random_ids(100, 7))
+    branch = session.fork()
+    session.close()
+    with pytest.raises(TierKVError, match="the session this one was forked from is closed"):
+        branch.complete(random_ids(110, 7), max_new_tokens=2)
+    branch.close()                                  # (its tiers went with the parent's: nothing to let go of)
+
+
 def test_auto_mode_counts_the_answer_s_tokens_against_the_trained_window(tmp_path):
     """A 480-token prompt fits the tiny model's 512-token window, but not with 64 tokens of answer:
     dense decoding would step past the positions the model knows."""

@@ -102,7 +102,8 @@ class Session:
         self._states: list[KVState] = []                # conversations, newest last
         self.last_mode = ""                             # the mode of the last answer
         self._messages: list[Message] = []              # the document's messages
-        self.closed = self._forked = False
+        self.closed = False
+        self._opener: Session | None = None             # a fork's: the session whose backends it shares
 
     @classmethod
     def open(cls, model: str = "smollm2", *, loaded: LoadedModel | None = None, **settings: Any) -> Session:
@@ -174,7 +175,7 @@ class Session:
         twin = Session.__new__(Session)
         twin.__dict__.update(self.__dict__)
         twin.document = None if self.document is None else self.document.fork()
-        twin._states, twin._messages, twin._forked = [], list(self._messages), True
+        twin._states, twin._messages, twin._opener = [], list(self._messages), self._opener or self
         return twin
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -183,10 +184,13 @@ class Session:
         if self.closed:
             return
         self.closed = True
-        for state in [*self._states, *([self.document] if self.document is not None else [])]:
-            state.release()
+        held = [*self._states, *([self.document] if self.document is not None else [])]
         self._states, self.document = [], None
-        if not self._forked:
+        if self._opener is not None and self._opener.closed:
+            return                       # its tiers closed with the session it was forked from, and all in them
+        for state in held:
+            state.release()
+        if self._opener is None:
             for backend in self.backends.values():
                 backend.close()
 
@@ -336,6 +340,8 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise TierKVError("the session is closed")
+        if self._opener is not None and self._opener.closed:
+            raise TierKVError("the session this one was forked from is closed, and the tiers they shared with it")
 
 
 def _stop_if(cancelled: Cancel, _tokens: int) -> None:
