@@ -14,8 +14,10 @@ restarted by Ray and its batch retried, up to ``retries`` times; a batch that ki
 time (a document that runs it out of memory, say) is skipped, its documents are run again one at a
 time, and the one that still kills its worker gets an error line. Where no document got through at
 all (the output holds none), nothing is written and the job fails (the cause is likelier the setup
-than the documents): a rerun retries them. Each document is written once. ``address`` is ``local`` (start a Ray instance in this process, on this machine's cores)
-or what ``ray start --head`` printed (``ray://host:10001`` or ``host:6379``), or ``auto``.
+than the documents): a rerun retries them. Each document is written once.
+
+``address`` is ``local`` (start a Ray instance in this process, on this machine's cores) or what
+``ray start --head`` printed (``ray://host:10001`` or ``host:6379``), or ``auto``.
 """
 from __future__ import annotations
 
