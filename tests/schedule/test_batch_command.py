@@ -105,6 +105,22 @@ def test_sigterm_stops_a_batch_cleanly_and_removes_its_scratch(model_dir, tmp_pa
     assert all("summary" in json.loads(line) for line in out.read_text().splitlines())
 
 
+def test_retry_failed_runs_again_the_documents_that_failed_and_only_those(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path / "cache"))
+    ids = _docs(tmp_path / "in.jsonl", 3)
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": ids[0], "error": "failed: the worker running it died at every try"}) + "\n" +
+                   json.dumps({"id": ids[1], "summary": "kept as it was"}) + "\n")
+    args = ["batch", "--inputs", str(tmp_path / "in.jsonl"), "--out", str(out), "--model", str(model_dir),
+            "--max-new-tokens", "4", "--json"]
+    assert main(args) == 0
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [ids[0], ids[1], ids[2]]
+    assert main([*args, "--retry-failed"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == [ids[1], ids[2], ids[0]]
+    assert records[0]["summary"] == "kept as it was" and "summary" in records[2]
+
+
 def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path / "cache"))
     docs = tmp_path / "docs"

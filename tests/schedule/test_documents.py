@@ -63,6 +63,23 @@ def test_a_resume_with_other_settings_is_refused_and_the_file_left_as_it_was(tmp
         assert log.done == {"a"}
 
 
+def test_retry_failed_takes_out_the_lines_of_documents_that_failed_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "out.jsonl"
+    with OutputLog(path) as log:
+        log.write({"id": "a", "summary": "x"})
+        log.write({"id": "b", "error": "failed: the worker running it died at every try"})
+        log.write({"id": "c", "error": "empty document"})
+    with open(path, "ab") as f:
+        f.write(b'{"id": "d", "summ')                          # and a torn last line
+    with OutputLog(path) as log:                               # without the flag: failed lines are done
+        assert log.done == {"a", "b", "c"}
+    with OutputLog(path, retry_failed=True) as log:
+        assert log.done == {"a", "c"}
+        log.write({"id": "b", "summary": "y"})
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "c", "b"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+
 def test_an_output_file_of_another_kind_is_refused_and_left_as_it_was(tmp_path):
     """Only a torn last line is cut: a file whose other lines are no records (notes, an edited line) is
     not truncated to its first good lines."""

@@ -53,6 +53,9 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
                         "checkpoint is in that dtype (default: the compute dtype, or the policy file's)")
     p.add_argument("--compress-kv", action="store_true", help="let the search store KV as int4 (keys per channel, values per token; tierkv.codec; lossy)")
     p.add_argument("--recalibrate", action="store_true", help="measure this machine again instead of the cache")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="run again the documents whose line in --out says they failed while they ran ('failed: "
+                        "...': a worker that died, an error); those that cannot run (empty, too long) stay as they are")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of the summary")
     ray = p.add_argument_group("Ray (pip install 'tierkv-runtime[ray]')")
     ray.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
@@ -82,7 +85,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                        nvme_budget=parse_size(args.nvme_budget, "--nvme-budget"),
                        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                        instruction=args.instruction, dtype=args.dtype, recalibrate=args.recalibrate,
-                       allow_compress=args.compress_kv, weight_dtype=args.weight_dtype)
+                       allow_compress=args.compress_kv, weight_dtype=args.weight_dtype, retry_failed=args.retry_failed)
     bar: list[tqdm] = []
     totals = {"tokens": 0, "seconds": 0.0}
 

@@ -14,6 +14,9 @@ Resuming reads the file first: every complete line names a finished document, wh
 A last line cut short by a kill (no newline, or not JSON) is cut off before appending, so each
 document appears exactly once however often the run is interrupted.
 
+An error line is final, like a summary; ``--retry-failed`` takes out the lines of the documents that
+failed while they ran (``"error": "failed: ..."``) and runs those again, the file rewritten whole.
+
 Each record carries ``"job"``: a digest of the settings that shape a summary (the model, the
 instruction, the token limits, the dtypes; see ``JobConfig.output_settings``). A resume with other
 settings is refused, so one file never mixes summaries made two ways.
@@ -98,6 +101,9 @@ def _parse_line(line: str, number: int) -> Document:
     return Document(doc_id, text)
 
 
+FAILED = "failed: "     # an error line's prefix where the document failed while it ran (not one that cannot run)
+
+
 def settings_digest(settings: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(dict(settings), sort_keys=True).encode()).hexdigest()[:16]
 
@@ -106,9 +112,13 @@ class OutputLog:
     """The output JSONL: which ids are done, and appending a record durably. ``settings``: what shapes
     a record (its digest goes into each one; records made under others are refused)."""
 
-    def __init__(self, path: Path, settings: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, path: Path, settings: Mapping[str, Any] | None = None, *, retry_failed: bool = False) -> None:
+        """``retry_failed``: the lines of documents that failed (``"error": "failed: ..."``: a worker that
+        died, an exception) are taken out of the file, so those documents run again; the lines of those
+        that cannot run (empty, unreadable, too long) stay."""
         self.path = Path(path)
         self.done: set[str] = set()
+        self.retry_failed = retry_failed
         self.settings = dict(settings or {})
         self.job = settings_digest(self.settings) if settings is not None else None
         if self.path.is_dir():
@@ -122,7 +132,7 @@ class OutputLog:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return
-        good, lines = 0, raw.splitlines(keepends=True)
+        good, lines, kept, dropped = 0, raw.splitlines(keepends=True), [], 0
         for number, line in enumerate(lines, start=1):
             record = _complete_record(line)
             if record is None:
@@ -134,12 +144,32 @@ class OutputLog:
                 shown = ", ".join(f"{name} {value!r}" for name, value in self.settings.items())
                 raise ConfigError(f"--out {self.path}: line {number} was made with other settings than this run's "
                                   f"({shown}); resume with the settings that wrote it, or give a new --out")
-            self.done.add(str(record["id"]))
             good += len(line)
-        if good < len(raw):
+            if self.retry_failed and str(record.get("error", "")).startswith(FAILED):
+                dropped += 1
+                continue
+            self.done.add(str(record["id"]))
+            kept.append(line)
+        if dropped:
+            self._rewrite(b"".join(kept))
+        elif good < len(raw):
             with open(self.path, "r+b") as f:
                 f.truncate(good)
                 os.fsync(f.fileno())
+
+    def _rewrite(self, data: bytes) -> None:
+        """The file as ``data``, whole or not at all (a new file renamed over it)."""
+        scratch = self.path.with_name(f".{self.path.name}.retry")
+        with open(scratch, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(scratch, self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.job is not None:

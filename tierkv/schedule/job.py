@@ -69,6 +69,7 @@ class JobConfig:
     recalibrate: bool = False
     allow_compress: bool = False
     weight_dtype: str | None = None    # streamed weights' storage dtype; None: the compute dtype (or the policy file's)
+    retry_failed: bool = False         # run again the documents whose line says they failed (documents.OutputLog)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != AUTO_DTYPE:
@@ -120,7 +121,7 @@ def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: P
             on_policy: Callable[[Policy, float], None] | None = None) -> JobResult:
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before the model loads
     docs = read_inputs(config.inputs, out=config.out)
-    with OutputLog(config.out, config.output_settings(fixed)) as out:
+    with OutputLog(config.out, config.output_settings(fixed), retry_failed=config.retry_failed) as out:
         todo = [d for d in docs if d.id not in out.done]
         if not todo:
             return JobResult(skipped=len(docs))

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.failpoints import failpoint
-from tierkv.schedule.documents import Document, OutputLog, read_inputs
+from tierkv.schedule.documents import FAILED, Document, OutputLog, read_inputs
 from tierkv.schedule.job import JobConfig, JobResult, Progress, compute_dtype
 from tierkv.schedule.policy import Policy, read_policy
 
@@ -103,7 +103,7 @@ class Summarizer:
                 try:
                     self._summarize([doc], records.append)
                 except Exception as error:      # the document's own error line
-                    records.append({"id": doc.id, "error": f"failed: {type(error).__name__}: {error}"})
+                    records.append({"id": doc.id, "error": f"{FAILED}{type(error).__name__}: {error}"})
         return {"record": [json.dumps(r, ensure_ascii=False) for r in records]}
 
     def _summarize(self, docs: list[Document], write: Callable[[dict], None]) -> None:
@@ -116,7 +116,7 @@ def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | 
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before Ray starts
     docs = read_inputs(config.inputs, out=config.out)
     result = JobResult()
-    with OutputLog(config.out, config.output_settings(fixed)) as out:
+    with OutputLog(config.out, config.output_settings(fixed), retry_failed=config.retry_failed) as out:
         todo = [d for d in docs if d.id not in out.done]
         result.skipped = len(docs) - len(todo)
         if not todo:
@@ -160,7 +160,7 @@ def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: Outp
                               "time(s)): the workers died before finishing any (out of memory, or killed), or "
                               "could not start; nothing was written, so a rerun retries them")
         for doc in left:
-            _write([{"record": json.dumps({"id": doc.id, "error": "failed: the worker running it died at every try "
+            _write([{"record": json.dumps({"id": doc.id, "error": f"{FAILED}the worker running it died at every try "
                                            f"(killed, out of memory or crashed; --ray-retries {options.retries})"})}],
                    out, result, progress, len(todo))
         result.seconds = time.perf_counter() - began
