@@ -59,7 +59,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import compress
 from operator import itemgetter
 from pathlib import Path
@@ -70,13 +70,12 @@ import torch
 from tierkv.knobs import IOKnobs
 
 from tierkv.sizes import format_size
-from tierkv.device import ALIGN
 from tierkv.failpoints import failpoint
 from tierkv.errors import ConfigError, DiskFullError, StoreReadError, StoreUnusable
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
 from tierkv.tiers.journal import Journal, Op, Record, encode_puts
-from tierkv.tiers.nvme_io import BACKENDS, Buffer, choose_backend
+from tierkv.tiers.nvme_io import BACKENDS, block_buffer, choose_backend, misaligned_of
 from tierkv.tiers.nvme_pool import SharedPool
 from tierkv.tiers.nvme_share import Membership
 from tierkv.tiers.nvme_striped import UNREADABLE, URGENT, StripedIO
@@ -185,8 +184,8 @@ class NvmeTier:
             return
         slots = [slot for _, slot, _ in items]
         self._check_slots(slots)
-        bufs = [self._buffer(tensor) for _, _, tensor in items]
-        misaligned = set() if aligned else self._misaligned(tensor for _, _, tensor in items)
+        bufs = [block_buffer(tensor, self.block_bytes, self.backend) for _, _, tensor in items]
+        misaligned = set() if aligned else misaligned_of((t for _, _, t in items), self._file.needs_alignment)
         self._share.owner.check()
         self._grow_to((max(slots) + 1) * self.block_bytes)
         digests = [key.digest for key, _, _ in items]
@@ -228,8 +227,8 @@ class NvmeTier:
             sums = self._io.read(slots, tensors, set(), priority=priority,
                                  addresses=addresses if kept is None else addresses[kept])
         elif slots:
-            bufs = [self._buffer(tensor) for tensor in tensors]
-            misaligned = set() if aligned else self._misaligned(tensors)
+            bufs = [block_buffer(tensor, self.block_bytes, self.backend) for tensor in tensors]
+            misaligned = set() if aligned else misaligned_of(tensors, self._file.needs_alignment)
             sums = self._io.read(slots, bufs, misaligned, priority=priority)
         if kept is None and sums == expected:
             return []
@@ -358,37 +357,6 @@ class NvmeTier:
             return size
         raise self._disk_full(end - current)
 
-    def _buffer(self, tensor: torch.Tensor | np.ndarray) -> Buffer:
-        """A flat uint8 view of ``tensor``'s bytes, without copying (a host tier's
-        ``buffers`` are such views already)."""
-        if type(tensor) is np.ndarray:
-            if tensor.dtype == np.uint8 and tensor.nbytes == self.block_bytes and tensor.flags.c_contiguous:
-                return tensor.reshape(-1) if tensor.ndim != 1 else tensor
-            raise ValueError(f"block array: {tensor.shape} {tensor.dtype}, contiguous={tensor.flags.c_contiguous}"
-                             f"; expected {self.block_bytes} contiguous bytes")
-        try:
-            array = tensor.numpy()  # the common case, kept cheap: a flat uint8 CPU block
-        except (TypeError, RuntimeError):
-            array = None
-        if array is not None and array.dtype == np.uint8 and array.nbytes == self.block_bytes \
-                and array.flags.c_contiguous:
-            return array if array.ndim == 1 else array.reshape(-1)
-        if tensor.nbytes != self.block_bytes or not tensor.is_contiguous():
-            raise ValueError(f"block tensor: {tuple(tensor.shape)} {tensor.dtype}, contiguous="
-                             f"{tensor.is_contiguous()}; expected {self.block_bytes} contiguous bytes")
-        flat = tensor.detach().reshape(-1).view(torch.uint8)
-        if flat.device.type == "cpu":
-            return flat.numpy()
-        if self.backend != "kvikio":
-            raise ValueError(f"a {flat.device} block needs the kvikio backend (this store uses {self.backend})")
-        return flat
-
-    def _misaligned(self, tensors: Iterable[torch.Tensor]) -> set[int]:
-        """Positions of the tensors O_DIRECT cannot use in place (they need a bounce buffer)."""
-        if not self._file.needs_alignment:
-            return set()
-        return {i for i, tensor in enumerate(tensors) if _address(tensor) % ALIGN}
-
     def _check_slots(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots):
             raise ValueError("write: the same slot appears twice in one batch")
@@ -446,7 +414,3 @@ def _validate(block_bytes: int, budget_bytes: int, io_threads: int) -> None:
         raise ConfigError(f"budget_bytes={budget_bytes}: must hold at least one block (block_bytes={block_bytes})")
     if io_threads <= 0:
         raise ConfigError(f"io_threads={io_threads}: must be > 0")
-
-
-def _address(block: torch.Tensor | np.ndarray) -> int:
-    return block.__array_interface__["data"][0] if type(block) is np.ndarray else block.data_ptr()

@@ -27,11 +27,12 @@ import fcntl
 import mmap
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from tierkv.device import ALIGN, GDS_INSTALL, has_cuda_driver
 from tierkv.errors import ConfigError
@@ -188,6 +189,39 @@ def _settled(futures: Sequence[Any]) -> list[int]:
 BACKENDS: dict[str, Callable[[Path], BlockFile]] = {
     "kvikio": KvikioFile, "odirect": DirectFile, "buffered": BufferedFile,
 }
+
+
+def block_buffer(tensor: torch.Tensor | np.ndarray, block_bytes: int, backend: str) -> Buffer:
+    """A flat uint8 view of ``tensor``'s ``block_bytes``, without copying (a host tier's ``buffers`` are
+    such views already); a device tensor only for the kvikio backend."""
+    if type(tensor) is np.ndarray:
+        if tensor.dtype == np.uint8 and tensor.nbytes == block_bytes and tensor.flags.c_contiguous:
+            return tensor.reshape(-1) if tensor.ndim != 1 else tensor
+        raise ValueError(f"block array: {tensor.shape} {tensor.dtype}, contiguous={tensor.flags.c_contiguous}"
+                         f"; expected {block_bytes} contiguous bytes")
+    try:
+        array = tensor.numpy()  # the common case, kept cheap: a flat uint8 CPU block
+    except (TypeError, RuntimeError):
+        array = None
+    if array is not None and array.dtype == np.uint8 and array.nbytes == block_bytes and array.flags.c_contiguous:
+        return array if array.ndim == 1 else array.reshape(-1)
+    if tensor.nbytes != block_bytes or not tensor.is_contiguous():
+        raise ValueError(f"block tensor: {tuple(tensor.shape)} {tensor.dtype}, contiguous="
+                         f"{tensor.is_contiguous()}; expected {block_bytes} contiguous bytes")
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    if flat.device.type == "cpu":
+        return flat.numpy()
+    if backend != "kvikio":
+        raise ValueError(f"a {flat.device} block needs the kvikio backend (this store uses {backend})")
+    return flat
+
+
+def misaligned_of(tensors: Iterable[torch.Tensor | np.ndarray], needs_alignment: bool) -> set[int]:
+    """Positions of the tensors O_DIRECT cannot use in place (they need a bounce buffer)."""
+    if not needs_alignment:
+        return set()
+    return {i for i, t in enumerate(tensors)
+            if (t.__array_interface__["data"][0] if type(t) is np.ndarray else t.data_ptr()) % ALIGN}
 
 
 def _nbytes(buf: Buffer) -> int:
