@@ -30,7 +30,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,11 +144,12 @@ def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: Outp
             # one batch a worker at a time: a worker that dies takes its own batch with it, not batches queued
             # behind it (their retries would run out on a poison document's account)
             pool = ray.data.ActorPoolStrategy(size=options.workers, max_tasks_in_flight_per_actor=1)
-            return dataset.map_batches(
+            rows = dataset.map_batches(
                 Summarizer, fn_constructor_kwargs={"config": config, "threads": threads, "fixed": fixed},
                 batch_size=size, compute=pool, num_cpus=cpus, num_gpus=options.gpus_per_worker or None,
                 batch_format="numpy", max_restarts=-1, max_task_retries=options.retries,
                 runtime_env={"env_vars": WORKER_ENV}).iter_rows()
+            return (json.loads(row["record"]) for row in rows)
 
         _write(records(todo, batch), out, result, progress, len(todo))
         left = [d for d in todo if d.id not in out.done]
@@ -159,10 +160,9 @@ def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: Outp
             raise TierKVError(f"--ray: every task failed ({len(left)} document(s), each tried {options.retries + 1} "
                               "time(s)): the workers died before finishing any (out of memory, or killed), or "
                               "could not start; nothing was written, so a rerun retries them")
-        for doc in left:
-            _write([{"record": json.dumps({"id": doc.id, "error": f"{FAILED}the worker running it died at every try "
-                                           f"(killed, out of memory or crashed; --ray-retries {options.retries})"})}],
-                   out, result, progress, len(todo))
+        died = f"{FAILED}the worker running it died at every try (killed, out of memory or crashed; --ray-retries " \
+               f"{options.retries})"
+        _write(({"id": doc.id, "error": died} for doc in left), out, result, progress, len(todo))
         result.seconds = time.perf_counter() - began
     finally:
         if options.address == "local":
@@ -170,10 +170,10 @@ def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: Outp
         _restore(ray, saved)
 
 
-def _write(rows, out: OutputLog, result: JobResult, progress: Progress | None, total: int) -> None:
+def _write(records: Iterable[dict], out: OutputLog, result: JobResult, progress: Progress | None,
+           total: int) -> None:
     last = time.perf_counter()
-    for row in rows:
-        record = json.loads(row["record"])
+    for record in records:
         if record["id"] in out.done:         # a retried batch's second answer
             continue
         out.write(record)
