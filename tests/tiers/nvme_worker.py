@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import sys
 import time
 import traceback
@@ -108,6 +109,26 @@ class Worker:
                 totals[n] += got
             rounds += 1
         return {"served": totals[0], "failed": totals[1], "wrong": totals[2], "rounds": rounds}
+
+    def fork_child(self, seconds: float) -> dict:
+        """Fork a child that does not exec (a multiprocessing or DataLoader worker) and lives ``seconds``;
+        its pid, and what it got trying the store it inherited."""
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self.tier.write([])
+                use = "no error"
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                use = f"{type(exc).__name__}: {exc}"
+            os.write(write_end, use.encode())
+            os.close(write_end)
+            time.sleep(seconds)
+            os._exit(0)
+        os.close(write_end)
+        use = os.read(read_end, 4096).decode()
+        os.close(read_end)
+        return {"pid": pid, "use": use}
 
     def _reserve(self, churn: bool) -> int:
         pool = self.tier.pool

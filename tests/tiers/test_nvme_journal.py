@@ -169,21 +169,39 @@ def test_vectorised_replay_equals_applying_records_one_by_one(seed: int) -> None
         key, slot = k(int(rng.integers(200))), int(rng.integers(120))
         records.append(Record(op, key, 0 if op == Op.DROP else slot, int(rng.integers(1 << 63)) if op == Op.PUT else 0))
     raw = b"".join(r.encode() for r in records)
-    one_by_one = journal.Index()
-    for r in records:
-        one_by_one.apply(r.op, r.key.digest, r.slot, r.checksum)
-    expected = sorted((key.digest, e.slot, e.checksum) for key, e in one_by_one.items())
+    live: dict[int, tuple[int, bytes, int]] = {}    # slot -> (record number, digest, checksum), one by one
+    for n, r in enumerate(records):
+        if r.op == Op.PUT:
+            live[r.slot] = (n, r.key.digest, r.checksum)
+        elif r.op == Op.DROP:
+            live = {slot: v for slot, v in live.items() if v[1] != r.key.digest}
+        elif live.get(r.slot, (0, None))[1] == r.key.digest:
+            del live[r.slot]
+
+    def index_and_extra(below: int) -> tuple[list, list]:
+        """Each key's newest live copy in a slot under ``below``, and its other live copies there."""
+        newest: dict[bytes, tuple[int, int, int]] = {}
+        for slot, (n, digest, checksum) in sorted(live.items(), key=lambda item: item[1][0]):
+            if slot < below:
+                newest[digest] = (n, slot, checksum)
+        return (sorted((digest, slot, checksum) for digest, (_, slot, checksum) in newest.items()),
+                sorted((digest, slot, checksum) for slot, (n, digest, checksum) in live.items()
+                       if slot < below and newest[digest][0] != n))
+
+    expected, older = index_and_extra(1 << 30)
+    assert older, "the journal should hold keys live in several slots"
     state, _ = replay(raw)
     assert sorted((key.digest, e.slot, e.checksum) for key, e in state.index.items()) == expected
+    assert sorted(state.extra) == older
     limited, _ = replay(raw, slots=60)   # entries at or past slot 60 are lost, the rest kept
-    assert sorted((key.digest, e.slot, e.checksum) for key, e in limited.index.items()) == \
-        [row for row in expected if row[1] < 60]
-    assert sorted((key.digest, slot) for key, slot in limited.lost) == sorted(row[:2] for row in expected if row[1] >= 60)
-    for key, e in one_by_one.items():   # lookups one by one and in bulk agree with the entries
-        assert limited.index.get(key) is None if e.slot >= 60 else limited.index.get(key).slot == e.slot
-    slots, sums = state.index.find_many([key for key, _ in one_by_one.items()] + [k(999)])
-    assert slots.tolist() == [e.slot for _, e in one_by_one.items()] + [-1]
-    assert sums[:-1].tolist() == [e.checksum for _, e in one_by_one.items()]
+    expected_below, older_below = index_and_extra(60)
+    assert sorted((key.digest, e.slot, e.checksum) for key, e in limited.index.items()) == expected_below
+    assert sorted(limited.extra) == older_below
+    assert sorted((key.digest, slot) for key, slot in limited.lost) == \
+        sorted((digest, slot) for slot, (_, digest, _) in live.items() if slot >= 60)
+    slots, sums = state.index.find_many([BlockKey(digest) for digest, _, _ in expected] + [k(999)])
+    assert slots.tolist() == [slot for _, slot, _ in expected] + [-1]
+    assert sums[:-1].tolist() == [checksum for _, _, checksum in expected]
 
 
 def test_index_takes_a_million_blocks_in_arrays() -> None:

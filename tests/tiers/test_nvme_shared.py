@@ -166,6 +166,102 @@ def test_dropping_another_live_process_block_forgets_it_here_only(tmp_path: Path
         assert verify(later) == (1, 0)
 
 
+def readable(store: Path, k: BlockKey, slots: int = 8) -> bool:
+    """Whether a later opener of ``store`` (alone with it) finds ``k`` with its bytes."""
+    with NvmeTier(store, BB, slots * BB) as later:
+        slot = later.lookup(k)
+        return slot is not None and nvme_worker.read_blocks(later, [(k, slot)]) == (1, 0, 0)
+
+
+def test_a_block_two_processes_wrote_keeps_one_copy_when_the_other_is_dropped(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as a:
+        mine = put(a, "A", range(1))[key("A", 0)]
+        with NvmeTier(store, BB, 8 * BB) as b:
+            theirs = put(b, "A", range(1))[key("A", 0)]    # the same block, computed by both
+            b.drop(key("A", 0), theirs)
+            b.pool.release(theirs)
+        assert a.refresh().removed == [] and a.lookup(key("A", 0)) == mine
+    assert readable(store, key("A", 0))
+
+
+def test_a_second_copy_in_an_extent_taken_over_is_not_written_over_when_the_first_is_mine(tmp_path: Path) -> None:
+    """b shows its own copy; a's copy (ignored by b's view) may be written over once a left, and b's
+    copy stays live for later openers: a later PUT of the same key no longer hides an older copy."""
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as b:
+        mine = put(b, "A", range(1))[key("A", 0)]
+        a = NvmeTier(store, BB, 8 * BB)
+        put(a, "A", range(1))
+        b.refresh()
+        a.close()
+        assert put(b, "B", range(7)) and b.lookup(key("A", 0)) == mine
+        assert verify(b) == (8, 0)
+    assert readable(store, key("A", 0))
+
+
+def test_a_copy_kept_for_a_block_shown_in_another_process_slot_comes_in_when_that_one_goes(tmp_path: Path) -> None:
+    """c shows a's copy; b's copy of the same block is kept in mind (its extent taken over by c
+    too), and comes in when a drops its copy."""
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 9 * BB) as a, NvmeTier(store, BB, 9 * BB) as c:
+        shown = put(a, "A", range(1))[key("A", 0)]
+        assert c.refresh().added == [(key("A", 0), shown)]
+        b = NvmeTier(store, BB, 9 * BB)
+        other = put(b, "A", range(1))[key("A", 0)]
+        assert not c.refresh()        # a second copy: nothing changes here
+        b.close()
+        while c.pool.can_reserve():   # c takes every extent it may, b's too: the copy there is kept
+            put(c, "C", range(len(c), len(c) + 1))
+        assert c.pool.owns(other) and c.pool.state(other).value == "free"
+        a.drop(key("A", 0))
+        a.pool.release(shown)
+        assert c.refresh().removed == [(key("A", 0), shown)]
+        c.pool.release(shown)                                # the manager forgets the copy gone
+        assert c.refresh().added == [(key("A", 0), other)]   # the kept copy, now c's own
+        assert verify(c) == (len(c), 0)
+    assert readable(store, key("A", 0), 9)
+
+
+def test_a_block_dropped_here_only_comes_in_when_its_owner_leaves(tmp_path: Path) -> None:
+    """b drops a block of a live process (forgotten here only, nothing journaled); once a closed and b
+    takes the extent, the block is b's own, not a free slot to write over."""
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as b:
+        a = NvmeTier(store, BB, 8 * BB)
+        slot = put(a, "A", range(1))[key("A", 0)]
+        b.refresh()
+        b.drop(key("A", 0))
+        b.pool.release(slot)
+        a.close()
+        placed = put(b, "B", range(7))
+        assert slot not in placed.values()
+        assert (key("A", 0), slot) in b.refresh().added and b.lookup(key("A", 0)) == slot
+        assert verify(b) == (8, 0)
+    assert readable(store, key("A", 0))
+
+
+def test_a_block_waiting_for_its_slot_comes_in_when_the_extent_is_taken_over(tmp_path: Path) -> None:
+    """a writes a block into a slot whose old block b still holds; a leaves and b takes the extent
+    before it lets the old block go: the new one is b's own then, not a free slot."""
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 16 * BB) as b:   # 8 extents of 2 slots
+        a = NvmeTier(store, BB, 16 * BB)
+        slot = put(a, "A", range(1))[key("A", 0)]
+        b.refresh()
+        a.drop(key("A", 0))
+        a.pool.release(slot)
+        assert put(a, "A", range(1, 2)) == {key("A", 1): slot}
+        assert b.refresh().removed == [(key("A", 0), slot)]   # b still holds the old block's record
+        a.close()
+        put(b, "B", range(1))         # takes an extent: a's, the other slot of it
+        b.pool.release(slot)          # the manager forgets the old block
+        assert (key("A", 1), slot) in b.refresh().added
+        put(b, "B", range(1, 8))
+        assert b.lookup(key("A", 1)) == slot and verify(b) == (9, 0)
+    assert readable(store, key("A", 1), 16)
+
+
 def test_exclusive_steps_wait_for_an_opener_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nvme, "COMPACT_MIN_GARBAGE", 8)
     store, log = tmp_path / "store", tmp_path / "store" / "index.log"
@@ -347,6 +443,29 @@ def test_killed_writer_leaves_a_consistent_store_and_its_slots_come_back(workers
         assert (visible, wrong) == (32, 0)
         assert {k for k, _ in later.items()} == {key("A", i) for i in range(32, 64)}  # every slot is the survivor's
     survivor.call("close")
+
+
+def test_a_child_forked_without_exec_does_not_keep_a_killed_owner_alive(tmp_path: Path) -> None:
+    """A forked child (a multiprocessing worker) shares its parent's open files, flock locks included:
+    the store's inherited files are let go of in the child, so when the parent is killed its extents
+    come back, and the child is told to open the store itself."""
+    store = tmp_path / "store"
+    owner = Proc()
+    child = None
+    try:
+        owner.call("open", path=str(store), block_bytes=BB, slots=8)
+        owner.call("write", tag="A", first=0, count=2)
+        owner.call("flush")
+        child = owner.call("fork_child", seconds=TIMEOUT_S)
+        assert child["use"].startswith("StoreUnusable") and "open it again in this process" in child["use"]
+        owner.stop()                            # killed; its forked child lives on
+        with NvmeTier(store, BB, 8 * BB) as tier:
+            assert len(put(tier, "B", range(6))) == 6   # every slot but those of the two blocks it wrote
+            assert verify(tier) == (8, 0)
+    finally:
+        owner.stop()
+        if child is not None:
+            os.kill(child["pid"], signal.SIGKILL)
 
 
 async def test_a_manager_at_its_share_of_a_shared_store_makes_room_in_its_own_slots(tmp_path: Path) -> None:

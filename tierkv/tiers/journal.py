@@ -16,7 +16,9 @@ is no header, so a file of ``n`` whole records is always ``48 * n`` bytes::
 
 Replay applies records in order; the last PUT for a slot owns it, so a key
 whose slot was taken over by a later PUT disappears even if its DROP record
-was lost. A record whose magic, op or CRC is wrong is skipped; everything
+was lost. Processes sharing a store may each write the same block: every copy
+stays live until its own slot is rewritten or a DROP_AT names it, and the
+index shows the newest (`Replay.extra` lists the others). A record whose magic, op or CRC is wrong is skipped; everything
 after the last good record (a torn append, garbage) is cut off by an opener
 alone with the store, so appends continue a valid prefix. Skipping a damaged record is safe because a
 read also checks the block's checksum: a resurrected or stale entry can make
@@ -181,22 +183,26 @@ class Index:
         self._fit()
         self._sums[slot] = checksum
 
-    def put_many(self, digests: Sequence[bytes], slots: Sequence[int], checksums: Sequence[int]) -> None:
+    def put_many(self, digests: Sequence[bytes], slots: Sequence[int],
+                 checksums: Sequence[int]) -> list[tuple[bytes, int, int]]:
         """`put` of each, in order; in a few vectorised passes when keys and slots are distinct (a
-        write batch's are)."""
+        write batch's are). Returns the entries of keys that moved: (digest, old slot, checksum)."""
+        halves, at = split(digests), np.asarray(slots, np.int64)
+        before = self._table.find_many(halves)
+        moved = [(digest, slot, int(self._sums[slot])) for digest, slot, new in
+                 zip(digests, before.tolist(), at.tolist()) if slot >= 0 and slot != new]
         if len(set(digests)) < len(digests) or len(set(slots)) < len(slots):
             for digest, slot, checksum in zip(digests, slots, checksums):
                 self.put(digest, slot, checksum)
-            return
-        halves, at = split(digests), np.asarray(slots, np.int64)
+            return moved
         live = self._table.live
-        moved = self._table.find_many(halves)
         taken = at[at < len(live)]
-        for old in set(moved[moved >= 0].tolist()) | set(taken[live[taken]].tolist()):
+        for old in set(before[before >= 0].tolist()) | set(taken[live[taken]].tolist()):
             self._table.remove(old)
         self._table.add_many(halves, at)
         self._fit()
         self._sums[at] = np.asarray(checksums, np.uint64)
+        return moved
 
     def load(self, halves: np.ndarray, slots: np.ndarray, checksums: np.ndarray) -> None:
         """Fill an empty index with distinct keys (their `split` halves) in distinct slots."""
@@ -211,12 +217,6 @@ class Index:
             return False
         self._table.remove(found)
         return True
-
-    def apply(self, op: int, digest: bytes, slot: int, checksum: int) -> None:
-        if op == Op.PUT:
-            self.put(digest, slot, checksum)
-        else:
-            self.drop(digest, slot if op == Op.DROP_AT else None)
 
     def _fit(self) -> None:
         """Room in the checksums for every slot the table has room for."""
@@ -233,6 +233,8 @@ class Replay:
     damaged: int = 0       # records skipped in the middle
     cut_bytes: int = 0     # bytes cut off the tail
     lost: list[tuple[BlockKey, int]] = field(default_factory=list)   # live entries at or past ``slots``
+    extra: list[tuple[bytes, int, int]] = field(default_factory=list)   # older live copies of indexed keys:
+                                                                        # (digest, slot, checksum)
 
     @property
     def garbage(self) -> int:
@@ -244,8 +246,9 @@ def replay(raw: bytes, slots: int | None = None) -> tuple[Replay, int]:
     """Apply the records in ``raw``; returns the state and the length of the valid prefix. Entries
     in slots at or past ``slots`` (the data file's end, the budget) are left out, listed in ``lost``.
 
-    Vectorised: a PUT of key k into slot s is live at the end exactly when no later record
-    PUTs into s, PUTs or DROPs k, or DROP_ATs k from s; the sequential `Index.apply` gives the same.
+    Vectorised: a PUT of key k into slot s is live at the end exactly when no later record PUTs
+    into s, DROPs k, or DROP_ATs k from s. Where several PUTs of k are live (processes sharing the
+    store each wrote it), the index holds the newest and ``extra`` the others.
     """
     good, _ = check(raw)
     valid = int(good[-1]) + 1 if len(good) else 0
@@ -258,11 +261,29 @@ def replay(raw: bytes, slots: int | None = None) -> tuple[Replay, int]:
     kept = live if slots is None else live[live_slots < slots]
     if slots is not None and len(kept) < len(live):
         gone = live[live_slots >= slots]
-        raw_keys = np.ascontiguousarray(halves[gone]).tobytes()
-        state.lost = [(BlockKey(raw_keys[i * KEY_BYTES:(i + 1) * KEY_BYTES]), slot)
-                      for i, slot in enumerate(table["slot"][gone].tolist())]
+        state.lost = list(zip(BlockKey.many(np.ascontiguousarray(halves[gone]).tobytes()),
+                              table["slot"][gone].tolist()))
+    newest = _newest_per_key(halves[kept])
+    older = kept[~newest]
+    if len(older):
+        state.extra = list(zip(_digests(halves[older]), table["slot"][older].tolist(),
+                               table["checksum"][older].tolist()))
+    kept = kept[newest]
     state.index.load(halves[kept], table["slot"][kept].astype(np.int64), table["checksum"][kept])
     return state, valid * RECORD_BYTES
+
+
+def _newest_per_key(halves: np.ndarray) -> np.ndarray:
+    """Whether each row (in record order) is the last of its key."""
+    if not len(halves):
+        return np.zeros(0, bool)
+    position = np.arange(len(halves))
+    return position == _last(_groups(halves[:, 0], halves[:, 1]), np.ones(len(halves), bool))
+
+
+def _digests(halves: np.ndarray) -> list[bytes]:
+    raw = np.ascontiguousarray(halves).tobytes()
+    return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
 
 
 def _live_puts(ops: np.ndarray, slots: np.ndarray, halves: np.ndarray) -> np.ndarray:
@@ -272,7 +293,9 @@ def _live_puts(ops: np.ndarray, slots: np.ndarray, halves: np.ndarray) -> np.nda
     key = _groups(halves[:, 0], halves[:, 1])
     put, drop, drop_at = ops == Op.PUT, ops == Op.DROP, ops == Op.DROP_AT
     position = np.arange(len(ops))
-    live = put & (position == _last(_groups(slots), put)) & (position == _last(key, put | drop))
+    live = put & (position == _last(_groups(slots), put))
+    if drop.any():      # a later DROP of the key, wherever it lives
+        live &= position > _last(key, drop)
     if drop_at.any():   # a later DROP_AT of the same key from the same slot
         live &= position > _last(_groups(key, slots), drop_at)
     return np.flatnonzero(live)

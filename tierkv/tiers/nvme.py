@@ -59,6 +59,7 @@ import json
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from itertools import compress
 from operator import itemgetter
@@ -112,6 +113,8 @@ class NvmeTier:
                 self._release_files()
                 raise
         self._closed = False
+        self._forked_from: int | None = None
+        _OPEN.add(self)
 
     @classmethod
     def existing(cls, directory: Path, **kw: object) -> NvmeTier:
@@ -141,7 +144,8 @@ class NvmeTier:
         self._io = StripedIO(self._file, self.block_bytes, io_threads, native_reads=knobs.nvme_aio)
         self.pool = SharedPool(self._capacity, self._share.claims, self._share.owner.id)
         self._recover()
-        self._view = SharedView(self._index, self.pool)
+        self._view = SharedView(self._index, self.pool, () if self._share.alone else self._journal.state.extra)
+        self.pool.adopted = self._adopted
         self._news = Changes()          # what the journal said as an extent was taken: for the next refresh
         self.pool.catch_up = self._catch_up
         self._share.settle()
@@ -200,7 +204,8 @@ class NvmeTier:
         with self._lock:
             with self._disk_full_raised(len(records)):
                 self._journal.append_encoded(records)
-            self._index.put_many(digests, slots, sums)
+            for digest, slot, checksum in self._index.put_many(digests, slots, sums):
+                self._view.unshown(digest, slot, checksum)    # a block this process wrote anew
 
     def read(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT,
              aligned: bool = False, addresses: np.ndarray | None = None) -> list[BlockKey]:
@@ -243,8 +248,9 @@ class NvmeTier:
     def drop(self, key: BlockKey, slot: int | None = None) -> None:
         """Forget ``key``; the caller then releases its pool slot. A block in this process's slots
         is gone for every process (journal DROP_AT); one in an unclaimed extent too, once this process
-        has claimed the extent; one in another live process's slot is forgotten here only. ``slot``:
-        only the copy in that slot (a key written again elsewhere by another process keeps that copy)."""
+        has claimed the extent; one in another live process's slot is forgotten here only (its slot is
+        kept: once that process leaves and this one takes the extent, the block is this one's own).
+        ``slot``: only the copy in that slot (a key written again elsewhere keeps that copy)."""
         self._check_open()
         with self._lock:
             entry = self._index.get(key)
@@ -252,6 +258,7 @@ class NvmeTier:
                 return
             self._index.drop(key.digest)
             if not self.pool.claim_extent_of(entry.slot):
+                self._view.unshown(key.digest, entry.slot, entry.checksum)
                 return
             try:
                 self._journal.append([Record(Op.DROP_AT, key, entry.slot)])
@@ -262,7 +269,10 @@ class NvmeTier:
         """Stop showing here the block another process wrote in ``slot`` (nothing is journaled);
         the caller then releases the slot. For a manager that holds or writes its own copy."""
         with self._lock:
-            self._index.drop(key.digest, slot)
+            entry = self._index.get(key)
+            if entry is not None and entry.slot == slot:
+                self._index.drop(key.digest, slot)
+                self._view.unshown(key.digest, slot, entry.checksum)
 
     def refresh(self) -> Changes:
         """Take in what other processes journaled since the last look: the blocks that became
@@ -273,6 +283,12 @@ class NvmeTier:
             self._catch_up()
             changes, self._news = self._news, Changes()
         return changes
+
+    def _adopted(self, first: int, end: int) -> None:
+        """The pool took slots ``[first, end)`` as this process's: the blocks live there come in."""
+        with self._lock:
+            self._view.adopted(first, end)
+            self._news.extend(self._view.changes())
 
     def _catch_up(self) -> None:
         """The journal's records since the last look, kept for the next `refresh`; also run by the pool
@@ -297,7 +313,19 @@ class NvmeTier:
             self.flush()
         finally:
             self._closed = True
+            _OPEN.discard(self)
             self._release_files()
+
+    def _forsake(self) -> None:
+        """In a child forked from the process that has the store open: let go of the inherited files,
+        giving nothing back (they are the parent's). Kept, the owner file's lock would make a parent
+        that died look alive while the child lives (its slots never reclaimed), and the child would
+        count as an opener, so that none is ever alone to repair the store."""
+        self._closed, self._forked_from = True, self._share.owner_pid
+        for part in ("_file", "_journal"):   # (not the I/O workers: a forked child has none of them)
+            with contextlib.suppress(OSError, AttributeError):
+                getattr(self, part).close()
+        self._share.forsake()
 
     def __enter__(self) -> NvmeTier:
         return self
@@ -317,8 +345,9 @@ class NvmeTier:
         if lost:
             log.warning("%s: %d block(s) lie past the budget or past the end of slots.dat; %s", self.directory,
                         len(lost), "dropped" if self._share.alone else "hidden from this process")
-        if self._share.alone:
-            self._repair([Record(Op.DROP_AT, key, slot) for key, slot in lost])
+        if self._share.alone:   # (and older copies of blocks the index shows: nobody else holds them)
+            self._repair([Record(Op.DROP_AT, key, slot) for key, slot in lost] +
+                         [Record(Op.DROP_AT, BlockKey(digest), slot) for digest, slot, _ in self._journal.state.extra])
         self.pool.restore(self._index.slot_array())
 
     def _repair(self, drops: list[Record]) -> None:
@@ -385,6 +414,9 @@ class NvmeTier:
                              f"free. Free disk space or lower the NVMe budget")
 
     def _check_open(self) -> None:
+        if self._closed and self._forked_from is not None:
+            raise StoreUnusable(f"NVMe store {self.directory} was opened by process {self._forked_from}, "
+                                f"which this process was forked from: open it again in this process")
         if self._closed:
             raise ValueError(f"NVMe store {self.directory} is closed")
 
@@ -395,6 +427,18 @@ class NvmeTier:
                     getattr(self, part).close()
         finally:
             self._share.leave(self.pool.give_back() if hasattr(self, "pool") else [])
+
+
+_OPEN: weakref.WeakSet[NvmeTier] = weakref.WeakSet()   # stores this process has open
+
+
+def _forsake_after_fork() -> None:
+    for store in list(_OPEN):
+        store._forsake()
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forsake_after_fork)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,12 @@ extent (tierkv.tiers.nvme_share)::
     free       free own slots + free slots of unclaimed extents (1 + 3 + 4 here)
 
 Records of foreign slots are blocks another process wrote that this one may
-read; `add_ready` makes one visible (see tierkv.tiers.nvme_view). Every method
+read; `add_ready` makes one visible (see tierkv.tiers.nvme_view). Slots in
+``kept`` hold a block the journal says is live but this process does not show
+(a second copy of a block shown elsewhere, one forgotten here only, one waiting
+for its slot's old record to go): they are never handed out as free, also
+once their extent is this process's; the view takes them in (`take_own`) or
+lets them go (`let_go`). Every method
 runs on the thread that uses the pool (the manager's loop), but `owns`, a set
 lookup the I/O workers ask too; the claims file is the only thing shared with
 other processes, read and written under its lock.
@@ -49,6 +54,9 @@ class SharedPool(BlockPool):
         self._records = np.zeros(self.extents, np.int64)   # slots in use per extent
         self._reaped = -math.inf
         self.catch_up: Callable[[], None] = lambda: None   # reads the journal's news (set by the store)
+        self.adopted: Callable[[int, int], None] = lambda first, end: None   # slots [first, end) became this
+                                                                            # process's (set by the store)
+        self.kept: set[int] = set()         # live blocks not shown here: never free (see the module notes)
         self._look(claims.read())
 
     # -- queries ---------------------------------------------------------
@@ -100,6 +108,20 @@ class SharedPool(BlockPool):
         if self.owns(slot) or self.in_use(slot):
             raise ValueError(f"slot={slot}: is this process's or already in use")
         self._take(self._inside((slot,)), READY)
+
+    def take_own(self, slot: int) -> None:
+        """A block in ``slot`` of this process's extents, written by a process that has left, is shown
+        here now."""
+        if not self.owns(slot) or self.in_use(slot):
+            raise ValueError(f"slot={slot}: is not this process's or already in use")
+        self.kept.discard(slot)
+        self._take(self._inside((slot,)), READY)
+
+    def let_go(self, slot: int) -> None:
+        """``slot`` holds nothing this process must keep: free to reuse once it is this process's."""
+        self.kept.discard(slot)
+        if self.owns(slot) and not self.in_use(slot) and slot not in self._freed:
+            heapq.heappush(self._freed, slot)
 
     def claim_extent_of(self, slot: int) -> bool:
         """Make ``slot``'s extent this process's if nobody holds it; whether it is this process's now."""
@@ -173,7 +195,9 @@ class SharedPool(BlockPool):
         first = extent * self._extent
         slots = np.arange(first, first + self._size(extent))
         for slot in slots[self._states_at(slots) == FREE].tolist():
-            heapq.heappush(self._freed, slot)
+            if slot not in self.kept:
+                heapq.heappush(self._freed, slot)
+        self.adopted(first, first + len(slots))
 
     def _size(self, extent: int) -> int:
         return min(self._extent, self.capacity - extent * self._extent)
@@ -185,4 +209,7 @@ class SharedPool(BlockPool):
     def _released(self, slots: np.ndarray) -> None:
         extents = slots // self._extent
         np.subtract.at(self._records, extents, 1)
-        super()._released(slots[np.isin(extents, list(self._own))])
+        mine = slots[np.isin(extents, list(self._own))]
+        if self.kept:
+            mine = mine[~np.isin(mine, list(self.kept))]
+        super()._released(mine)

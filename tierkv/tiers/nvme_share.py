@@ -214,6 +214,7 @@ class Membership:
         self.owner: Owner | None = None
         self.alone = False   # no other process had the store open: the exclusive steps are this opener's
         self._lock_fd = -1
+        self._pid = os.getpid()
 
     def join(self, capacity: int, block_bytes: int, namespace: str) -> None:
         """Hold the store (alone if no other process has it), register, check its manifest, reap."""
@@ -232,6 +233,22 @@ class Membership:
         except BlockingIOError:
             raise _locked(self.directory / "lock") from None
         self.alone = False
+
+    @property
+    def owner_pid(self) -> int:
+        """The process that joined (this one, unless it was forked since)."""
+        return self._pid
+
+    def forsake(self) -> None:
+        """In a child forked from the process that joined: close the inherited descriptors, giving back
+        and removing nothing (a lock is shared by every descriptor of the open file, so the parent's
+        locks hold as long as the parent does, and go when it dies)."""
+        for holder, attr in ((self.claims, "fd"), (self.owner, "fd"), (self, "_lock_fd")):
+            fd = getattr(holder, attr, -1)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(holder, attr, -1)
 
     def leave(self, extents: Iterable[int]) -> None:
         """Give back ``extents``, remove the owner file, release the lock. Safe on a partial open."""

@@ -21,6 +21,17 @@ skipped; so is a slot past this process's budget. For another process's slot ``t
 A removed block keeps its slot's record until the manager forgets it (a
 reader may hold it: its read then fails, as the slot may already hold other
 bytes). Blocks whose slot was released meanwhile come in at the next look.
+
+Every block the journal says is live keeps its slot, shown here or not. The
+copies not shown are kept in mind (``_shadow``, and the pool's ``kept``): a
+second copy of a block shown elsewhere (processes sharing a store may each
+write one), an older copy the index left at open, one this process forgot or
+dropped while another process holds its slot. When the copy shown goes, another
+live copy of the block comes in instead (at the next look); when an extent
+becomes this process's (its owner left), the copies not shown in it come in as
+this process's own blocks, or are let go where this process has its own copy,
+and a block waiting there for its slot comes in once the slot is released.
+Nothing a process wrote and nobody dropped is ever taken for free space.
 """
 from __future__ import annotations
 
@@ -49,18 +60,27 @@ class Changes:
         self.removed += later.removed
 
 
+Copy = tuple[bytes, int]   # a live block not shown: (digest, checksum)
+
+
 class SharedView:
-    def __init__(self, index: Index, pool: SharedPool) -> None:
+    def __init__(self, index: Index, pool: SharedPool, unshown: Iterable[tuple[bytes, int, int]] = ()) -> None:
+        """``unshown``: live copies the index left out at open, as (digest, slot, checksum)."""
         self._index, self._pool = index, pool
-        self._waiting: dict[int, tuple[bytes, int]] = {}   # slot -> (digest, checksum) of its newest PUT
+        self._waiting: dict[int, Copy] = {}   # slot -> its newest PUT, waiting for the slot's old record to go
+        self._shadow: dict[int, Copy] = {}    # slot -> a live copy not shown (see the module notes)
         self._added: dict[int, bytes] = {}   # slot -> block added by this look: nobody holds it yet
         self._removed: list[tuple[BlockKey, int]] = []
         self._gone: set[bytes] = set()   # keys removed by this look
+        for digest, slot, checksum in unshown:
+            self._set(self._shadow, slot, (digest, checksum))
 
     def apply(self, rows: Iterable[Row]) -> Changes:
         self._admit_waiting()
         for op, digest, slot, checksum in rows:
             if op == Op.DROP:  # a record of a store one process had: the key leaves wherever it is
+                for other in [s for s, (d, _) in self._shadow.items() if d == digest]:
+                    self._set(self._shadow, other, None)
                 entry = self._index.get(digest)
                 slot = -1 if entry is None else entry.slot
             if not 0 <= slot < self._pool.capacity or self._pool.owns(slot):
@@ -70,42 +90,82 @@ class SharedView:
             elif self._index.holder(slot) == digest:
                 self._remove(digest, slot)
             elif self._waiting.get(slot, (None,))[0] == digest:
-                del self._waiting[slot]
+                self._set(self._waiting, slot, None)
+            elif self._shadow.get(slot, (None,))[0] == digest:
+                self._set(self._shadow, slot, None)
+        return self.changes()
+
+    def changes(self) -> Changes:
+        """What changed since the last call (a look, or an extent taken)."""
         changes = Changes([(BlockKey(digest), slot) for slot, digest in self._added.items()], self._removed)
         self._added, self._removed, self._gone = {}, [], set()
         return changes
 
+    def unshown(self, digest: bytes, slot: int, checksum: int) -> None:
+        """The store stopped showing the block in ``slot`` of another process (it dropped or forgot it
+        here only): it is still live there, so its slot is kept."""
+        if not self._pool.owns(slot):
+            self._set(self._shadow, slot, (digest, checksum))
+
+    def adopted(self, first: int, end: int) -> None:
+        """Slots ``[first, end)`` became this process's: each live copy not shown there comes in as
+        this process's own block, or is let go where this process shows its own copy of it (one
+        waiting for its slot's old record comes in once the slot is released, `_admit_waiting`)."""
+        for slot in [s for s in self._shadow if first <= s < end]:
+            digest, checksum = self._shadow[slot]
+            shown = self._index.get(digest)
+            if shown is None:
+                self._set(self._waiting, slot, (digest, checksum))
+                self._set(self._shadow, slot, None)
+            elif self._pool.owns(shown.slot):
+                self._let_go(slot)
+            # else shown in another process's slot: this copy is kept, to outlive that one's drop
+        self._admit_waiting()
+
     def _put(self, digest: bytes, slot: int, checksum: int) -> None:
+        self._set(self._shadow, slot, None)    # the slot was written again: what lay there is gone
+        self._set(self._waiting, slot, None)
         holder = self._index.holder(slot)
         if holder == digest:
             return
         if holder is not None:
             self._remove(holder, slot)
         if self._index.get(digest) is not None:
+            self._set(self._shadow, slot, (digest, checksum))   # a second copy of a block shown elsewhere
             return
         if self._pool.state(slot) is not SlotState.FREE or digest in self._gone:
-            self._waiting[slot] = (digest, checksum)
+            self._set(self._waiting, slot, (digest, checksum))
             return
         self._add(digest, slot, checksum)
 
     def _admit_waiting(self) -> None:
-        """Blocks that waited for their slot's record to go: in now, unless the slot became this
-        process's (its owner left and this process adopted the extent)."""
+        """Blocks that waited for their slot's record to go: in now (as this process's own where the
+        extent became this process's), or kept in mind where the block is shown in another slot."""
         for slot, (digest, checksum) in list(self._waiting.items()):
-            if self._pool.owns(slot):
-                del self._waiting[slot]
-            elif self._pool.state(slot) is SlotState.FREE:
-                del self._waiting[slot]
-                if self._index.get(digest) is None:
-                    self._add(digest, slot, checksum)
+            if self._pool.state(slot) is not SlotState.FREE:
+                continue
+            shown = self._index.get(digest)
+            if shown is None:
+                self._add(digest, slot, checksum)
+            elif self._pool.owns(slot) and self._pool.owns(shown.slot):
+                self._let_go(slot)
+            else:
+                self._set(self._shadow, slot, (digest, checksum))
+            self._set(self._waiting, slot, None)
 
     def _add(self, digest: bytes, slot: int, checksum: int) -> None:
+        self._set(self._waiting, slot, None)
+        self._set(self._shadow, slot, None)
         self._index.put(digest, slot, checksum)
-        self._pool.add_ready(slot)
+        if self._pool.owns(slot):
+            self._pool.take_own(slot)
+        else:
+            self._pool.add_ready(slot)
         self._added[slot] = digest
 
     def _remove(self, digest: bytes, slot: int) -> None:
-        """Take the block out of the index; one added by this same look goes without a trace."""
+        """Take the block out of the index; one added by this same look goes without a trace. Another
+        live copy of it comes in instead, at the next look (after the manager forgot this one)."""
         self._index.drop(digest, slot)
         if self._added.get(slot) == digest:
             del self._added[slot]
@@ -113,3 +173,25 @@ class SharedView:
         else:
             self._removed.append((BlockKey(digest), slot))
             self._gone.add(digest)
+        other = next((s for s, (d, _) in self._shadow.items() if d == digest), None) if self._shadow else None
+        if other is not None:
+            self._set(self._waiting, other, self._shadow[other])
+            self._set(self._shadow, other, None)
+
+    def _set(self, copies: dict[int, Copy], slot: int, copy: Copy | None) -> None:
+        """Record (or, with None, forget) a live copy not shown in ``slot``; the pool keeps the slots
+        of those recorded (a slot forgotten here is freed by `_let_go`, or is another process's)."""
+        if copy is None:
+            copies.pop(slot, None)
+        else:
+            copies[slot] = copy
+        if slot in self._waiting or slot in self._shadow:
+            self._pool.kept.add(slot)
+        else:
+            self._pool.kept.discard(slot)
+
+    def _let_go(self, slot: int) -> None:
+        """Forget the copy in ``slot``, which this process shows elsewhere in its own slot: free to reuse."""
+        self._set(self._shadow, slot, None)
+        self._set(self._waiting, slot, None)
+        self._pool.let_go(slot)
