@@ -102,6 +102,25 @@ def test_flipped_bytes_in_a_few_percent_of_the_pages_cost_a_repair_not_the_answe
     assert main(["store", "verify", "--nvme-dir", str(tmp_path)]) == 0
 
 
+@pytest.mark.parametrize("exact", [1024, 4096], ids=["first-part-exact", "all-exact"])
+def test_damaged_pages_of_the_exact_part_of_the_prefill_are_repaired(lm, tmp_path, exact):
+    """The pages of a document's exact prefill (its first half-window past the trained window, all of
+    it within) are sealed only when the key basis is fit at its end: a replay must run that far."""
+    prompt, config = PROMPT, SessionConfig.of(nvme_dir=tmp_path, **SETTINGS, dense_prefill_tokens=exact)
+    with Session(config, loaded=lm) as session:
+        clean = session.complete(prompt, max_new_tokens=8)
+    pages = stored_blocks(tmp_path)
+    flip_high_bytes(tmp_path, stored_slots(tmp_path)[:3], random.Random(5))   # the first pages written
+    repaired = repair_store(tmp_path, config, loaded=lm)
+    (index,) = [i for i in repaired.indexes if i.kind == "index"]
+    assert index.repair is not None and index.repair.pages == 3 and not index.note
+    assert 0 < index.repair.tokens <= len(prompt) - 1
+    assert verify(tmp_path).clean and stored_blocks(tmp_path) == pages
+    with Session(config, loaded=lm) as session:
+        again = session.complete(prompt, max_new_tokens=8)
+    assert again.reused_tokens == len(prompt) - 1 and again.tokens == clean.tokens
+
+
 def test_store_verify_finds_every_damaged_page_and_repair_computes_them_again(lm, tmp_path, capsys):
     clean = answer(lm, tmp_path)
     pages = stored_blocks(tmp_path)

@@ -94,7 +94,8 @@ def repair(engine: SparseEngine, seq: SparseSequence, keys: Iterable[BlockKey], 
             if not more or not more <= place.keys():
                 raise
             damaged |= {key: place[key] for key in more}
-    repaired = Repair(len(damaged), scrubbed, scrub_s, start, _until(seq, damaged.values()) - start,
+    repaired = Repair(len(damaged), scrubbed, scrub_s, start,
+                      min(_until(seq, damaged.values()), len(origin.tokens)) - start,
                       time.perf_counter() - begin)
     origin.repairs.append(repaired)
     log.warning("repaired %s", repaired)
@@ -108,9 +109,11 @@ def _places(seq: SparseSequence, origin: Origin) -> dict[BlockKey, tuple[int, in
 
 
 def _until(seq: SparseSequence, places: Iterable[tuple[int, int]]) -> int:
-    """The tokens a prefill has run when every page at ``places`` is sealed (the window past it full)."""
+    """The tokens a prefill has run when every page at ``places`` is sealed: the window past it full,
+    and the exact part of the prefill over (no page is sealed before the key basis is fit at its end,
+    or at the end of a document that lies within it)."""
     c, P = seq.config, seq.layout.tokens
-    return max(c.sink_tokens + (page + 1) * P + c.window_tokens for _, page in places)
+    return max(c.dense_prefill_tokens or 0, *(c.sink_tokens + (page + 1) * P + c.window_tokens for _, page in places))
 
 
 def _replay(engine: SparseEngine, seq: SparseSequence, origin: Origin,
