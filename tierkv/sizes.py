@@ -14,22 +14,29 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+MAX_SIZE = 2**60   # 1 EiB: past it a size is a typo, and memory maps and file offsets overflow
+
+
 def parse_size(value: str | int, field_name: str = "size") -> int:
     """Bytes from ``4GiB`` / ``512MiB`` / ``1.5GB`` / ``4096`` (an int passes through)."""
     if isinstance(value, bool):
         raise ConfigError(f"{field_name}={value!r}: expected a size like 512MiB, 4GiB or a byte count")
     if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{field_name}={value}: a size must be >= 0")
-        return value
-    match = _SIZE_RE.match(str(value))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ConfigError(
-            f"{field_name}={value!r}: expected a size like 512MiB, 4GiB, 1.5GB or a byte count "
-            f"(units: {', '.join(u for u in _UNITS if u)})"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
+        size = value
+    else:
+        match = _SIZE_RE.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ConfigError(
+                f"{field_name}={value!r}: expected a size like 512MiB, 4GiB, 1.5GB or a byte count "
+                f"(units: {', '.join(u for u in _UNITS if u)})"
+            )
+        size = float(match.group(1)) * _UNITS[unit]
+    if size < 0:
+        raise ConfigError(f"{field_name}={value}: a size must be >= 0")
+    if size > MAX_SIZE:
+        raise ConfigError(f"{field_name}={value!r}: more than any machine addresses (at most {format_size(MAX_SIZE)})")
+    return int(size)
 
 
 def format_size(n: float) -> str:

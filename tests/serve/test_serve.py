@@ -93,7 +93,12 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(launch, tmp_path
     url, key = f"{server.url}/v1/chat/completions", {"Authorization": f"Bearer {API_KEY}"}
     cases = [
         (httpx.post(url, json={"model": "smollm2", "messages": []}), 401, "API key"),
-        (httpx.post(url, content=b"{not json", headers=key | {"content-type": "application/json"}), 400, "JSON"),
+        (httpx.post(url, content=b"{not json", headers=key | {"content-type": "application/json"}), 400,
+         "not valid JSON (at character 1)"),
+        (httpx.post(url, data={"model": "smollm2"}, headers=key), 400,                     # a form, as curl -d sends
+         "sent with 'Content-Type: application/json' (this one came as application/x-www-form-urlencoded)"),
+        (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "wat": 1},
+                    headers={"authorization": f"bearer {API_KEY}"}), 400, "unknown field"),   # schemes ignore case
         (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "wat": 1},
                     headers=key), 400, "unknown field 'wat'"),
         (httpx.post(url, json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, headers=key),
@@ -122,6 +127,10 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(launch, tmp_path
     ok = httpx.post(url, json={"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
                     headers=key, timeout=120)
     assert ok.status_code == 200 and json.loads(ok.text)["usage"]["completion_tokens"] <= 2
+    assert httpx.get(f"{server.url}/v1/zz12345", headers=key).status_code == 404
+    metrics = httpx.get(f"{server.url}/metrics").text      # a path a client made up is no series of its own
+    assert 'endpoint="other"' in metrics and "zz12345" not in metrics
+    assert 'endpoint="/v1/chat/completions"' in metrics
 
 
 def test_a_run_beside_the_server_shares_its_store(launch, tmp_path):
@@ -159,7 +168,7 @@ def test_a_whole_answer_s_client_that_hangs_up_during_its_prefill_stops_the_work
 
 
 def test_a_server_stopped_with_a_request_running_and_one_waiting_exits_cleanly(launch, tmp_path):
-    server = launch("--nvme-dir", str(tmp_path / "store"), *SMALL)
+    server = launch("--nvme-dir", str(tmp_path / "store"), "--drain-s", "1", *SMALL)
     import threading
     long = {"model": "smollm2", "stream": True, "max_tokens": 64, "temperature": 0,
             "messages": [{"role": "user", "content": DOC * 40}, {"role": "user", "content": "Summarize."}]}
@@ -187,5 +196,32 @@ def test_a_server_stopped_with_a_request_running_and_one_waiting_exits_cleanly(l
     for c in clients:
         c.join(30)
     assert len(outcomes) == 2 and "Traceback" not in server.log.read_text()
+    assert "tierkv serve: stopped" in server.log.read_text()
     again = launch("--nvme-dir", str(tmp_path / "store"), *SMALL)              # the store opens as it was left
     assert ask(client(again), "Who founded the bakery?", max_tokens=2).usage.completion_tokens <= 2
+
+
+@pytest.mark.parametrize("drain", ["30", "0"])
+def test_a_stream_running_when_the_server_is_told_to_stop_ends_whole_or_says_it_was_cut(launch, tmp_path, drain):
+    """SIGTERM mid-answer: the server stops listening and lets the answer finish (--drain-s); past the
+    drain it ends the stream with an error event, never as if the answer were whole."""
+    import signal
+    server = launch("--nvme-dir", str(tmp_path / "store"), "--drain-s", drain, *SMALL)
+    body = {"model": "smollm2", "stream": True, "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": DOC}, {"role": "user", "content": "Tell the story again."}]}
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                if len(events) == 3:
+                    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=90) == 0
+    log = server.log.read_text()
+    assert "stopping: answers in progress may take" in log and "tierkv serve: stopped" in log
+    if drain == "30":        # finished within the drain: whole, as OpenAI ends a stream
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    else:
+        error = json.loads(events[-1])["error"]
+        assert "shutting down" in error["message"] and error["code"] == "server_shutdown"

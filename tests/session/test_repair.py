@@ -2,6 +2,7 @@
 from a restore point) and answers as a clean run does; a whole-store scrub then finds nothing."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -23,6 +24,7 @@ from tierkv.model.arch import model_spec
 from tierkv.model.loading import LoadedModel
 from tierkv.model.settings import SessionConfig
 from tierkv.session import Session
+from tierkv.session import scrub
 from tierkv.session.scrub import repair_store, verify
 from tierkv.sparse import restore
 from tierkv.tiers.nvme import NvmeTier
@@ -121,7 +123,7 @@ def test_damaged_pages_of_the_exact_part_of_the_prefill_are_repaired(lm, tmp_pat
     assert again.reused_tokens == len(prompt) - 1 and again.tokens == clean.tokens
 
 
-def test_store_verify_finds_every_damaged_page_and_repair_computes_them_again(lm, tmp_path, capsys):
+def test_store_verify_finds_every_damaged_page_and_repair_computes_them_again(lm, tmp_path, capsys, monkeypatch):
     clean = answer(lm, tmp_path)
     pages = stored_blocks(tmp_path)
     damaged = random.Random(8).sample(stored_slots(tmp_path), 5)
@@ -129,9 +131,13 @@ def test_store_verify_finds_every_damaged_page_and_repair_computes_them_again(lm
     assert main(["store", "verify", "--nvme-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "5 damaged" in out and "5 missing or damaged" in out and "DAMAGED" in out
-    repaired = repair_store(tmp_path, SessionConfig.of(**SETTINGS), loaded=lm)
-    (index,) = [i for i in repaired.indexes if i.kind == "index"]
-    assert index.repair is not None and index.repair.pages == 5 and not index.note
+    monkeypatch.setattr(scrub, "repair_store", functools.partial(scrub.repair_store, loaded=lm))
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in SETTINGS.items()]
+    assert main(["store", "repair", "--nvme-dir", str(tmp_path), *flags, "--json"]) == 0
+    repaired = json.loads(capsys.readouterr().out)            # one object: the repair, and the check after it
+    (index,) = [i for i in repaired["repair"]["indexes"] if i["kind"] == "index"]
+    assert index["repair"]["pages"] == 5 and not index["note"]
+    assert repaired["clean"] and repaired["verify"]["clean"] and repaired["action"] == "repair"
     assert verify(tmp_path).clean and stored_blocks(tmp_path) == pages
     again = answer(lm, tmp_path)
     assert again.tokens == clean.tokens and again.report["repairs"] == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import json
 import time
 import uuid
@@ -38,6 +39,7 @@ from tierkv.serve.worker import Job, QueueFull, Worker
 
 
 DISCONNECT_POLL_S = 0.25    # how often a whole answer's handler asks whether its client is still there
+CLOSING_POLL_S = 0.25       # how often an answer's handler looks whether the server began shutting down
 
 
 class ApiError(Exception):
@@ -47,13 +49,32 @@ class ApiError(Exception):
         self.status, self.body = status, error_body(message, kind=kind, param=param, code=code)
 
 
+class Closing:
+    """The server's shutdown: once it `begin`s, answers in progress and queued may run ``drain_s`` more
+    seconds; one still running then ends with a 503 (streamed: an error event), not a silent cut."""
+
+    def __init__(self, drain_s: float) -> None:
+        self.drain_s, self.cut_at = drain_s, None
+
+    def begin(self) -> None:
+        if self.cut_at is None:
+            self.cut_at = time.monotonic() + self.drain_s
+
+    def cut(self) -> ApiError:
+        return ApiError(503, f"the server is shutting down and this answer did not finish within its "
+                             f"--drain-s ({self.drain_s:g} s): it was cut off", kind="server_error",
+                        code="server_shutdown")
+
+
 def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = 8 << 20, default_tokens: int = 256, max_new_tokens: int = 4096) -> FastAPI:
+               max_body_bytes: int = 8 << 20, default_tokens: int = 256, max_new_tokens: int = 4096,
+               closing: Closing | None = None) -> FastAPI:
     app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     limits = dict(default_tokens=default_tokens, most_tokens=max_new_tokens)
+    closing = closing or Closing(0.0)
 
-    app.add_middleware(Guard, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes, routes=app)
     prompts = PromptCheck(worker.session)
 
     @app.exception_handler(ApiError)
@@ -69,10 +90,14 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
         first = error.errors()[0] if error.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         message = first.get("msg", "invalid request")
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if first.get("type") == "json_invalid":
-            message = "the body is not valid JSON"
+            message, where = f"the body is not valid JSON (at character {where})", None
         elif first.get("type") == "extra_forbidden":
             message = f"unknown field {where!r}"
+        elif kind != "application/json" and not where:
+            message = (f"the body must be a JSON object sent with 'Content-Type: application/json' "
+                       f"(this one came as {kind or 'no content type'})")
         return JSONResponse(error_body(f"{message}" + (f" ({where})" if where else ""), param=where),
                             status_code=400)
 
@@ -95,14 +120,14 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
         _check_model(body.model, model_name)
         job = _job("chat", body.chat_messages(), body, limits)
         await prompts.check(job, "messages")
-        return await _answer(job, body, worker, model_name, request, chat=True)
+        return await _answer(job, body, worker, model_name, request, closing, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_model(body.model, model_name)
         job = _job("completion", body.prompt, body, dict(limits, default_tokens=16))
         await prompts.check(job, "prompt")
-        return await _answer(job, body, worker, model_name, request, chat=False)
+        return await _answer(job, body, worker, model_name, request, closing, chat=False)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -154,13 +179,18 @@ class Guard:
     """Size limit, API key and per-request metrics, before anything else sees a request (plain
     ASGI, so a streamed response still sees its client hang up)."""
 
-    def __init__(self, app: Any, *, metrics: Metrics, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, *, metrics: Metrics, api_key: str | None, max_body_bytes: int,
+                 routes: FastAPI) -> None:
         self.app, self.metrics, self.api_key, self.limit = app, metrics, api_key, max_body_bytes
+        self._routes, self._paths = routes, None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, start, status = scope["path"], time.perf_counter(), [500]
+        if self._paths is None:
+            self._paths = {getattr(route, "path", None) for route in self._routes.routes}
+        label = path if path in self._paths else "other"   # any path a client sends is not a new series
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
 
         async def sending(message: dict) -> None:
@@ -174,17 +204,18 @@ class Guard:
         else:
             await self.app(scope, self._counted(receive), sending)
         finally:
-            self.metrics.requests.labels(path, str(status[0])).inc()
-            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+            self.metrics.requests.labels(label, str(status[0])).inc()
+            self.metrics.latency.labels(label).observe(time.perf_counter() - start)
 
     def _check(self, path: str, headers: dict[str, str]) -> None:
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             raise _too_large(self.limit)
-        if self.api_key is not None and path.startswith("/v1/") and \
-                headers.get("authorization", "") != f"Bearer {self.api_key}":
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                           kind="authentication_error", code="invalid_api_key")
+        if self.api_key is not None and path.startswith("/v1/"):
+            scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                               kind="authentication_error", code="invalid_api_key")
 
     def _counted(self, receive: Any) -> Any:
         seen = [0]
@@ -218,8 +249,8 @@ def _job(kind: str, prompt: Any, body: ChatRequest | CompletionRequest, limits: 
     return Job(kind, prompt, sampling, asyncio.get_running_loop())
 
 
-async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worker, model: str, request: Request, *,
-                  chat: bool) -> Any:
+async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worker, model: str, request: Request,
+                  closing: Closing, *, chat: bool) -> Any:
     try:
         worker.submit(job)
     except QueueFull as error:
@@ -227,11 +258,12 @@ async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worke
     reply = _Reply(model, chat)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_events(job, reply, include_usage), ping=15)
+        return EventSourceResponse(_events(job, reply, include_usage, closing), ping=15,   # drained, then cut by
+                                   shutdown_grace_period=closing.drain_s + 1)             # _results: not at once
     text = []
     watch = asyncio.create_task(_watch(request, job))
     try:
-        async for kind, value in _results(job):
+        async for kind, value in _results(job, closing):
             if kind == "text":
                 text.append(value)
             else:
@@ -250,9 +282,9 @@ async def _watch(request: Request, job: Job) -> None:
     job.events.put_nowait(("gone", None))
 
 
-async def _results(job: Job) -> AsyncIterator[tuple[str, Any]]:
+async def _results(job: Job, closing: Closing) -> AsyncIterator[tuple[str, Any]]:
     while True:
-        kind, value = await job.events.get()
+        kind, value = await _next_event(job, closing)
         if kind == "gone":          # its client hung up: nobody reads what would follow
             raise ApiError(499, "the client closed the request", kind="client_closed")
         if kind == "error":
@@ -262,13 +294,30 @@ async def _results(job: Job) -> AsyncIterator[tuple[str, Any]]:
             return
 
 
-async def _events(job: Job, reply: _Reply, include_usage: bool) -> AsyncIterator[dict[str, str]]:
+async def _next_event(job: Job, closing: Closing) -> tuple[str, Any]:
+    """The job's next event; once the server is shutting down, only until its drain is over."""
+    if closing.cut_at is None and not job.events.empty():
+        return job.events.get_nowait()
+    get = asyncio.ensure_future(job.events.get())
+    try:
+        while True:
+            left = CLOSING_POLL_S if closing.cut_at is None else closing.cut_at - time.monotonic()
+            if left <= 0:
+                raise closing.cut()
+            done, _ = await asyncio.wait({get}, timeout=min(left, CLOSING_POLL_S))
+            if done:
+                return get.result()
+    finally:
+        get.cancel()
+
+
+async def _events(job: Job, reply: _Reply, include_usage: bool, closing: Closing) -> AsyncIterator[dict[str, str]]:
     """The SSE events of a streamed answer. A client that disconnects cancels this generator, and
     with it the work on the worker."""
     try:
         if reply.chat:
             yield {"data": json.dumps(reply.first())}
-        async for kind, value in _results(job):
+        async for kind, value in _results(job, closing):
             if kind == "text":
                 yield {"data": json.dumps(reply.piece(value))}
             else:

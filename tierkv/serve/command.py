@@ -9,7 +9,10 @@ server or any earlier run on the same store) are not computed again.
 from __future__ import annotations
 
 import argparse
+import errno
+import functools
 import logging
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -31,6 +34,9 @@ class ServeSettings:
     max_prompt_tokens: int = setting(1 << 20, "longest prompt taken, in tokens (longer: a 400)", metavar="N")
     max_new_tokens: int = setting(4096, "most tokens one answer may ask for (max_tokens)", metavar="N")
     max_body_bytes: str | int = setting("16MiB", "largest request body taken (larger: a 413)", metavar="SIZE")
+    drain_s: float = setting(30.0, "on SIGTERM or Ctrl-C, seconds the answers in progress or queued may take to "
+                                   "finish; one still running then ends with a 503 (streamed: an error event); "
+                                   "a second signal stops at once", metavar="SECONDS")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -38,6 +44,8 @@ class ServeSettings:
         for name in ("max_queue", "max_prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if not self.drain_s >= 0:
+            raise ConfigError(f"drain_s={self.drain_s}: must be >= 0")
         object.__setattr__(self, "max_body_bytes", parse_size(self.max_body_bytes, "max_body_bytes"))
 
 
@@ -54,7 +62,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tierkv.serve.app import create_app
+    from tierkv.serve.app import Closing, create_app
     from tierkv.serve.metrics import Metrics
     from tierkv.serve.worker import Worker
     from tierkv.session import Session
@@ -63,21 +71,67 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         print(f"tierkv serve: warning: listening on {settings.host} without --api-key: anyone who can reach it "
               "can use it", file=sys.stderr)
+    listener = _listen(settings.host, settings.port)     # before the model loads: a port in use fails at once
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("tierkv.serve").setLevel(logging.INFO)       # one line per answer
     print(f"tierkv serve: loading {config.engine.model} ...", file=sys.stderr, flush=True)
-    session = Session(config, max_prompt_tokens=settings.max_prompt_tokens)
-    metrics = Metrics()
+    try:
+        session = Session(config, max_prompt_tokens=settings.max_prompt_tokens)
+    except BaseException:
+        listener.close()
+        raise
+    metrics, closing = Metrics(), Closing(settings.drain_s)
     worker = Worker(session, metrics, max_queue=settings.max_queue).start()
     name = settings.served_name or config.engine.model
-    app = create_app(worker, metrics, model_name=name, api_key=settings.api_key,
+    app = create_app(worker, metrics, model_name=name, api_key=settings.api_key, closing=closing,
                      max_body_bytes=settings.max_body_bytes, max_new_tokens=settings.max_new_tokens)
-    print(f"tierkv serve: {name} on http://{settings.host}:{settings.port}/v1", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=settings.drain_s + 2))
+    server.handle_exit = functools.partial(_stop, server, server.handle_exit, closing)   # (what its signals call)
+    print(f"tierkv serve: {name} on http://{_url_host(settings.host)}:{settings.port}/v1", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+        server.run(sockets=[listener])
+    except KeyboardInterrupt:       # the signal it stopped for, raised again once it stopped: a clean stop
+        if not server.should_exit:
+            raise
     finally:
         try:
             worker.stop(cancel=True)      # the server no longer listens: the answer running stops too
         finally:
             session.close()               # what the tiers hold is written back whatever happened above
+            listener.close()
+            print("tierkv serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _stop(server, handle_exit, closing, sig: int, frame: object) -> None:
+    """SIGTERM or Ctrl-C: uvicorn stops listening and waits for the requests open; the first also
+    starts the answers' drain (`Closing`), a second stops at once."""
+    if server.should_exit:
+        server.force_exit = True
+    else:
+        print(f"tierkv serve: stopping: answers in progress may take {closing.drain_s:g} s more (--drain-s); "
+              "a second signal stops at once", file=sys.stderr, flush=True)
+    closing.begin()
+    handle_exit(sig, frame)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``:``port``; a ConfigError naming what is wrong."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise ConfigError(f"--host {host}: not an address of this machine ({error.strerror})") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(2048)
+    except OSError as error:
+        listener.close()
+        hint = ": another process listens there (pick another --port)" if error.errno == errno.EADDRINUSE else ""
+        raise ConfigError(f"--host {host} --port {port}: cannot listen ({error.strerror}){hint}") from None
+    return listener
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -40,16 +40,24 @@ def cmd_store(args: argparse.Namespace) -> int:
         if config.tiers.nvme_dir is None:
             raise ConfigError("tierkv store repair: --nvme-dir DIR is required (the store to repair)")
         repaired = repair_store(config.tiers.nvme_dir, config)
-        _show(repaired, args.json, "repair")
         verdict = verify(config.tiers.nvme_dir)
-    _show(verdict, args.json, "verify")
+        if args.json:   # one object: what the repair did, and the check after it
+            print(json.dumps({"action": "repair", "clean": verdict.clean, "repair": _fields(repaired),
+                              "verify": _fields(verdict)}, default=str))
+            return 0 if verdict.clean else 1
+        _show(repaired, "repair")
+    if args.json:
+        print(json.dumps({"action": "verify"} | _fields(verdict), default=str))
+    else:
+        _show(verdict, "verify")
     return 0 if verdict.clean else 1
 
 
-def _show(verdict, as_json: bool, action: str) -> None:
-    if as_json:
-        print(json.dumps({"action": action, "clean": verdict.clean} | asdict(verdict), default=str))
-        return
+def _fields(verdict) -> dict:
+    return {"clean": verdict.clean} | asdict(verdict)
+
+
+def _show(verdict, action: str) -> None:
     print(f"{action}:")
     for line in verdict.lines():
         print(f"  {line}")

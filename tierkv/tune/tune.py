@@ -17,8 +17,8 @@ previous-step) for one of the sparse engine (``tierkv run --mode sparse``);
 The tier model comes from ``--links FILE`` (``TierModel.from_dict`` JSON,
 given by hand) or else from `tierkv.profile.probe` (this machine, cached).
 
-The run config (``--out``, default ``TRACE.best.json``) uses the names of
-``tierkv run`` flags, so ``tierkv run --config FILE`` reads it::
+The run config (``--out``, default the trace's path with the suffix ``.best.json``: ``run.tkv`` ->
+``run.best.json``) uses the names of ``tierkv run`` flags, so ``tierkv run --config FILE`` reads it::
 
     {"format": "tierkv-run-config", "version": 1,
      "gpu_budget": "64MiB", "cpu_budget": "1GiB", "nvme_budget": "64GiB",   sizes as the flags take them
@@ -290,7 +290,8 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
                                               "instead of this machine's probe")
     p.add_argument("--nvme-dir", type=Path, help="where the probe measures the disk (default: the cache dir)")
     p.add_argument("--reprobe", action="store_true", help="measure this machine again instead of the cache")
-    p.add_argument("--out", type=Path, help="best setting as a run config (default: TRACE.best.json)")
+    p.add_argument("--out", type=Path, help="best setting as a run config (default: the trace with the suffix "
+                                            ".best.json, run.tkv -> run.best.json)")
     p.add_argument("--top", type=int, default=20, help="rows to print and plot (default 20)")
     p.add_argument("--plot", type=Path, metavar="OUT.png", help="bar chart of stall and bytes (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
