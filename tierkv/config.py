@@ -54,6 +54,8 @@ class TierConfig:
                 raise ConfigError(f"{name}={budget}: a non-zero budget must hold at least one block "
                                   f"(block_bytes={self.block_bytes})")
         if self.nvme_dir is not None:
+            if not str(self.nvme_dir).strip():
+                raise ConfigError("nvme_dir='': give the store's directory (leave it out: no NVMe tier)")
             object.__setattr__(self, "nvme_dir", Path(self.nvme_dir))
             if self.nvme_budget < self.block_bytes:
                 raise ConfigError(f"nvme_budget={self.nvme_budget}: must hold at least one block "

@@ -128,7 +128,10 @@ def test_corrupt_store_is_recomputed_not_served(smollm2, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="tierkv.model.engine"):
         again = run(config, loaded=smollm2)
     assert again.text == clean.text
-    assert "failed their checksum" in caplog.text and "recomputing from token" in caplog.text
+    assert "failed their checksum" in caplog.text
+    rewinds = [r.message for r in caplog.records if "computing the sequence again" in r.message]
+    assert len(rewinds) == 1 and "7 of its" in rewinds[0]       # one scrub finds them all: one rewind
+    assert again.reused_prompt_tokens == 0        # slot 0, the first block, was damaged: nothing was reused
 
 
 def _tierkv(*args, **kw):

@@ -143,6 +143,24 @@ def test_store_verify_finds_every_damaged_page_and_repair_computes_them_again(lm
     assert again.tokens == clean.tokens and again.report["repairs"] == []
 
 
+def test_a_store_this_process_may_not_write_is_verified_without_writing_to_it(lm, tmp_path, monkeypatch, capsys):
+    """A read-only file system or another user's store: verify reads it without joining it (joining
+    writes an owner file and the claims), finds the same damage, and changes no byte there."""
+    answer(lm, tmp_path)
+    damaged = random.Random(8).sample(stored_slots(tmp_path), 4)
+    flip_high_bytes(tmp_path, damaged, random.Random(9))
+    joined = verify(tmp_path)
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    monkeypatch.setattr(scrub.os, "access", lambda path, mode: False)
+    assert main(["store", "verify", "--nvme-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "4 damaged (read-only here: read without joining the store)" in out and "4 missing or damaged" in out
+    alone = verify(tmp_path)
+    assert [(s.blocks, sorted(s.damaged), s.read_only) for s in alone.stores] == \
+        [(s.blocks, sorted(s.damaged), True) for s in joined.stores]
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
+
+
 def test_an_index_with_changed_metadata_is_refused_and_prefilled_again(lm, tmp_path):
     clean = answer(lm, tmp_path)
     (path,) = [p for p in (tmp_path / "sparse-indexes").glob("*.safetensors") if ".restore-" not in p.name]

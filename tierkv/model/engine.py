@@ -132,7 +132,8 @@ class Engine:
         reused = self._reuse(seq, len(ids))
         if progress and reused:
             progress(reused)
-        return self._extend(seq, reused, progress), reused
+        logits, computed_from = self._extend(seq, reused, progress)
+        return logits, min(reused, computed_from)     # (a damaged stored block made it compute from earlier)
 
     def _reuse(self, seq: TieredSequence, n_prompt: int) -> int:
         """Adopt the stored blocks of the longest stored prefix; returns its tokens. The rest is
@@ -152,10 +153,11 @@ class Engine:
         return [seq.block_key(layer, index) for layer in range(self.layout.num_layers)]
 
     def _extend(self, seq: TieredSequence, start: int, progress: Callable[[int], None] | None, *,
-                every: bool = False) -> Tensor:
-        """Compute tokens ``seq.token_ids[start:]`` chunk by chunk; returns the last logits [vocab], or
-        with ``every`` the logits after each of those tokens [n, vocab]."""
-        pos, rewinds = start, 0
+                every: bool = False) -> tuple[Tensor, int]:
+        """Compute tokens ``seq.token_ids[start:]`` chunk by chunk; returns the last logits [vocab] (or
+        with ``every`` the logits after each of those tokens [n, vocab]), and the first token computed
+        (before ``start`` where a block it read was lost or damaged)."""
+        pos, rewinds, first = start, 0, start
         chunks: dict[int, Tensor] = {}          # first position -> logits after each of its tokens
         while pos < len(seq.token_ids):
             end = min(pos - pos % self.config.chunk_tokens + self.config.chunk_tokens, len(seq.token_ids))
@@ -165,24 +167,30 @@ class Engine:
                 rewinds += 1
                 if rewinds > self.config.max_rewinds:
                     raise
-                pos = self._rewind(seq, lost)
+                pos = self._rewind(seq, lost, scrub=rewinds == 1)
+                first = min(first, pos)
                 continue
             if progress:
                 progress(end - pos)
             pos = end
         if not every:
-            return chunks[max(chunks)]
+            return chunks[max(chunks)], first
         rows = torch.cat([chunks[p] for p in sorted(chunks) if p + len(chunks[p]) > start])
-        return rows[start - min(p for p in chunks if p + len(chunks[p]) > start):]
+        return rows[start - min(p for p in chunks if p + len(chunks[p]) > start):], first
 
-    def _rewind(self, seq: TieredSequence, lost: BlockMissing) -> int:
-        """Truncate to the chunk that produced the first missing block; returns where to resume."""
+    def _rewind(self, seq: TieredSequence, lost: BlockMissing, *, scrub: bool) -> int:
+        """Truncate to the chunk that produced the first missing block; returns where to resume.
+        ``scrub``: first check every stored block the sequence holds (a damaged block seldom comes
+        alone: one rewind then covers them all, where each would cost one as the passes met it)."""
         T, C = self.config.block_tokens, self.config.chunk_tokens
-        first = min((i for layer in seq.blocks for i, k in enumerate(layer) if not self.manager.contains(k)),
-                    default=len(seq.blocks[0]))
+        keys = [k for layer in seq.blocks for k in layer]
+        unstored = set(self.manager.scrub(keys)) if scrub else set()
+        first = min((i for layer in seq.blocks for i, k in enumerate(layer)
+                     if k in unstored or not self.manager.contains(k)), default=len(seq.blocks[0]))
         boundary = first * T // C * C
         ids = list(seq.token_ids)
-        log.warning("%s; recomputing from token %d", lost, boundary)
+        what = f"{len(unstored)} of its {len(keys)} block(s) are damaged or lost" if scrub else "a block is lost"
+        log.warning("%s; %s: computing the sequence again from token %d", lost, what, boundary)
         seq.truncate(boundary // T)
         seq.add_tokens(ids[boundary:])
         return boundary
@@ -194,14 +202,14 @@ class Engine:
         the logits after each of them [len(ids), vocab], as a draft's verification needs)."""
         start = len(seq.token_ids)
         seq.add_tokens(ids)
-        return self._extend(seq, start, progress, every=every)
+        return self._extend(seq, start, progress, every=every)[0]
 
     # -- decode ----------------------------------------------------------------
     @torch.inference_mode()
     def decode(self, seq: TieredSequence, token: int) -> Tensor:
         """Append one token and return the logits [vocab] that follow it."""
         seq.add_tokens([token])
-        return self._extend(seq, len(seq.token_ids) - 1, None)
+        return self._extend(seq, len(seq.token_ids) - 1, None)[0]
 
     # -- one forward pass over new tokens --------------------------------------
     def _forward(self, seq: TieredSequence, chunk: Sequence[int], pos: int, *, every: bool = False) -> Tensor:

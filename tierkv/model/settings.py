@@ -58,6 +58,10 @@ class PromptSettings:
             raise ConfigError(f"synthetic_tokens={self.synthetic_tokens}: must be >= 64")
         if not 0 <= self.depth <= 1:
             raise ConfigError(f"depth={self.depth}: must be in [0, 1]")
+        empty = [i for i, question in enumerate(self.questions, 1) if not str(question).strip()]
+        if empty:
+            raise ConfigError(f"--question number {empty[0]} is empty: ask something (leave --question out: "
+                              f"the document is summarized)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,8 @@ class TierSettings:
         for name in ("gpu_policy", "cpu_policy", "nvme_policy"):
             make_policy(getattr(self, name))  # unknown names list the valid ones
         if self.nvme_dir is not None:
+            if not str(self.nvme_dir).strip():
+                raise ConfigError("nvme_dir='': give the store's directory (leave --nvme-dir out: no store)")
             object.__setattr__(self, "nvme_dir", Path(self.nvme_dir))
         if self.remote is not None:
             check_url(self.remote)

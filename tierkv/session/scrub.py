@@ -16,6 +16,7 @@ what is visible), and repaired too (drops are journaled for every process).
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from tierkv.session.prefill import shelf_of, stored_state
 from tierkv.session.repair import Repair
 from tierkv.session.session import Session
 from tierkv.sparse.store import checked, read_checked_meta, read_ids
-from tierkv.tiers.nvme import NvmeTier
+from tierkv.tiers.nvme import NvmeTier, scan_read_only
 
 INDEXES = "sparse-indexes"
 
@@ -40,6 +41,7 @@ class StoreCheck:
     directory: Path
     blocks: int = 0
     damaged: list[BlockKey] = field(default_factory=list)    # failed their checksum
+    read_only: bool = False       # this process may not write there: read without joining the store
 
 
 @dataclass(slots=True)
@@ -67,7 +69,8 @@ class Verdict:
 
     def lines(self) -> list[str]:
         out = [f"store {s.directory.name}: {s.blocks} blocks, "
-               + (f"{len(s.damaged)} damaged" if s.damaged else "all sound") for s in self.stores]
+               + (f"{len(s.damaged)} damaged" if s.damaged else "all sound")
+               + (" (read-only here: read without joining the store)" if s.read_only else "") for s in self.stores]
         for i in self.indexes:
             what = f"{i.kind} {i.path.name}: {i.tokens} tokens"
             if i.problem:
@@ -100,23 +103,35 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     sound: set[BlockKey] = set()
     for directory in stores_in(nvme_dir):
         check = StoreCheck(directory)
-        with NvmeTier.existing(directory) as tier:
-            items = sorted(tier.items(), key=lambda item: item[1])
-            check.blocks = len(items)
-            data = torch.empty(min(batch, len(items)), tier.block_bytes, dtype=torch.uint8)
-            for first in range(0, len(items), batch):
-                group = items[first:first + batch]
-                check.damaged += tier.read([(key, slot, data[i]) for i, (key, slot) in enumerate(group)])
-            for key in check.damaged if drop else ():
-                tier.drop(key)
-            tier.flush()
-        sound.update(key for key, _ in items)
+        if not drop and not os.access(directory, os.W_OK):    # a read-only file system, another user's store
+            check.read_only = True
+            keys, check.damaged = scan_read_only(directory)
+        else:
+            keys, check.damaged = _check_store(directory, drop, batch)
+        check.blocks = len(keys)
+        sound.update(keys)
         sound.difference_update(check.damaged)
         verdict.stores.append(check)
     for path in sorted(Path(nvme_dir, INDEXES).glob("*.safetensors")):
         verdict.indexes.append(_check_index(path, sound))
     verdict.seconds = time.perf_counter() - start
     return verdict
+
+
+def _check_store(directory: Path, drop: bool, batch: int) -> tuple[list[BlockKey], list[BlockKey]]:
+    """The store's keys and those of its blocks that fail their checksum (dropped if ``drop``), read
+    through the store (joining it, as any process that uses it)."""
+    with NvmeTier.existing(directory) as tier:
+        items = sorted(tier.items(), key=lambda item: item[1])
+        damaged: list[BlockKey] = []
+        data = torch.empty(min(batch, len(items)), tier.block_bytes, dtype=torch.uint8)
+        for first in range(0, len(items), batch):
+            group = items[first:first + batch]
+            damaged += tier.read([(key, slot, data[i]) for i, (key, slot) in enumerate(group)])
+        for key in damaged if drop else ():
+            tier.drop(key)
+        tier.flush()
+    return [key for key, _ in items], damaged
 
 
 def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import tempfile
 import time
 from dataclasses import replace
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -398,3 +399,9 @@ def _prepare_store(directory: Path | None) -> None:
                           f"{error.strerror or error}") from None
     if not directory.is_dir():
         raise ConfigError(f"--nvme-dir {directory}: exists and is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise ConfigError(f"--nvme-dir {directory}: the store cannot write there ({error.strerror or error}); "
+                          f"give a writable directory") from None

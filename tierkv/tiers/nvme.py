@@ -75,11 +75,11 @@ from tierkv.failpoints import failpoint
 from tierkv.errors import ConfigError, DiskFullError, StoreReadError, StoreUnusable
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
-from tierkv.tiers.journal import Journal, Op, Record, encode_puts
+from tierkv.tiers.journal import Journal, Op, Record, encode_puts, replay
 from tierkv.tiers.nvme_io import BACKENDS, block_buffer, choose_backend, misaligned_of
 from tierkv.tiers.nvme_pool import SharedPool
 from tierkv.tiers.nvme_share import Membership
-from tierkv.tiers.nvme_striped import UNREADABLE, URGENT, StripedIO
+from tierkv.tiers.nvme_striped import UNREADABLE, URGENT, StripedIO, checksum
 from tierkv.tiers.nvme_view import Changes, SharedView
 
 log = logging.getLogger(__name__)
@@ -427,6 +427,27 @@ class NvmeTier:
                     getattr(self, part).close()
         finally:
             self._share.leave(self.pool.give_back() if hasattr(self, "pool") else [])
+
+
+def scan_read_only(directory: Path) -> tuple[list[BlockKey], list[BlockKey]]:
+    """Read every block of the store in ``directory`` and check it against its checksum without joining
+    the store (nothing is opened for writing, no lock taken): for a store this process may not write
+    to. The keys of its blocks, and of those that failed. A process writing to the store meanwhile
+    may make a block it rewrites look damaged."""
+    try:
+        block_bytes = int(json.loads((directory / "store.json").read_text())["block_bytes"])
+        raw = (directory / "index.log").read_bytes() if (directory / "index.log").exists() else b""
+        fd = os.open(directory / "slots.dat", os.O_RDONLY | os.O_CLOEXEC)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{directory}: not a readable tierkv NVMe store ({exc})") from None
+    try:
+        state, _ = replay(raw, slots=os.fstat(fd).st_size // block_bytes)
+        keys, slots, sums = state.index.records()
+        damaged = [key for key, slot, expected in zip(keys, slots, sums)
+                   if checksum(os.pread(fd, block_bytes, slot * block_bytes)) != expected]
+    finally:
+        os.close(fd)
+    return keys, damaged
 
 
 _OPEN: weakref.WeakSet[NvmeTier] = weakref.WeakSet()   # stores this process has open
