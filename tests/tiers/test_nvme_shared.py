@@ -22,7 +22,10 @@ from nvme_worker import key
 
 from tierkv.errors import BudgetExceeded, StoreUnusable
 from tierkv.keys import BlockKey
+from policies.lru import LRUPolicy
 from tierkv.manager import TierManager
+from tierkv.manager.directory import Directory
+from tierkv.manager.residency import Residency
 from tierkv.tiers import journal, nvme, nvme_share
 from tierkv.tiers.cpu import CpuTier
 from tierkv.tiers.journal import RECORD_BYTES, Op
@@ -260,6 +263,77 @@ def test_a_block_waiting_for_its_slot_comes_in_when_the_extent_is_taken_over(tmp
         put(b, "B", range(1, 8))
         assert b.lookup(key("A", 1)) == slot and verify(b) == (9, 0)
     assert readable(store, key("A", 1), 16)
+
+
+def test_a_kept_copy_goes_once_the_copy_shown_is_this_process_own(tmp_path: Path) -> None:
+    """Two processes wrote a block and left; c keeps the older copy (in an extent it took) while it shows
+    the newer in a slot it does not own; once that slot's extent is c's too, the older copy is let go
+    (journaled), so its slot is written again and no slot stays kept for the life of the process."""
+    store = tmp_path / "store"
+    idle = NvmeTier(store, BB, 16 * BB)        # another opener: nobody below is alone (8 extents of 2 slots)
+    try:
+        a, x = NvmeTier(store, BB, 16 * BB), NvmeTier(store, BB, 16 * BB)
+        older, newer = put(a, "K", range(1))[key("K", 0)], put(x, "K", range(1))[key("K", 0)]
+        a.close(), x.close()
+        with NvmeTier(store, BB, 16 * BB) as c:
+            assert c.lookup(key("K", 0)) == newer and older in c.pool.kept
+            placed = []
+            while c.pool.can_reserve():
+                placed += put(c, "C", range(len(placed), len(placed) + 1)).values()
+            assert c.pool.owns(newer) and c.lookup(key("K", 0)) == newer
+            assert older in placed and not c.pool.kept
+            assert verify(c) == (len(placed) + 1, 0)
+    finally:
+        idle.close()
+    assert readable(store, key("K", 0), 16)
+
+
+def test_a_block_taken_over_while_a_reader_holds_an_older_copy_is_not_freed(tmp_path: Path) -> None:
+    """b's directory holds a's copy of K (a reader pins it) when a drops it; the copy x left in a slot b
+    took comes in: it is held back until the older copy goes, not freed as a duplicate."""
+    store = tmp_path / "store"
+    b = NvmeTier(store, BB, 16 * BB)
+    residency = Residency({"nvme": b}, {"nvme": LRUPolicy()}, Directory(), BB)
+    a, x = NvmeTier(store, BB, 16 * BB), NvmeTier(store, BB, 16 * BB)
+    held, kept = put(a, "K", range(1))[key("K", 0)], put(x, "K", range(1))[key("K", 0)]
+    residency.refresh_store("nvme")
+    assert residency.directory.get(key("K", 0)).copies == {"nvme": held}
+    x.close()
+    put(b, "B", range(1))               # b takes x's extent: x's copy is kept there
+    residency.refresh_store("nvme")
+    b.pool.pin(held)                     # a reader holds a's copy
+    a.drop(key("K", 0))
+    a.pool.release(held)
+    residency.refresh_store("nvme")
+    assert b.lookup(key("K", 0)) == kept and b.pool.state(kept).value == "ready" and kept not in b.pool._freed
+    b.pool.unpin(held)
+    residency.forget_copy(key("K", 0), "nvme")    # the reader's read failed: the copy gone goes here too
+    residency.refresh_store("nvme")
+    assert residency.directory.get(key("K", 0)).copies == {"nvme": kept}
+    put(b, "C", range(4))
+    assert verify(b)[1] == 0
+    a.close(), b.close()
+    assert readable(store, key("K", 0), 16)
+
+
+def test_a_block_reported_added_then_written_again_here_is_not_passed_on(tmp_path: Path) -> None:
+    """A takeover brings a's copy of K in as b's own; b writes K again before its next look: the old
+    report is dropped, so the manager never takes in a slot the store no longer shows."""
+    store = tmp_path / "store"
+    idle, b = NvmeTier(store, BB, 8 * BB), NvmeTier(store, BB, 8 * BB)
+    try:
+        a = NvmeTier(store, BB, 8 * BB)
+        old = put(a, "K", range(1))[key("K", 0)]
+        b.refresh()
+        b.drop(key("K", 0))              # evicted here only: a holds the slot
+        b.pool.release(old)
+        a.close()
+        new = put(b, "K", range(1))[key("K", 0)]   # the reserve takes a's extent, then b writes K again
+        assert new != old and b.lookup(key("K", 0)) == new
+        assert b.refresh().added == [] and b.pool.state(old).value == "free"
+        assert verify(b) == (1, 0)
+    finally:
+        b.close(), idle.close()
 
 
 def test_exclusive_steps_wait_for_an_opener_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

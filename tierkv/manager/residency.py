@@ -122,6 +122,12 @@ class Residency:
                     self.directory.forget_if_empty(key)
             for key, slot in changes.added:
                 entry = self.directory.add(key, hold=False)
+                held = entry.copies.get(name)
+                if held == slot:
+                    continue
+                if held is not None and tier.pool.owns(slot):
+                    tier.hold_back(key, slot)   # the copy held is one the store no longer shows (a reader
+                    continue                    # holds it): this one, maybe its only, comes in once it goes
                 if name in entry.copies or name in entry.arriving:
                     tier.forget(key, slot)
                     tier.pool.release(slot)

@@ -144,7 +144,8 @@ class NvmeTier:
         self._io = StripedIO(self._file, self.block_bytes, io_threads, native_reads=knobs.nvme_aio)
         self.pool = SharedPool(self._capacity, self._share.claims, self._share.owner.id)
         self._recover()
-        self._view = SharedView(self._index, self.pool, () if self._share.alone else self._journal.state.extra)
+        self._view = SharedView(self._index, self.pool, () if self._share.alone else self._journal.state.extra,
+                                drop_at=self._drop_at)
         self.pool.adopted = self._adopted
         self._news = Changes()          # what the journal said as an extent was taken: for the next refresh
         self.pool.catch_up = self._catch_up
@@ -206,6 +207,7 @@ class NvmeTier:
                 self._journal.append_encoded(records)
             for digest, slot, checksum in self._index.put_many(digests, slots, sums):
                 self._view.unshown(digest, slot, checksum)    # a block this process wrote anew
+            self._view.written(digests)
 
     def read(self, items: Sequence[tuple[BlockKey, int, torch.Tensor]], *, priority: int = URGENT,
              aligned: bool = False, addresses: np.ndarray | None = None) -> list[BlockKey]:
@@ -257,13 +259,11 @@ class NvmeTier:
             if entry is None or slot is not None and entry.slot != slot:
                 return
             self._index.drop(key.digest)
-            if not self.pool.claim_extent_of(entry.slot):
+            if self.pool.claim_extent_of(entry.slot):
+                self._drop_at(key.digest, entry.slot)
+            else:
                 self._view.unshown(key.digest, entry.slot, entry.checksum)
-                return
-            try:
-                self._journal.append([Record(Op.DROP_AT, key, entry.slot)])
-            except OSError as exc:  # safe: a stale entry fails its checksum, or its slot's next PUT evicts it
-                log.warning("%s: DROP of %s not journaled: %s", self.directory, key, exc)
+            self._view.dropped(key.digest)      # its other copies in this process's slots go too
 
     def forget(self, key: BlockKey, slot: int) -> None:
         """Stop showing here the block another process wrote in ``slot`` (nothing is journaled);
@@ -282,7 +282,28 @@ class NvmeTier:
         with self._lock:
             self._catch_up()
             changes, self._news = self._news, Changes()
+            added = []
+            for key, slot in changes.added:   # one this process no longer shows there (it wrote the block
+                shown = self._index.get(key)  # again since) is not news: its record goes
+                if shown is not None and shown.slot == slot:
+                    added.append((key, slot))
+                elif self._index.holder(slot) is None and self.pool.in_use(slot) and not self.pool.pins(slot):
+                    self.pool.release(slot)
+            changes.added = added
         return changes
+
+    def hold_back(self, key: BlockKey, slot: int) -> None:
+        """A block `refresh` reported added that the manager cannot take in yet (it still holds an older
+        copy, which a reader uses): reported again at the next `refresh`."""
+        with self._lock:
+            self._news.added.append((key, slot))
+
+    def _drop_at(self, digest: bytes, slot: int) -> None:
+        """Journal that the copy in ``slot`` (this process's) is gone."""
+        try:
+            self._journal.append([Record(Op.DROP_AT, BlockKey(digest), slot)])
+        except OSError as exc:  # safe: a stale entry fails its checksum, or its slot's next PUT evicts it
+            log.warning("%s: DROP of %s not journaled: %s", self.directory, BlockKey(digest), exc)
 
     def _adopted(self, first: int, end: int) -> None:
         """The pool took slots ``[first, end)`` as this process's: the blocks live there come in."""
@@ -322,10 +343,13 @@ class NvmeTier:
         that died look alive while the child lives (its slots never reclaimed), and the child would
         count as an opener, so that none is ever alone to repair the store."""
         self._closed, self._forked_from = True, self._share.owner_pid
-        for part in ("_file", "_journal"):   # (not the I/O workers: a forked child has none of them)
-            with contextlib.suppress(OSError, AttributeError):
-                getattr(self, part).close()
-        self._share.forsake()
+        self._share.forsake()       # first: the owner file's lock above all
+        for part, attr in ((getattr(self, "_file", None), "fd"), (getattr(self, "_journal", None), "_fd")):
+            fd = getattr(part, attr, -1)    # the descriptors alone: not a backend's close, nor the I/O
+            if isinstance(fd, int) and fd >= 0:    # workers (a forked child has none of them)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(part, attr, -1)
 
     def __enter__(self) -> NvmeTier:
         return self
@@ -455,7 +479,10 @@ _OPEN: weakref.WeakSet[NvmeTier] = weakref.WeakSet()   # stores this process has
 
 def _forsake_after_fork() -> None:
     for store in list(_OPEN):
-        store._forsake()
+        try:
+            store._forsake()
+        except Exception:  # noqa: BLE001 - one store's failure must not leave the others' locks held
+            log.exception("NVMe store %s: letting go of it in a forked child failed", store.directory)
     _OPEN.clear()
 
 

@@ -106,6 +106,9 @@ class Claims:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
+        if self.fd < 0:
+            raise StoreUnusable(f"NVMe store {self.owners.parent} is closed here (or was opened by the process "
+                                f"this one was forked from): open it again")
         with self._mutex:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX)
