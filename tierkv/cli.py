@@ -28,7 +28,7 @@ import torch
 from tierkv.sizes import format_size
 from tierkv.device import GDS_INSTALL, auto_dtype, has_cuda, has_cuda_driver, native_bf16
 from tierkv.errors import ConfigError, TierKVError
-from tierkv.flags import add_flags, build, given, given_flags, nest
+from tierkv.flags import add_flags, build, given, given_flags, nest, path_arg
 from tierkv.knobs import IOKnobs
 from tierkv.profile.command import add_profile
 from tierkv.tune.tune import add_tune
@@ -191,7 +191,7 @@ def _remote_facts(url: str) -> dict[str, object]:
 
 def add_info(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="what this machine offers: CUDA, GDS, pinned memory, NVMe backends")
-    p.add_argument("--nvme-dir", type=Path, help="directory to probe for the NVMe tier")
+    p.add_argument("--nvme-dir", type=path_arg, help="directory to probe for the NVMe tier")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--probe", action="store_true",
                    help="measure memcpy, device-link and disk (--nvme-dir) GB/s and latency; cached")
@@ -218,7 +218,7 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                        description="Prefill a long prompt chunk by chunk with the KV in gpu/cpu/NVMe tiers, "
                                    "then generate. A second run over the same document reuses the stored KV.")
     add_flags(p, RunConfig)
-    p.add_argument("--config", type=Path, help="settings file written by `tierkv tune` (flags given here win)")
+    p.add_argument("--config", type=path_arg, help="settings file written by `tierkv tune` (flags given here win)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.set_defaults(func=cmd_run)
 

@@ -95,12 +95,13 @@ def _add_flag(parser: Any, f: dataclasses.Field, hint: Any) -> None:
     if kind is tuple:
         extra |= {"action": "append", "type": str}
     else:
-        extra["type"] = _path if kind is Path else kind
+        extra["type"] = path_arg if kind is Path else kind
     parser.add_argument(*names, dest=dest(f), default=_NOT_GIVEN, help=help_text.replace("%", "%%"), **extra)
 
 
-def _path(text: str) -> Path:
-    """A path flag's value; an empty one (Path('') is '.': the working directory) is refused."""
+def path_arg(text: str) -> Path:
+    """A path argument's value (``type=path_arg``); an empty one (Path('') is '.': the working
+    directory) is refused."""
     if not text.strip():
         raise argparse.ArgumentTypeError("empty: give a path")
     return Path(text)

@@ -35,7 +35,7 @@ def parse_size(value: str | int, field_name: str = "size") -> int:
     if size < 0:
         raise ConfigError(f"{field_name}={value}: a size must be >= 0")
     if size > MAX_SIZE:
-        raise ConfigError(f"{field_name}={value!r}: more than any machine addresses (at most {format_size(MAX_SIZE)})")
+        raise ConfigError(f"{field_name}={value!r}: more than any machine addresses (at most 1 EiB)")
     return int(size)
 
 

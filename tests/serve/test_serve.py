@@ -201,13 +201,15 @@ def test_a_server_stopped_with_a_request_running_and_one_waiting_exits_cleanly(l
     assert ask(client(again), "Who founded the bakery?", max_tokens=2).usage.completion_tokens <= 2
 
 
-@pytest.mark.parametrize("drain", ["30", "0"])
-def test_a_stream_running_when_the_server_is_told_to_stop_ends_whole_or_says_it_was_cut(launch, tmp_path, drain):
+@pytest.mark.parametrize("drain, signals", [("30", 1), ("0", 1), ("30", 2)])
+def test_a_stream_running_when_the_server_is_told_to_stop_ends_whole_or_says_it_was_cut(launch, tmp_path, drain,
+                                                                                        signals):
     """SIGTERM mid-answer: the server stops listening and lets the answer finish (--drain-s); past the
-    drain it ends the stream with an error event, never as if the answer were whole."""
+    drain, or at a second signal, it ends the stream with an error event, never as if it were whole."""
     import signal
     server = launch("--nvme-dir", str(tmp_path / "store"), "--drain-s", drain, *SMALL)
-    body = {"model": "smollm2", "stream": True, "max_tokens": 24, "temperature": 0,
+    body = {"model": "smollm2", "stream": True, "max_tokens": 24 if signals == 1 and drain == "30" else 400,
+            "temperature": 0,
             "messages": [{"role": "user", "content": DOC}, {"role": "user", "content": "Tell the story again."}]}
     events = []
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120,
@@ -215,13 +217,34 @@ def test_a_stream_running_when_the_server_is_told_to_stop_ends_whole_or_says_it_
         for line in response.iter_lines():
             if line.startswith("data: "):
                 events.append(line[len("data: "):])
-                if len(events) == 3:
+                if len(events) in (3, 6)[:signals]:
                     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=90) == 0
     log = server.log.read_text()
     assert "stopping: answers in progress may take" in log and "tierkv serve: stopped" in log
-    if drain == "30":        # finished within the drain: whole, as OpenAI ends a stream
-        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
-    else:
+    assert "Traceback" not in log and ("stopping now" in log) == (signals == 2)
+    whole = events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    if drain == "30" and signals == 1:      # finished within the drain: whole, as OpenAI ends a stream
+        assert whole
+    elif not whole:                         # cut (or, had it ended meanwhile, whole): never silently
         error = json.loads(events[-1])["error"]
         assert "shutting down" in error["message"] and error["code"] == "server_shutdown"
+
+
+async def test_events_already_there_are_delivered_after_the_drain_ended():
+    """An answer done before the drain ended, whose client read slowly, is delivered whole: only the
+    wait for more is cut."""
+    import asyncio
+
+    from tierkv.serve.app import Closing, _results
+    from tierkv.serve.worker import Job
+    job = Job("completion", "hi", None, asyncio.get_running_loop())
+    for event in [("text", "a"), ("text", "b"), ("done", None)]:
+        job.events.put_nowait(event)
+    closing = Closing(0.0)
+    closing.begin()
+    await asyncio.sleep(0.01)
+    assert [kind async for kind, _ in _results(job, closing)] == ["text", "text", "done"]
+    waiting = Job("completion", "hi", None, asyncio.get_running_loop())
+    with pytest.raises(Exception, match="shutting down"):
+        await anext(_results(waiting, closing))

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tierkv.cli import main
+from tierkv.keys import BlockKey
 from tierkv.failpoints import POINTS
 from tierkv.model.arch import model_spec
 from tierkv.model.loading import LoadedModel
@@ -159,6 +160,22 @@ def test_a_store_this_process_may_not_write_is_verified_without_writing_to_it(lm
     assert [(s.blocks, sorted(s.damaged), s.read_only) for s in alone.stores] == \
         [(s.blocks, sorted(s.damaged), True) for s in joined.stores]
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root verifies another user's store: root only")
+def test_root_verifies_another_user_s_store_without_making_files_there(tmp_path):
+    """Root may write anywhere, but an owner file, claims or a rewritten journal made by root would lock
+    the store's owner out: verify reads such a store without joining it."""
+    with NvmeTier(tmp_path / "theirs", 4096, 64 * 4096) as tier:
+        slots = [tier.pool.reserve() for _ in range(4)]
+        tier.write([(BlockKey.of("b", i), slot, torch.full((4096,), i, dtype=torch.uint8))
+                    for i, slot in enumerate(slots)])
+    for path in [tmp_path, *tmp_path.rglob("*")]:
+        os.chown(path, 65534, 65534)
+    before = {p: (p.read_bytes() if p.is_file() else None, p.stat().st_uid) for p in tmp_path.rglob("*")}
+    verdict = verify(tmp_path)
+    assert [(s.blocks, s.damaged, s.read_only) for s in verdict.stores] == [(4, [], True)]
+    assert {p: (p.read_bytes() if p.is_file() else None, p.stat().st_uid) for p in tmp_path.rglob("*")} == before
 
 
 def test_an_index_with_changed_metadata_is_refused_and_prefilled_again(lm, tmp_path):

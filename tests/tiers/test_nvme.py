@@ -446,3 +446,21 @@ def test_kvikio_roundtrip_of_cuda_tensors(store: Path) -> None:
         assert tier.read([(key(0), slot, dst)]) == []
         assert torch.equal(dst.cpu(), expected(key(0)))
     assert nvme_io.BACKENDS["kvikio"] is nvme_io.KvikioFile
+
+
+def test_a_store_is_scanned_without_joining_it_empty_or_damaged(tmp_path: Path) -> None:
+    """`scan_read_only` (verify of a store this process may not write): the blocks and those that fail
+    their checksum, as a read through the store finds them; a store that never held a block has none."""
+    with NvmeTier(tmp_path / "empty", 4096, 16 * 4096):
+        pass
+    assert nvme.scan_read_only(tmp_path / "empty") == ([], [])
+    with NvmeTier(tmp_path / "s", 4096, 16 * 4096) as tier:
+        keys = [BlockKey.of("scan", i) for i in range(5)]
+        slots = [tier.pool.reserve() for _ in keys]
+        tier.write([(k, slot, torch.full((4096,), i, dtype=torch.uint8))
+                    for i, (k, slot) in enumerate(zip(keys, slots))])
+    with open(tmp_path / "s" / "slots.dat", "r+b") as f:
+        f.seek(slots[2] * 4096 + 100)
+        f.write(b"\xff")
+    found, damaged = nvme.scan_read_only(tmp_path / "s")
+    assert sorted(found) == sorted(keys) and damaged == [keys[2]]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from tierkv.errors import ConfigError
+from tierkv.flags import path_arg
 from tierkv.profile.summary import PHASES, summarize
 from tierkv.profile.summary_text import format_summary
 from tierkv.profile.trace import read_trace
@@ -22,8 +22,8 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
                        description="Read a trace written by `tierkv run --trace FILE` and report step latency "
                                    "p50/p90/p99, stall per tier link and per layer, the top stall causes, "
                                    "achieved GB/s per link and hit rates.")
-    p.add_argument("trace", type=Path, help="trace JSON written by `tierkv run --trace FILE`")
-    p.add_argument("--plot", type=Path, metavar="OUT.png",
+    p.add_argument("trace", type=path_arg, help="trace JSON written by `tierkv run --trace FILE`")
+    p.add_argument("--plot", type=path_arg, metavar="OUT.png",
                    help="also draw a timeline, the step-latency CDF and stall by link and layer (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument("--phase", choices=PHASES, default="decode",

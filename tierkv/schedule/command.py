@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
+from tierkv.flags import path_arg
 from tierkv.sizes import format_size, parse_size
 from tierkv.model.prompt import DEFAULT_QUESTION
 from tierkv.schedule.job import JobConfig, JobResult, run_job
@@ -29,16 +29,16 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
                                    "placed on gpu/cpu/disk by a policy (searched for this machine, or a file) "
                                    "and streamed by a zig-zag block schedule. Output: one JSON line per "
                                    "document; rerunning resumes.")
-    p.add_argument("--inputs", type=Path, required=True,
+    p.add_argument("--inputs", type=path_arg, required=True,
                    help="a .jsonl file (objects with 'text' and optional 'id') or a directory of text files")
-    p.add_argument("--out", type=Path, required=True, help="output JSONL (appended; finished ids are skipped)")
+    p.add_argument("--out", type=path_arg, required=True, help="output JSONL (appended; finished ids are skipped)")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a HF folder")
     p.add_argument("--policy", default="auto", help="'auto' (search) or a policy JSON file")
     p.add_argument("--gpu-budget", default=DEFAULTS["gpu_budget"],
                    help=f"bytes on the compute device: resident weights, KV, activations (default {DEFAULTS['gpu_budget']})")
     p.add_argument("--cpu-budget", default=DEFAULTS["cpu_budget"],
                    help=f"bytes of host memory for weights and KV (default {DEFAULTS['cpu_budget']})")
-    p.add_argument("--nvme-dir", type=Path, help="scratch directory on NVMe for weights/KV that fit nowhere else")
+    p.add_argument("--nvme-dir", type=path_arg, help="scratch directory on NVMe for weights/KV that fit nowhere else")
     p.add_argument("--nvme-budget", default=DEFAULTS["nvme_budget"], help="cap of the NVMe scratch (default 64GiB)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="summary length in tokens (default 64)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048,

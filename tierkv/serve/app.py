@@ -295,8 +295,9 @@ async def _results(job: Job, closing: Closing) -> AsyncIterator[tuple[str, Any]]
 
 
 async def _next_event(job: Job, closing: Closing) -> tuple[str, Any]:
-    """The job's next event; once the server is shutting down, only until its drain is over."""
-    if closing.cut_at is None and not job.events.empty():
+    """The job's next event; once the server is shutting down, only until its drain is over (an event
+    already there is delivered whatever the time: the answer is done, only its client was slow)."""
+    if not job.events.empty():
         return job.events.get_nowait()
     get = asyncio.ensure_future(job.events.get())
     try:

@@ -14,6 +14,7 @@ import functools
 import logging
 import socket
 import sys
+import time
 from dataclasses import dataclass
 
 from tierkv.errors import ConfigError
@@ -104,23 +105,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _stop(server, handle_exit, closing, sig: int, frame: object) -> None:
-    """SIGTERM or Ctrl-C: uvicorn stops listening and waits for the requests open; the first also
-    starts the answers' drain (`Closing`), a second stops at once."""
-    if server.should_exit:
-        server.force_exit = True
-    else:
+    """SIGTERM or Ctrl-C: the first stops uvicorn listening and starts the answers' drain (`Closing`;
+    uvicorn waits for the requests open); the second ends every answer at once, each with its error;
+    a third exits without waiting for them."""
+    if not server.should_exit:
         print(f"tierkv serve: stopping: answers in progress may take {closing.drain_s:g} s more (--drain-s); "
-              "a second signal stops at once", file=sys.stderr, flush=True)
-    closing.begin()
-    handle_exit(sig, frame)
+              "a second signal ends them now", file=sys.stderr, flush=True)
+        closing.begin()
+        handle_exit(sig, frame)
+    elif closing.cut_at is not None and closing.cut_at > time.monotonic():
+        print("tierkv serve: stopping now: the answers in progress end with an error (a third signal exits "
+              "without them)", file=sys.stderr, flush=True)
+        closing.cut_at = time.monotonic()
+    else:
+        server.force_exit = True
 
 
 def _listen(host: str, port: int) -> socket.socket:
     """A socket listening on ``host``:``port``; a ConfigError naming what is wrong."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as error:
         raise ConfigError(f"--host {host}: not an address of this machine ({error.strerror})") from None
+    # IPv4 first where a name has both (localhost: what clients of 'localhost:PORT' try first and uvicorn bound)
+    family, kind, proto, _, address = next((a for a in found if a[0] == socket.AF_INET), found[0])
     listener = socket.socket(family, kind, proto)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tierkv.flags import add_flags, build, given, given_flags
+from tierkv.flags import add_flags, build, given, given_flags, path_arg
 from tierkv.knobs import cache_dir
 from tierkv.model.prompt import read_document
 from tierkv.model.settings import SessionConfig
@@ -31,7 +31,7 @@ def add_chat(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="talk about a document in the terminal; it is read once",
                        description="Read a document once (or find it stored), then answer question after "
                                    f"question, each turn reusing the last. {HELP}.")
-    p.add_argument("--doc", type=Path, help="the document (a text file); without it, a plain chat")
+    p.add_argument("--doc", type=path_arg, help="the document (a text file); without it, a plain chat")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens per answer at most (256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above: sampled")
     add_flags(p, SessionConfig)

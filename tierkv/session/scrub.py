@@ -103,7 +103,7 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     sound: set[BlockKey] = set()
     for directory in stores_in(nvme_dir):
         check = StoreCheck(directory)
-        if not drop and not os.access(directory, os.W_OK):    # a read-only file system, another user's store
+        if not drop and not _may_join(directory):    # a read-only file system, another user's store
             check.read_only = True
             keys, check.damaged = scan_read_only(directory)
         else:
@@ -116,6 +116,13 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
         verdict.indexes.append(_check_index(path, sound))
     verdict.seconds = time.perf_counter() - start
     return verdict
+
+
+def _may_join(directory: Path) -> bool:
+    """Whether verifying may open the store as its processes do (which writes: an owner file, the
+    claims, a torn journal cut): it is this user's and writable here. Root may write anyone's store,
+    but files it made there would lock the store's owner out."""
+    return os.stat(directory).st_uid == os.geteuid() and os.access(directory, os.W_OK)
 
 
 def _check_store(directory: Path, drop: bool, batch: int) -> tuple[list[BlockKey], list[BlockKey]]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
-from pathlib import Path
 
 from tierkv.errors import ConfigError
-from tierkv.flags import add_flags, build, given
+from tierkv.flags import add_flags, build, given, path_arg
 from tierkv.model.settings import SessionConfig
 
 
@@ -19,7 +18,7 @@ def add_store(sub: argparse._SubParsersAction) -> None:
                                    "settings of the run that stored it.")
     actions = p.add_subparsers(dest="action", required=True, parser_class=type(p))
     verify = actions.add_parser("verify", help="check everything under --nvme-dir; exit 1 if anything is damaged")
-    verify.add_argument("--nvme-dir", type=Path, required=True, metavar="DIR", help="the store's directory")
+    verify.add_argument("--nvme-dir", type=path_arg, required=True, metavar="DIR", help="the store's directory")
     verify.add_argument("--json", action="store_true", help="print one JSON object")
     verify.set_defaults(func=cmd_store)
     repair = actions.add_parser("repair", help="drop what fails its checks, compute damaged sparse pages again",

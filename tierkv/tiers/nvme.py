@@ -461,6 +461,8 @@ def scan_read_only(directory: Path) -> tuple[list[BlockKey], list[BlockKey]]:
     try:
         block_bytes = int(json.loads((directory / "store.json").read_text())["block_bytes"])
         raw = (directory / "index.log").read_bytes() if (directory / "index.log").exists() else b""
+        if not (directory / "slots.dat").exists():     # a store that never held a block
+            return [], []
         fd = os.open(directory / "slots.dat", os.O_RDONLY | os.O_CLOEXEC)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{directory}: not a readable tierkv NVMe store ({exc})") from None

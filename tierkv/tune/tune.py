@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from policies import available, make_policy
+from tierkv.flags import path_arg
 from tierkv.sizes import format_size, parse_size
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.profile.access_trace import AccessTrace, TraceMeta
@@ -278,7 +279,7 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="rank eviction/prefetch policies and budgets by replaying an access trace",
                        description="Replay an access trace under every policy and --grid setting, rank them "
                                    "by modelled stall then bytes moved, and write the best as a run config.")
-    p.add_argument("trace", type=Path, help="access trace recorded by tierkv (tierkv.profile.access)")
+    p.add_argument("trace", type=path_arg, help="access trace recorded by tierkv (tierkv.profile.access)")
     p.add_argument("--policies", help="eviction policies for the memory tiers, comma-separated "
                                       f"(default: all: {', '.join(available())}; 'module:Class' works too)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
@@ -286,14 +287,14 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefetch", metavar="A,B", help="prefetchers to rank, comma-separated (short for --grid "
                    "prefetch=A,B), as tierkv run names them for the engine that recorded the trace: "
                    + "; ".join(f"{engine} {v.flag} ({', '.join(v.names())})" for engine, v in VOCABULARIES.items()))
-    p.add_argument("--links", type=Path, help="tier model JSON (link gbps, latency_us, queue_depth) "
+    p.add_argument("--links", type=path_arg, help="tier model JSON (link gbps, latency_us, queue_depth) "
                                               "instead of this machine's probe")
-    p.add_argument("--nvme-dir", type=Path, help="where the probe measures the disk (default: the cache dir)")
+    p.add_argument("--nvme-dir", type=path_arg, help="where the probe measures the disk (default: the cache dir)")
     p.add_argument("--reprobe", action="store_true", help="measure this machine again instead of the cache")
-    p.add_argument("--out", type=Path, help="best setting as a run config (default: the trace with the suffix "
+    p.add_argument("--out", type=path_arg, help="best setting as a run config (default: the trace with the suffix "
                                             ".best.json, run.tkv -> run.best.json)")
     p.add_argument("--top", type=int, default=20, help="rows to print and plot (default 20)")
-    p.add_argument("--plot", type=Path, metavar="OUT.png", help="bar chart of stall and bytes (needs matplotlib)")
+    p.add_argument("--plot", type=path_arg, metavar="OUT.png", help="bar chart of stall and bytes (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_tune)
 
