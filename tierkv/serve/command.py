@@ -36,8 +36,8 @@ class ServeSettings:
     max_new_tokens: int = setting(4096, "most tokens one answer may ask for (max_tokens)", metavar="N")
     max_body_bytes: str | int = setting("16MiB", "largest request body taken (larger: a 413)", metavar="SIZE")
     drain_s: float = setting(30.0, "on SIGTERM or Ctrl-C, seconds the answers in progress or queued may take to "
-                                   "finish; one still running then ends with a 503 (streamed: an error event); "
-                                   "a second signal stops at once", metavar="SECONDS")
+                                   "finish; one still running then ends with a 503 (streamed: an error event), "
+                                   "as all do at a second signal; a third exits at once", metavar="SECONDS")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -18,8 +18,9 @@ Replay applies records in order; the last PUT for a slot owns it, so a key
 whose slot was taken over by a later PUT disappears even if its DROP record
 was lost. Processes sharing a store may each write the same block: every copy
 stays live until its own slot is rewritten or a DROP_AT names it, and the
-index shows the newest (`Replay.extra` lists the others). A record whose magic, op or CRC is wrong is skipped; everything
-after the last good record (a torn append, garbage) is cut off by an opener
+index shows the newest (`Replay.extra` lists the others). A record whose
+magic, op or CRC is wrong is skipped; everything after the last good record
+(a torn append, garbage) is cut off by an opener
 alone with the store, so appends continue a valid prefix. Skipping a damaged record is safe because a
 read also checks the block's checksum: a resurrected or stale entry can make
 a block fail, never serve wrong bytes.
