@@ -60,6 +60,8 @@ def test_a_new_session_finds_the_stored_document(smollm2, tmp_path):
         again.read(DOC)
         assert again.document_reused == n
         after = again.ask("Who founded the bakery?", max_new_tokens=8)
+        with pytest.raises(ConfigError, match="ask something"):
+            again.ask("  ")
     assert after.tokens == before.tokens
 
 
@@ -112,8 +114,14 @@ def test_bad_requests_are_clear_errors(tmp_path):
             session.chat([{"role": "robot", "content": "hi"}])
         with pytest.raises(ConfigError, match="token id 128 is not in the model's vocabulary; ids are 0..127"):
             session.complete([1, 128, 2])
+        with pytest.raises(ConfigError, match="max_new_tokens='5': expected a number"):
+            session.complete([1, 2, 3], max_new_tokens="5")
+        with pytest.raises(ConfigError, match="unknown sampling setting\\(s\\): max_tokens; allowed: max_new_tokens"):
+            session.complete([1, 2, 3], max_tokens=5)
     with pytest.raises(TierKVError, match="closed"):
         session.complete([1, 2])
+    with pytest.raises(TierKVError, match="closed"):     # not "read a document first"
+        session.ask("?")
 
 
 def tiny_loaded() -> LoadedModel:

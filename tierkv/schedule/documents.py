@@ -142,8 +142,8 @@ class OutputLog:
                                   "kind of file, or edited by hand); give a new .jsonl file, or remove that line")
             if self.job is not None and record.get("job", self.job) != self.job:
                 shown = ", ".join(f"{name} {value!r}" for name, value in self.settings.items())
-                raise ConfigError(f"--out {self.path}: line {number} was made with other settings than this run's "
-                                  f"({shown}); resume with the settings that wrote it, or give a new --out")
+                raise ConfigError(f"--out {self.path}: line {number} was made with settings other than this run's "
+                                  f"(this run: {shown}); resume with the settings that wrote it, or give a new --out")
             good += len(line)
             if self.retry_failed and str(record.get("error", "")).startswith(FAILED):
                 dropped += 1

@@ -61,8 +61,8 @@ class Closing:
             self.cut_at = time.monotonic() + self.drain_s
 
     def cut(self) -> ApiError:
-        return ApiError(503, f"the server is shutting down and this answer did not finish within its "
-                             f"--drain-s ({self.drain_s:g} s): it was cut off", kind="server_error",
+        return ApiError(503, f"the server is shutting down: this answer was cut off before it finished "
+                             f"(--drain-s {self.drain_s:g}, or a second signal)", kind="server_error",
                         code="server_shutdown")
 
 

@@ -42,7 +42,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     config = build(SessionConfig, given(args, SessionConfig))
     config.engine.check_flags(given_flags(args, SparseConfig))
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    Sampling(**sampling)            # checked before the model loads, not at the first question
+    Sampling.of(sampling)           # checked before the model loads, not at the first question
     text = read_document(args.doc) if args.doc is not None else None
     _history()
     print(f"loading {config.engine.model} ...", file=sys.stderr, flush=True)

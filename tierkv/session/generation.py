@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +37,24 @@ class Sampling:
     stop: tuple[str, ...] = ()
     draft_tokens: int = 0           # greedy only: propose up to this many tokens by prompt lookup, verify in one pass
 
+    @classmethod
+    def of(cls, settings: dict[str, Any]) -> Sampling:
+        """``Sampling(**settings)``, an unknown name a ConfigError that lists the known ones."""
+        unknown = sorted(set(settings) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown sampling setting(s): {', '.join(unknown)}; allowed: "
+                              f"{', '.join(f.name for f in fields(cls))}")
+        return cls(**settings)
+
     def __post_init__(self) -> None:
+        for name, kinds in (("max_new_tokens", int), ("draft_tokens", int), ("temperature", (int, float)),
+                            ("top_p", (int, float)), ("seed", (int, type(None)))):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise ConfigError(f"{name}={value!r}: expected a number" if name != "seed" else
+                                  f"seed={value!r}: expected an integer or None")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise ConfigError(f"stop={self.stop!r}: expected a sequence of strings")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
         if not 0 <= self.temperature <= 100:

@@ -1,7 +1,7 @@
 """A session: read a long document once, then ask, chat and complete over it as often as you like.
 
     with Session.open("smollm2", nvme_dir="/mnt/nvme/kv", gpu_budget="2GiB") as s:
-        s.read("report.txt")                       # prefilled once, or found stored by an earlier run
+        s.read(Path("report.txt"))                 # prefilled once, or found stored (a str is the text itself)
         print(s.ask("What are the three main findings?").text)
         for piece in s.ask("Who wrote it?", stream=True):
             print(piece, end="")
@@ -142,8 +142,11 @@ class Session:
         """A question about the document ``read`` took in, seeing nothing asked before. ``cancelled``
         (of every request call): asked as the prompt is computed and at every token; once it is true
         the answer stops (``Cancelled`` while the prompt is computed, ``finish_reason`` "cancelled" after)."""
+        self._check_open()
         if self.document is None or not self._messages:
-            raise TierKVError("read a document first: session.read(path_or_text)")
+            raise TierKVError("read a document first: session.read(Path(file)) or session.read(text)")
+        if not isinstance(question, str) or not question.strip():
+            raise ConfigError(f"question={question!r}: ask something (a non-empty string)")
         return self._chat([*self._messages, {"role": "user", "content": question}], stream, sampling, keep=False,
                           cancelled=cancelled)
 
@@ -159,14 +162,14 @@ class Session:
         start = time.perf_counter()
         ids = prompt_ids(self.loaded, "chat", messages)
         prefix = chat_ids(self.loaded.tokenizer, list(messages[:-1]), generation=False) if len(messages) > 1 else []
-        return self._respond(ids, prefix, Sampling(**sampling), stream, keep=keep, start=start, cancelled=cancelled)
+        return self._respond(ids, prefix, Sampling.of(sampling), stream, keep=keep, start=start, cancelled=cancelled)
 
     def complete(self, prompt: str | Sequence[int], *, stream: bool = False, cancelled: Cancel | None = None,
                  **sampling: Any) -> Answer | Stream:
         """The continuation of a plain prompt (no chat template): text, or token ids."""
         start = time.perf_counter()
         ids = prompt_ids(self.loaded, "completion", prompt)
-        return self._respond(ids, ids[:-1], Sampling(**sampling), stream, keep=False, start=start,
+        return self._respond(ids, ids[:-1], Sampling.of(sampling), stream, keep=False, start=start,
                              cancelled=cancelled)
 
     def fork(self) -> Session:
