@@ -54,7 +54,8 @@ def test_a_resume_with_other_settings_is_refused_and_the_file_left_as_it_was(tmp
         log.write({"id": "b", "summary": "y"})
     written = path.read_text()
     assert [json.loads(line)["job"] for line in written.splitlines()] == [settings_digest(first)] * 2
-    with pytest.raises(ConfigError, match=r"line 1 was made with other settings .*--max-new-tokens 32"):
+    with pytest.raises(ConfigError,
+                       match=r"line 1 was made with settings other than this run's \(this run: .*--max-new-tokens 32"):
         OutputLog(path, {"--model": "smollm2", "--max-new-tokens": 32})
     assert path.read_text() == written
     older = tmp_path / "older.jsonl"                     # records written before the digest: taken as they are
