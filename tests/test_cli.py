@@ -71,6 +71,10 @@ def test_info_text(capsys):
     (["info", "--bogus"], "tierkv info: unrecognized arguments: --bogus (see tierkv info --help)"),
     (["run", "--synthetic-tokens", "100", "--bogus"], "tierkv run: unrecognized arguments: --bogus (see tierkv run --help)"),
     (["store", "verify", "--nvme-dir", "x", "--bogus"], "(see tierkv store verify --help)"),
+    (["store", "verify", "--nvme-dir", ""], "argument --nvme-dir: empty: give a path"),     # not the working dir
+    (["run", "--synthetic-tokens", "100", "--nvme-dir", " "], "argument --nvme-dir: empty: give a path"),
+    (["run", "--doc", "x.txt", "--question", ""], "--question number 1 is empty"),
+    (["run", "--synthetic-tokens", "100", "--gpu-budget", "99999999TiB"], "more than any machine addresses"),
     (["nonsense"], "invalid choice: 'nonsense'"),
     (["chat", "--max-new-tokens", "0"], "max_new_tokens=0: must be >= 1"),        # before the model loads
     (["chat", "--temperature", "-1"], "temperature=-1.0: must be between 0 and 100"),
