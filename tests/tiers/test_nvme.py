@@ -20,7 +20,7 @@ import torch
 from tierkv.device import has_cuda_driver, host_buffer
 from tierkv.errors import ConfigError, DiskFullError, StoreLocked
 from tierkv.keys import BlockKey
-from tierkv.tiers import journal, nvme, nvme_io, nvme_striped
+from tierkv.tiers import journal, nvme, nvme_io, nvme_scan, nvme_striped
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvme_io import o_direct_supported, probe_backends
 from tierkv.tiers.nvme_striped import plan_runs
@@ -453,7 +453,7 @@ def test_a_store_is_scanned_without_joining_it_empty_or_damaged(tmp_path: Path) 
     their checksum, as a read through the store finds them; a store that never held a block has none."""
     with NvmeTier(tmp_path / "empty", 4096, 16 * 4096):
         pass
-    assert nvme.scan_read_only(tmp_path / "empty") == ([], [])
+    assert nvme_scan.scan_read_only(tmp_path / "empty") == ([], [])
     with NvmeTier(tmp_path / "s", 4096, 16 * 4096) as tier:
         keys = [BlockKey.of("scan", i) for i in range(5)]
         slots = [tier.pool.reserve() for _ in keys]
@@ -462,5 +462,5 @@ def test_a_store_is_scanned_without_joining_it_empty_or_damaged(tmp_path: Path) 
     with open(tmp_path / "s" / "slots.dat", "r+b") as f:
         f.seek(slots[2] * 4096 + 100)
         f.write(b"\xff")
-    found, damaged = nvme.scan_read_only(tmp_path / "s")
+    found, damaged = nvme_scan.scan_read_only(tmp_path / "s")
     assert sorted(found) == sorted(keys) and damaged == [keys[2]]

@@ -31,7 +31,8 @@ from tierkv.session.prefill import shelf_of, stored_state
 from tierkv.session.repair import Repair
 from tierkv.session.session import Session
 from tierkv.sparse.store import checked, read_checked_meta, read_ids
-from tierkv.tiers.nvme import NvmeTier, scan_read_only
+from tierkv.tiers.nvme import NvmeTier
+from tierkv.tiers.nvme_scan import scan_read_only
 
 INDEXES = "sparse-indexes"
 

@@ -59,7 +59,6 @@ import json
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from itertools import compress
 from operator import itemgetter
@@ -70,23 +69,22 @@ import torch
 
 from tierkv.knobs import IOKnobs
 
-from tierkv.sizes import format_size
 from tierkv.failpoints import failpoint
-from tierkv.errors import ConfigError, DiskFullError, StoreReadError, StoreUnusable
+from tierkv.errors import ConfigError, StoreReadError, StoreUnusable
 from tierkv.keys import BlockKey
 from tierkv.tiers.base import Medium
-from tierkv.tiers.journal import Journal, Op, Record, encode_puts, replay
-from tierkv.tiers.nvme_io import BACKENDS, block_buffer, choose_backend, misaligned_of
+from tierkv.tiers.journal import Journal, Op, Record, encode_puts
+from tierkv.tiers.nvme_io import (BACKENDS, DISK_FULL, block_buffer, choose_backend, disk_full, disk_full_raised,
+                                  misaligned_of)
 from tierkv.tiers.nvme_pool import SharedPool
-from tierkv.tiers.nvme_share import Membership
-from tierkv.tiers.nvme_striped import UNREADABLE, URGENT, StripedIO, checksum
+from tierkv.tiers.nvme_share import Membership, closed_here, opened_here
+from tierkv.tiers.nvme_striped import UNREADABLE, URGENT, StripedIO
 from tierkv.tiers.nvme_view import Changes, SharedView
 
 log = logging.getLogger(__name__)
 
 GROW_MIN = 64 * 1024**2
 COMPACT_MIN_GARBAGE = 4096  # compact when garbage records exceed this and the live ones
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class NvmeTier:
@@ -114,7 +112,7 @@ class NvmeTier:
                 raise
         self._closed = False
         self._forked_from: int | None = None
-        _OPEN.add(self)
+        opened_here(self)
 
     @classmethod
     def existing(cls, directory: Path, **kw: object) -> NvmeTier:
@@ -194,7 +192,7 @@ class NvmeTier:
         self._share.owner.check()
         self._grow_to((max(slots) + 1) * self.block_bytes)
         digests = [key.digest for key, _, _ in items]
-        with self._disk_full_raised(len(items) * self.block_bytes):
+        with disk_full_raised(self.directory, len(items) * self.block_bytes):
             job = self._io.start_write(slots, bufs, misaligned, priority=priority)
             try:  # while the workers write: the checksums, and the records that carry them
                 sums = job.checksums()
@@ -203,7 +201,7 @@ class NvmeTier:
                 job.wait()
         failpoint("nvme.after-data")
         with self._lock:
-            with self._disk_full_raised(len(records)):
+            with disk_full_raised(self.directory, len(records)):
                 self._journal.append_encoded(records)
             for digest, slot, checksum in self._index.put_many(digests, slots, sums):
                 self._view.unshown(digest, slot, checksum)    # a block this process wrote anew
@@ -282,14 +280,7 @@ class NvmeTier:
         with self._lock:
             self._catch_up()
             changes, self._news = self._news, Changes()
-            added = []
-            for key, slot in changes.added:   # one this process no longer shows there (it wrote the block
-                shown = self._index.get(key)  # again since) is not news: its record goes
-                if shown is not None and shown.slot == slot:
-                    added.append((key, slot))
-                elif self._index.holder(slot) is None and self.pool.in_use(slot) and not self.pool.pins(slot):
-                    self.pool.release(slot)
-            changes.added = added
+            changes.added = self._view.still_shown(changes.added)
         return changes
 
     def hold_back(self, key: BlockKey, slot: int) -> None:
@@ -334,10 +325,10 @@ class NvmeTier:
             self.flush()
         finally:
             self._closed = True
-            _OPEN.discard(self)
+            closed_here(self)
             self._release_files()
 
-    def _forsake(self) -> None:
+    def forsake(self) -> None:
         """In a child forked from the process that has the store open: let go of the inherited files,
         giving nothing back (they are the parent's). Kept, the owner file's lock would make a parent
         that died look alive while the child lives (its slots never reclaimed), and the child would
@@ -404,11 +395,11 @@ class NvmeTier:
                 os.posix_fallocate(self._file.fd, current, size - current)
             except OSError as exc:
                 os.ftruncate(self._file.fd, current)  # give back a partial allocation
-                if exc.errno not in _DISK_FULL:
+                if exc.errno not in DISK_FULL:
                     raise
                 continue
             return size
-        raise self._disk_full(end - current)
+        raise disk_full(self.directory, end - current)
 
     def _check_slots(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots):
@@ -420,22 +411,6 @@ class NvmeTier:
         if foreign:
             raise ValueError(f"write: slot(s) {foreign[:5]} are not in this process's extents; "
                              f"write into slots reserved from tier.pool")
-
-    @contextlib.contextmanager
-    def _disk_full_raised(self, needed: int) -> Iterator[None]:
-        """Turn ENOSPC/EDQUOT from the block into DiskFullError, naming the ``needed`` bytes."""
-        try:
-            yield
-        except OSError as exc:
-            if exc.errno in _DISK_FULL and not isinstance(exc, DiskFullError):
-                raise self._disk_full(needed) from exc
-            raise
-
-    def _disk_full(self, needed: int) -> DiskFullError:
-        fs = os.statvfs(self.directory)
-        return DiskFullError(errno.ENOSPC, f"NVMe store {self.directory}: no space left for "
-                             f"{format_size(needed)} ({needed} bytes) more; {format_size(fs.f_bavail * fs.f_frsize)} "
-                             f"free. Free disk space or lower the NVMe budget")
 
     def _check_open(self) -> None:
         if self._closed and self._forked_from is not None:
@@ -451,44 +426,6 @@ class NvmeTier:
                     getattr(self, part).close()
         finally:
             self._share.leave(self.pool.give_back() if hasattr(self, "pool") else [])
-
-
-def scan_read_only(directory: Path) -> tuple[list[BlockKey], list[BlockKey]]:
-    """Read every block of the store in ``directory`` and check it against its checksum without joining
-    the store (nothing is opened for writing, no lock taken): for a store this process may not write
-    to. The keys of its blocks, and of those that failed. A process writing to the store meanwhile
-    may make a block it rewrites look damaged."""
-    try:
-        block_bytes = int(json.loads((directory / "store.json").read_text())["block_bytes"])
-        raw = (directory / "index.log").read_bytes() if (directory / "index.log").exists() else b""
-        if not (directory / "slots.dat").exists():     # a store that never held a block
-            return [], []
-        fd = os.open(directory / "slots.dat", os.O_RDONLY | os.O_CLOEXEC)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{directory}: not a readable tierkv NVMe store ({exc})") from None
-    try:
-        state, _ = replay(raw, slots=os.fstat(fd).st_size // block_bytes)
-        keys, slots, sums = state.index.records()
-        damaged = [key for key, slot, expected in zip(keys, slots, sums)
-                   if checksum(os.pread(fd, block_bytes, slot * block_bytes)) != expected]
-    finally:
-        os.close(fd)
-    return keys, damaged
-
-
-_OPEN: weakref.WeakSet[NvmeTier] = weakref.WeakSet()   # stores this process has open
-
-
-def _forsake_after_fork() -> None:
-    for store in list(_OPEN):
-        try:
-            store._forsake()
-        except Exception:  # noqa: BLE001 - one store's failure must not leave the others' locks held
-            log.exception("NVMe store %s: letting go of it in a forked child failed", store.directory)
-    _OPEN.clear()
-
-
-os.register_at_fork(after_in_child=_forsake_after_fork)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Block files for the NVMe tier: three backends, and the probes that pick one.
+"""Block files for the NVMe tier: three backends, the probes that pick one, and what a full disk raises.
 
 Backends, in the order ``auto`` tries them (each must pass a real 4 KiB
 write + read in the store's directory, see `probe_backends`):
@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from tierkv.device import ALIGN, GDS_INSTALL, has_cuda_driver
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, DiskFullError
+from tierkv.sizes import format_size
 
 AUTO_ORDER = ("kvikio", "odirect", "buffered")
 
@@ -309,3 +310,24 @@ def choose_backend(requested: str, directory: Path, block_bytes: int) -> str:
     if requested == "auto":
         raise ConfigError(f"no NVMe backend works in {directory}: {reasons}")
     raise ConfigError(f"backend={requested!r} does not work in {directory}: {reasons[requested]}")
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def disk_full_raised(directory: Path, needed: int) -> Iterator[None]:
+    """Turn ENOSPC/EDQUOT from the block into DiskFullError, naming the ``needed`` bytes."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in DISK_FULL and not isinstance(exc, DiskFullError):
+            raise disk_full(directory, needed) from exc
+        raise
+
+
+def disk_full(directory: Path, needed: int) -> DiskFullError:
+    fs = os.statvfs(directory)
+    return DiskFullError(errno.ENOSPC, f"NVMe store {directory}: no space left for "
+                         f"{format_size(needed)} ({needed} bytes) more; {format_size(fs.f_bavail * fs.f_frsize)} "
+                         f"free. Free disk space or lower the NVMe budget")

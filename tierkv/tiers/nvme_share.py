@@ -56,16 +56,20 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import secrets
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tierkv.errors import ConfigError, StoreLocked, StoreUnusable
 from tierkv.tiers.nvme_io import fsync_dir, open_private
+
+log = logging.getLogger(__name__)
 
 FORMAT = "tierkv-nvme"
 VERSION = 1
@@ -362,3 +366,30 @@ def _write_manifest(path: Path, block_bytes: int, namespace: str) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+# -- forks ---------------------------------------------------------------------------
+_OPEN: weakref.WeakSet = weakref.WeakSet()   # stores this process has open (NvmeTier)
+
+
+def opened_here(store: object) -> None:
+    """``store`` (with a ``forsake()``) is open in this process: a child forked from it lets go of it."""
+    _OPEN.add(store)
+
+
+def closed_here(store: object) -> None:
+    _OPEN.discard(store)
+
+
+def _forsake_after_fork() -> None:
+    """In a child forked without exec: every store the parent had open lets go of its inherited files
+    (an inherited owner lock would keep a parent that died alive while the child lives)."""
+    for store in list(_OPEN):
+        try:
+            store.forsake()
+        except Exception:  # noqa: BLE001 - one store's failure must not leave the others' locks held
+            log.exception("NVMe store %s: letting go of it in a forked child failed", store.directory)
+    _OPEN.clear()
+
+
+os.register_at_fork(after_in_child=_forsake_after_fork)

@@ -42,7 +42,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tierkv.keys import BlockKey
-from tierkv.tiers.journal import Index, Op, Row
+from tierkv.tiers.block_index import Index
+from tierkv.tiers.journal import Op, Row
 from tierkv.tiers.nvme_pool import SharedPool
 from tierkv.tiers.pool import SlotState
 
@@ -106,6 +107,18 @@ class SharedView:
         changes = Changes([(BlockKey(digest), slot) for slot, digest in self._added.items()], self._removed)
         self._added, self._removed, self._gone = {}, [], set()
         return changes
+
+    def still_shown(self, added: list[tuple[BlockKey, int]]) -> list[tuple[BlockKey, int]]:
+        """Of blocks reported added since the last look, those still shown there; one the store stopped
+        showing (it wrote the block again since) is no news, and its record goes."""
+        shown = []
+        for key, slot in added:
+            entry = self._index.get(key)
+            if entry is not None and entry.slot == slot:
+                shown.append((key, slot))
+            elif self._index.holder(slot) is None and self._pool.in_use(slot) and not self._pool.pins(slot):
+                self._pool.release(slot)
+        return shown
 
     # -- what the store itself changed ----------------------------------------------
     def unshown(self, digest: bytes, slot: int, checksum: int) -> None:
