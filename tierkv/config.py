@@ -54,9 +54,7 @@ class TierConfig:
                 raise ConfigError(f"{name}={budget}: a non-zero budget must hold at least one block "
                                   f"(block_bytes={self.block_bytes})")
         if self.nvme_dir is not None:
-            if not str(self.nvme_dir).strip():
-                raise ConfigError("nvme_dir='': give the store's directory (leave it out: no NVMe tier)")
-            object.__setattr__(self, "nvme_dir", Path(self.nvme_dir))
+            object.__setattr__(self, "nvme_dir", store_dir(self.nvme_dir))
             if self.nvme_budget < self.block_bytes:
                 raise ConfigError(f"nvme_budget={self.nvme_budget}: must hold at least one block "
                                   f"(block_bytes={self.block_bytes})")
@@ -73,3 +71,11 @@ class TierConfig:
         """The cxl tier's link: ``cxl_preset`` with the ``cxl_*`` figures that are set."""
         return link_spec(self.cxl_preset, read_gbps=self.cxl_read_gbps, write_gbps=self.cxl_write_gbps,
                          latency_ns=self.cxl_latency_ns, devices=self.cxl_devices)
+
+
+def store_dir(value: str | Path) -> Path:
+    """``value`` as the NVMe store's directory; an empty string (``Path('')`` is the working directory,
+    where a store would be made by mistake) is refused."""
+    if not str(value).strip():
+        raise ConfigError("nvme_dir='': give the store's directory (leave it out: no NVMe store)")
+    return Path(value)

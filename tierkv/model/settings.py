@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from policies import make_policy
-from tierkv.config import TierConfig
+from tierkv.config import TierConfig, store_dir
 from tierkv.device import auto_dtype
 from tierkv.model.weights import WEIGHTS
 from tierkv.errors import ConfigError
@@ -89,9 +89,7 @@ class TierSettings:
         for name in ("gpu_policy", "cpu_policy", "nvme_policy"):
             make_policy(getattr(self, name))  # unknown names list the valid ones
         if self.nvme_dir is not None:
-            if not str(self.nvme_dir).strip():
-                raise ConfigError("nvme_dir='': give the store's directory (leave --nvme-dir out: no store)")
-            object.__setattr__(self, "nvme_dir", Path(self.nvme_dir))
+            object.__setattr__(self, "nvme_dir", store_dir(self.nvme_dir))
         if self.remote is not None:
             check_url(self.remote)
         if not self.remote_ttl > 0:
