@@ -1,11 +1,14 @@
 """The command line as a user meets it: help, wrong flags, bad values, missing files."""
+import errno
 import json
 import subprocess
 import sys
 
 import pytest
 
+from tierkv import cli
 from tierkv.cli import main
+from tierkv.errors import BlockMissing, ConfigError, DiskFullError, StoreReadError
 
 
 def tierkv(*args):
@@ -81,6 +84,8 @@ def test_info_text(capsys):
     (["run"], "give exactly one of --doc FILE or --synthetic-tokens N"),
     (["run", "--synthetic-tokens", "x"], "invalid int value: 'x'"),
     (["run", "--synthetic-tokens", "100", "--cpu-budget", "lots"], "cpu_budget='lots'"),
+    (["run", "--synthetic-tokens", "100", "--gpu-budget", "-1GiB"], "gpu_budget='-1GiB': expected a size"),
+    (["serve", "--drain-s", "-1"], "drain_s=-1.0: must be >= 0"),
     (["run", "--synthetic-tokens", "100", "--mode", "fast"], "invalid choice: 'fast' (choose from 'auto', 'dense', 'sparse')"),
     (["run", "--synthetic-tokens", "100", "--sparse-budget", "150%"], "sparse_budget='150%': a share must be between"),
     (["run", "--synthetic-tokens", "100", "--selector", "best"], "selector='best': unknown; valid names:"),
@@ -107,6 +112,24 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("error,status", [
+    (DiskFullError(errno.ENOSPC, "no space left for block k"), 1),
+    (StoreReadError(errno.EIO, "the device failed a read"), 1),
+    (OSError(errno.EIO, "Input/output error"), 1),
+    (BlockMissing("block k: not stored"), 1),
+    (FileNotFoundError(errno.ENOENT, "No such file or directory", "in.jsonl"), 2),
+    (PermissionError(errno.EACCES, "Permission denied", "out.jsonl"), 2),
+    (ConfigError("--x 3: must be 1..2"), 2),
+])
+def test_the_exit_status_tells_a_wrong_command_from_a_failed_run(error, status, monkeypatch, capsys):
+    """2: the command is wrong (a flag, a file named on it); 1: the run failed (disk, device, store)."""
+    def failing(sub):
+        sub.add_parser("fail").set_defaults(func=lambda args: (_ for _ in ()).throw(error))
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, failing])
+    assert main(["fail"]) == status
+    assert capsys.readouterr().err.startswith("tierkv: error: ")
 
 
 def test_missing_document_and_missing_model_are_clear(tmp_path):

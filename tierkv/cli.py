@@ -1,7 +1,8 @@
 """The ``tierkv`` command: one sub-command per user job, registered in COMMANDS.
 
-Errors a user can fix (bad flags, bad sizes, a missing file, a full disk)
-print one line and exit 2; no traceback.
+An error prints one line, no traceback. The exit status says whose it is: 2, the command is
+wrong (a bad flag or size, a missing or unreadable file named on it); 1, the run failed (a full
+disk, a device error, a store another process holds); 130, interrupted; 143, terminated.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import errno
 import json
 import platform
+import re
 import shutil
 import signal
 import sys
@@ -38,7 +41,7 @@ from tierkv.session.chat import add_chat
 from tierkv.session.store_command import add_store
 
 
-class UsageError(TierKVError):
+class UsageError(ConfigError):
     """A command-line mistake: reported in one line, exit status 2."""
 
 
@@ -46,6 +49,12 @@ RETIRED_FLAGS = {"--sparse-overlap": "overlap is the default; --no-sparse-overla
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # A value such as -1GiB is the flag's value, shown to its own check ("expected a size"), not an
+        # unknown flag that leaves the one before it "expected one argument". No flag starts with -<digit>.
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         """As argparse's, but an unknown flag is named by the (sub)command it was given to, whose
         ``--help`` lists the flags it takes."""
@@ -375,13 +384,23 @@ def _main(argv: list[str] | None) -> int:
         return args.func(args)
     except (TierKVError, OSError) as error:
         print(f"tierkv: error: {error}", file=sys.stderr)
-        return 2
+        return 2 if _usage(error) else 1
     except Terminated:
         print("tierkv: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("tierkv: interrupted", file=sys.stderr)
         return 130
+
+
+def _usage(error: BaseException) -> bool:
+    """Whether ``error`` is the command's fault (exit 2), not the run's (exit 1)."""
+    return isinstance(error, ConfigError) or (isinstance(error, OSError) and not isinstance(error, TierKVError)
+                                              and error.errno in _USAGE_ERRNOS)
+
+
+_USAGE_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
+                 errno.ELOOP}
 
 
 if __name__ == "__main__":

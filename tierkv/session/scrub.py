@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
 from tierkv.model.loading import LoadedModel
 from tierkv.model.settings import SessionConfig
@@ -95,12 +96,12 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     """Check everything under ``nvme_dir``; ``drop``: drop the blocks that fail."""
     start, verdict = time.perf_counter(), Verdict()
     if not Path(nvme_dir).is_dir():
-        raise FileNotFoundError(f"--nvme-dir {nvme_dir}: no such directory")
+        raise ConfigError(f"--nvme-dir {nvme_dir}: no such directory")
     if not stores_in(nvme_dir):      # nothing checked is not "clean"
         hint = f"; give the directory above it ({Path(nvme_dir).resolve().parent})" \
             if (Path(nvme_dir) / "store.json").is_file() else ""
-        raise FileNotFoundError(f"--nvme-dir {nvme_dir}: no tierkv store in it (a store is a folder with a "
-                                f"store.json, as --nvme-dir of tierkv run makes){hint}")
+        raise ConfigError(f"--nvme-dir {nvme_dir}: no tierkv store in it (a store is a folder with a "
+                          f"store.json, as --nvme-dir of tierkv run makes){hint}")
     sound: set[BlockKey] = set()
     for directory in stores_in(nvme_dir):
         check = StoreCheck(directory)
