@@ -118,6 +118,13 @@ def test_bad_requests_are_clear_errors(tmp_path):
             session.complete([1, 2, 3], max_new_tokens="5")
         with pytest.raises(ConfigError, match="unknown sampling setting\\(s\\): max_tokens; allowed: max_new_tokens"):
             session.complete([1, 2, 3], max_tokens=5)
+        with pytest.raises(ConfigError, match=f"the document {tmp_path / 'nope.txt'}: no such file"):   # not --doc
+            session.read(tmp_path / "nope.txt")
+        (tmp_path / "report.txt").write_text("a report")
+        with pytest.raises(ConfigError, match="this one is a file's name: read\\(Path\\("):   # not its name as text
+            session.read(str(tmp_path / "report.txt"))
+        with pytest.raises(ConfigError, match="a str \\(its text\\) or a Path \\(a text file\\), not bytes"):
+            session.read(b"text")
     with pytest.raises(TierKVError, match="closed"):
         session.complete([1, 2])
     with pytest.raises(TierKVError, match="closed"):     # not "read a document first"

@@ -65,19 +65,20 @@ def _real_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
-def read_document(path: Path) -> str:
-    """A text file's content; an error a user can fix names the file and the problem."""
+def read_document(path: Path, *, named: str = "--doc") -> str:
+    """A text file's content; an error a user can fix names the file (as ``named``) and the problem."""
+    where = f"{named} {path}"
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"--doc {path}: no such file") from None
+        raise ConfigError(f"{where}: no such file") from None
     except IsADirectoryError:
-        raise ConfigError(f"--doc {path}: is a directory; give a text file") from None
+        raise ConfigError(f"{where}: is a directory; give a text file") from None
     except UnicodeDecodeError as error:       # a PDF, an archive, a file in another encoding: the model would read noise
-        raise ConfigError(f"--doc {path}: not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+        raise ConfigError(f"{where}: not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
                           f"{error.start}); give a text file, or convert it (iconv -t UTF-8, pdftotext)") from None
     if not text.strip():
-        raise ConfigError(f"--doc {path}: the file is empty")
+        raise ConfigError(f"{where}: the file is empty")
     return text
 
 

@@ -116,7 +116,16 @@ class Session:
     def read(self, document: str | Path, *, progress: Progress | None = None) -> int:
         """Take in a document (a path, or the text itself): prefilled, or found stored. Later
         questions are asked about it. Returns its tokens."""
-        text = read_document(document) if isinstance(document, Path) else document
+        if isinstance(document, Path):
+            text = read_document(document, named="the document")
+        elif isinstance(document, str):
+            text = document
+            if "\n" not in text and len(text) < 4096 and Path(text).is_file():
+                raise ConfigError(f"read({text!r}): a str is the document's text, and this one is a file's name: "
+                                  f"read(Path({text!r})) reads the file")
+        else:
+            raise ConfigError(f"read(): the document is a str (its text) or a Path (a text file), not "
+                              f"{type(document).__name__}")
         if not text.strip():
             raise ConfigError("the document is empty")
         self._messages = [{"role": "user", "content": text}]
