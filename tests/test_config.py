@@ -28,7 +28,7 @@ def test_format_size():
     assert format_size(3 * 2**20) == "3.0 MiB" and format_size(100) == "100 B"
 
 
-def test_tier_config_validates_fields():
+def test_tier_config_validates_fields(tmp_path):
     assert TierConfig(cpu="1GiB").cpu == 2**30
     with pytest.raises(ConfigError, match="block_bytes=1000: must be a multiple of 4096"):
         TierConfig(block_bytes=1000)
@@ -36,6 +36,8 @@ def test_tier_config_validates_fields():
         TierConfig(gpu=4096)
     with pytest.raises(ConfigError, match="at least one tier"):
         TierConfig(gpu=0, cpu=0)
+    with pytest.raises(ConfigError, match="blocks are read from nvme into a memory tier"):   # not at the manager
+        TierConfig(gpu=0, cpu=0, nvme_dir=tmp_path)
     with pytest.raises(ConfigError, match="cpu='lots'"):
         TierConfig(cpu="lots")
 

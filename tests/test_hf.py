@@ -6,7 +6,7 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from tierkv.errors import ConfigError  # noqa: E402
+from tierkv.errors import ConfigError, ManagerClosed  # noqa: E402
 import tierkv.hf  # noqa: E402
 from tierkv.hf import ATTENTION, TieredCache, folded_decode_attention  # noqa: E402
 
@@ -115,6 +115,29 @@ def test_a_cache_with_an_unknown_kv_dtype_says_what_is_allowed(name):
         TieredCache(FAMILIES["llama"](), kv_dtype=name)
 
 
+def test_caches_of_two_block_layouts_share_one_nvme_dir(tmp_path):
+    torch.manual_seed(0)
+    config = FAMILIES["llama"]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 256, (1, 100))
+    for kv_dtype in (None, "int8"):       # each its own store in the folder, not "holds block_bytes=..."
+        with TieredCache(config, gpu=0, cpu="64KiB", nvme_dir=tmp_path, block_tokens=32, kv_dtype=kv_dtype) as cache:
+            greedy(model, ids, cache, n=2)
+    assert len([p for p in tmp_path.iterdir() if (p / "store.json").is_file()]) == 2
+
+
+def test_a_budget_too_small_for_one_block_fails_when_the_cache_is_made_not_at_the_first_token():
+    config = FAMILIES["llama"]()
+    one = block_bytes(config, 64)
+    with pytest.raises(ConfigError, match="gpu='lots': expected a size"):      # named as given, not as buffer
+        TieredCache(config, gpu="lots")
+    with pytest.raises(ConfigError, match=f"cpu={one - 4096}: a non-zero budget must hold at least one block"):
+        TieredCache(config, gpu=0, cpu=one - 4096, block_tokens=64)
+    TieredCache(config, gpu=0, cpu=one, block_tokens=64).close()
+    config.dtype = "bfloat16"                       # the config's dtype sizes the block: half as many bytes
+    TieredCache(config, gpu=0, cpu=block_bytes(config, 64, torch.bfloat16), block_tokens=64).close()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("mode", ["beams-2", "beams-4", "prompt-lookup", "assistant"])
 def test_generation_modes_that_branch_kv_match_dynamic_cache_on_nvme(family, mode, tmp_path):
@@ -209,6 +232,8 @@ def test_close_drops_every_block(tmp_path):
     cache.close()
     assert len(manager.directory) == 0
     cache.close()  # idempotent
+    with pytest.raises(ManagerClosed, match="this TieredCache was closed"):    # not an AttributeError inside
+        greedy(model, torch.randint(0, 256, (1, 10)), cache, n=2)
 
 
 def test_a_batch_of_two_prompts_matches_dynamic_cache_row_by_row(tmp_path):

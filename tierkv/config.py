@@ -58,8 +58,11 @@ class TierConfig:
             if self.nvme_budget < self.block_bytes:
                 raise ConfigError(f"nvme_budget={self.nvme_budget}: must hold at least one block "
                                   f"(block_bytes={self.block_bytes})")
-        if self.gpu == 0 and self.cpu == 0 and self.cxl == 0 and self.nvme_dir is None:
-            raise ConfigError("gpu=0, cpu=0, cxl=0 and nvme_dir=None: at least one tier must be enabled")
+        if self.gpu == 0 and self.cpu == 0 and self.cxl == 0:
+            if self.nvme_dir is None:
+                raise ConfigError("gpu=0, cpu=0, cxl=0 and nvme_dir=None: at least one tier must be enabled")
+            raise ConfigError("gpu=0, cpu=0 and cxl=0: blocks are read from nvme into a memory tier; give gpu, "
+                              "cpu or cxl a budget of at least one block")
         if self.remote is not None:
             check_url(self.remote)
         if self.remote_ttl <= 0:

@@ -41,6 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tierkv.codec import block_codec
 from tierkv.config import TierConfig
+from tierkv.errors import ManagerClosed
 from tierkv.keys import BlockKey
 from tierkv.layout import BlockLayout
 from tierkv.manager import BlockingTierManager
@@ -138,27 +139,48 @@ class TieredCache(Cache):
                  block_tokens: int = 256, kv_dtype: str | None = None, buffer: str | int | None = None,
                  manager: BlockingTierManager | None = None) -> None:
         """``buffer``: bytes the layers' contiguous K/V buffers may take on the compute device (default:
-        ``gpu``; 0: none, every step gathers every layer's blocks)."""
+        ``gpu``; 0: none, every step gathers every layer's blocks). ``nvme_dir``: the store goes in a
+        folder of it named by the block layout, so caches of other models or ``kv_dtype`` share it."""
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = text_config.num_hidden_layers
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
         self._budgets = dict(gpu=gpu, cpu=cpu, nvme_dir=nvme_dir, nvme_budget=nvme_budget)
         self.block_tokens = block_tokens
         self.codec = block_codec(kv_dtype, block_tokens)     # validated now, not at the first token
-        self.buffers = BufferBudget(parse_size(gpu if buffer is None else buffer, "buffer"))
+        self.buffers = BufferBudget(parse_size(gpu, "gpu") if buffer is None else parse_size(buffer, "buffer"))
         self.manager = manager
         self._owns_manager = manager is None
         self.layout: BlockLayout | None = None
         self._root = os.urandom(16)
+        self.closed = False
+        if manager is None:
+            self._check_budgets(text_config)
+
+    def _check_budgets(self, config: Any) -> None:
+        """Budgets that cannot hold one block fail here, not at the first token: the block as the config
+        gives it (its dtype, else torch's default; the first token checks again with the real one)."""
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+        dtype = getattr(config, "dtype", None) or torch.get_default_dtype()
+        dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+        if isinstance(kv_heads, int) and isinstance(head_dim, int) and isinstance(dtype, torch.dtype):
+            layout = BlockLayout.kv(self.num_layers, kv_heads, head_dim, dtype, self.block_tokens, codec=self.codec)
+            TierConfig(block_bytes=layout.block_bytes, **self._budgets)
 
     # -- called by the layers ---------------------------------------------
     def _open(self, key_states: torch.Tensor) -> None:
+        if self.closed:
+            raise ManagerClosed("this TieredCache was closed (its blocks are freed): make a new one")
         if self.layout is not None:
             return
         _, Hkv, _, D = key_states.shape
         self.layout = BlockLayout.kv(self.num_layers, Hkv, D, key_states.dtype, self.block_tokens, codec=self.codec)
         if self.manager is None:
-            config = TierConfig(block_bytes=self.layout.block_bytes, **self._budgets)
+            budgets = dict(self._budgets)
+            if budgets["nvme_dir"] is not None:        # one store per block layout, as tierkv run keeps them
+                budgets["nvme_dir"] = Path(budgets["nvme_dir"]) / self.layout.name
+            config = TierConfig(block_bytes=self.layout.block_bytes, **budgets)
             self.manager = BlockingTierManager.from_config(config, namespace=self.layout.name)
 
     def _new_row(self, layer: int, device: torch.device) -> LayerKV:
@@ -199,6 +221,7 @@ class TieredCache(Cache):
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
+        self.closed = True
         for layer in self.layers:
             layer.reset()
         if self._owns_manager and self.manager is not None:
