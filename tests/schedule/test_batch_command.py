@@ -101,6 +101,7 @@ def test_sigterm_stops_a_batch_cleanly_and_removes_its_scratch(model_dir, tmp_pa
     job.send_signal(signal.SIGTERM)
     _, stderr = job.communicate(timeout=60)
     assert job.returncode == 128 + signal.SIGTERM and b"tierkv: terminated" in stderr, stderr.decode()[-2000:]
+    assert f"the documents finished are in {out}: the same command again goes on with the rest".encode() in stderr
     assert list(scratch.iterdir()) == []
     assert all("summary" in json.loads(line) for line in out.read_text().splitlines())
 
@@ -150,6 +151,7 @@ def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path
     (["--policy", "nope.json"], "--policy nope.json: no such file"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from 'auto', 'float32', 'bfloat16', 'float16')"),
     (["--weight-dtype", "bf16"], "--weight-dtype='bf16': allowed: bfloat16, float16 or none"),
+    (["--workers", "2", "--ray-batch", "4"], "--workers, --ray-batch: Ray settings, but no --ray"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')

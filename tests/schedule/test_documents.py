@@ -107,3 +107,26 @@ def test_directory_inputs_skip_the_output_and_hidden_files_and_an_empty_one_is_n
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no documents in it"):
         read_inputs(tmp_path / "empty")
+
+
+def test_a_made_up_id_never_takes_a_line_s_own_and_an_id_is_a_string_or_a_number(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "first, no id"}\n{"id": "1", "text": "one"}\nnot json\n{"id": 3, "text": "three"}\n'
+                    '{"id": null, "text": "nul"}\n{"id": [5], "text": "list"}\n')
+    assert [(d.id, d.text, d.error) for d in read_inputs(path)] == [
+        ("line1", "first, no id", None), ("1", "one", None), ("line3", None, "unreadable: line 3 is not JSON"),
+        ("3", "three", None), ("5", None, 'unreadable: line 5\'s "id" is null: give a string or a number'),
+        ("6", None, 'unreadable: line 6\'s "id" is [5]: give a string or a number')]
+
+
+def test_an_empty_jsonl_and_an_out_that_is_the_inputs_or_a_list_of_documents_are_refused(tmp_path):
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("\n")
+    with pytest.raises(ConfigError, match="no documents in it"):
+        read_inputs(inputs)
+    inputs.write_text('{"id": "a", "text": "alpha"}\n')
+    with pytest.raises(ConfigError, match="is the --inputs file"):
+        read_inputs(inputs, out=tmp_path / "." / "in.jsonl")
+    with pytest.raises(ConfigError, match="line 1 is not a record of tierkv batch"):   # not "1 already done"
+        OutputLog(inputs, {"--model": "smollm2"})
+    assert inputs.read_text() == '{"id": "a", "text": "alpha"}\n'

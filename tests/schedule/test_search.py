@@ -54,8 +54,11 @@ def test_search_beats_every_hand_picked_policy_that_fits():
 def test_no_disk_keeps_everything_in_memory_or_fails_clearly():
     choice = search(SHAPE, WORK, MACHINE, Budgets(4 * GiB, 64 * GiB, 0))
     assert choice.policy.weights.disk == 0 and choice.policy.kv.disk == 0
-    with pytest.raises(ConfigError, match="no policy fits the budgets"):
+    with pytest.raises(ConfigError, match="no policy fits the budgets gpu 256.0 MiB, cpu 1.0 GiB, disk 0 B: .* "
+                                          "or give --nvme-dir"):
         search(SHAPE, WORK, MACHINE, Budgets(256 * MiB, 1 * GiB, 0))
+    with pytest.raises(ConfigError, match="or raise --nvme-budget"):        # not "give --nvme-dir": it was given
+        search(SHAPE, WORK, MACHINE, Budgets(64 * MiB, 64 * MiB, 64 * MiB))
 
 
 def test_overlap_and_compression_change_the_prediction_the_right_way():

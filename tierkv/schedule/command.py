@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from tierkv.errors import ConfigError
 from tierkv.flags import path_arg
 from tierkv.sizes import format_size, parse_size
 from tierkv.model.prompt import DEFAULT_QUESTION
@@ -104,6 +105,13 @@ def cmd_batch(args: argparse.Namespace) -> int:
             bar[0].set_postfix_str(f"{totals['tokens'] / totals['seconds']:.1f} tok/s", refresh=False)
         bar[0].update(docs)
 
+    if args.ray is None:
+        ray_only = [flag for flag, value, default in (
+            ("--workers", args.workers, 1), ("--cpus-per-worker", args.cpus_per_worker, None),
+            ("--gpus-per-worker", args.gpus_per_worker, 0.0), ("--ray-batch", args.ray_batch, None),
+            ("--ray-retries", args.ray_retries, 3)) if value != default]
+        if ray_only:
+            raise ConfigError(f"{', '.join(ray_only)}: Ray settings, but no --ray (add --ray to run on Ray workers)")
     try:
         if args.ray is not None:
             from tierkv.schedule.ray_job import RayOptions, run_ray_job
@@ -112,6 +120,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
             result = run_ray_job(config, options, progress=progress)
         else:
             result = run_job(config, progress=progress, on_policy=on_policy)
+    except KeyboardInterrupt:
+        for b in bar:
+            b.close()
+        print(f"tierkv batch: stopped; the documents finished are in {args.out}: the same command again "
+              "goes on with the rest", file=sys.stderr)
+        raise
     finally:
         for b in bar:
             b.close()

@@ -1,7 +1,8 @@
 """Documents in, one JSON line per document out, resumable.
 
-Inputs are a JSONL file (one object per line with ``text`` and optionally ``id``; the id
-defaults to the line number) or a directory (every regular file under it, sorted, read as UTF-8;
+Inputs are a JSONL file (one object per line with ``text`` and optionally ``id``, a string or a
+number; the id defaults to the line number, or ``lineN`` where another line's id is that number)
+or a directory (every regular file under it, sorted, read as UTF-8;
 the id is the path inside the directory). A line or file that cannot be read becomes a document
 with an ``error`` instead of stopping the batch.
 
@@ -56,7 +57,13 @@ def read_inputs(path: Path, *, out: Path | None = None) -> list[Document]:
                               '.jsonl file of {"id": ..., "text": ...} lines)')
         return [_read_file(f, path) for f in files]
     if path.is_file():
-        return _read_jsonl(path)
+        if out is not None and Path(out).resolve() == path.resolve():
+            raise ConfigError(f"--out {out}: is the --inputs file; give another file for the summaries")
+        docs = _read_jsonl(path)
+        if not docs:
+            raise ConfigError(f"--inputs {path}: no documents in it (a .jsonl file of "
+                              '{"id": ..., "text": ...} lines)')
+        return docs
     raise ConfigError(f"--inputs {path}: no such file or directory (give a .jsonl file or a directory of texts)")
 
 
@@ -71,15 +78,16 @@ def _read_file(file: Path, root: Path) -> Document:
 
 
 def _read_jsonl(path: Path) -> list[Document]:
-    docs, seen = [], set()
     try:
         lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
     except OSError as e:
         raise ConfigError(f"--inputs {path}: cannot read it ({e.strerror or e})") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        doc = _parse_line(line, number)
+    parsed = [(number, _parse_line(line, number)) for number, line in enumerate(lines, start=1) if line.strip()]
+    given = {doc.id for _, (doc, named) in parsed if named}
+    docs, seen = [], set()
+    for number, (doc, named) in parsed:
+        if not named and doc.id in given:      # a made-up id never takes a line's own
+            doc = Document(f"line{number}", doc.text, doc.error)
         if doc.id in seen:
             doc = Document(f"{doc.id}#line{number}", None, f"duplicate id {doc.id!r}")
         seen.add(doc.id)
@@ -87,18 +95,25 @@ def _read_jsonl(path: Path) -> list[Document]:
     return docs
 
 
-def _parse_line(line: str, number: int) -> Document:
+def _parse_line(line: str, number: int) -> tuple[Document, bool]:
+    """The line's document, and whether its id is its own (not made up from ``number``)."""
     try:
         data = json.loads(line)
     except ValueError:
-        return Document(str(number), None, f"unreadable: line {number} is not JSON")
+        return Document(str(number), None, f"unreadable: line {number} is not JSON"), False
     if not isinstance(data, dict):
-        return Document(str(number), None, f"unreadable: line {number} is not a JSON object")
-    doc_id = str(data.get("id", number))
+        return Document(str(number), None, f"unreadable: line {number} is not a JSON object"), False
+    if "id" not in data:
+        doc_id, named = str(number), False
+    elif isinstance(data["id"], str) or (isinstance(data["id"], int) and not isinstance(data["id"], bool)):
+        doc_id, named = str(data["id"]), True
+    else:
+        return Document(str(number), None, f"unreadable: line {number}'s \"id\" is "
+                        f"{json.dumps(data['id'])}: give a string or a number"), False
     text = data.get("text")
     if not isinstance(text, str):
-        return Document(doc_id, None, "unreadable: no \"text\" string")
-    return Document(doc_id, text)
+        return Document(doc_id, None, "unreadable: no \"text\" string"), named
+    return Document(doc_id, text), named
 
 
 FAILED = "failed: "     # an error line's prefix where the document failed while it ran (not one that cannot run)
@@ -191,10 +206,12 @@ class OutputLog:
 
 
 def _complete_record(line: bytes) -> dict[str, Any] | None:
+    """A whole line of an output: an id and its summary or its error (a document's line is not one)."""
     if not line.endswith(b"\n"):
         return None
     try:
         record = json.loads(line)
     except ValueError:
         return None
-    return record if isinstance(record, dict) and "id" in record else None
+    return record if isinstance(record, dict) and "id" in record and ("summary" in record or "error" in record) \
+        else None

@@ -36,6 +36,7 @@ from tierkv.errors import ConfigError
 from tierkv.schedule.cost import FRACTIONS, Budgets, Estimate, Machine, ModelShape, Terms, Workload, \
     evaluate, fractions, placement_of, terms
 from tierkv.schedule.policy import Policy, check_weight_dtype
+from tierkv.sizes import format_size
 
 MAX_GPU_BATCH = 256
 MAX_GPU_BATCHES = 64
@@ -78,9 +79,10 @@ def search(shape: ModelShape, work: Workload, machine: Machine, budgets: Budgets
             if best is None or estimate.tokens_per_s > best.estimate.tokens_per_s * (1 + 1e-9):
                 best = Choice(policy, estimate)
     if best is None:
-        raise ConfigError(f"no policy fits the budgets gpu={budgets.gpu} cpu={budgets.cpu} disk={budgets.disk} "
-                          "bytes: even one sequence at a time needs more; raise --gpu-budget or --cpu-budget, "
-                          "or give --nvme-dir")
+        disk = "or give --nvme-dir" if not budgets.disk else "or raise --nvme-budget"
+        raise ConfigError(f"no policy fits the budgets gpu {format_size(budgets.gpu)}, cpu {format_size(budgets.cpu)}, "
+                          f"disk {format_size(budgets.disk)}: even one sequence at a time needs more; raise "
+                          f"--gpu-budget or --cpu-budget, {disk}")
     return best
 
 
