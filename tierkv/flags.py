@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from tierkv.errors import ConfigError
 
 _NOT_GIVEN = None
 
@@ -105,6 +108,17 @@ def path_arg(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("empty: give a path")
     return Path(text)
+
+
+def check_writable(flag: str, path: Path) -> None:
+    """That a command may write the file ``path`` (given as ``flag``): said before its work, not after."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: no such directory {path.parent}")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise ConfigError(f"{flag} {path}: cannot write there (permission denied)")
 
 
 def _base_type(hint: Any) -> type:

@@ -9,7 +9,7 @@ import pytest
 
 from tierkv.errors import ConfigError
 from tierkv.events import Event
-from tierkv.profile.plots import plot_profile, timeline_window
+from tierkv.profile.plots import check_plot_path, plot_profile, timeline_window
 from tierkv.profile.summary import summarize
 
 needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
@@ -88,3 +88,16 @@ def test_without_matplotlib_plotting_is_one_clear_error(tmp_path: Path, monkeypa
     with pytest.raises(ConfigError, match=r"pip install 'tierkv-runtime\[profile\]'"):
         render(decode(), tmp_path / "p.png")
     assert not (tmp_path / "p.png").exists()
+
+
+def test_a_plot_path_matplotlib_cannot_write_is_refused_before_the_work(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    check_plot_path(tmp_path / "p.png")
+    check_plot_path(tmp_path / "p.SVG")
+    with pytest.raises(ConfigError, match=r"--plot .*/p.txt: give a file name ending in a format .*\.pdf.*\.png"):
+        check_plot_path(tmp_path / "p.txt")
+    with pytest.raises(ConfigError, match="give a file name ending in"):
+        check_plot_path(tmp_path / "p")
+    (tmp_path / "d.png").mkdir()
+    with pytest.raises(ConfigError, match="is a directory"):
+        check_plot_path(tmp_path / "d.png")

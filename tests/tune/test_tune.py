@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -235,6 +236,23 @@ def test_tune_prints_a_table_writes_the_best_config_and_a_plot(trace: AccessTrac
     assert f"tierkv run --config {tmp_path / 'run.best.json'}" in out
     assert read_run_config(tmp_path / "run.best.json")["gpu_budget"] == "8MiB"
     assert (tmp_path / "rank.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--plot", "{d}/rank.txt"], "--plot {d}/rank.txt: give a file name ending in a format matplotlib writes: "),
+    (["--plot", "{d}/no/rank.png"], "--plot {d}/no/rank.png: no such directory {d}/no"),
+    (["--out", "{d}/no/best.json"], "--out {d}/no/best.json: no such directory {d}/no"),
+])
+def test_tune_refuses_a_plot_or_an_out_it_cannot_write_before_it_replays_and_writes_nothing(
+        flags: list[str], message: str, trace: AccessTrace, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    trace.write(tmp_path / "run.tkv")
+    (tmp_path / "links.json").write_text(json.dumps(LINKS))
+    argv = ["tune", str(tmp_path / "run.tkv"), "--policies", "lru", "--links", str(tmp_path / "links.json"),
+            *[f.format(d=tmp_path) for f in flags]]
+    with pytest.raises(ConfigError, match=re.escape(message.format(d=tmp_path))):
+        _run(argv)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["links.json", "run.tkv"]   # no run.best.json
 
 
 def test_tune_json_is_one_object_with_the_ranking(trace: AccessTrace, tmp_path: Path,

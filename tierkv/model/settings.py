@@ -15,7 +15,6 @@ gpu_budget="64MiB", sparse_budget="2%")``); every default is the field's.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from tierkv.config import TierConfig, store_dir
 from tierkv.device import auto_dtype
 from tierkv.model.weights import WEIGHTS
 from tierkv.errors import ConfigError
-from tierkv.flags import build, nest, setting
+from tierkv.flags import build, check_writable, nest, setting
 from tierkv.model.engine import EngineConfig
 from tierkv.sizes import parse_size
 from tierkv.sparse import SparseConfig
@@ -191,15 +190,8 @@ class OutputSettings:
     def check_paths(self) -> None:
         """The files a run writes at its end can be written: said before the run, not after it."""
         for flag, path in (("--trace", self.trace), ("--record-access", self.record_access)):
-            if path is None:
-                continue
-            path = Path(path)
-            if path.is_dir():
-                raise ConfigError(f"{flag} {path}: is a directory; give a file name")
-            if not path.parent.is_dir():
-                raise ConfigError(f"{flag} {path}: no such directory {path.parent}")
-            if not os.access(path if path.exists() else path.parent, os.W_OK):
-                raise ConfigError(f"{flag} {path}: cannot write there (permission denied)")
+            if path is not None:
+                check_writable(flag, path)
 
 
 class _Flat:

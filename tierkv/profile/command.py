@@ -36,6 +36,9 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     if args.top < 1 or args.steps < 1:
         raise ConfigError(f"--top={args.top}, --steps={args.steps}: both must be >= 1")
+    if args.plot is not None:
+        from tierkv.profile.plots import check_plot_path
+        check_plot_path(args.plot)
     trace = read_trace(args.trace)
     summary = summarize(trace.events, trace.meta, phase=args.phase)
     if args.plot is not None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tierkv.errors import ConfigError
 from tierkv.events import Event, EventKind
+from tierkv.flags import check_writable
 from tierkv.profile.summary import Summary
 
 KIND_COLORS = {"load": "#e6550d", "prefetch": "#3182bd", "demote": "#756bb1", "writeback": "#969696",
@@ -31,7 +32,7 @@ MIN_SHARE = 0.005   # links below this share of the stall are left out of the ba
 
 def plot_profile(events: Sequence[Event], summary: Summary, path: Path, *, steps: int = 3) -> None:
     """Render the profile of ``events`` (summarized as ``summary``) to the PNG ``path``."""
-    Figure, FigureCanvasAgg = _matplotlib()
+    Figure, FigureCanvasAgg = matplotlib_canvas()
     fig = Figure(figsize=(16, 10), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(2, 3, height_ratios=(1.25, 1))
@@ -44,13 +45,25 @@ def plot_profile(events: Sequence[Event], summary: Summary, path: Path, *, steps
     fig.savefig(path)
 
 
-def _matplotlib():
+def matplotlib_canvas():
+    """matplotlib's Figure and Agg canvas; a ConfigError saying how to install it where it is not."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise ConfigError("plots need matplotlib: pip install 'tierkv-runtime[profile]'") from None
     return Figure, FigureCanvasAgg
+
+
+def check_plot_path(path: Path, flag: str = "--plot") -> None:
+    """That a plot can be saved to ``path``, before the work it shows: a writable file whose suffix
+    names a format matplotlib writes."""
+    _, canvas = matplotlib_canvas()
+    formats = canvas.get_supported_filetypes()
+    if Path(path).suffix.lower().removeprefix(".") not in formats:
+        raise ConfigError(f"{flag} {path}: give a file name ending in a format matplotlib writes: "
+                          f"{', '.join('.' + f for f in sorted(formats))}")
+    check_writable(flag, path)
 
 
 # -- timeline --------------------------------------------------------------

@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from policies import available, make_policy
-from tierkv.flags import path_arg
+from tierkv.flags import check_writable, path_arg
 from tierkv.sizes import format_size, parse_size
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.profile.access_trace import AccessTrace, TraceMeta
+from tierkv.profile.plots import check_plot_path, matplotlib_canvas
 from tierkv.tune.prefetchers import VOCABULARIES, resolve_prefetch
 from tierkv.tune.replay import ReplayConfig, ReplayResult, replay
 from tierkv.tune.tier_model import TierModel
@@ -255,11 +256,7 @@ def load_tier_model(links: Path | None, nvme_dir: Path | None, *, refresh: bool 
 # -- plot -----------------------------------------------------------------------
 def plot_ranking(ranked: Sequence[Ranked], path: Path, top: int = 20) -> None:
     """Bars of modelled stall and of bytes moved, best setting first (matplotlib Agg)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'tierkv-runtime[profile]'") from None
+    Figure, FigureCanvasAgg = matplotlib_canvas()
     shown = [r for r in ranked if r.result is not None][:top]
     labels = [" ".join(r.point.values()) for r in shown]
     fig = Figure(figsize=(10, 2 + 0.35 * len(shown)), layout="constrained")
@@ -303,11 +300,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top={args.top}: must be >= 1")
     trace = AccessTrace.read(args.trace)
+    out = args.out or args.trace.with_suffix(".best.json")
+    check_writable("--out", out)                  # before the replays, not after them
+    if args.plot is not None:
+        check_plot_path(args.plot)
     policies = None if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
     points = parse_grid(_grid_items(args.grid, args.prefetch), trace.meta, policies)
     model = load_tier_model(args.links, args.nvme_dir, refresh=args.reprobe)
     ranked = _tune_with_progress(trace, model, points, quiet=args.json)
-    out = args.out or args.trace.with_suffix(".best.json")
     write_run_config(out, run_config(ranked[0], trace.meta, source=str(args.trace)))
     if args.plot is not None:
         plot_ranking(ranked, args.plot, args.top)
