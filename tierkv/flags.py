@@ -176,17 +176,45 @@ def dests(cls: type) -> dict[str, tuple[str, ...]]:
 
 
 def nest(cls: type, flat: Mapping[str, Any]) -> dict[str, Any]:
-    """Values keyed by flag dest (a settings file) -> the nested mapping ``build`` takes; an unknown
-    key raises KeyError naming it."""
+    """Values keyed by flag dest (a settings file, a library call) -> the nested mapping ``build``
+    takes; an unknown key raises KeyError naming it, a value of the wrong type a ConfigError."""
     paths = dests(cls)
     unknown = sorted(set(flat) - set(paths))
     if unknown:
         raise KeyError(", ".join(unknown))
+    accepted = _accepted(cls)
     out: dict[str, Any] = {}
     for key, value in flat.items():
+        kinds = accepted.get(key)
+        if kinds is not None and not (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
+            names = dict.fromkeys(_KIND_NAMES[k] for k in kinds if not (k is str and os.PathLike in kinds))
+            raise ConfigError(f"{key}={value!r}: expected {' or '.join(names)}")
         *outer, name = paths[key]
         node = out
         for part in outer:
             node = node.setdefault(part, {})
         node[name] = value
     return out
+
+
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "text", Path: "a path",
+               os.PathLike: "a path", list: "a list", tuple: "a list", type(None): "None"}
+
+
+def _accepted(cls: type) -> dict[str, tuple[type, ...]]:
+    """Every flag's dest -> the Python types its value may have (a field of several types: not checked)."""
+    hints = typing.get_type_hints(cls)
+    found: dict[str, tuple[type, ...]] = {}
+    for f in exposed(cls):
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        real = [a for a in args if a is not type(None)] if args and typing.get_origin(hint) is not tuple else [hint]
+        if len(real) != 1 or f.metadata["kind"] is not None:
+            continue
+        kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), Path: (str, os.PathLike),
+                 tuple: (list, tuple)}.get(_base_type(real[0]))
+        if kinds is not None:
+            found[dest(f)] = kinds + ((type(None),) if type(None) in args or f.default is None else ())
+    for f, inner in nested(cls):
+        found |= _accepted(inner)
+    return found

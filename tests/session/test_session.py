@@ -129,6 +129,21 @@ def test_bad_requests_are_clear_errors(tmp_path):
         session.complete([1, 2])
     with pytest.raises(TierKVError, match="closed"):     # not "read a document first"
         session.ask("?")
+    with pytest.raises(TierKVError, match="the session is closed"):       # not entered as if open
+        with session:
+            pass
+
+
+def test_settings_and_messages_of_the_wrong_type_are_named():
+    for settings, message in ((dict(nvme_dir=123), "nvme_dir=123: expected a path or None"),
+                              (dict(rank="64"), "rank='64': expected an integer or None"),
+                              (dict(no_reuse=1), "no_reuse=1: expected true or false")):
+        with pytest.raises(ConfigError, match=message):                   # not a TypeError from inside
+            SessionConfig.of(**settings)
+    assert SessionConfig.of(gpu_budget=1 << 20, checkpoint_every=2).tiers.gpu_budget == 1 << 20
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=tiny_loaded()) as session:
+        with pytest.raises(ConfigError, match="messages: expected a list of .* got str"):   # not "got 'h'"
+            session.chat("hello")
 
 
 def tiny_loaded() -> LoadedModel:

@@ -208,6 +208,7 @@ class Session:
                 backend.close()
 
     def __enter__(self) -> Session:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -391,6 +392,9 @@ def check_token_ids(ids: Sequence[int], vocab: int) -> None:
 
 
 def _check_messages(messages: Sequence[Message]) -> None:
+    if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence):
+        raise ConfigError(f"messages: expected a list of {{'role': ..., 'content': ...}} dicts, got "
+                          f"{type(messages).__name__} (ask() takes a question as text)")
     if not messages:
         raise ConfigError("messages: at least one message is needed")
     for i, m in enumerate(messages):
