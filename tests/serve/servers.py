@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -20,6 +20,7 @@ class Server:
     url: str
     process: subprocess.Popen
     log: Path
+    loading: list[httpx.Response] = field(default_factory=list)   # /health and a completion while it loaded
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=30).json()
@@ -68,9 +69,14 @@ def start_server(tmp_path: Path, *args: str, key: str | None = API_KEY) -> Serve
         if process.poll() is not None:
             raise AssertionError(f"tierkv serve exited {process.returncode}: {log.read_text()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+            health = httpx.get(f"{server.url}/health", timeout=2)
+            if health.status_code == 200:
                 return server
+            if not server.loading:
+                server.loading += [health, httpx.post(f"{server.url}/v1/completions", timeout=2,
+                                                      json={"model": "x", "prompt": "hi"})]
         except httpx.HTTPError:
-            time.sleep(0.3)
+            pass
+        time.sleep(0.05)
     process.kill()
     raise AssertionError(f"tierkv serve did not start: {log.read_text()}")

@@ -29,6 +29,10 @@ def ask(c: openai.OpenAI, question: str, *, model: str = "smollm2", doc: str = D
 def test_chat_stream_completion_and_reuse_across_requests_and_restarts(launch, tmp_path):
     store = str(tmp_path / "store")
     server = launch("--nvme-dir", store, *SMALL)
+    health, completion = server.loading       # while the model loaded: a 503 that says so, not a wait
+    assert health.status_code == 503 and health.json() == {"status": "loading", "model": "smollm2"}
+    assert completion.status_code == 503 and completion.json()["error"]["code"] == "model_loading"
+    assert completion.headers["retry-after"] == "5"
     c = client(server)
     assert [m.id for m in c.models.list().data] == ["smollm2"]
     first = ask(c, "Who founded the bakery?")

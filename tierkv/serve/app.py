@@ -3,7 +3,8 @@
     GET  /v1/models               the one model served
     POST /v1/chat/completions     messages -> reply; stream=true: server-sent events, then [DONE]
     POST /v1/completions          prompt -> continuation (no chat template)
-    GET  /health                  {"status": "ok", queue, busy, pinned_blocks, held_blocks}
+    GET  /health                  {"status": "ok", queue, busy, pinned_blocks, held_blocks}; while the
+                                  model loads, a 503 {"status": "loading"} (every request: a 503)
     GET  /metrics                 Prometheus text (tierkv.serve.metrics)
 
 Every request runs on the worker (``tierkv.serve.worker``) from the longest stored prefix of its
@@ -64,6 +65,27 @@ class Closing:
         return ApiError(503, f"the server is shutting down: this answer was cut off before it finished "
                              f"(--drain-s {self.drain_s:g}, or a second signal)", kind="server_error",
                         code="server_shutdown")
+
+
+class Starting:
+    """The ASGI app while the model loads: a request gets a 503 that says so (``/health``: status
+    "loading"), as load balancers and clients expect, rather than waiting unanswered; once `ready`,
+    requests go to the app."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name, self.app = model_name, None
+
+    def ready(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            body = {"status": "loading", "model": self.model_name} if scope["path"] == "/health" else \
+                error_body(f"the model {self.model_name} is loading; try again in a few seconds", kind="server_error",
+                           code="model_loading")
+            await JSONResponse(body, status_code=503, headers={"Retry-After": "5"})(scope, receive, send)
 
 
 def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: str | None = None,

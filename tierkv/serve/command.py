@@ -14,8 +14,10 @@ import functools
 import logging
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from tierkv.errors import ConfigError
 from tierkv.flags import add_flags, build, given, given_flags, setting
@@ -63,10 +65,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tierkv.serve.app import Closing, create_app
-    from tierkv.serve.metrics import Metrics
-    from tierkv.serve.worker import Worker
-    from tierkv.session import Session
+    from tierkv.serve.app import Closing, Starting
     settings, config = build(ServeSettings, given(args, ServeSettings)), build(SessionConfig, given(args, SessionConfig))
     config.engine.check_flags(given_flags(args, SparseConfig))
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
@@ -75,33 +74,81 @@ def cmd_serve(args: argparse.Namespace) -> int:
     listener = _listen(settings.host, settings.port)     # before the model loads: a port in use fails at once
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("tierkv.serve").setLevel(logging.INFO)       # one line per answer
-    print(f"tierkv serve: loading {config.engine.model} ...", file=sys.stderr, flush=True)
-    try:
-        session = Session(config, max_prompt_tokens=settings.max_prompt_tokens)
-    except BaseException:
-        listener.close()
-        raise
-    metrics, closing = Metrics(), Closing(settings.drain_s)
-    worker = Worker(session, metrics, max_queue=settings.max_queue).start()
     name = settings.served_name or config.engine.model
-    app = create_app(worker, metrics, model_name=name, api_key=settings.api_key, closing=closing,
-                     max_body_bytes=settings.max_body_bytes, max_new_tokens=settings.max_new_tokens)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=settings.drain_s + 2))
+    starting, closing = Starting(name), Closing(settings.drain_s)
+    server = uvicorn.Server(uvicorn.Config(starting, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=settings.drain_s + 2))
     server.handle_exit = functools.partial(_stop, server, server.handle_exit, closing)   # (what its signals call)
-    print(f"tierkv serve: {name} on http://{_url_host(settings.host)}:{settings.port}/v1", file=sys.stderr, flush=True)
+    url = f"http://{_url_host(settings.host)}:{settings.port}/v1"
+    print(f"tierkv serve: loading {config.engine.model} (requests get a 503 until it is ready) ...", file=sys.stderr,
+          flush=True)
+    load = _Load(settings, config, name, url, starting, closing, server)
     try:
+        load.thread.start()
         server.run(sockets=[listener])
     except KeyboardInterrupt:       # the signal it stopped for, raised again once it stopped: a clean stop
         if not server.should_exit:
             raise
     finally:
         try:
-            worker.stop(cancel=True)      # the server no longer listens: the answer running stops too
+            load.close()            # the server no longer listens: the answer running stops too
         finally:
-            session.close()               # what the tiers hold is written back whatever happened above
             listener.close()
             print("tierkv serve: stopped", file=sys.stderr, flush=True)
+    if load.failed is not None:
+        raise load.failed
     return 0
+
+
+@dataclass
+class _Load:
+    """The model, session and worker, made on a thread while the server answers 503s (`Starting`);
+    a failure stops the server and is raised by ``cmd_serve`` once it has."""
+    settings: ServeSettings
+    config: SessionConfig
+    name: str
+    url: str
+    starting: Any                  # tierkv.serve.app.Starting
+    closing: Any                   # tierkv.serve.app.Closing
+    server: Any                    # uvicorn.Server
+    session: Any = None
+    worker: Any = None
+    failed: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="tierkv-serve-load", daemon=True)
+
+    def _run(self) -> None:
+        from tierkv.serve.app import create_app
+        from tierkv.serve.metrics import Metrics
+        from tierkv.serve.worker import Worker
+        from tierkv.session import Session
+        try:
+            self.session = Session(self.config, max_prompt_tokens=self.settings.max_prompt_tokens)
+            metrics = Metrics()
+            self.worker = Worker(self.session, metrics, max_queue=self.settings.max_queue).start()
+            app = create_app(self.worker, metrics, model_name=self.name, api_key=self.settings.api_key,
+                             closing=self.closing, max_body_bytes=self.settings.max_body_bytes,
+                             max_new_tokens=self.settings.max_new_tokens)
+        except BaseException as error:       # (a missing model, a store that cannot be made, ...)
+            self.failed = error
+            self.server.should_exit = True
+            return
+        if self.server.should_exit:          # stopped while it loaded
+            return
+        self.starting.ready(app)
+        print(f"tierkv serve: {self.name} on {self.url}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Waits for a load in progress, then stops the worker and closes the session (what the tiers
+        hold is written back whatever happened)."""
+        self.thread.join()
+        try:
+            if self.worker is not None:
+                self.worker.stop(cancel=True)
+        finally:
+            if self.session is not None:
+                self.session.close()
 
 
 def _stop(server, handle_exit, closing, sig: int, frame: object) -> None:
