@@ -8,7 +8,7 @@ import pytest
 
 from tierkv import cli
 from tierkv.cli import main
-from tierkv.errors import BlockMissing, ConfigError, DiskFullError, StoreReadError
+from tierkv.errors import BlockMissing, BudgetExceeded, ConfigError, DiskFullError, StoreReadError
 
 
 def tierkv(*args):
@@ -122,6 +122,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     (FileNotFoundError(errno.ENOENT, "No such file or directory", "in.jsonl"), 2),
     (PermissionError(errno.EACCES, "Permission denied", "out.jsonl"), 2),
     (ConfigError("--x 3: must be 1..2"), 2),
+    (BudgetExceeded("tier 'cpu' has no room: raise its budget"), 2),
 ])
 def test_the_exit_status_tells_a_wrong_command_from_a_failed_run(error, status, monkeypatch, capsys):
     """2: the command is wrong (a flag, a file named on it); 1: the run failed (disk, device, store)."""

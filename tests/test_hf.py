@@ -127,15 +127,16 @@ def test_caches_of_two_block_layouts_share_one_nvme_dir(tmp_path):
 
 
 def test_a_budget_too_small_for_one_block_fails_when_the_cache_is_made_not_at_the_first_token():
-    config = FAMILIES["llama"]()
-    one = block_bytes(config, 64)
+    config = FAMILIES["llama"]()                    # no dtype named: a block of 16 bits a value, the least it may be
+    half = block_bytes(config, 64, torch.bfloat16)
     with pytest.raises(ConfigError, match="gpu='lots': expected a size"):      # named as given, not as buffer
         TieredCache(config, gpu="lots")
-    with pytest.raises(ConfigError, match=f"cpu={one - 4096}: a non-zero budget must hold at least one block"):
-        TieredCache(config, gpu=0, cpu=one - 4096, block_tokens=64)
-    TieredCache(config, gpu=0, cpu=one, block_tokens=64).close()
-    config.dtype = "bfloat16"                       # the config's dtype sizes the block: half as many bytes
-    TieredCache(config, gpu=0, cpu=block_bytes(config, 64, torch.bfloat16), block_tokens=64).close()
+    with pytest.raises(ConfigError, match=f"cpu={half - 4096}: a non-zero budget must hold at least one block"):
+        TieredCache(config, gpu=0, cpu=half - 4096, block_tokens=64)
+    TieredCache(config, gpu=0, cpu=half, block_tokens=64).close()   # (a model cast to bf16 keeps dtype None)
+    config.dtype = "float32"                        # the config's dtype sizes the block: twice the bytes
+    with pytest.raises(ConfigError, match=f"cpu={half}: a non-zero budget must hold at least one block"):
+        TieredCache(config, gpu=0, cpu=half, block_tokens=64)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

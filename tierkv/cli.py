@@ -1,8 +1,9 @@
 """The ``tierkv`` command: one sub-command per user job, registered in COMMANDS.
 
 An error prints one line, no traceback. The exit status says whose it is: 2, the command is
-wrong (a bad flag or size, a missing or unreadable file named on it); 1, the run failed (a full
-disk, a device error, a store another process holds); 130, interrupted; 143, terminated.
+wrong (a bad flag or size, a budget too small for the work, a missing or unreadable file named on
+it, a store directory that cannot be used); 1, the run failed (a full disk, a device error, a
+damaged block); 130, interrupted; 143, terminated.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 
 from tierkv.sizes import format_size
 from tierkv.device import GDS_INSTALL, auto_dtype, has_cuda, has_cuda_driver, native_bf16
-from tierkv.errors import ConfigError, TierKVError
+from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
 from tierkv.flags import add_flags, build, given, given_flags, nest, path_arg
 from tierkv.knobs import IOKnobs
 from tierkv.profile.command import add_profile
@@ -395,7 +396,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _usage(error: BaseException) -> bool:
     """Whether ``error`` is the command's fault (exit 2), not the run's (exit 1)."""
-    return isinstance(error, ConfigError) or (isinstance(error, OSError) and not isinstance(error, TierKVError)
+    return isinstance(error, (ConfigError, BudgetExceeded)) or (isinstance(error, OSError) and not isinstance(error, TierKVError)
                                               and error.errno in _USAGE_ERRNOS)
 
 

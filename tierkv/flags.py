@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 import os
 import types
 import typing
@@ -185,10 +186,9 @@ def nest(cls: type, flat: Mapping[str, Any]) -> dict[str, Any]:
     accepted = _accepted(cls)
     out: dict[str, Any] = {}
     for key, value in flat.items():
-        kinds = accepted.get(key)
-        if kinds is not None and not (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
-            names = dict.fromkeys(_KIND_NAMES[k] for k in kinds if not (k is str and os.PathLike in kinds))
-            raise ConfigError(f"{key}={value!r}: expected {' or '.join(names)}")
+        kinds, name = accepted.get(key, ((object,), ""))
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise ConfigError(f"{key}={value!r}: expected {name}")
         *outer, name = paths[key]
         node = out
         for part in outer:
@@ -197,24 +197,25 @@ def nest(cls: type, flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "text", Path: "a path",
-               os.PathLike: "a path", list: "a list", tuple: "a list", type(None): "None"}
+_KINDS: dict[type, tuple[tuple[type, ...], str]] = {     # a field's type -> the values taken, as said
+    bool: ((bool,), "true or false"), int: ((numbers.Integral,), "an integer"), float: ((numbers.Real,), "a number"),
+    str: ((str, os.PathLike), "text"), Path: ((str, os.PathLike), "a path"), tuple: ((list, tuple), "a list")}
 
 
-def _accepted(cls: type) -> dict[str, tuple[type, ...]]:
-    """Every flag's dest -> the Python types its value may have (a field of several types: not checked)."""
+def _accepted(cls: type) -> dict[str, tuple[tuple[type, ...], str]]:
+    """Every flag's dest -> the Python types its value may have and their name (a field of several
+    types: not checked)."""
     hints = typing.get_type_hints(cls)
-    found: dict[str, tuple[type, ...]] = {}
+    found: dict[str, tuple[tuple[type, ...], str]] = {}
     for f in exposed(cls):
         hint = hints[f.name]
         args = typing.get_args(hint)
         real = [a for a in args if a is not type(None)] if args and typing.get_origin(hint) is not tuple else [hint]
-        if len(real) != 1 or f.metadata["kind"] is not None:
-            continue
-        kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), Path: (str, os.PathLike),
-                 tuple: (list, tuple)}.get(_base_type(real[0]))
-        if kinds is not None:
-            found[dest(f)] = kinds + ((type(None),) if type(None) in args or f.default is None else ())
+        kind = _KINDS.get(_base_type(real[0])) if len(real) == 1 and f.metadata["kind"] is None else None
+        if kind is not None:
+            kinds, name = kind
+            found[dest(f)] = (kinds + (type(None),), f"{name} or None") \
+                if type(None) in args or f.default is None else kind
     for f, inner in nested(cls):
         found |= _accepted(inner)
     return found

@@ -158,11 +158,12 @@ class TieredCache(Cache):
 
     def _check_budgets(self, config: Any) -> None:
         """Budgets that cannot hold one block fail here, not at the first token: the block as the config
-        gives it (its dtype, else torch's default; the first token checks again with the real one)."""
+        gives it (in its dtype; where it names none, in 16 bits, the smallest the model may run in: the
+        first token checks again with the real one)."""
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-        dtype = getattr(config, "dtype", None) or torch.get_default_dtype()
+        dtype = getattr(config, "dtype", None) or torch.bfloat16
         dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
         if isinstance(kv_heads, int) and isinstance(head_dim, int) and isinstance(dtype, torch.dtype):
             layout = BlockLayout.kv(self.num_layers, kv_heads, head_dim, dtype, self.block_tokens, codec=self.codec)

@@ -117,6 +117,10 @@ def test_a_made_up_id_never_takes_a_line_s_own_and_an_id_is_a_string_or_a_number
         ("line1", "first, no id", None), ("1", "one", None), ("line3", None, "unreadable: line 3 is not JSON"),
         ("3", "three", None), ("5", None, 'unreadable: line 5\'s "id" is null: give a string or a number'),
         ("6", None, 'unreadable: line 6\'s "id" is [5]: give a string or a number')]
+    path.write_text('{"id": "3", "text": "a"}\n{"text": "b"}\n{"text": "c"}\n{"id": "line3", "text": "d"}\n'
+                    '{"id": 1.5, "text": "e"}\n')
+    assert [(d.id, d.error) for d in read_inputs(path)] == [
+        ("3", None), ("2", None), ("line3#2", None), ("line3", None), ("1.5", None)]
 
 
 def test_an_empty_jsonl_and_an_out_that_is_the_inputs_or_a_list_of_documents_are_refused(tmp_path):

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from servers import API_KEY
+from servers import API_KEY, free_port
 
 pytestmark = pytest.mark.model
 DOC = ("Alice met Bob in Paris in 1999. They founded a bakery called Blue Oven on Rue Cler. "
@@ -252,3 +257,28 @@ async def test_events_already_there_are_delivered_after_the_drain_ended():
     waiting = Job("completion", "hi", None, asyncio.get_running_loop())
     with pytest.raises(Exception, match="shutting down"):
         await anext(_results(waiting, closing))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_server_told_to_stop_while_its_model_loads_stops_at_once(tmp_path, sig):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen([sys.executable, str(Path(__file__).parent / "slow_load.py"), "--port", str(port)],
+                               stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 503:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError(log.read_text())
+        started = time.monotonic()
+        process.send_signal(sig)
+        assert process.wait(timeout=30) == 0 and time.monotonic() - started < 10      # not after the load's 60 s
+        assert "stopping (the model had not finished loading)" in log.read_text()
+    finally:
+        process.kill()

@@ -2,6 +2,7 @@
 states are found again by a new session; cancelled answers leak nothing."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from tierkv.model.arch import model_spec
 from tierkv.model.loading import LoadedModel
 from tierkv.model.settings import SessionConfig
 from tierkv.session import Session
-from tierkv.session.session import Cancelled
+from tierkv.session.session import Cancelled, document_text
 from tierkv.session.generation import Sampling
 from tierkv.session.state import DenseState
 
@@ -125,6 +126,8 @@ def test_bad_requests_are_clear_errors(tmp_path):
             session.read(str(tmp_path / "report.txt"))
         with pytest.raises(ConfigError, match="a str \\(its text\\) or a Path \\(a text file\\), not bytes"):
             session.read(b"text")
+    line = "The quick brown fox jumps. " * 12                  # one line, too long for a file's name: text
+    assert document_text(line) == line
     with pytest.raises(TierKVError, match="closed"):
         session.complete([1, 2])
     with pytest.raises(TierKVError, match="closed"):     # not "read a document first"
@@ -134,13 +137,15 @@ def test_bad_requests_are_clear_errors(tmp_path):
             pass
 
 
-def test_settings_and_messages_of_the_wrong_type_are_named():
+def test_settings_and_messages_of_the_wrong_type_are_named(tmp_path):
     for settings, message in ((dict(nvme_dir=123), "nvme_dir=123: expected a path or None"),
                               (dict(rank="64"), "rank='64': expected an integer or None"),
                               (dict(no_reuse=1), "no_reuse=1: expected true or false")):
         with pytest.raises(ConfigError, match=message):                   # not a TypeError from inside
             SessionConfig.of(**settings)
     assert SessionConfig.of(gpu_budget=1 << 20, checkpoint_every=2).tiers.gpu_budget == 1 << 20
+    taken = SessionConfig.of(model=tmp_path / "m.gguf", block_tokens=np.int64(128), checkpoint_every=np.float32(2))
+    assert taken.engine.model == tmp_path / "m.gguf" and taken.engine.block_tokens == 128    # as before the checks
     with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=tiny_loaded()) as session:
         with pytest.raises(ConfigError, match="messages: expected a list of .* got str"):   # not "got 'h'"
             session.chat("hello")

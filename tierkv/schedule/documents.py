@@ -25,6 +25,7 @@ settings is refused, so one file never mixes summaries made two ways.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Mapping
@@ -87,7 +88,9 @@ def _read_jsonl(path: Path) -> list[Document]:
     docs, seen = [], set()
     for number, (doc, named) in parsed:
         if not named and doc.id in given:      # a made-up id never takes a line's own
-            doc = Document(f"line{number}", doc.text, doc.error)
+            made = next(name for n in itertools.count(1)
+                        if (name := f"line{number}" + (f"#{n}" if n > 1 else "")) not in given | seen)
+            doc = Document(made, doc.text, doc.error)
         if doc.id in seen:
             doc = Document(f"{doc.id}#line{number}", None, f"duplicate id {doc.id!r}")
         seen.add(doc.id)
@@ -105,7 +108,7 @@ def _parse_line(line: str, number: int) -> tuple[Document, bool]:
         return Document(str(number), None, f"unreadable: line {number} is not a JSON object"), False
     if "id" not in data:
         doc_id, named = str(number), False
-    elif isinstance(data["id"], str) or (isinstance(data["id"], int) and not isinstance(data["id"], bool)):
+    elif isinstance(data["id"], (str, int, float)) and not isinstance(data["id"], bool):
         doc_id, named = str(data["id"]), True
     else:
         return Document(str(number), None, f"unreadable: line {number}'s \"id\" is "

@@ -78,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     starting, closing = Starting(name), Closing(settings.drain_s)
     server = uvicorn.Server(uvicorn.Config(starting, log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=settings.drain_s + 2))
-    server.handle_exit = functools.partial(_stop, server, server.handle_exit, closing)   # (what its signals call)
+    server.handle_exit = functools.partial(_stop, server, server.handle_exit, closing, starting)   # (its signals')
     url = f"http://{_url_host(settings.host)}:{settings.port}/v1"
     print(f"tierkv serve: loading {config.engine.model} (requests get a 503 until it is ready) ...", file=sys.stderr,
           flush=True)
@@ -117,6 +117,7 @@ class _Load:
 
     def __post_init__(self) -> None:
         self.thread = threading.Thread(target=self._run, name="tierkv-serve-load", daemon=True)
+        self.lock = threading.Lock()         # the load's end against a stop: one of them closes what it made
 
     def _run(self) -> None:
         from tierkv.serve.app import create_app
@@ -134,28 +135,42 @@ class _Load:
             self.failed = error
             self.server.should_exit = True
             return
-        if self.server.should_exit:          # stopped while it loaded
-            return
-        self.starting.ready(app)
-        print(f"tierkv serve: {self.name} on {self.url}", file=sys.stderr, flush=True)
+        with self.lock:
+            if not self.server.should_exit:
+                self.starting.ready(app)
+                print(f"tierkv serve: {self.name} on {self.url}", file=sys.stderr, flush=True)
+                return
+        self._close_made()                   # stopped while it loaded: nobody else will
 
     def close(self) -> None:
-        """Waits for a load in progress, then stops the worker and closes the session (what the tiers
-        hold is written back whatever happened)."""
+        """Stops the worker and closes the session (what the tiers hold is written back whatever
+        happened). A load still running is not waited for: it closes what it makes, or dies with the
+        process, having served nothing."""
+        with self.lock:
+            if self.thread.is_alive() and self.starting.app is None:
+                return
         self.thread.join()
+        self._close_made()
+
+    def _close_made(self) -> None:
+        worker, session, self.worker, self.session = self.worker, self.session, None, None
         try:
-            if self.worker is not None:
-                self.worker.stop(cancel=True)
+            if worker is not None:
+                worker.stop(cancel=True)
         finally:
-            if self.session is not None:
-                self.session.close()
+            if session is not None:
+                session.close()
 
 
-def _stop(server, handle_exit, closing, sig: int, frame: object) -> None:
+def _stop(server, handle_exit, closing, starting, sig: int, frame: object) -> None:
     """SIGTERM or Ctrl-C: the first stops uvicorn listening and starts the answers' drain (`Closing`;
     uvicorn waits for the requests open); the second ends every answer at once, each with its error;
-    a third exits without waiting for them."""
-    if not server.should_exit:
+    a third exits without waiting for them. While the model loads, the first stops at once."""
+    if not server.should_exit and starting.app is None:
+        print("tierkv serve: stopping (the model had not finished loading)", file=sys.stderr, flush=True)
+        closing.begin()
+        handle_exit(sig, frame)
+    elif not server.should_exit:
         print(f"tierkv serve: stopping: answers in progress may take {closing.drain_s:g} s more (--drain-s); "
               "a second signal ends them now", file=sys.stderr, flush=True)
         closing.begin()

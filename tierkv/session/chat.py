@@ -49,7 +49,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     with Session(config) as session:
         if text is not None:
             print(f"reading {args.doc} ...", file=sys.stderr, flush=True)
-            tokens = session.read(text)
+            tokens = session.read_text(text)
             print(f"{tokens} tokens ({session.document_reused} found stored) in {session.document_s:.1f} s. {HELP}",
                   file=sys.stderr)
         _converse(session, text, sampling)

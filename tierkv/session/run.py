@@ -74,7 +74,7 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
 
         if prompt is None:
             result.document_tokens = len(session.document_ids(text))
-            session.read(text, progress=progress)
+            session.read_text(text, progress=progress)
         else:
             result.document_tokens = len(prompt.ids) - 1
             session.read_ids(prompt.ids[:-1], progress=progress)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import tempfile
 import time
 from dataclasses import replace
@@ -116,16 +117,10 @@ class Session:
     def read(self, document: str | Path, *, progress: Progress | None = None) -> int:
         """Take in a document (a path, or the text itself): prefilled, or found stored. Later
         questions are asked about it. Returns its tokens."""
-        if isinstance(document, Path):
-            text = read_document(document, named="the document")
-        elif isinstance(document, str):
-            text = document
-            if "\n" not in text and len(text) < 4096 and Path(text).is_file():
-                raise ConfigError(f"read({text!r}): a str is the document's text, and this one is a file's name: "
-                                  f"read(Path({text!r})) reads the file")
-        else:
-            raise ConfigError(f"read(): the document is a str (its text) or a Path (a text file), not "
-                              f"{type(document).__name__}")
+        return self.read_text(document_text(document), progress=progress)
+
+    def read_text(self, text: str, *, progress: Progress | None = None) -> int:
+        """``read`` of the document's text, whatever it looks like (a file's content read by the caller)."""
         if not text.strip():
             raise ConfigError("the document is empty")
         self._messages = [{"role": "user", "content": text}]
@@ -376,6 +371,20 @@ def prompt_ids(loaded: LoadedModel, kind: str, prompt: Any, tokenizer: Any = Non
         raise ConfigError("the prompt is empty")
     check_token_ids(ids, loaded.spec.vocab)
     return ids
+
+
+def document_text(document: str | Path) -> str:
+    """The text of ``Session.read``'s document: a Path's file read, a str taken as the text itself (one
+    that names a file is refused: ``read("report.txt")`` means the file)."""
+    if isinstance(document, Path):
+        return read_document(document, named="the document")
+    if not isinstance(document, str):
+        raise ConfigError(f"read(): the document is a str (its text) or a Path (a text file), not "
+                          f"{type(document).__name__}")
+    if "\n" not in document and len(document) < 4096 and os.path.isfile(document):
+        raise ConfigError(f"read({document!r}): a str is the document's text, and this one is a file's name: "
+                          f"read(Path({document!r})) reads the file")
+    return document
 
 
 def check_length(ids: Sequence[int], most: int | None) -> None:
