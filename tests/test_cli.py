@@ -1,6 +1,7 @@
 """The command line as a user meets it: help, wrong flags, bad values, missing files."""
 import errno
 import json
+import os
 import subprocess
 import sys
 
@@ -53,6 +54,30 @@ def test_the_command_sets_the_thread_switch_interval_from_its_knob(tmp_path, cap
         assert "more than 0 and at most 1" in capsys.readouterr().err
     finally:
         sys.setswitchinterval(before)
+
+
+def test_store_verify_calls_a_store_cut_short_or_unreadable_damaged_checks_the_others_and_writes_nothing(
+        tmp_path, capsys):
+    import torch
+
+    from tierkv.keys import BlockKey
+    from tierkv.tiers.nvme import NvmeTier
+    for name in ("a", "b", "c"):
+        with NvmeTier(tmp_path / name, 4096, 16 * 4096) as tier:
+            slots = [tier.pool.reserve() for _ in range(6)]
+            tier.write([(BlockKey.of(name, i), slot, torch.full((4096,), i, dtype=torch.uint8))
+                        for i, slot in enumerate(slots)])
+    os.truncate(tmp_path / "a" / "slots.dat", 4 * 4096)              # two blocks' bytes gone
+    (tmp_path / "b" / "store.json").write_text("{broken")
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert main(["store", "verify", "--nvme-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "store a: 4 blocks, all sound; 2 lost: their slots lie past the end of slots.dat" in out
+    assert "store b: unusable (not a readable tierkv NVMe store" in out and "store c: 6 blocks, all sound" in out
+    assert out.rstrip().splitlines()[-1].strip().startswith("DAMAGED")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files     # a check, not a repair
+    assert main(["store", "verify", "--nvme-dir", str(tmp_path / "c" / "slots.dat")]) == 2
+    assert "slots.dat: not a directory" in capsys.readouterr().err
 
 
 def test_store_verify_of_a_folder_with_no_store_is_an_error_not_clean(tmp_path, capsys):

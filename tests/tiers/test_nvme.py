@@ -448,12 +448,14 @@ def test_kvikio_roundtrip_of_cuda_tensors(store: Path) -> None:
     assert nvme_io.BACKENDS["kvikio"] is nvme_io.KvikioFile
 
 
-def test_a_store_is_scanned_without_joining_it_empty_or_damaged(tmp_path: Path) -> None:
-    """`scan_read_only` (verify of a store this process may not write): the blocks and those that fail
-    their checksum, as a read through the store finds them; a store that never held a block has none."""
+def test_a_store_is_scanned_without_joining_it_empty_damaged_cut_short_or_with_a_damaged_record(
+        tmp_path: Path) -> None:
+    """`scan_read_only` (store verify): the blocks and those that fail their checksum, as a read through the
+    store finds them; blocks past the end of a data file cut short, and journal records damaged in the
+    middle, counted (an opener drops them with a line in its log); a torn last record is no damage."""
     with NvmeTier(tmp_path / "empty", 4096, 16 * 4096):
         pass
-    assert nvme_scan.scan_read_only(tmp_path / "empty") == ([], [])
+    assert nvme_scan.scan_read_only(tmp_path / "empty") == nvme_scan.Scan()
     with NvmeTier(tmp_path / "s", 4096, 16 * 4096) as tier:
         keys = [BlockKey.of("scan", i) for i in range(5)]
         slots = [tier.pool.reserve() for _ in keys]
@@ -462,5 +464,17 @@ def test_a_store_is_scanned_without_joining_it_empty_or_damaged(tmp_path: Path) 
     with open(tmp_path / "s" / "slots.dat", "r+b") as f:
         f.seek(slots[2] * 4096 + 100)
         f.write(b"\xff")
-    found, damaged = nvme_scan.scan_read_only(tmp_path / "s")
-    assert sorted(found) == sorted(keys) and damaged == [keys[2]]
+    scan = nvme_scan.scan_read_only(tmp_path / "s")
+    assert sorted(scan.keys) == sorted(keys) and scan.damaged == [keys[2]] and not scan.lost
+    files = {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file()}
+    os.truncate(tmp_path / "s" / "slots.dat", (max(slots) - 1) * 4096 + 10)   # the last two slots' blocks gone
+    log_path = tmp_path / "s" / "index.log"
+    raw = bytearray(log_path.read_bytes())
+    raw[journal.RECORD_BYTES + 5] ^= 0xFF                                           # the second record damaged
+    log_path.write_bytes(bytes(raw) + b"\x01" * 10)                          # and a torn last one
+    scan = nvme_scan.scan_read_only(tmp_path / "s")
+    assert len(scan.lost) == 2 and scan.bad_records == 1 and scan.torn_bytes == 10
+    assert {p: p.read_bytes() for p in (tmp_path / "s").rglob("*") if p.is_file() and p.suffix not in (".dat", ".log")} \
+        == {p: b for p, b in files.items() if p.suffix not in (".dat", ".log")}        # nothing else written
+
+

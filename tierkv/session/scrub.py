@@ -10,13 +10,13 @@
               document again); dense blocks are left dropped (a run computes a missing block
               again where it needs it)
 
-Nothing here serves KV; a store in use by a running process can be verified (it reads
-what is visible), and repaired too (drops are journaled for every process).
+Nothing here serves KV; verify writes nothing (it reads each store without joining it, as its
+processes would see it), so a store in use by a running process can be verified, and repaired
+too (drops are journaled for every process).
 """
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,7 +33,7 @@ from tierkv.session.repair import Repair
 from tierkv.session.session import Session
 from tierkv.sparse.store import checked, read_checked_meta, read_ids
 from tierkv.tiers.nvme import NvmeTier
-from tierkv.tiers.nvme_scan import scan_read_only
+from tierkv.tiers.nvme_scan import Scan, journal_state, scan_read_only
 
 INDEXES = "sparse-indexes"
 
@@ -43,7 +43,28 @@ class StoreCheck:
     directory: Path
     blocks: int = 0
     damaged: list[BlockKey] = field(default_factory=list)    # failed their checksum
-    read_only: bool = False       # this process may not write there: read without joining the store
+    lost: int = 0                 # blocks whose slots lie past the end of slots.dat (the file was cut short)
+    bad_records: int = 0          # journal records damaged in the middle: the blocks they put are lost
+    torn_bytes: int = 0           # a last journal record a crash cut short: a write never completed (sound)
+    problem: str | None = None    # the store cannot be read at all (its store.json)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.damaged or self.lost or self.bad_records or self.problem)
+
+    def line(self, drop: bool) -> str:
+        if self.problem:
+            return f"store {self.directory.name}: unusable ({self.problem}); move it aside or remove it: a run " \
+                   "makes a new one"
+        gone = "dropped" if drop else "lost"
+        return f"store {self.directory.name}: {self.blocks} blocks, " + \
+            (f"{len(self.damaged)} damaged" if self.damaged else "all sound") + \
+            (f"; {self.lost} {gone}: their slots lie past the end of slots.dat (the file was cut short)"
+             if self.lost else "") + \
+            (f"; {self.bad_records} damaged journal record(s): the blocks they stored are {gone}"
+             if self.bad_records else "") + \
+            (f"; a last journal record cut short ({self.torn_bytes} bytes: a write a crash stopped, never "
+             "completed)" if self.torn_bytes else "")
 
 
 @dataclass(slots=True)
@@ -64,15 +85,14 @@ class Verdict:
     indexes: list[IndexCheck] = field(default_factory=list)
     seconds: float = 0.0
 
+    repaired: bool = False        # blocks that failed were dropped
+
     @property
     def clean(self) -> bool:
-        return not any(s.damaged for s in self.stores) and not any(
-            i.problem or i.bad_pages for i in self.indexes)
+        return all(s.clean for s in self.stores) and not any(i.problem or i.bad_pages for i in self.indexes)
 
     def lines(self) -> list[str]:
-        out = [f"store {s.directory.name}: {s.blocks} blocks, "
-               + (f"{len(s.damaged)} damaged" if s.damaged else "all sound")
-               + (" (read-only here: read without joining the store)" if s.read_only else "") for s in self.stores]
+        out = [s.line(self.repaired) for s in self.stores]
         for i in self.indexes:
             what = f"{i.kind} {i.path.name}: {i.tokens} tokens"
             if i.problem:
@@ -93,10 +113,12 @@ def stores_in(nvme_dir: Path) -> list[Path]:
 
 
 def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
-    """Check everything under ``nvme_dir``; ``drop``: drop the blocks that fail."""
-    start, verdict = time.perf_counter(), Verdict()
+    """Check everything under ``nvme_dir``, writing nothing there (`scan_read_only`); ``drop``: join each
+    store and drop the blocks that fail (and those an opener drops: past the data file's end)."""
+    start, verdict = time.perf_counter(), Verdict(repaired=drop)
     if not Path(nvme_dir).is_dir():
-        raise ConfigError(f"--nvme-dir {nvme_dir}: no such directory")
+        raise ConfigError(f"--nvme-dir {nvme_dir}: " + ("not a directory" if Path(nvme_dir).exists()
+                                                        else "no such directory"))
     if not stores_in(nvme_dir):      # nothing checked is not "clean"
         hint = f"; give the directory above it ({Path(nvme_dir).resolve().parent})" \
             if (Path(nvme_dir) / "store.json").is_file() else ""
@@ -105,14 +127,17 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     sound: set[BlockKey] = set()
     for directory in stores_in(nvme_dir):
         check = StoreCheck(directory)
-        if not drop and not _may_join(directory):    # a read-only file system, another user's store
-            check.read_only = True
-            keys, check.damaged = scan_read_only(directory)
+        try:
+            scan = journal_state_scan(directory) if drop else scan_read_only(directory)
+            if drop:
+                scan.keys, scan.damaged = _drop_damaged(directory, batch)
+        except ConfigError as error:            # (its store.json): the others are checked all the same
+            check.problem = str(error).removeprefix(f"{directory}: ")
         else:
-            keys, check.damaged = _check_store(directory, drop, batch)
-        check.blocks = len(keys)
-        sound.update(keys)
-        sound.difference_update(check.damaged)
+            check.blocks, check.damaged, check.lost = len(scan.keys), scan.damaged, len(scan.lost)
+            check.bad_records, check.torn_bytes = scan.bad_records, scan.torn_bytes
+            sound.update(scan.keys)
+            sound.difference_update(scan.damaged)
         verdict.stores.append(check)
     for path in sorted(Path(nvme_dir, INDEXES).glob("*.safetensors")):
         verdict.indexes.append(_check_index(path, sound))
@@ -120,16 +145,15 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     return verdict
 
 
-def _may_join(directory: Path) -> bool:
-    """Whether verifying may open the store as its processes do (which writes: an owner file, the
-    claims, a torn journal cut): it is this user's and writable here. Root may write anyone's store,
-    but files it made there would lock the store's owner out."""
-    return os.stat(directory).st_uid == os.geteuid() and os.access(directory, os.W_OK)
+def journal_state_scan(directory: Path) -> Scan:
+    """What the store's journal says before a repair joins it (which drops the lost blocks)."""
+    state, _ = journal_state(directory)
+    return Scan(lost=[key for key, _ in state.lost], bad_records=state.damaged, torn_bytes=state.cut_bytes)
 
 
-def _check_store(directory: Path, drop: bool, batch: int) -> tuple[list[BlockKey], list[BlockKey]]:
-    """The store's keys and those of its blocks that fail their checksum (dropped if ``drop``), read
-    through the store (joining it, as any process that uses it)."""
+def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[BlockKey]]:
+    """The store's keys and those of its blocks that fail their checksum, dropped, read through the store
+    (joining it, as any process that uses it: the drops are journaled for every process)."""
     with NvmeTier.existing(directory) as tier:
         items = sorted(tier.items(), key=lambda item: item[1])
         damaged: list[BlockKey] = []
@@ -137,7 +161,7 @@ def _check_store(directory: Path, drop: bool, batch: int) -> tuple[list[BlockKey
         for first in range(0, len(items), batch):
             group = items[first:first + batch]
             damaged += tier.read([(key, slot, data[i]) for i, (key, slot) in enumerate(group)])
-        for key in damaged if drop else ():
+        for key in damaged:
             tier.drop(key)
         tier.flush()
     return [key for key, _ in items], damaged

@@ -1,37 +1,63 @@
-"""A store read whole without joining it: for `tierkv store verify` of a store this process may
-not write to (a read-only file system, another user's). Joining writes (an owner file, the
-claims, a torn journal cut), so here nothing is opened for writing and no lock is taken: the
-journal is replayed as an opener would and every block it names is read and checked."""
+"""A store read whole without joining it: what `tierkv store verify` reports. Joining writes (an
+owner file, the claims, a torn journal cut, dropped entries journaled), so here nothing is opened for
+writing and no lock is taken: the journal is replayed as an opener would and every block it names
+is read and checked. What the replay itself finds is reported too: records damaged in the middle
+of the journal, and blocks whose slots lie past the end of the data file (it was cut short), which
+an opener drops without a word beyond its log."""
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
-from tierkv.tiers.journal import replay
+from tierkv.tiers.journal import Replay, replay
 from tierkv.tiers.nvme_striped import checksum
 
 
-def scan_read_only(directory: Path) -> tuple[list[BlockKey], list[BlockKey]]:
-    """Read every block of the store in ``directory`` and check it against its checksum without joining
-    the store (nothing is opened for writing, no lock taken): for a store this process may not write
-    to. The keys of its blocks, and of those that failed. A process writing to the store meanwhile
-    may make a block it rewrites look damaged."""
+@dataclass(slots=True)
+class Scan:
+    keys: list[BlockKey] = field(default_factory=list)       # the blocks the journal names, readable or not
+    damaged: list[BlockKey] = field(default_factory=list)    # of those, failing their checksum
+    lost: list[BlockKey] = field(default_factory=list)       # named in slots past the end of slots.dat
+    bad_records: int = 0          # journal records damaged in the middle (each a block put or dropped)
+    torn_bytes: int = 0           # a journal record cut short at the end: a write a crash cut (not damage)
+
+
+def journal_state(directory: Path) -> tuple[Replay, int]:
+    """The store's journal replayed against its data file's size, and its block size, reading only."""
     try:
         block_bytes = int(json.loads((directory / "store.json").read_text())["block_bytes"])
         raw = (directory / "index.log").read_bytes() if (directory / "index.log").exists() else b""
-        if not (directory / "slots.dat").exists():     # a store that never held a block
-            return [], []
-        fd = os.open(directory / "slots.dat", os.O_RDONLY | os.O_CLOEXEC)
+        data = directory / "slots.dat"
+        size = data.stat().st_size if data.exists() else 0
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{directory}: not a readable tierkv NVMe store ({exc})") from None
-    try:
-        state, _ = replay(raw, slots=os.fstat(fd).st_size // block_bytes)
-        keys, slots, sums = state.index.records()
-        damaged = [key for key, slot, expected in zip(keys, slots, sums)
-                   if checksum(os.pread(fd, block_bytes, slot * block_bytes)) != expected]
-    finally:
-        os.close(fd)
-    return keys, damaged
+    state, _ = replay(raw, slots=size // block_bytes)
+    return state, block_bytes
+
+
+def scan_read_only(directory: Path) -> Scan:
+    """Read every block of the store in ``directory`` and check it against its checksum without joining
+    the store (nothing is opened for writing, no lock taken). A block that fails is read again after a
+    second replay of the journal, so that one a process rewrote meanwhile (its slot named anew, or no
+    more) is not reported."""
+    state, block_bytes = journal_state(directory)
+    scan = Scan(lost=[key for key, _ in state.lost], bad_records=state.damaged, torn_bytes=state.cut_bytes)
+    if not (directory / "slots.dat").exists():     # a store that never held a block
+        return scan
+    keys, slots, sums = state.index.records()
+    scan.keys = list(keys)
+    with open(directory / "slots.dat", "rb", buffering=0) as f:
+        fd = f.fileno()
+        failed = [(key, slot, expected) for key, slot, expected in zip(keys, slots, sums)
+                  if checksum(os.pread(fd, block_bytes, slot * block_bytes)) != expected]
+        if failed:
+            now = journal_state(directory)[0].index
+            named = {key: (entry.slot, entry.checksum) for key in (k for k, _, _ in failed)
+                     if (entry := now.get(key)) is not None}
+            scan.damaged = [key for key, slot, expected in failed if named.get(key) == (slot, expected)
+                            and checksum(os.pread(fd, block_bytes, slot * block_bytes)) != expected]
+    return scan
