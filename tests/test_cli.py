@@ -131,6 +131,13 @@ def test_info_text(capsys):
                                                                             "directory no/such/dir"),
     (["run", "--synthetic-tokens", "100", "--record-access", "."], "--record-access .: is a directory"),
     (["serve", "--mode", "dense", "--rank", "64"], "--rank: sparse-mode settings, but --mode dense"),
+    (["run", "--synthetic-tokens", "100", "--mode", "sparse", "--kv-dtype", "int4", "--prefetch", "none"],
+     "--kv-dtype, --prefetch: dense-mode settings, but --mode sparse keeps pages"),
+    (["serve", "--mode", "sparse", "--block-tokens", "128"], "--block-tokens: dense-mode settings"),
+    (["chat", "--mode", "sparse", "--kv-buffer", "1MiB"], "--kv-buffer: dense-mode settings"),
+    (["run", "--synthetic-tokens", "100", "--cxl-preset", "cxl2-x16"],
+     "cxl_preset='cxl2-x16': the CXL pool has no budget; give --cxl-budget SIZE"),
+    (["run", "--synthetic-tokens", "100", "--gpu-policy", "nosuch"], "gpu_policy: policy='nosuch': unknown"),
     (["serve", "--mode", "sparse", "--draft-tokens", "2"], "--draft-tokens: drafts are verified in dense mode only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):

@@ -32,7 +32,7 @@ import torch
 from tierkv.sizes import format_size
 from tierkv.device import GDS_INSTALL, auto_dtype, has_cuda, has_cuda_driver, native_bf16
 from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
-from tierkv.flags import add_flags, build, given, given_flags, nest, path_arg
+from tierkv.flags import add_flags, build, given, nest, path_arg
 from tierkv.knobs import IOKnobs
 from tierkv.profile.command import add_profile
 from tierkv.tune.tune import add_tune
@@ -235,21 +235,20 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 
 def run_config(args: argparse.Namespace):
     """The run's settings: each field's default, then ``--config``'s values, then the flags given."""
-    from tierkv.model.settings import RunConfig
-    from tierkv.sparse import SparseConfig
+    from tierkv.model.settings import RunConfig, mode_flags
     from tierkv.tune.tune import read_run_config
     from_file = nest(RunConfig, read_run_config(args.config)) if args.config else {}
     config = build(RunConfig, from_file, given(args, RunConfig))
-    sparse_given = given_flags(args, SparseConfig)
-    config.engine.check_flags(sparse_given)
-    return config, sparse_given
+    sparse_given, dense_given = mode_flags(args)
+    config.engine.check_flags(sparse_given, dense_given)
+    return config, sparse_given, dense_given
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tierkv.session.run import run
-    config, sparse_given = run_config(args)
+    config, sparse_given, dense_given = run_config(args)
     bars: list[tqdm] = []
 
     def on_prefill(done: int, total: int) -> None:
@@ -280,6 +279,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if sparse_given and result.mode != "sparse":
             print(f"note: {', '.join(sparse_given)} unused: --mode auto ran dense, the prompt and its answer "
                   "being within the model's trained window; --mode sparse applies them")
+        if dense_given and result.mode == "sparse":
+            print(f"note: {', '.join(dense_given)} unused: --mode auto ran sparse, the prompt and its answer "
+                  "passing the model's trained window (--page-dtype quantizes sparse pages)")
     return 0
 
 

@@ -15,7 +15,7 @@ gpu_budget="64MiB", sparse_budget="2%")``); every default is the field's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from tierkv.config import TierConfig, store_dir
 from tierkv.device import auto_dtype
 from tierkv.model.weights import WEIGHTS
 from tierkv.errors import ConfigError
-from tierkv.flags import build, check_writable, nest, setting
+from tierkv.flags import build, check_writable, flag_name, given_flags, nest, setting
 from tierkv.model.engine import EngineConfig
 from tierkv.sizes import parse_size
 from tierkv.sparse import SparseConfig
@@ -63,6 +63,9 @@ class PromptSettings:
                               f"the document is summarized)")
 
 
+_CXL_PRESET = "cxl2-x8"
+
+
 @dataclass(frozen=True, slots=True)
 class TierSettings:
     gpu_budget: str | int = setting("256MiB", "KV bytes in the compute device's tier", metavar="SIZE")
@@ -71,7 +74,7 @@ class TierSettings:
     nvme_budget: str | int = setting("64GiB", "cap of the NVMe store; cold blocks are evicted", metavar="SIZE")
     cxl_budget: str | int = setting(0, "bytes of a simulated CXL memory pool between cpu and nvme (default: none)",
                                     metavar="SIZE", show_default=False)
-    cxl_preset: str = setting("cxl2-x8", "the pool's link: cxl2-x8, cxl2-x16, cxl2-x8x4, cmm-b", metavar="NAME")
+    cxl_preset: str = setting(_CXL_PRESET, "the pool's link: cxl2-x8, cxl2-x16, cxl2-x8x4, cmm-b", metavar="NAME")
     gpu_policy: str = setting("lru", "eviction policy of the gpu tier: a name in policies or module:Class", metavar="NAME")
     cpu_policy: str = setting("lru", "eviction policy of the cpu tier", metavar="NAME")
     nvme_policy: str = setting("lru", "eviction policy of the nvme tier", metavar="NAME")
@@ -86,7 +89,12 @@ class TierSettings:
         for name in ("gpu_budget", "cpu_budget", "nvme_budget", "cxl_budget"):
             parse_size(getattr(self, name), name)
         for name in ("gpu_policy", "cpu_policy", "nvme_policy"):
-            make_policy(getattr(self, name))  # unknown names list the valid ones
+            try:
+                make_policy(getattr(self, name))  # unknown names list the valid ones
+            except ConfigError as error:
+                raise ConfigError(f"{name}: {error}") from None
+        if not parse_size(self.cxl_budget, "cxl_budget") and self.cxl_preset != _CXL_PRESET:
+            raise ConfigError(f"cxl_preset={self.cxl_preset!r}: the CXL pool has no budget; give --cxl-budget SIZE")
         if self.nvme_dir is not None:
             object.__setattr__(self, "nvme_dir", store_dir(self.nvme_dir))
         if self.remote is not None:
@@ -157,14 +165,19 @@ class EngineSettings:
     def torch_dtype(self) -> torch.dtype:
         return auto_dtype() if self.dtype == "auto" else DTYPES[self.dtype]
 
-    def check_flags(self, sparse_given: list[str]) -> None:
-        """Refuse flags the chosen mode would never use (``sparse_given``: the sparse flags given)."""
+    def check_flags(self, sparse_given: list[str], dense_given: list[str] = ()) -> None:
+        """Refuse flags the chosen mode would never use (``sparse_given``, ``dense_given``: the flags of
+        one mode given; see `mode_flags`)."""
         if self.draft_tokens and self.mode == "sparse":
             raise ConfigError("--draft-tokens: drafts are verified in dense mode only (a sparse pass over several "
                               "tokens selects for all of them at once); use --mode dense or auto")
         if sparse_given and self.mode == "dense":
             raise ConfigError(f"{', '.join(sparse_given)}: sparse-mode settings, but --mode dense attends to every "
                               "stored key; drop them, or use --mode sparse (or auto: sparse past the trained window)")
+        if dense_given and self.mode == "sparse":
+            raise ConfigError(f"{', '.join(dense_given)}: dense-mode settings, but --mode sparse keeps pages, not "
+                              "blocks (--page-dtype quantizes them, --sparse-prefetch loads them ahead); drop them, or "
+                              "use --mode dense (or auto: dense within the trained window)")
 
     def resolve_mode(self, positions: int, trained_tokens: int) -> str:
         """The mode for a sequence of ``positions`` (a prompt's and its answer's at most): ``auto`` is sparse
@@ -173,6 +186,16 @@ class EngineSettings:
         if self.mode != "auto":
             return self.mode
         return "sparse" if positions > trained_tokens else "dense"
+
+
+DENSE_ONLY = ("block_tokens", "kv_dtype", "kv_buffer", "prefetch")     # EngineSettings a sparse run never reads
+
+
+def mode_flags(args: Any) -> tuple[list[str], list[str]]:
+    """The flags given on the command line (parsed as ``args``) that only sparse mode uses, and those
+    that only dense mode uses."""
+    dense = {flag_name(f) for f in fields(EngineSettings) if f.name in DENSE_ONLY}
+    return given_flags(args, SparseConfig), [flag for flag in given_flags(args, EngineSettings) if flag in dense]
 
 
 @dataclass(frozen=True, slots=True)

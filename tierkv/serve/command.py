@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.flags import add_flags, build, given, given_flags, setting
-from tierkv.model.settings import SessionConfig
-from tierkv.sparse import SparseConfig
+from tierkv.flags import add_flags, build, given, setting
+from tierkv.model.settings import SessionConfig, mode_flags
 from tierkv.sizes import parse_size
 
 
@@ -67,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tierkv.serve.app import Closing, Starting
     settings, config = build(ServeSettings, given(args, ServeSettings)), build(SessionConfig, given(args, SessionConfig))
-    config.engine.check_flags(given_flags(args, SparseConfig))
+    config.engine.check_flags(*mode_flags(args))
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         print(f"tierkv serve: warning: listening on {settings.host} without --api-key: anyone who can reach it "
               "can use it", file=sys.stderr)

@@ -15,11 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from tierkv.flags import add_flags, build, given, given_flags, path_arg
+from tierkv.flags import add_flags, build, given, path_arg
 from tierkv.knobs import cache_dir
 from tierkv.model.prompt import read_document
-from tierkv.model.settings import SessionConfig
-from tierkv.sparse import SparseConfig
+from tierkv.model.settings import SessionConfig, mode_flags
 from tierkv.sizes import format_size
 from tierkv.session.generation import Answer, Sampling
 from tierkv.session.session import Session
@@ -40,7 +39,7 @@ def add_chat(sub: argparse._SubParsersAction) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     config = build(SessionConfig, given(args, SessionConfig))
-    config.engine.check_flags(given_flags(args, SparseConfig))
+    config.engine.check_flags(*mode_flags(args))
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     Sampling.of(sampling)           # checked before the model loads, not at the first question
     text = read_document(args.doc) if args.doc is not None else None
