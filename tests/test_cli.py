@@ -183,6 +183,18 @@ def test_serve_with_a_store_directory_that_cannot_be_made_stops_at_once(tmp_path
     assert "Traceback" not in done.stderr
 
 
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
+    """``tierkv ... | head``: no "Broken pipe" error when head exits, the status of a command SIGPIPE ended."""
+    script = ("import sys\nfrom tierkv import cli\n"
+              "cli.COMMANDS.append(lambda sub: sub.add_parser('lines').set_defaults("
+              "func=lambda args: [print('x' * 99) for _ in range(200_000)] and 0))\n"
+              "sys.exit(cli.main(['lines']))\n")
+    reader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout.read(10) == b"x" * 10
+    reader.stdout.close()                              # as head does once it has its lines
+    assert reader.wait(timeout=60) == 141 and reader.stderr.read() == b""
+
+
 def test_help_lists_the_commands():
     done = tierkv("--help")
     assert done.returncode == 0 and "info" in done.stdout and "run" in done.stdout

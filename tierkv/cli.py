@@ -19,6 +19,7 @@ import errno
 import json
 import platform
 import re
+import select
 import shutil
 import signal
 import sys
@@ -385,6 +386,12 @@ def _main(argv: list[str] | None) -> int:
         args = build_parser().parse_args(argv)
         IOKnobs.from_env().apply_to_process()   # this process is tierkv's own
         return args.func(args)
+    except BrokenPipeError as error:
+        if not _stdout_gone():
+            print(f"tierkv: error: {error}", file=sys.stderr)
+            return 1
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # (the exit's flush would fail too)
+        return 128 + signal.SIGPIPE          # as a command killed by SIGPIPE: `tierkv ... | head` is no error
     except (TierKVError, OSError) as error:
         print(f"tierkv: error: {error}", file=sys.stderr)
         return 2 if _usage(error) else 1
@@ -394,6 +401,16 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("tierkv: interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe nobody reads any more (its reader exited)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _usage(error: BaseException) -> bool:
