@@ -17,6 +17,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import errno
 import json
+import logging
 import platform
 import re
 import select
@@ -184,8 +185,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _remote_facts(url: str) -> dict[str, object]:
     """The remote store's server, memory cap and measured link (a 4 MiB value written, read and deleted)."""
-    import logging
-
     from tierkv.tiers.remote import RemoteStore
     store = RemoteStore(url, "probe", retry_s=0)
     logging.getLogger("tierkv.tiers.remote").disabled = True     # the error is the report here
@@ -247,6 +246,7 @@ def run_config(args: argparse.Namespace):
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from tierkv.session.run import run
     config, sparse_given, dense_given = run_config(args)
@@ -268,7 +268,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"{chr(10) if i else ''}[{i + 1}] {question}", flush=True)
 
     try:
-        result = run(config, on_text=on_text, on_prefill=on_prefill, on_question=on_question)
+        with logging_redirect_tqdm():            # a warning (a damaged block recomputed) above the bar, not in it
+            result = run(config, on_text=on_text, on_prefill=on_prefill, on_question=on_question)
     finally:
         for bar in bars:
             bar.close()
@@ -385,6 +386,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         IOKnobs.from_env().apply_to_process()   # this process is tierkv's own
+        if args.command != "serve":             # (the server's log lines carry times: its own format)
+            logging.basicConfig(level=logging.WARNING, format="tierkv: %(message)s")
         return args.func(args)
     except BrokenPipeError as error:
         if not _stdout_gone():

@@ -125,9 +125,11 @@ def test_corrupt_store_is_recomputed_not_served(smollm2, tmp_path, caplog):
             byte = f.read(1)
             f.seek(offset + 103)
             f.write(bytes([byte[0] ^ 0x40]))
+    done: list[int] = []
     with caplog.at_level("WARNING", logger="tierkv.model.engine"):
-        again = run(config, loaded=smollm2)
+        again = run(config, loaded=smollm2, on_prefill=lambda tokens, total: done.append(tokens))
     assert again.text == clean.text
+    assert done[-1] == 1199 and max(done) == 1199       # the progress went back with the rewind, not past the end
     assert "failed their checksum" in caplog.text
     rewinds = [r.message for r in caplog.records if "computing the sequence again" in r.message]
     assert len(rewinds) == 1 and "7 of its" in rewinds[0]       # one scrub finds them all: one rewind

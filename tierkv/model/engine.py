@@ -167,8 +167,10 @@ class Engine:
                 rewinds += 1
                 if rewinds > self.config.max_rewinds:
                     raise
-                pos = self._rewind(seq, lost, scrub=rewinds == 1)
-                first = min(first, pos)
+                back = self._rewind(seq, lost, scrub=rewinds == 1)
+                if progress:
+                    progress(back - pos)          # (negative: the tokens found stored, then lost, count no more)
+                pos, first = back, min(first, back)
                 continue
             if progress:
                 progress(end - pos)
