@@ -138,6 +138,9 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--cxl-preset", "cxl2-x16"],
      "cxl_preset='cxl2-x16': the CXL pool has no budget; give --cxl-budget SIZE"),
     (["run", "--synthetic-tokens", "100", "--gpu-policy", "nosuch"], "gpu_policy: policy='nosuch': unknown"),
+    (["run", "--synthetic-tokens", "100", "--kv-dtype", "int8-g64-g32"], "option -g given twice"),
+    (["info", "--full"], "--full: a longer link measurement, so it goes with --probe or --reprobe"),
+    (["info", "--nvme-dir", __file__], f"--nvme-dir {__file__}: not a directory"),
     (["serve", "--mode", "sparse", "--draft-tokens", "2"], "--draft-tokens: drafts are verified in dense mode only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):

@@ -170,6 +170,10 @@ def _print_facts(facts: dict[str, object]) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.full and not (args.probe or args.reprobe):
+        raise ConfigError("--full: a longer link measurement, so it goes with --probe or --reprobe")
+    if args.nvme_dir is not None and args.nvme_dir.exists() and not args.nvme_dir.is_dir():
+        raise ConfigError(f"--nvme-dir {args.nvme_dir}: not a directory")
     facts = machine_facts(args.nvme_dir)
     if args.probe or args.reprobe:
         from tierkv.profile.probe import probe_links

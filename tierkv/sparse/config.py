@@ -135,8 +135,9 @@ class SparseConfig:
         if self.page_tokens is not None and self.page_tokens <= 0:
             raise ConfigError(f"page_tokens={self.page_tokens}: must be > 0")
         if self.page_tokens is not None and self.page_tokens % self.chunk_tokens:
-            raise ConfigError(f"page_tokens={self.page_tokens}: must be a multiple of "
-                              f"chunk_tokens={self.chunk_tokens}")
+            raise ConfigError(f"page_tokens={self.page_tokens}: must be a multiple of the tokens one landmark "
+                              f"summarises (the sparse chunk_tokens={self.chunk_tokens}; not --chunk-tokens, the "
+                              "prefill's chunk)")
         for name in ("sink_tokens", "window_tokens", "max_outlier_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
