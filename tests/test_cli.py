@@ -242,6 +242,8 @@ def test_a_dense_run_takes_the_prompt_tier_and_engine_flags(tmp_path):
     assert nvme["backend"] in ("odirect", "buffered") and nvme["bytes_written"] > 0
     assert set(nvme) >= {"budget_bytes", "peak_bytes", "bytes_read", "answer_bytes_read", "bytes_written", "backend"}
     assert 0 <= nvme["answer_bytes_read"] <= nvme["bytes_read"]
+    assert result["tiers"]["cpu"]["policy"] == "arc" and nvme["policy"] == "lru"      # what the flags chose, shown
+    assert result["dtype"] == "float32" and result["kv_dtype"] is None
     trace = json.loads((tmp_path / "t.json").read_text())
     assert any(e.get("name") == "writeback" for e in trace["traceEvents"])
     assert result["found"] and result["mode"] == "dense" and result["reused_prompt_tokens"] == 0

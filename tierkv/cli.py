@@ -292,7 +292,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _print_run_summary(r, config) -> None:
-    print(f"\nprompt {r.prompt_tokens} tokens (KV {format_size(r.kv_bytes)}), reused {r.reused_prompt_tokens}; "
+    stored = f", blocks stored as {r.kv_dtype}" if r.kv_dtype else ""
+    print(f"\nprompt {r.prompt_tokens} tokens (KV {format_size(r.kv_bytes)} in {r.dtype}{stored}), reused "
+          f"{r.reused_prompt_tokens}; "
           f"document read in {r.prefill_s:.1f} s, first token after {r.ttft_s:.1f} s")
     for i, a in enumerate(r.answers[1:], 2):
         print(f"question {i}: prompt {a['prompt_tokens']} tokens, reused {a['reused_prompt_tokens']}, "
@@ -307,16 +309,17 @@ def _print_run_summary(r, config) -> None:
         _print_sparse_summary(r.sparse)
     if r.answer is not None:
         print(f"passkey {r.answer}: {'found' if r.found else 'NOT found'} in the output")
-    print(f"{'tier':6s} {'budget':>10s} {'peak':>10s} {'final':>10s} {'read':>10s} {'written':>10s}  backend")
+    print(f"{'tier':6s} {'budget':>10s} {'peak':>10s} {'final':>10s} {'read':>10s} {'written':>10s} {'policy':>8s}  "
+          "backend")
     for name, t in r.tiers.items():
         print(f"{name:6s} {format_size(t['budget_bytes']):>10s} {format_size(t['peak_bytes']):>10s} "
               f"{format_size(t['final_bytes']):>10s} {format_size(t['bytes_read']):>10s} "
-              f"{format_size(t['bytes_written']):>10s}  {t['backend']}")
+              f"{format_size(t['bytes_written']):>10s} {t['policy']:>8s}  {t['backend']}")
     if r.buffers is not None and r.buffers["budget_bytes"]:
         b = r.buffers
         print(f"{'buffer':6s} {format_size(b['budget_bytes']):>10s} {format_size(b['peak_bytes']):>10s} "
-              f"{format_size(b['final_bytes']):>10s} {'-':>10s} {'-':>10s}  each layer's K/V as one tensor, "
-              f"{b['device']} (--kv-buffer)")
+              f"{format_size(b['final_bytes']):>10s} {'-':>10s} {'-':>10s} {'-':>8s}  each layer's K/V as one "
+              f"tensor, {b['device']} (--kv-buffer)")
     if r.remote is not None:
         _print_remote(r.remote)
     if config.output.trace:

@@ -35,6 +35,8 @@ class RunResult:
     reused_prompt_tokens: int = 0       # of the first question's prompt, found stored
     mode: str = "dense"
     kv_bytes: int = 0
+    dtype: str = ""                     # the compute dtype: KV as computed
+    kv_dtype: str | None = None         # dense mode: how sealed blocks are stored (--kv-dtype; None: as computed)
     answers: list[dict[str, object]] = field(default_factory=list)   # one per question
     sparse: dict[str, object] = field(default_factory=dict)
     answer: str | None = None           # the planted passkey of a synthetic prompt
@@ -134,6 +136,11 @@ def _summarise(result: RunResult, backend, session: Session) -> None:
     result.mode = backend.mode
     spec = session.loaded.spec
     result.kv_bytes = (result.prompt_tokens + result.generated_tokens) * spec.kv_bytes_per_token
-    result.tiers = backend.tier_report()
+    result.dtype = str(spec.dtype).removeprefix("torch.")
+    result.kv_dtype = session.config.engine.kv_dtype if backend.mode == "dense" else None
+    tiers = session.config.tiers
+    policies = {"gpu": tiers.gpu_policy, "cpu": tiers.cpu_policy, "nvme": tiers.nvme_policy}
+    result.tiers = {name: {**stats, "policy": policies.get(name, "lru")}
+                    for name, stats in backend.tier_report().items()}
     result.remote = backend.remote_report()
     result.buffers = backend.buffer_report()
