@@ -28,7 +28,7 @@ from tierkv.model.weights import WEIGHTS
 from tierkv.errors import ConfigError
 from tierkv.flags import build, check_writable, flag_name, given_flags, nest, setting
 from tierkv.model.engine import EngineConfig
-from tierkv.sizes import parse_size
+from tierkv.sizes import format_size, parse_size
 from tierkv.sparse import SparseConfig
 from tierkv.tiers.remote import check_url
 
@@ -105,6 +105,13 @@ class TierSettings:
     def tier_config(self, block_bytes: int, store_name: str) -> TierConfig:
         """The tiers for blocks of ``block_bytes``; the store in ``nvme_dir/store_name`` (one per layout)."""
         nvme_dir = None if self.nvme_dir is None else self.nvme_dir / store_name
+        for name in ("gpu_budget", "cpu_budget", "cxl_budget", "nvme_budget"):   # named as given, before TierConfig
+            budget = parse_size(getattr(self, name), name)
+            used = nvme_dir is not None if name == "nvme_budget" else budget > 0
+            if used and budget < block_bytes:
+                raise ConfigError(f"--{name.replace('_', '-')} {format_size(budget)}: less than one KV block of this "
+                                  f"model and mode ({format_size(block_bytes)}); give at least that"
+                                  + (", or 0 for no such tier" if name != "nvme_budget" else ""))
         return TierConfig(block_bytes=block_bytes, gpu=self.gpu_budget, cpu=self.cpu_budget, nvme_dir=nvme_dir,
                           nvme_budget=self.nvme_budget, cxl=self.cxl_budget, cxl_preset=self.cxl_preset,
                           gpu_policy=self.gpu_policy, cpu_policy=self.cpu_policy, nvme_policy=self.nvme_policy,
