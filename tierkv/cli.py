@@ -257,8 +257,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     bars: list[tqdm] = []
 
     def on_prefill(done: int, total: int) -> None:
-        if not bars:
-            bars.append(tqdm(total=total, unit="tok", desc="prefill", file=sys.stderr, dynamic_ncols=True))
+        if not bars:      # (what came before the bar, found stored or a first chunk, counts in no rate)
+            bars.append(tqdm(total=total, initial=done, unit="tok", desc="prefill", file=sys.stderr,
+                             dynamic_ncols=True))
         bars[0].update(done - bars[0].n)
         if done >= total:
             bars[0].close()  # before the answer streams out
