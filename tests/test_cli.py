@@ -69,11 +69,14 @@ def test_store_verify_calls_a_store_cut_short_or_unreadable_damaged_checks_the_o
                         for i, slot in enumerate(slots)])
     os.truncate(tmp_path / "a" / "slots.dat", 4 * 4096)              # two blocks' bytes gone
     (tmp_path / "b" / "store.json").write_text("{broken")
+    (tmp_path / "c0").mkdir()
+    (tmp_path / "c0" / "store.json").write_text('{"block_bytes": 0, "namespace": "x"}')
     files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert main(["store", "verify", "--nvme-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "store a: 4 blocks, all sound; 2 lost: their slots lie past the end of slots.dat" in out
     assert "store b: unusable (not a readable tierkv NVMe store" in out and "store c: 6 blocks, all sound" in out
+    assert "store c0: unusable (not a readable tierkv NVMe store (block_bytes=0))" in out
     assert out.rstrip().splitlines()[-1].strip().startswith("DAMAGED")
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files     # a check, not a repair
     assert main(["store", "verify", "--nvme-dir", str(tmp_path / "c" / "slots.dat")]) == 2
@@ -139,6 +142,7 @@ def test_info_text(capsys):
      "cxl_preset='cxl2-x16': the CXL pool has no budget; give --cxl-budget SIZE"),
     (["run", "--synthetic-tokens", "100", "--gpu-policy", "nosuch"], "gpu_policy: policy='nosuch': unknown"),
     (["run", "--synthetic-tokens", "100", "--kv-dtype", "int8-g64-g32"], "option -g given twice"),
+    (["run", "--synthetic-tokens", "100", "--cxl-preset", "nosuch"], "cxl_preset='nosuch': unknown; valid presets"),
     (["info", "--full"], "--full: a longer link measurement, so it goes with --probe or --reprobe"),
     (["info", "--nvme-dir", __file__], f"--nvme-dir {__file__}: not a directory"),
     (["serve", "--mode", "sparse", "--draft-tokens", "2"], "--draft-tokens: drafts are verified in dense mode only"),
@@ -186,14 +190,17 @@ def test_serve_with_a_store_directory_that_cannot_be_made_stops_at_once(tmp_path
     assert "Traceback" not in done.stderr
 
 
-def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
+@pytest.mark.parametrize("lines", [200_000, 1])       # written while it runs; one line still buffered at the end
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly(lines):
     """``tierkv ... | head``: no "Broken pipe" error when head exits, the status of a command SIGPIPE ended."""
-    script = ("import sys\nfrom tierkv import cli\n"
+    script = ("import sys, time\nfrom tierkv import cli\n"
               "cli.COMMANDS.append(lambda sub: sub.add_parser('lines').set_defaults("
-              "func=lambda args: [print('x' * 99) for _ in range(200_000)] and 0))\n"
+              f"func=lambda args: [print('x' * 99) for _ in range({lines})] and time.sleep(0.5) or 0))\n"
               "sys.exit(cli.main(['lines']))\n")
-    reader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert reader.stdout.read(10) == b"x" * 10
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    reader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    if lines > 1:
+        assert reader.stdout.read(10) == b"x" * 10
     reader.stdout.close()                              # as head does once it has its lines
     assert reader.wait(timeout=60) == 141 and reader.stderr.read() == b""
 

@@ -55,3 +55,11 @@ def test_tune_is_a_command(capsys):
     with pytest.raises(SystemExit):
         main(["tune", "--help"])
     assert "--grid" in capsys.readouterr().out
+
+
+def test_a_sparse_run_takes_a_prefill_chunk_that_is_no_multiple_of_the_dense_block():
+    """--block-tokens is dense mode's: a sparse run neither takes it nor checks its chunk against it."""
+    assert settings_of("--synthetic-tokens", "100", "--mode", "sparse", "--chunk-tokens", "128").engine.chunk_tokens \
+        == 128
+    with pytest.raises(Exception, match="must be a multiple of block_tokens=256"):
+        settings_of("--synthetic-tokens", "100", "--mode", "auto", "--chunk-tokens", "128")

@@ -396,7 +396,9 @@ def _main(argv: list[str] | None) -> int:
         IOKnobs.from_env().apply_to_process()   # this process is tierkv's own
         if args.command != "serve":             # (the server's log lines carry times: its own format)
             logging.basicConfig(level=logging.WARNING, format="tierkv: %(message)s")
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()                      # (a reader gone shows here, not in the exit's flush)
+        return status
     except BrokenPipeError as error:
         if not _stdout_gone():
             print(f"tierkv: error: {error}", file=sys.stderr)

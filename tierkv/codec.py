@@ -251,11 +251,9 @@ class KVCodec:
             raise ConfigError(f"{text!r}: allowed: {', '.join(FLOAT_DTYPES)}, or {'/'.join(BITS)} with optional "
                               "-g<channels per value scale> and -s<f16|bf16|f32> (like int4-g32)")
         group, scale = None, "f16"
-        kinds = [option[:1] for option in options]
-        if len(set(kinds)) < len(kinds):
-            twice = next(kind for kind in kinds if kinds.count(kind) > 1)
-            raise ConfigError(f"{text!r}: option -{twice} given twice; give each of -g<N> and -s<dtype> once")
-        for option in options:
+        for n, option in enumerate(options):
+            if option[:1] in {o[:1] for o in options[:n]}:
+                raise ConfigError(f"{text!r}: option -{option[:1]} given twice; give each of -g<N> and -s<dtype> once")
             if option[:1] == "g" and option[1:].isdigit() and int(option[1:]) > 0:
                 group = int(option[1:])
             elif option[:1] == "s" and option[1:] in SCALES:

@@ -252,3 +252,25 @@ def test_a_sparse_prefill_killed_at_a_failpoint_resumes_to_the_clean_answer(lm, 
     if name == "index.before-rename" or (name == "checkpoint.before-rename" and int(visit or 1) > 1):
         assert again.report["resumed_prefill_tokens"] > 0           # from a checkpoint saved before the kill
     assert verify(tmp_path).clean
+
+
+def test_a_repair_beside_another_opener_says_the_lost_blocks_are_hidden_not_dropped(tmp_path):
+    """Another process has the store open: a repair may not rewrite its journal, so the blocks past a data
+    file cut short are hidden from the repair only, and it says so (verify after it still finds them)."""
+    with NvmeTier(tmp_path / "s", 4096, 16 * 4096) as tier:
+        slots = [tier.pool.reserve() for _ in range(6)]
+        tier.write([(BlockKey.of("r", i), slot, torch.full((4096,), i, dtype=torch.uint8))
+                    for i, slot in enumerate(slots)])
+    other = subprocess.Popen([sys.executable, "-c", "import sys, time; from tierkv.tiers.nvme import NvmeTier\n"
+                              f"t = NvmeTier.existing({str(tmp_path / 's')!r}); print('open', flush=True); "
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "open\n"
+        os.truncate(tmp_path / "s" / "slots.dat", 4 * 4096)           # (an opener alone drops them at once)
+        (line,) = verify(tmp_path, drop=True).lines()[:1]
+        assert "2 hidden from this repair: another process has the store open" in line
+        assert not verify(tmp_path).clean
+    finally:
+        other.communicate("", timeout=60)
+    (line,) = verify(tmp_path, drop=True).lines()[:1]
+    assert "2 dropped" in line and verify(tmp_path).clean

@@ -30,6 +30,7 @@ from tierkv.flags import build, check_writable, flag_name, given_flags, nest, se
 from tierkv.model.engine import EngineConfig
 from tierkv.sizes import format_size, parse_size
 from tierkv.sparse import SparseConfig
+from tierkv.tiers.cxl_link import link_spec
 from tierkv.tiers.remote import check_url
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,6 +94,7 @@ class TierSettings:
                 make_policy(getattr(self, name))  # unknown names list the valid ones
             except ConfigError as error:
                 raise ConfigError(f"{name}: {error}") from None
+        link_spec(self.cxl_preset)        # an unknown name says so first
         if not parse_size(self.cxl_budget, "cxl_budget") and self.cxl_preset != _CXL_PRESET:
             raise ConfigError(f"cxl_preset={self.cxl_preset!r}: the CXL pool has no budget; give --cxl-budget SIZE")
         if self.nvme_dir is not None:
@@ -160,7 +162,8 @@ class EngineSettings:
             raise ConfigError(f"draft_tokens={self.draft_tokens}: must be >= 0 (0: no drafts)")
         if not self.checkpoint_every >= 0:
             raise ConfigError(f"checkpoint_every={self.checkpoint_every}: must be >= 0 seconds (0: no checkpoints)")
-        self.dense_engine()    # validates blocks, chunks and the prefetch name
+        if self.mode != "sparse":
+            self.dense_engine()    # validates blocks, chunks and the prefetch name (none of them a sparse run's)
 
     def dense_engine(self) -> EngineConfig:
         """The dense engine's settings."""

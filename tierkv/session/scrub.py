@@ -47,6 +47,7 @@ class StoreCheck:
     bad_records: int = 0          # journal records damaged in the middle: the blocks they put are lost
     torn_bytes: int = 0           # a last journal record a crash cut short: a write never completed (sound)
     problem: str | None = None    # the store cannot be read at all (its store.json)
+    shared: bool = False          # a repair found another process with the store open: lost blocks only hidden
 
     @property
     def clean(self) -> bool:
@@ -56,7 +57,8 @@ class StoreCheck:
         if self.problem:
             return f"store {self.directory.name}: unusable ({self.problem}); move it aside or remove it: a run " \
                    "makes a new one"
-        gone = "dropped" if drop else "lost"
+        gone = "lost" if not drop else "hidden from this repair: another process has the store open (repair " \
+            "again once it has closed it)" if self.shared else "dropped"
         return f"store {self.directory.name}: {self.blocks} blocks, " + \
             (f"{len(self.damaged)} damaged" if self.damaged else "all sound") + \
             (f"; {self.lost} {gone}: their slots lie past the end of slots.dat (the file was cut short)"
@@ -130,7 +132,7 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
         try:
             scan = journal_state_scan(directory) if drop else scan_read_only(directory)
             if drop:
-                scan.keys, scan.damaged = _drop_damaged(directory, batch)
+                scan.keys, scan.damaged, check.shared = _drop_damaged(directory, batch)
         except ConfigError as error:            # (its store.json): the others are checked all the same
             check.problem = str(error).removeprefix(f"{directory}: ")
         else:
@@ -151,10 +153,12 @@ def journal_state_scan(directory: Path) -> Scan:
     return Scan(lost=[key for key, _ in state.lost], bad_records=state.damaged, torn_bytes=state.cut_bytes)
 
 
-def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[BlockKey]]:
+def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[BlockKey], bool]:
     """The store's keys and those of its blocks that fail their checksum, dropped, read through the store
-    (joining it, as any process that uses it: the drops are journaled for every process)."""
+    (joining it, as any process that uses it: the drops are journaled for every process); and whether
+    another process had it open (then the blocks lost to a short data file are only hidden here)."""
     with NvmeTier.existing(directory) as tier:
+        shared = not tier.opened_alone
         items = sorted(tier.items(), key=lambda item: item[1])
         damaged: list[BlockKey] = []
         data = torch.empty(min(batch, len(items)), tier.block_bytes, dtype=torch.uint8)
@@ -164,7 +168,7 @@ def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[Blo
         for key in damaged:
             tier.drop(key)
         tier.flush()
-    return [key for key, _ in items], damaged
+    return [key for key, _ in items], damaged, shared
 
 
 def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:

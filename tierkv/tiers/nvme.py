@@ -147,6 +147,7 @@ class NvmeTier:
         self.pool.adopted = self._adopted
         self._news = Changes()          # what the journal said as an extent was taken: for the next refresh
         self.pool.catch_up = self._catch_up
+        self.opened_alone = self._share.alone   # (this opener repaired the store: lost entries dropped)
         self._share.settle()
 
     # -- queries -----------------------------------------------------------

@@ -30,6 +30,8 @@ def journal_state(directory: Path) -> tuple[Replay, int]:
     """The store's journal replayed against its data file's size, and its block size, reading only."""
     try:
         block_bytes = int(json.loads((directory / "store.json").read_text())["block_bytes"])
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes={block_bytes}")
         raw = (directory / "index.log").read_bytes() if (directory / "index.log").exists() else b""
         data = directory / "slots.dat"
         size = data.stat().st_size if data.exists() else 0
