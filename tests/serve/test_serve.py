@@ -55,7 +55,7 @@ def test_chat_stream_completion_and_reuse_across_requests_and_restarts(launch, t
     assert server.stop() == 0
     again = launch("--nvme-dir", store, *SMALL)                              # a restart finds the document
     after = ask(client(again), "Where was the second shop?")
-    assert after.usage.prompt_tokens_details.cached_tokens >= cached
+    assert after.usage.prompt_tokens_details.cached_tokens >= cached - cached % 256   # its whole blocks were stored
     assert after.choices[0].message.content == second.choices[0].message.content
 
 

@@ -3,7 +3,7 @@
     > Who wrote it?                 answers stream as they are generated
     > /stats                        the last answer: prompt, reused tokens, first token, tok/s, stall; tiers
     > /reset                        a new conversation about the same document (nothing recomputed)
-    > /quit                         (or Ctrl-D)
+    > /quit                         (or Ctrl-D; Ctrl-C stops an answer, and at the prompt leaves)
 
 Each turn goes on from the state the previous one left (the document, the questions and
 answers so far), so only the new question is computed. History is kept in
@@ -12,7 +12,9 @@ answers so far), so only the new question is computed. History is kept in
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from tierkv.flags import add_flags, build, given, path_arg
@@ -21,7 +23,7 @@ from tierkv.model.prompt import read_document
 from tierkv.model.settings import SessionConfig, mode_flags
 from tierkv.sizes import format_size
 from tierkv.session.generation import Answer, Sampling
-from tierkv.session.session import Session
+from tierkv.session.session import Cancelled, Session
 
 HELP = "commands: /stats (the last answer and the tiers), /reset (a new conversation), /quit"
 
@@ -70,12 +72,30 @@ def _converse(session: Session, text: str | None, sampling: dict) -> None:
             print(HELP)
         elif line.strip():
             messages.append({"role": "user", "content": line})
-            stream = session.chat(messages, stream=True, **sampling)
-            for piece in stream:
-                print(piece, end="", flush=True)
-            print()
-            last = stream.answer
-            messages.append({"role": "assistant", "content": last.text})
+            answer = _answer(session, messages, sampling)
+            if answer is None:                  # stopped before its first token: as if not asked
+                messages.pop()
+            else:
+                last = answer
+                messages.append({"role": "assistant", "content": last.text})
+
+
+def _answer(session: Session, messages: list, sampling: dict) -> Answer | None:
+    """The reply to ``messages``, streamed; Ctrl-C stops it (what came so far is the answer; None before its
+    first token) and the conversation goes on: Ctrl-C at the prompt, or Ctrl-D, leaves."""
+    stop = threading.Event()
+    before = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+    try:
+        stream = session.chat(messages, stream=True, cancelled=stop.is_set, **sampling)
+        for piece in stream:
+            print(piece, end="", flush=True)
+    except Cancelled:
+        print("(stopped)")
+        return None
+    finally:
+        signal.signal(signal.SIGINT, before)
+    print(" (stopped)" if stream.answer.finish_reason == "cancelled" else "")
+    return stream.answer
 
 
 def _ask() -> str | None:

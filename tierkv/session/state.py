@@ -8,9 +8,10 @@ state holds and keeps what it adds to itself::
       fork + extend [doc ........................][q1 a1]    released after the answer
       fork + extend [doc ........................][q2 a2]    never sees q1 or a1
 
-``DenseState``: blocks are content addresses of the token prefix, so a fork is a
-new sequence that finds every whole block of the parent by content and
-recomputes only the parent's partial last block (under ``block_tokens``).
+``DenseState``: a fork is a branch of the parent's sequence (``TieredSequence.fork``):
+it holds the parent's blocks once more and copies its partial last block, so it
+recomputes nothing. A state made from tokens alone (a prefix to find stored) finds
+every whole block by content and computes the rest.
 ``SparseState``: a fork shares the parent's pages and index (``SparseSequence.fork``)
 and recomputes nothing; its own pages are private to it. A page of the stored document
 that turns out lost or damaged is computed again and the step goes on
@@ -61,11 +62,11 @@ class KVState(Protocol):
 class DenseState:
     mode = "dense"
 
-    def __init__(self, engine: Engine, *, pending: Sequence[int] = ()) -> None:
-        """``pending``: tokens the state covers but has not computed yet (a fork's parent's): the
-        first extension finds their whole blocks by content and recomputes the rest."""
+    def __init__(self, engine: Engine, *, pending: Sequence[int] = (), seq: TieredSequence | None = None) -> None:
+        """``pending``: tokens the state covers but has not computed yet: the first extension finds
+        their whole blocks by content and recomputes the rest. ``seq``: a sequence it takes over."""
         self.engine = engine
-        self.seq: TieredSequence = engine.new_sequence()
+        self.seq: TieredSequence = seq if seq is not None else engine.new_sequence()
         self.pending = list(pending)
         self.reused = 0                    # tokens of the last extension found stored
         self.computed_from = 0             # the first position the last extension computed
@@ -75,7 +76,9 @@ class DenseState:
         return self.seq.token_ids + self.pending
 
     def fork(self) -> DenseState:
-        return DenseState(self.engine, pending=self.tokens)
+        if self.pending or not self.seq.token_ids:       # nothing computed yet: its tokens are passed on
+            return DenseState(self.engine, pending=self.tokens)
+        return DenseState(self.engine, seq=self.seq.fork())
 
     def absorb(self, ids: Sequence[int], progress: Progress | None = None) -> None:
         self.extend(ids, progress)
