@@ -23,3 +23,26 @@ def test_chat_answers_each_turn_from_the_last_and_reports_its_reuse(tmp_path):
     assert second > first and prompts[1] - second < 40        # the second turn went on from the first
     assert "(a new conversation)" in done.stdout and "commands:" in done.stdout
     assert "tokens (0 found stored)" in done.stderr
+
+
+def test_ctrl_c_stops_an_answer_and_the_conversation_goes_on(tmp_path):
+    import os
+    import signal
+    import time
+    chat = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "chat", "--max-new-tokens", "400",
+                             "--gpu-budget", "8MiB", "--cpu-budget", "16MiB"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    try:
+        chat.stdin.write("Write a very long story about a bakery in Paris.\n")
+        chat.stdin.flush()
+        seen = ""
+        while len(seen) < 40:                          # the prompt "> ", then the answer streaming
+            seen += chat.stdout.read(1)
+        chat.send_signal(signal.SIGINT)
+        time.sleep(1)
+        out, err = chat.communicate("/stats\n/quit\n", timeout=300)
+    finally:
+        chat.kill()
+    assert chat.returncode == 0, err
+    assert " (stopped)" in out and "prompt " in out and "interrupted" not in err    # /stats answered after it
