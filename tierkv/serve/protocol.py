@@ -1,7 +1,8 @@
 """The OpenAI-compatible request bodies ``tierkv serve`` accepts, validated, and its error format.
 
 A field the API defines but tierkv does not implement is accepted only at its neutral value
-(``n`` 1, penalties 0, no logprobs, no tools); any other field is an error. Every error
+(``n`` 1, penalties 0, no logprobs, no tools, no logit bias, not stored); any other field is an
+error. Every error
 is OpenAI's shape, with the HTTP status it comes with::
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
@@ -30,7 +31,7 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]      # (developer: newer clients' system)
     content: str | list[TextPart]
     name: str | None = None
 
@@ -55,6 +56,23 @@ class _Generation(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("logit_bias is not supported (only {})")
+        return bias
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("store: completions are not stored here (only false)")
+        return store
 
     @field_validator("n")
     @classmethod
@@ -93,6 +111,9 @@ class ChatRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: Literal[False] | None = None
     response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _tokens(self) -> ChatRequest:
@@ -100,14 +121,25 @@ class ChatRequest(_Generation):
             self.max_tokens = self.max_completion_tokens
         if self.response_format not in (None, {"type": "text"}):
             raise ValueError("response_format: only {'type': 'text'} is supported")
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tools: function calling is not supported (only an empty list)")
         return self
 
     def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: str | list[int] | list[str] = Field(min_length=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError(f"one prompt a request is supported, not {len(prompt)}")
+            return prompt[0]
+        return prompt
     echo: Literal[False] = False
     logprobs: None = None
     suffix: None = None
