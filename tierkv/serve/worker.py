@@ -117,9 +117,10 @@ class Worker:
                 job.emit("text", piece)
         finally:
             stream.close()                   # a cancelled answer lets go of its state here
-        log.info("%s: %d prompt tokens (%d stored), first token after %.3f s (%.3f s queued), %d tokens at "
-                 "%.2f tok/s, %s", job.kind, answer.prompt_tokens, answer.reused_tokens, answer.ttft_s,
-                 started - job.submitted, answer.generated_tokens, answer.decode_tokens_per_s, answer.finish_reason)
+        log.info("%s, %s mode: %d prompt tokens (%d stored), first token after %.3f s (%.3f s queued), %d tokens "
+                 "at %.2f tok/s, %s", job.kind, self.session.last_mode, answer.prompt_tokens, answer.reused_tokens,
+                 answer.ttft_s, started - job.submitted, answer.generated_tokens, answer.decode_tokens_per_s,
+                 answer.finish_reason)
         try:
             self.metrics.answered(answer, time.perf_counter() - job.submitted, self.session)
         except Exception:                    # figures are not worth an answer

@@ -25,7 +25,7 @@ from tierkv.sizes import format_size
 from tierkv.session.generation import Answer, Sampling
 from tierkv.session.session import Cancelled, Session
 
-HELP = "commands: /stats (the last answer and the tiers), /reset (a new conversation), /quit"
+HELP = "commands: /stats (the last answer and the tiers), /reset (a new conversation), /help, /quit"
 
 
 def add_chat(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +35,8 @@ def add_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--doc", type=path_arg, help="the document (a text file); without it, a plain chat")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens per answer at most (256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; above: sampled")
+    p.add_argument("--no-history", action="store_true",
+                   help="keep no question in $TIERKV_CACHE_DIR/chat_history (kept by default, for the arrow keys)")
     add_flags(p, SessionConfig)
     p.set_defaults(func=cmd_chat)
 
@@ -45,7 +47,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     Sampling.of(sampling)           # checked before the model loads, not at the first question
     text = read_document(args.doc) if args.doc is not None else None
-    _history()
+    if not args.no_history:
+        _history()
     print(f"loading {config.engine.model} ...", file=sys.stderr, flush=True)
     with Session(config) as session:
         if text is not None:
@@ -64,12 +67,14 @@ def _converse(session: Session, text: str | None, sampling: dict) -> None:
         if line in ("/quit", "/exit"):
             break
         if line == "/reset":
-            messages = list(start)
+            messages, last = list(start), None
             print("(a new conversation)")
         elif line == "/stats":
             _stats(session, last)
-        elif line.startswith("/"):
+        elif line.strip() == "/help":
             print(HELP)
+        elif line.startswith("/"):
+            print(f"unknown command {line.split()[0]}; {HELP}")
         elif line.strip():
             messages.append({"role": "user", "content": line})
             answer = _answer(session, messages, sampling)
