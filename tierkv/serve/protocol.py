@@ -2,8 +2,7 @@
 
 A field the API defines but tierkv does not implement is accepted only at its neutral value
 (``n`` 1, penalties 0, no logprobs, no tools, no logit bias, not stored); any other field is an
-error. Every error
-is OpenAI's shape, with the HTTP status it comes with::
+error. Every error is OpenAI's shape, with the HTTP status it comes with::
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 """
