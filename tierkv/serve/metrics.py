@@ -12,6 +12,8 @@
     tierkv_tier_bytes{mode, tier}                      bytes held per tier, per mode (dense, sparse)
     tierkv_tier_budget_bytes{mode, tier}
     tierkv_pinned_blocks                               blocks pinned right now (0 when idle)
+    tierkv_remote_blocks{mode, what}                   with --remote, blocks since the start: hits, misses,
+                                                       corrupt, written, skipped, slower (not read), errors
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from tierkv.session import Answer, Session
 
+REMOTE_COUNTS = ("hits", "misses", "corrupt", "written", "skipped", "slower", "errors")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600)
 
 
@@ -39,6 +42,8 @@ class Metrics:
         self.tier_bytes = Gauge("tierkv_tier_bytes", "bytes held per tier", ["mode", "tier"], registry=r)
         self.tier_budget = Gauge("tierkv_tier_budget_bytes", "budget per tier", ["mode", "tier"], registry=r)
         self.pinned = Gauge("tierkv_pinned_blocks", "blocks pinned now", registry=r)
+        self.remote = Gauge("tierkv_remote_blocks", "remote store blocks since the start, by what befell them",
+                            ["mode", "what"], registry=r)
 
     def answered(self, answer: Answer, seconds: float, session: Session) -> None:
         """One answer done (finished or cancelled), on the worker thread."""
@@ -56,6 +61,9 @@ class Metrics:
                 self.tier_bytes.labels(mode, tier).set(row["final_bytes"])
                 self.tier_budget.labels(mode, tier).set(row["budget_bytes"])
             pinned += backend.pinned_blocks()
+            for what, count in (backend.remote_report() or {}).items():
+                if what in REMOTE_COUNTS:
+                    self.remote.labels(mode, what).set(count)
         self.pinned.set(pinned)
 
     def text(self) -> bytes:
