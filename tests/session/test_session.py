@@ -295,3 +295,20 @@ def test_a_store_that_cannot_be_made_is_refused_before_the_model_loads(tmp_path)
     with pytest.raises(ConfigError, match="no-such-model"):
         Session(SessionConfig.of(model=str(tmp_path / "no-such-model.gguf"), nvme_dir=made))
     assert made.is_dir() and made.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.model
+def test_a_question_on_a_document_that_lost_a_block_computes_it_again_and_leaks_no_hold(smollm2, tmp_path):
+    """A block of the held document dropped (as a scrub drops a damaged one): the fork a question is asked of
+    cannot hold it, so it lets go of what it held and finds the document by content, computing the rest;
+    the block is stored again and the next question reuses it all."""
+    with smollm2_session(smollm2, tmp_path, mode="dense") as session:
+        session.read(DOC)
+        manager = session.backends["dense"].manager
+        manager.flush()
+        held = sum(len(layer.blocks) for layer in session.document.seq.layers)
+        manager.drop([session.document.seq.layers[10].blocks[1]])
+        first = session.ask("Who founded the bakery?", max_new_tokens=4)
+        again = session.ask("Who founded the bakery?", max_new_tokens=4)
+        assert first.text == again.text and first.reused_tokens < again.reused_tokens
+        assert sum(entry.holders for entry in manager.manager.directory) <= held       # no fork's holds left over

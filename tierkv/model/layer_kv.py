@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from tierkv.errors import BlockMissing
 from tierkv.keys import BlockKey
 from tierkv.layout import BlockLayout
 from tierkv.manager import BlockingTierManager
@@ -94,7 +95,7 @@ class LayerKV:
     def fork(self) -> LayerKV:
         """A branch: every block held once more, the tail copied."""
         if self.blocks and not self.manager.protect(self.blocks):
-            raise RuntimeError(f"layer {self.layer}: a block of the sequence to fork is no longer stored")
+            raise BlockMissing(f"layer {self.layer}: a block of the sequence to fork is no longer stored")
         twin = copy.copy(self)
         twin.blocks = list(self.blocks)
         twin.tail_k, twin.tail_v = self.tail_k.clone(), self.tail_v.clone()

@@ -97,9 +97,17 @@ class TieredSequence:
 
     # -- branching -----------------------------------------------------------
     def fork(self) -> TieredSequence:
-        """A branch of the same tokens: it holds every block too, and its tails are its own."""
+        """A branch of the same tokens: it holds every block too, and its tails are its own. BlockMissing
+        where a block of it is stored nowhere any more (nothing then held)."""
         twin = copy.copy(self)
-        twin.layers = [state.fork() for state in self.layers]
+        twin.layers = []
+        try:
+            for state in self.layers:
+                twin.layers.append(state.fork())
+        except BaseException:            # (BlockMissing: a block lost) the layers forked so far let go
+            for state in twin.layers:
+                state.release(keep=True)
+            raise
         twin.token_ids, twin._prefixes = list(self.token_ids), list(self._prefixes)
         return twin
 

@@ -29,6 +29,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from tierkv.errors import BlockMissing
 from tierkv.model.engine import Engine
 from tierkv.model.sequence import TieredSequence
 from tierkv.model.sparse_engine import SparseEngine
@@ -76,9 +77,12 @@ class DenseState:
         return self.seq.token_ids + self.pending
 
     def fork(self) -> DenseState:
-        if self.pending or not self.seq.token_ids:       # nothing computed yet: its tokens are passed on
-            return DenseState(self.engine, pending=self.tokens)
-        return DenseState(self.engine, seq=self.seq.fork())
+        if not self.pending and self.seq.token_ids:
+            try:
+                return DenseState(self.engine, seq=self.seq.fork())
+            except BlockMissing:                          # a block lost: found by content, the rest computed
+                pass
+        return DenseState(self.engine, pending=self.tokens)     # (and one with nothing computed yet)
 
     def absorb(self, ids: Sequence[int], progress: Progress | None = None) -> None:
         self.extend(ids, progress)
@@ -91,8 +95,9 @@ class DenseState:
             logits, self.reused = self.engine.prefill(self.seq, everything, progress)
             self.pending, self.computed_from = [], self.reused
             return logits
-        self.reused, self.computed_from = 0, len(self.seq.token_ids)
-        return self.engine.extend(self.seq, ids, progress)
+        self.reused = 0
+        logits, self.computed_from = self.engine.extend(self.seq, ids, progress, first=True)
+        return logits
 
     def step(self, token: int) -> Tensor:
         return self.engine.decode(self.seq, token)
