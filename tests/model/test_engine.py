@@ -172,19 +172,19 @@ def test_a_forked_sequence_diverges_and_freeing_one_branch_frees_only_its_own_bl
         shared = mgr.tiers["gpu"].pool.used                       # 4 blocks x 30 layers
         branch = seq.fork()
         assert mgr.tiers["gpu"].pool.used == shared               # a fork copies no block
-        a = engine.extend(seq, list(range(10, 110)))              # 100 tokens each: one more block each
-        b = engine.extend(branch, list(range(200, 300)))
+        a, _ = engine.extend(seq, list(range(10, 110)))            # 100 tokens each: one more block each
+        b, _ = engine.extend(branch, list(range(200, 300)))
         assert not torch.equal(a, b) and mgr.tiers["gpu"].pool.used == shared + 2 * 30
         seq.release(keep=False)
         kept = {key for layer in branch.blocks for key in layer}
         assert {e.key for e in mgr.directory} == kept and all(e.holders == 1 for e in mgr.directory)
-        before = engine.extend(branch, [5])                      # the branch reads on, unharmed
+        before, _ = engine.extend(branch, [5])                    # the branch reads on, unharmed
         branch.crop(1)
-        assert torch.allclose(engine.extend(branch, [5]), before, atol=1e-4)
+        assert torch.allclose(engine.extend(branch, [5])[0], before, atol=1e-4)
         tokens = list(branch.token_ids)                           # 601 + 100 ... + 5
         branch.crop(150)                                          # into a sealed block: read back as the tail
         assert branch.length() == len(tokens) - 150 and branch.token_ids == tokens[:-150]
-        again = engine.extend(branch, tokens[-150:])
+        again, _ = engine.extend(branch, tokens[-150:])
         assert torch.allclose(again, before, atol=1e-3)
         branch.release(keep=False)
         assert len(mgr.directory) == 0

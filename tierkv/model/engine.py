@@ -199,14 +199,13 @@ class Engine:
 
     @torch.inference_mode()
     def extend(self, seq: TieredSequence, ids: Sequence[int], progress: Callable[[int], None] | None = None,
-               *, every: bool = False, first: bool = False) -> Tensor | tuple[Tensor, int]:
+               *, every: bool = False) -> tuple[Tensor, int]:
         """Compute ``ids`` after what ``seq`` holds; returns the logits [vocab] that follow them (``every``:
-        the logits after each of them [len(ids), vocab], as a draft's verification needs); ``first``: and
-        the first position computed (before ``ids`` where a stored block it read was lost)."""
+        the logits after each of them [len(ids), vocab], as a draft's verification needs) and the first
+        position computed (before ``ids`` where a stored block it read was lost)."""
         start = len(seq.token_ids)
         seq.add_tokens(ids)
-        logits, computed_from = self._extend(seq, start, progress, every=every)
-        return (logits, computed_from) if first else logits
+        return self._extend(seq, start, progress, every=every)
 
     # -- decode ----------------------------------------------------------------
     @torch.inference_mode()

@@ -33,7 +33,7 @@ from tierkv.session.repair import Repair
 from tierkv.session.session import Session
 from tierkv.sparse.store import checked, read_checked_meta, read_ids
 from tierkv.tiers.nvme import NvmeTier
-from tierkv.tiers.nvme_scan import Scan, journal_state, scan_read_only
+from tierkv.tiers.nvme_scan import scan_journal, scan_read_only
 
 INDEXES = "sparse-indexes"
 
@@ -57,8 +57,10 @@ class StoreCheck:
         if self.problem:
             return f"store {self.directory.name}: unusable ({self.problem}); move it aside or remove it: a run " \
                    "makes a new one"
-        gone = "lost" if not drop else "hidden from this repair: another process has the store open (repair " \
-            "again once it has closed it)" if self.shared else "dropped"
+        gone = "lost"
+        if drop:
+            gone = "hidden from this repair: another process has the store open (repair again once it has " \
+                   "closed it)" if self.shared else "dropped"
         return f"store {self.directory.name}: {self.blocks} blocks, " + \
             (f"{len(self.damaged)} damaged" if self.damaged else "all sound") + \
             (f"; {self.lost} {gone}: their slots lie past the end of slots.dat (the file was cut short)"
@@ -130,9 +132,11 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     for directory in stores_in(nvme_dir):
         check = StoreCheck(directory)
         try:
-            scan = journal_state_scan(directory) if drop else scan_read_only(directory)
-            if drop:
+            if drop:                            # (the journal read before the join drops what is lost)
+                scan = scan_journal(directory)
                 scan.keys, scan.damaged, check.shared = _drop_damaged(directory, batch)
+            else:
+                scan = scan_read_only(directory)
         except ConfigError as error:            # (its store.json): the others are checked all the same
             check.problem = str(error).removeprefix(f"{directory}: ")
         else:
@@ -145,12 +149,6 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
         verdict.indexes.append(_check_index(path, sound))
     verdict.seconds = time.perf_counter() - start
     return verdict
-
-
-def journal_state_scan(directory: Path) -> Scan:
-    """What the store's journal says before a repair joins it (which drops the lost blocks)."""
-    state, _ = journal_state(directory)
-    return Scan(lost=[key for key, _ in state.lost], bad_records=state.damaged, torn_bytes=state.cut_bytes)
 
 
 def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[BlockKey], bool]:

@@ -96,7 +96,7 @@ class DenseState:
             self.pending, self.computed_from = [], self.reused
             return logits
         self.reused = 0
-        logits, self.computed_from = self.engine.extend(self.seq, ids, progress, first=True)
+        logits, self.computed_from = self.engine.extend(self.seq, ids, progress)
         return logits
 
     def step(self, token: int) -> Tensor:
@@ -104,7 +104,7 @@ class DenseState:
 
     def verify(self, ids: Sequence[int]) -> Tensor:
         """Compute ``ids`` in one pass; the logits after each of them [len(ids), vocab]."""
-        return self.engine.extend(self.seq, ids, every=True)
+        return self.engine.extend(self.seq, ids, every=True)[0]
 
     def crop(self, tokens: int) -> None:
         self.seq.crop(tokens)

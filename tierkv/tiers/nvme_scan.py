@@ -41,13 +41,22 @@ def journal_state(directory: Path) -> tuple[Replay, int]:
     return state, block_bytes
 
 
+def scan_journal(directory: Path) -> Scan:
+    """What the store's journal says, reading no block: what is lost, what records are damaged."""
+    return _journal_scan(journal_state(directory)[0])
+
+
+def _journal_scan(state: Replay) -> Scan:
+    return Scan(lost=[key for key, _ in state.lost], bad_records=state.damaged, torn_bytes=state.cut_bytes)
+
+
 def scan_read_only(directory: Path) -> Scan:
     """Read every block of the store in ``directory`` and check it against its checksum without joining
     the store (nothing is opened for writing, no lock taken). A block that fails is read again after a
     second replay of the journal, so that one a process rewrote meanwhile (its slot named anew, or no
     more) is not reported."""
     state, block_bytes = journal_state(directory)
-    scan = Scan(lost=[key for key, _ in state.lost], bad_records=state.damaged, torn_bytes=state.cut_bytes)
+    scan = _journal_scan(state)
     if not (directory / "slots.dat").exists():     # a store that never held a block
         return scan
     keys, slots, sums = state.index.records()
@@ -58,8 +67,7 @@ def scan_read_only(directory: Path) -> Scan:
                   if checksum(os.pread(fd, block_bytes, slot * block_bytes)) != expected]
         if failed:
             now = journal_state(directory)[0].index
-            named = {key: (entry.slot, entry.checksum) for key in (k for k, _, _ in failed)
-                     if (entry := now.get(key)) is not None}
+            named = {key: (entry.slot, entry.checksum) for key, _, _ in failed if (entry := now.get(key)) is not None}
             scan.damaged = [key for key, slot, expected in failed if named.get(key) == (slot, expected)
                             and checksum(os.pread(fd, block_bytes, slot * block_bytes)) != expected]
     return scan
