@@ -103,6 +103,8 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--bogus"], "tierkv run: unrecognized arguments: --bogus (see tierkv run --help)"),
     (["store", "verify", "--nvme-dir", "x", "--bogus"], "(see tierkv store verify --help)"),
     (["store", "verify", "--nvme-dir", ""], "argument --nvme-dir: empty: give a path"),     # not the working dir
+    (["store", "repair"], "tierkv store repair: the following arguments are required: --nvme-dir"),
+    (["run", "--synthetic-tokens", "100", "--sparse-budget", "4"], "sparse_budget=4: less than one chunk of 8 tokens"),
     (["run", "--synthetic-tokens", "100", "--nvme-dir", " "], "argument --nvme-dir: empty: give a path"),
     (["run", "--doc", "x.txt", "--question", ""], "--question number 1 is empty"),
     (["run", "--synthetic-tokens", "100", "--gpu-budget", "99999999TiB"], "more than any machine addresses"),
@@ -115,7 +117,7 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--gpu-budget", "-1GiB"], "gpu_budget='-1GiB': expected a size"),
     (["serve", "--drain-s", "-1"], "drain_s=-1.0: must be >= 0"),
     (["run", "--synthetic-tokens", "100", "--mode", "fast"], "invalid choice: 'fast' (choose from 'auto', 'dense', 'sparse')"),
-    (["run", "--synthetic-tokens", "100", "--sparse-budget", "150%"], "sparse_budget='150%': a share must be between"),
+    (["run", "--synthetic-tokens", "100", "--sparse-budget", "150%"], "sparse_budget='150%': a share must be more than 0% and at most 100%"),
     (["run", "--synthetic-tokens", "100", "--selector", "best"], "selector='best': unknown; valid names:"),
     (["run", "--synthetic-tokens", "100", "--sparse-attend", "heads"],
      "invalid choice: 'heads' (choose from 'pages', 'chunks')"),

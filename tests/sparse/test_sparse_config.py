@@ -5,15 +5,26 @@ from tierkv.sparse.config import SparseConfig, parse_budget
 
 
 @pytest.mark.parametrize("text, expected", [("2048", 2048), (512, 512), ("2%", 0.02), ("1.5 %", 0.015),
-                                            (0.25, 0.25)])
+                                            (0.25, 0.25), ("100%", 1.0), ("0", 0)])
 def test_budget_is_tokens_or_a_share(text, expected):
     assert parse_budget(text) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("bad", ["lots", "-5", "0%", "100%", "150%", 1.5, True, "2048 tokens"])
+@pytest.mark.parametrize("bad", ["lots", "-5", "0%", "100.5%", "150%", 1.5, True, "2048 tokens"])
 def test_bad_budget_names_what_is_allowed(bad):
     with pytest.raises(ConfigError, match=r"sparse_budget=.*(tokens|share)"):
         SparseConfig(budget=bad)
+
+
+@pytest.mark.parametrize("field, value, name", [("budget", 5, "sparse_budget=5"), ("prefill_budget", "7", "prefill_budget=7"),
+                                               ("layer_budgets", "3:1", r"layer_budgets\[3\]=1")])
+def test_a_budget_under_one_chunk_is_refused_as_selecting_nothing(field, value, name):
+    with pytest.raises(ConfigError, match=name + ": less than one chunk of 8 tokens.*at least 8, or 0"):
+        SparseConfig(**{field: value})
+
+
+def test_a_share_of_all_selects_every_chunk():
+    assert SparseConfig(budget="100%").budget_tokens(4000) == 4000
 
 
 def test_budget_tokens_are_whole_chunks():

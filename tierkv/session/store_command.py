@@ -5,7 +5,6 @@ import argparse
 import json
 from dataclasses import asdict
 
-from tierkv.errors import ConfigError
 from tierkv.flags import add_flags, build, given, path_arg
 from tierkv.model.settings import SessionConfig
 
@@ -26,6 +25,9 @@ def add_store(sub: argparse._SubParsersAction) -> None:
                                             "sparse settings): a document stored under others is reported, "
                                             "not repaired.")
     add_flags(repair, SessionConfig)
+    for action in repair._actions:       # the store to repair: required here, where a run may go without one
+        if "--nvme-dir" in action.option_strings:
+            action.required = True
     repair.add_argument("--json", action="store_true", help="print one JSON object")
     repair.set_defaults(func=cmd_store)
 
@@ -36,8 +38,6 @@ def cmd_store(args: argparse.Namespace) -> int:
         verdict = verify(args.nvme_dir)
     else:
         config = build(SessionConfig, given(args, SessionConfig))
-        if config.tiers.nvme_dir is None:
-            raise ConfigError("tierkv store repair: --nvme-dir DIR is required (the store to repair)")
         repaired = repair_store(config.tiers.nvme_dir, config)
         verdict = verify(config.tiers.nvme_dir)
         if args.json:   # one object: what the repair did, and the check after it

@@ -41,10 +41,10 @@ def parse_budget(value: str | int | float, field: str = "sparse_budget") -> int 
             number = int(text)
         else:
             raise ConfigError(f"{field}={value!r}: expected tokens (2048) or a share of the context (2%)")
-    if isinstance(number, float) and not 0 < number < 1:
-        raise ConfigError(f"{field}={value!r}: a share must be between 0% and 100% (exclusive)")
+    if isinstance(number, float) and not 0 < number <= 1:
+        raise ConfigError(f"{field}={value!r}: a share must be more than 0% and at most 100%")
     if isinstance(number, int) and number < 0:
-        raise ConfigError(f"{field}={value!r}: tokens must be >= 0")
+        raise ConfigError(f"{field}={value!r}: tokens must be >= 0 (0: the sinks and the window only)")
     return number
 
 
@@ -71,7 +71,8 @@ def parse_layer_budgets(value: str | Mapping[int, int | float] | tuple = ()) -> 
 class SparseConfig:
     """Settings of sparse mode; the fields with help are ``tierkv run`` flags (see ``tierkv.flags``)."""
 
-    budget: int | float = setting(2048, "selected tokens per KV head and step: a count or a share like 2%",
+    budget: int | float = setting(2048, "selected tokens per KV head and step: a count or a share like 2% (0: only "
+                                        "the first and the newest tokens, which every step attends)",
                                   flag="--sparse-budget", metavar="N|P%")
     prefill_budget: int | float = setting(1024, "the same for each chunk of a sparse prefill", metavar="N|P%")
     rank: int | None = setting(None, "rank of the low-rank keys (default: full up to 256 key dimensions, else "
@@ -132,6 +133,13 @@ class SparseConfig:
         object.__setattr__(self, "layer_budgets", parse_layer_budgets(self.layer_budgets))
         if self.chunk_tokens <= 0:
             raise ConfigError(f"chunk_tokens={self.chunk_tokens}: must be > 0")
+        budgets = [("sparse_budget", self.budget), ("prefill_budget", self.prefill_budget),
+                   *((f"layer_budgets[{layer}]", budget) for layer, budget in self.layer_budgets)]
+        for name, budget in budgets:      # (selections are whole chunks: a smaller count would select none)
+            if isinstance(budget, int) and 0 < budget < self.chunk_tokens:
+                raise ConfigError(f"{name}={budget}: less than one chunk of {self.chunk_tokens} tokens, so it would "
+                                  f"select nothing; use at least {self.chunk_tokens}, or 0 for the first and the "
+                                  "newest tokens only")
         if self.page_tokens is not None and self.page_tokens <= 0:
             raise ConfigError(f"page_tokens={self.page_tokens}: must be > 0")
         if self.page_tokens is not None and self.page_tokens % self.chunk_tokens:
