@@ -59,7 +59,7 @@ def free_port() -> int:
 
 def start_server(tmp_path: Path, *args: str, key: str | None = API_KEY) -> Server:
     port, log = free_port(), tmp_path / f"serve-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "tierkv.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "tierkv", "serve", "--port", str(port), *args]
     if key is not None:
         cmd += ["--api-key", key]
     env = os.environ | {"PYTHONUNBUFFERED": "1"}

@@ -9,10 +9,8 @@ server or any earlier run on the same store) are not computed again.
 from __future__ import annotations
 
 import argparse
-import errno
 import functools
 import logging
-import socket
 import sys
 import threading
 import time
@@ -22,13 +20,14 @@ from typing import Any
 from tierkv.errors import ConfigError
 from tierkv.flags import add_flags, build, given, setting
 from tierkv.model.settings import SessionConfig, mode_flags
+from tierkv.serve.listen import DEFAULT_HOST, DEFAULT_PORT, take, url_host
 from tierkv.sizes import parse_size
 
 
 @dataclass(frozen=True, slots=True)
 class ServeSettings:
-    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface; give --api-key then)")
-    port: int = setting(8000, "TCP port")
+    host: str = setting(DEFAULT_HOST, "address to listen on (0.0.0.0: every interface; give --api-key then)")
+    port: int = setting(DEFAULT_PORT, "TCP port")
     api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' (default: no key)",
                                   metavar="KEY")
     served_name: str | None = setting(None, "the model's name in the API (default: --model's)", metavar="NAME")
@@ -70,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         print(f"tierkv serve: warning: listening on {settings.host} without --api-key: anyone who can reach it "
               "can use it", file=sys.stderr)
-    listener = _listen(settings.host, settings.port)     # before the model loads: a port in use fails at once
+    listener = take(settings.host, settings.port)     # (taken already by `tierkv`) before the model loads
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("tierkv.serve").setLevel(logging.INFO)       # one line per answer
     name = settings.served_name or config.engine.model
@@ -78,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(starting, log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=settings.drain_s + 2))
     server.handle_exit = functools.partial(_stop, server, server.handle_exit, closing, starting)   # (its signals')
-    url = f"http://{_url_host(settings.host)}:{settings.port}/v1"
+    url = f"http://{url_host(settings.host)}:{settings.port}/v1"
     print(f"tierkv serve: loading {config.engine.model} (requests get a 503 until it is ready) ...", file=sys.stderr,
           flush=True)
     load = _Load(settings, config, name, url, starting, closing, server)
@@ -180,27 +179,3 @@ def _stop(server, handle_exit, closing, starting, sig: int, frame: object) -> No
         closing.cut_at = time.monotonic()
     else:
         server.force_exit = True
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A socket listening on ``host``:``port``; a ConfigError naming what is wrong."""
-    try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as error:
-        raise ConfigError(f"--host {host}: not an address of this machine ({error.strerror})") from None
-    # IPv4 first where a name has both (localhost: what clients of 'localhost:PORT' try first and uvicorn bound)
-    family, kind, proto, _, address = next((a for a in found if a[0] == socket.AF_INET), found[0])
-    listener = socket.socket(family, kind, proto)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(2048)
-    except OSError as error:
-        listener.close()
-        hint = ": another process listens there (pick another --port)" if error.errno == errno.EADDRINUSE else ""
-        raise ConfigError(f"--host {host} --port {port}: cannot listen ({error.strerror}){hint}") from None
-    return listener
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
