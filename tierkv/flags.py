@@ -178,23 +178,37 @@ def dests(cls: type) -> dict[str, tuple[str, ...]]:
 
 def nest(cls: type, flat: Mapping[str, Any]) -> dict[str, Any]:
     """Values keyed by flag dest (a settings file, a library call) -> the nested mapping ``build``
-    takes; an unknown key raises KeyError naming it, a value of the wrong type a ConfigError."""
+    takes; an unknown key raises KeyError naming it, a value of the wrong type a ConfigError. A
+    value means what its flag says: ``no_reuse=True`` is ``--no-reuse``, so the field ``reuse`` is
+    False (argparse's ``store_false`` makes that turn for the command line)."""
     paths = dests(cls)
     unknown = sorted(set(flat) - set(paths))
     if unknown:
         raise KeyError(", ".join(unknown))
-    accepted = _accepted(cls)
+    accepted, negated = _accepted(cls), _negated(cls)
     out: dict[str, Any] = {}
     for key, value in flat.items():
         kinds, name = accepted.get(key, ((object,), ""))
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             raise ConfigError(f"{key}={value!r}: expected {name}")
+        if key in negated:
+            value = not value
         *outer, name = paths[key]
         node = out
         for part in outer:
             node = node.setdefault(part, {})
         node[name] = value
     return out
+
+
+def _negated(cls: type) -> set[str]:
+    """The dests of flags that turn a field off (``--no-reuse`` for ``reuse``, on by default)."""
+    hints = typing.get_type_hints(cls)
+    found = {dest(f) for f in exposed(cls) if hints[f.name] is bool and f.default is True
+             and flag_name(f).startswith("--no-")}
+    for f, inner in nested(cls):
+        found |= _negated(inner)
+    return found
 
 
 _KINDS: dict[type, tuple[tuple[type, ...], str]] = {     # a field's type -> the values taken, as said

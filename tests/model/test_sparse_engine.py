@@ -150,7 +150,7 @@ def test_smollm2_sparse_run_finds_the_passkey_and_reuses_its_prefill(smollm2, tm
     assert first.sparse["budget_tokens"] == 256 and first.sparse["pages_read"] > 0
     assert first.sparse["attend"] == "pages"
     assert first.tiers["nvme"]["bytes_written"] > 0
-    waiting = run(config.updated(no_sparse_overlap=False), loaded=smollm2)   # a decode-only setting:
+    waiting = run(config.updated(no_sparse_overlap=True), loaded=smollm2)    # a decode-only setting:
     assert waiting.reused_prompt_tokens == 1199 and waiting.found              # the stored index serves it
     assert first.sparse["overlap"] and not waiting.sparse["overlap"]           # overlap is the default
 

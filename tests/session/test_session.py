@@ -137,6 +137,14 @@ def test_bad_requests_are_clear_errors(tmp_path):
             pass
 
 
+def test_a_setting_named_as_a_flag_that_turns_something_off_turns_it_off():
+    off = SessionConfig.of(no_reuse=True, no_sparse_overlap=True)      # --no-reuse --no-sparse-overlap
+    assert not off.engine.reuse and not off.sparse.overlap
+    on = SessionConfig.of(no_reuse=False, no_sparse_overlap=False)
+    assert on.engine.reuse and on.sparse.overlap
+    assert not on.updated(no_reuse=True).engine.reuse
+
+
 def test_settings_and_messages_of_the_wrong_type_are_named(tmp_path):
     for settings, message in ((dict(nvme_dir=123), "nvme_dir=123: expected a path or None"),
                               (dict(rank="64"), "rank='64': expected an integer or None"),
@@ -212,6 +220,84 @@ def test_a_stream_closed_before_its_first_piece_lets_go_of_its_state():
         for _ in range(3):
             session.complete(ids, stream=True, max_new_tokens=4).close()
         assert session.backends["dense"].held_blocks() == held
+
+
+def test_a_stream_dropped_before_its_first_piece_lets_go_of_its_state():
+    lm = tiny_loaded()
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=lm) as session:
+        ids = random_ids(300, 4)
+        session.read_ids(ids)
+        held = session.backends["dense"].held_blocks()
+        for seed in range(3):          # a question of its own after the document, sealing blocks of its own
+            prompt = [*ids, *random_ids(300, 10 + seed)]
+            stream = session._respond(prompt, [], Sampling(max_new_tokens=4), True, keep=False, start=0.0)
+            assert session.backends["dense"].held_blocks() > held
+            del stream
+        assert session.backends["dense"].held_blocks() == held
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_a_document_whose_read_failed_is_not_asked_about(tmp_path, mode):
+    """A second read that fails part-way has let go of the first document: the session then holds
+    none, and a prompt over it is computed, not answered from KV that is gone."""
+    lm = tiny_loaded()
+    settings = dict(nvme_dir=None, mode=mode, chunk_tokens=256, sparse_budget=128, page_tokens=16)
+    ids = random_ids(600, 8)
+    with Session(SessionConfig.of(**settings), loaded=lm) as fresh:
+        expected = fresh.complete([*ids, 5, 6], max_new_tokens=6)
+    with Session(SessionConfig.of(**settings), loaded=lm) as session:
+        session.read_ids(ids)
+
+        def interrupted(_tokens):
+            raise KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            session.read_ids(ids, progress=interrupted)
+        assert session.document is None
+        with pytest.raises(TierKVError, match="read a document first"):
+            session.ask("?")
+        again = session.complete([*ids, 5, 6], max_new_tokens=6)
+        assert again.tokens == expected.tokens and again.reused_tokens == 0
+
+
+def test_a_state_released_refuses_to_be_used():
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=tiny_loaded()) as session:
+        session.read_ids(random_ids(300, 9))
+        state = session.document
+        state.release()
+        for use in (state.fork, lambda: state.extend([1]), lambda: state.step(1)):
+            with pytest.raises(TierKVError, match="this dense state was released: its KV is gone"):
+                use()
+        session.document = None
+
+
+def test_a_session_that_keeps_no_state_answers_as_one_that_does():
+    lm, ids = tiny_loaded(), random_ids(400, 11)
+    answers = []
+    for kept in (4, 0):
+        with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=lm, max_states=kept) as session:
+            answers.append([session.complete([*ids, t], max_new_tokens=5).tokens for t in (3, 4)])
+            assert len(session._states) == min(kept, 1)
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("keywords, message", [(dict(max_states=-1), "max_states=-1: expected an integer >= 0"),
+                                               (dict(max_states=1.5), "max_states=1.5"),
+                                               (dict(max_prompt_tokens=0), "max_prompt_tokens=0: expected an integer")])
+def test_session_limits_out_of_range_are_named(keywords, message):
+    with pytest.raises(ConfigError, match=message):
+        Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=tiny_loaded(), **keywords)
+
+
+def test_document_ids_are_checked_and_ask_needs_the_text():
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=tiny_loaded()) as session:
+        for bad, message in (([], "expected a non-empty list of ints"), ([10**9], "not in the model's vocabulary"),
+                             ([-1], "not in the model's vocabulary"), ([torch.tensor(3)], "is a Tensor, not an integer"),
+                             ("abc", "expected a non-empty list of ints")):
+            with pytest.raises(ConfigError, match=message):
+                session.read_ids(bad)
+        assert session.read_ids(np.arange(1, 40)) == 39           # numpy's integers are ids too
+        with pytest.raises(TierKVError, match=r"read as token ids \(read_ids\), and ask\(\) puts a question"):
+            session.ask("?")
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])

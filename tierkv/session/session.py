@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import os
 import tempfile
 import time
 from dataclasses import replace
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,11 @@ class Stream:
             self._unstarted, let_go = None, self._unstarted
             let_go()
 
+    def __del__(self) -> None:
+        """Dropped unstarted: let go of the state (a started one's generator does, as it is collected)."""
+        if self._unstarted is not None and inspect.getgeneratorstate(self._pieces) == inspect.GEN_CREATED:
+            self.close()
+
 
 class Session:
     def __init__(self, config: SessionConfig = SessionConfig(), *, loaded: LoadedModel | None = None,
@@ -91,6 +97,12 @@ class Session:
         """``keep_events``: keep every transfer event for a trace (else each answer's are dropped
         after it); ``max_states``: conversation states kept for their next turn;
         ``max_prompt_tokens``: longer prompts are refused (PromptTooLong) before any work."""
+        if isinstance(max_states, bool) or not isinstance(max_states, numbers.Integral) or max_states < 0:
+            raise ConfigError(f"max_states={max_states!r}: expected an integer >= 0 (0: keep no conversation state)")
+        if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool) or
+                                              not isinstance(max_prompt_tokens, numbers.Integral) or
+                                              max_prompt_tokens < 1):
+            raise ConfigError(f"max_prompt_tokens={max_prompt_tokens!r}: expected an integer >= 1, or None (no limit)")
         self.max_prompt_tokens = max_prompt_tokens
         self.config = config
         _prepare_store(config.tiers.nvme_dir)    # a store that cannot be made fails now, not at the first question
@@ -123,20 +135,34 @@ class Session:
         """``read`` of the document's text, whatever it looks like (a file's content read by the caller)."""
         if not text.strip():
             raise ConfigError("the document is empty")
+        count = self._take_in(self.document_ids(text), progress)
         self._messages = [{"role": "user", "content": text}]
-        return self.read_ids(self.document_ids(text), progress=progress)
+        return count
 
     def document_ids(self, text: str) -> list[int]:
         """The tokens ``read(text)`` takes in: the document as the first user message."""
         return chat_ids(self.loaded.tokenizer, [{"role": "user", "content": text}], generation=False)
 
     def read_ids(self, ids: Sequence[int], *, progress: Progress | None = None) -> int:
-        """``read`` for token ids (a prompt built by hand)."""
+        """``read`` for token ids (a prompt built by hand). Prompts that start with them (``complete``,
+        ``chat``) go on from their state; ``ask`` needs a document's text to put a question after."""
+        count = self._take_in(ids, progress)
+        self._messages = []
+        return count
+
+    def _take_in(self, ids: Sequence[int], progress: Progress | None) -> int:
+        """The document's state made from ``ids``. The one before is let go of first (the tiers may
+        hold one of them, not both); where the new one fails, the session holds none, so that no
+        question is asked of a document whose KV is gone."""
         self._check_open()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable) or not (ids := list(ids)):
+            raise ConfigError(f"the document's token ids: expected a non-empty list of ints, got {ids!r:.60}")
+        ids = check_token_ids(ids, self.loaded.spec.vocab, what="the document")
         start = time.perf_counter()
-        if self.document is not None:
-            self.document.release()
-        self.document, self.document_reused = self._prefix_state(list(ids), progress)
+        old, self.document, self._messages, self.document_reused = self.document, None, [], 0
+        if old is not None:
+            old.release()
+        self.document, self.document_reused = self._prefix_state(ids, progress)
         self.document_s = time.perf_counter() - start
         return len(ids)
 
@@ -147,8 +173,11 @@ class Session:
         (of every request call): asked as the prompt is computed and at every token; once it is true
         the answer stops (``Cancelled`` while the prompt is computed, ``finish_reason`` "cancelled" after)."""
         self._check_open()
-        if self.document is None or not self._messages:
+        if self.document is None:
             raise TierKVError("read a document first: session.read(Path(file)) or session.read(text)")
+        if not self._messages:
+            raise TierKVError("the document was read as token ids (read_ids), and ask() puts a question after a "
+                              "document's text: read(text) instead, or complete() a prompt that starts with the ids")
         if not isinstance(question, str) or not question.strip():
             raise ConfigError(f"question={question!r}: ask something (a non-empty string)")
         return self._chat([*self._messages, {"role": "user", "content": question}], stream, sampling, keep=False,
@@ -305,12 +334,20 @@ class Session:
         held = [s for s in self._held() if s.mode == mode and len(s.tokens) < len(ids)
                 and ids[:len(s.tokens)] == s.tokens]
         best = max(held, key=lambda s: len(s.tokens), default=None)
-        if prefix and ids[:len(prefix)] == prefix and (best is None or len(best.tokens) < len(prefix)):
+        grown = bool(prefix) and ids[:len(prefix)] == prefix and (best is None or len(best.tokens) < len(prefix))
+        if grown:
             best = self._grown(best, prefix, mode, answer, progress)
-            self._keep(best)
         if best is None:
             return self.backend(mode).empty(len(ids)), 0
-        return best.fork(), len(best.tokens)
+        try:
+            fork = best.fork()
+        except BaseException:
+            if grown:
+                best.release()
+            raise
+        if grown:
+            self._keep(best)          # (after the fork: with max_states 0 keeping it lets go of it at once)
+        return fork, len(best.tokens)
 
     def _grown(self, best: KVState | None, prefix: list[int], mode: str, answer: Answer,
                progress: Progress | None = None) -> KVState:
@@ -369,8 +406,7 @@ def prompt_ids(loaded: LoadedModel, kind: str, prompt: Any, tokenizer: Any = Non
     ids = list(prompt) if not isinstance(prompt, str) else tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ConfigError("the prompt is empty")
-    check_token_ids(ids, loaded.spec.vocab)
-    return ids
+    return check_token_ids(ids, loaded.spec.vocab)
 
 
 def document_text(document: str | Path) -> str:
@@ -393,11 +429,18 @@ def check_length(ids: Sequence[int], most: int | None) -> None:
                             "(tierkv serve --max-prompt-tokens)")
 
 
-def check_token_ids(ids: Sequence[int], vocab: int) -> None:
-    """A ConfigError naming the first id of ``ids`` outside the model's vocabulary (0..vocab-1)."""
-    bad = next((i for i in ids if not isinstance(i, int) or not 0 <= i < vocab), None)
+def check_token_ids(ids: Sequence[int], vocab: int, what: str = "prompt") -> list[int]:
+    """``ids`` as ints (numpy's taken too); a ConfigError naming the first that is no integer, or outside
+    the model's vocabulary (0..vocab-1)."""
+    bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral)), None)
     if bad is not None:
-        raise ConfigError(f"prompt: token id {bad!r} is not in the model's vocabulary; ids are 0..{vocab - 1}")
+        raise ConfigError(f"{what}: token id {bad!r} is a {type(bad).__name__}, not an integer (a tensor's ids: "
+                          ".tolist())")
+    ids = [int(i) for i in ids]
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise ConfigError(f"{what}: token id {bad!r} is not in the model's vocabulary; ids are 0..{vocab - 1}")
+    return ids
 
 
 def _check_messages(messages: Sequence[Message]) -> None:

@@ -29,7 +29,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from tierkv.errors import BlockMissing
+from tierkv.errors import BlockMissing, TierKVError
 from tierkv.model.engine import Engine
 from tierkv.model.sequence import TieredSequence
 from tierkv.model.sparse_engine import SparseEngine
@@ -60,7 +60,16 @@ class KVState(Protocol):
     def release(self) -> None: ...
 
 
-class DenseState:
+class _Releasable:
+    """A state's KV is gone once released: using it then raises, where it would attend to nothing."""
+    released = False
+
+    def _check_held(self) -> None:
+        if self.released:
+            raise TierKVError(f"this {self.mode} state was released: its KV is gone")
+
+
+class DenseState(_Releasable):
     mode = "dense"
 
     def __init__(self, engine: Engine, *, pending: Sequence[int] = (), seq: TieredSequence | None = None) -> None:
@@ -77,6 +86,7 @@ class DenseState:
         return self.seq.token_ids + self.pending
 
     def fork(self) -> DenseState:
+        self._check_held()
         if not self.pending and self.seq.token_ids:
             try:
                 return DenseState(self.engine, seq=self.seq.fork())
@@ -88,6 +98,7 @@ class DenseState:
         self.extend(ids, progress)
 
     def extend(self, ids: Sequence[int], progress: Progress | None = None) -> Tensor:
+        self._check_held()
         if not ids:
             raise ValueError("nothing to extend the state with")
         if not self.seq.token_ids:                     # reuse whatever the store holds of the prefix
@@ -100,6 +111,7 @@ class DenseState:
         return logits
 
     def step(self, token: int) -> Tensor:
+        self._check_held()
         return self.engine.decode(self.seq, token)
 
     def verify(self, ids: Sequence[int]) -> Tensor:
@@ -110,10 +122,11 @@ class DenseState:
         self.seq.crop(tokens)
 
     def release(self) -> None:
+        self.released = True
         self.seq.release(keep=self.engine.manager.has_store)
 
 
-class SparseState:
+class SparseState(_Releasable):
     mode = "sparse"
 
     def __init__(self, engine: SparseEngine, seq: SparseSequence, tokens: Sequence[int]) -> None:
@@ -121,9 +134,11 @@ class SparseState:
         self.computed_from = 0             # the first position the last extension computed
 
     def fork(self) -> SparseState:
+        self._check_held()
         return SparseState(self.engine, self._repairing(self.seq.fork), self.tokens)
 
     def absorb(self, ids: Sequence[int], progress: Progress | None = None) -> None:
+        self._check_held()
         self.computed_from = len(self.tokens)
         self.tokens += ids
         self._repairing(lambda: self.engine.prefill(self.seq, self.tokens, progress))
@@ -139,6 +154,7 @@ class SparseState:
         return logits
 
     def step(self, token: int) -> Tensor:
+        self._check_held()
         self.tokens.append(token)
         return self._repairing(lambda: self.engine.decode(self.seq, token))
 
@@ -155,4 +171,5 @@ class SparseState:
         del self.tokens[len(self.tokens) - tokens:]
 
     def release(self) -> None:
+        self.released = True
         self.seq.release(keep=self.engine.manager.has_store)
