@@ -27,3 +27,16 @@ def test_what_tierkv_does_not_do_is_refused_by_name(request_type, fields, messag
     base = {"model": "m", **({"messages": HI} if request_type is ChatRequest else {"prompt": "x"})}
     with pytest.raises(ValidationError, match=message):
         request_type(**base | fields)
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", "3"), ("max_tokens", 2.0), ("stream", "true"), ("stream", 1),
+                                          ("temperature", "0"), ("seed", "7"), ("n", "1"), ("top_p", "1")])
+def test_a_value_of_the_wrong_type_is_refused_not_converted(field, value):
+    with pytest.raises(ValidationError, match=field):
+        ChatRequest.model_validate({"model": "m", "messages": HI, field: value})
+
+
+def test_numbers_of_either_kind_are_taken_where_a_number_is_asked_for():
+    body = ChatRequest.model_validate({"model": "m", "messages": HI, "temperature": 0, "top_p": 1, "max_tokens": 3,
+                                       "stream": True, "seed": 7, "n": 1, "stop": ["x"]})
+    assert body.temperature == 0 and body.stream and body.stop == ["x"]

@@ -282,3 +282,16 @@ def test_a_server_told_to_stop_while_its_model_loads_stops_at_once(tmp_path, sig
         assert "stopping (the model had not finished loading)" in log.read_text()
     finally:
         process.kill()
+
+
+def test_a_store_that_cannot_be_used_stops_the_start_not_every_request(launch, tmp_path, tiny_model_dir):
+    """A broken store used to let the server start, say it was healthy, and answer every request
+    with a 400 that blamed the request (the store opened at the first one)."""
+    store = tmp_path / "s"
+    server = launch("--model", str(tiny_model_dir), "--nvme-dir", str(store))
+    assert server.stop() == 0
+    broken = sorted(store.glob("*/store.json"))
+    assert len(broken) == 2                        # the dense and the sparse store: both opened at the start
+    broken[0].write_text("{broken")
+    with pytest.raises(AssertionError, match=r"(?s)tierkv serve exited 2: .*unreadable store.json"):
+        launch("--model", str(tiny_model_dir), "--nvme-dir", str(store))

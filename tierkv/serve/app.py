@@ -45,9 +45,10 @@ CLOSING_POLL_S = 0.25       # how often an answer's handler looks whether the se
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.body = status, error_body(message, kind=kind, param=param, code=code)
+        self.headers = headers
 
 
 class Closing:
@@ -101,7 +102,7 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body, status_code=error.status)
+        return JSONResponse(error.body, status_code=error.status, headers=error.headers)
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
@@ -154,7 +155,7 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
     @app.get("/health")
     async def health() -> dict[str, Any]:
         pinned, held = await asyncio.to_thread(_pool_figures, worker)
-        return {"status": "ok", "model": model_name, "queue": worker.jobs.qsize(), "busy": worker.busy,
+        return {"status": "ok", "model": model_name, "queue": len(worker.jobs), "busy": worker.busy,
                 "pinned_blocks": pinned, "held_blocks": held}
 
     @app.get("/metrics")
@@ -276,7 +277,7 @@ async def _answer(job: Job, body: ChatRequest | CompletionRequest, worker: Worke
     try:
         worker.submit(job)
     except QueueFull as error:
-        raise ApiError(503, str(error), kind="server_error", code="server_busy") from None
+        raise ApiError(503, str(error), kind="server_error", code="server_busy", headers={"Retry-After": "1"}) from None
     reply = _Reply(model, chat)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

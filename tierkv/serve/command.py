@@ -124,6 +124,9 @@ class _Load:
         from tierkv.session import Session
         try:
             self.session = Session(self.config, max_prompt_tokens=self.settings.max_prompt_tokens)
+            mode = self.config.engine.mode
+            for used in ("dense", "sparse") if mode == "auto" else (mode,):
+                self.session.backend(used)   # a store that cannot be used stops the start, not every request
             metrics = Metrics()
             self.worker = Worker(self.session, metrics, max_queue=self.settings.max_queue).start()
             app = create_app(self.worker, metrics, model_name=self.name, api_key=self.settings.api_key,

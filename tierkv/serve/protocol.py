@@ -21,7 +21,9 @@ def error_body(message: str, *, kind: str = "invalid_request_error", param: str 
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields and values of the wrong type are refused, as OpenAI's API refuses them ("3" is not
+    a max_tokens, "true" not a stream), not converted."""
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPart(_Strict):

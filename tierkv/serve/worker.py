@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.errors import TierKVError
+from tierkv.errors import ConfigError, TierKVError
 from tierkv.session import Answer, Sampling, Session
 from tierkv.session.session import Cancelled
 from tierkv.serve.metrics import Metrics
@@ -53,10 +53,56 @@ class Job:
             self.cancel()
 
 
+class Waiting:
+    """The requests waiting, in arrival order, at most ``limit`` of them. One whose client has left
+    (cancelled) holds no place: it is dropped when a newcomer is counted, so clients that time out
+    while they wait never fill the line for the ones that come after."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._jobs: deque[Job | None] = deque()
+        self._changed = threading.Condition()
+
+    def put(self, job: Job) -> None:
+        with self._changed:
+            self._drop_cancelled()
+            if len(self._jobs) >= self.limit:
+                raise QueueFull(f"{self.limit} requests are waiting already (tierkv serve --max-queue); "
+                                "try again later")
+            self._jobs.append(job)
+            self._changed.notify()
+
+    def end(self) -> None:
+        """After the jobs waiting: the worker stops at it."""
+        with self._changed:
+            self._jobs.append(None)
+            self._changed.notify()
+
+    def get(self) -> Job | None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._jobs)
+            return self._jobs.popleft()
+
+    def take_all(self) -> list[Job]:
+        with self._changed:
+            jobs, self._jobs = [job for job in self._jobs if job is not None], deque()
+            return jobs
+
+    def __len__(self) -> int:
+        """Requests waiting whose clients still wait."""
+        with self._changed:
+            self._drop_cancelled()
+            return len(self._jobs)
+
+    def _drop_cancelled(self) -> None:
+        if any(job is not None and job.cancelled.is_set() for job in self._jobs):
+            self._jobs = deque(job for job in self._jobs if job is None or not job.cancelled.is_set())
+
+
 class Worker:
     def __init__(self, session: Session, metrics: Metrics, *, max_queue: int = 16) -> None:
         self.session, self.metrics = session, metrics
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.jobs = Waiting(max_queue)
         self.busy = False
         self.current: Job | None = None       # the request running
         self._thread = threading.Thread(target=self._run, name="tierkv-serve", daemon=True)
@@ -66,32 +112,23 @@ class Worker:
         return self
 
     def submit(self, job: Job) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self.jobs.maxsize} requests are waiting already (tierkv serve --max-queue); "
-                            "try again later") from None
-        self.metrics.queued.set(self.jobs.qsize())
+        self.jobs.put(job)
+        self.metrics.queued.set(len(self.jobs))
 
     def stop(self, *, cancel: bool = False) -> None:
         """Drop the waiting requests (their clients get an error, where they still listen), then stop once
         the request running is over; ``cancel``: stop that one too, at its next token (the server has
         stopped listening: nobody would read the rest)."""
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit("error", TierKVError("the server is shutting down"))
+        for job in self.jobs.take_all():
+            job.emit("error", TierKVError("the server is shutting down"))
         if cancel and (running := self.current) is not None:
             running.cancel()
-        self.jobs.put(None)
+        self.jobs.end()
         self._thread.join()
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            self.metrics.queued.set(self.jobs.qsize())
+            self.metrics.queued.set(len(self.jobs))
             if job.cancelled.is_set():
                 continue                     # its client left while it waited
             self.busy, self.current = True, job
@@ -102,6 +139,8 @@ class Worker:
             except Exception as error:       # the job's error goes to its client; the server goes on
                 if not isinstance(error, TierKVError):
                     log.exception("request failed")
+                elif not isinstance(error, ConfigError):      # the server's trouble, not the request's: said here too
+                    log.warning("request failed: %s", error)
                 job.emit("error", error)
             finally:
                 self.busy, self.current = False, None

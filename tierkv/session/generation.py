@@ -11,6 +11,8 @@ character made of several tokens comes out whole.
 """
 from __future__ import annotations
 
+import hashlib
+import numbers
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
@@ -47,12 +49,15 @@ class Sampling:
         return cls(**settings)
 
     def __post_init__(self) -> None:
-        for name, kinds in (("max_new_tokens", int), ("draft_tokens", int), ("temperature", (int, float)),
-                            ("top_p", (int, float)), ("seed", (int, type(None)))):
+        for name, kinds, said in (("max_new_tokens", numbers.Integral, "an integer"),
+                                  ("draft_tokens", numbers.Integral, "an integer"),
+                                  ("temperature", numbers.Real, "a number"), ("top_p", numbers.Real, "a number"),
+                                  ("seed", (numbers.Integral, type(None)), "an integer or None")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kinds):
-                raise ConfigError(f"{name}={value!r}: expected a number" if name != "seed" else
-                                  f"seed={value!r}: expected an integer or None")
+                raise ConfigError(f"{name}={value!r}: expected {said}")
+            if isinstance(value, numbers.Integral):          # (numpy's integers too, as plain ints)
+                object.__setattr__(self, name, int(value))
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
             raise ConfigError(f"stop={self.stop!r}: expected a sequence of strings")
         if self.max_new_tokens < 1:
@@ -71,8 +76,18 @@ class Sampling:
         if self.temperature == 0:
             return lambda logits: int(logits.argmax())
         generator = torch.Generator()
-        generator.manual_seed(self.seed if self.seed is not None else int(time.time_ns()) & 0xFFFFFFFF)
+        generator.manual_seed(_seed32(self.seed) if self.seed is not None else int(time.time_ns()) & 0xFFFFFFFF)
         return lambda logits: _sample(logits, self.temperature, self.top_p, generator)
+
+
+def _seed32(seed: int) -> int:
+    """The CPU generator's seed for ``seed``: its Mersenne Twister takes 32 bits, and cutting a 64-bit seed
+    to its low ones would give seeds that differ only above them the same tokens. Seeds of 32 bits are
+    taken as they are; larger or negative ones are hashed down."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(16, "little", signed=True), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 def _sample(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:

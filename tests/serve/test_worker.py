@@ -1,0 +1,45 @@
+"""The line of requests waiting for the server's worker (tierkv.serve.worker.Waiting)."""
+import asyncio
+import threading
+
+import pytest
+
+from tierkv.serve.worker import Job, QueueFull, Waiting
+from tierkv.session import Sampling
+
+
+def job() -> Job:
+    return Job("completion", [1], Sampling(), asyncio.new_event_loop())
+
+
+def test_a_request_whose_client_left_holds_no_place_in_the_line():
+    line, first, second = Waiting(2), job(), job()
+    line.put(first)
+    line.put(second)
+    with pytest.raises(QueueFull, match="2 requests are waiting already"):
+        line.put(job())
+    first.cancel()                      # its client timed out while it waited
+    assert len(line) == 1
+    third = job()
+    line.put(third)
+    assert [line.get(), line.get()] == [second, third]
+
+
+def test_the_worker_waits_for_a_request_and_stops_after_those_waiting():
+    line, got = Waiting(4), []
+    thread = threading.Thread(target=lambda: got.extend(iter(line.get, None)))
+    thread.start()
+    jobs = [job(), job()]
+    for j in jobs:
+        line.put(j)
+    line.end()
+    thread.join(timeout=10)
+    assert got == jobs and not thread.is_alive()
+
+
+def test_stopping_takes_every_request_waiting():
+    line = Waiting(4)
+    jobs = [job(), job()]
+    for j in jobs:
+        line.put(j)
+    assert line.take_all() == jobs and len(line) == 0
