@@ -115,6 +115,19 @@ def test_a_cache_with_an_unknown_kv_dtype_says_what_is_allowed(name):
         TieredCache(FAMILIES["llama"](), kv_dtype=name)
 
 
+def test_a_cache_made_with_arguments_of_the_wrong_kind_names_them(tmp_path):
+    (tmp_path / "file").write_text("")
+    for keywords, message in ((dict(block_tokens="256"), "block_tokens='256': expected an integer >= 1"),
+                              (dict(block_tokens=0), "block_tokens=0: expected an integer >= 1"),
+                              (dict(block_tokens=2.5), "block_tokens=2.5"),
+                              (dict(kv_dtype=torch.int8), "kv_dtype=torch.int8: expected a name such as 'int8'"),
+                              (dict(nvme_dir=tmp_path / "file"), "nvme_dir='.*file': not a directory")):
+        with pytest.raises(ConfigError, match=message):
+            TieredCache(FAMILIES["llama"](), **keywords)
+    with pytest.raises(ConfigError, match=r"config: expected the model's transformers config \(model.config\)"):
+        TieredCache(None)
+
+
 def test_caches_of_two_block_layouts_share_one_nvme_dir(tmp_path):
     torch.manual_seed(0)
     config = FAMILIES["llama"]()

@@ -27,6 +27,7 @@ one) transformers sends a decode step through SDPA's ``enable_gqa`` path, which 
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tierkv.codec import block_codec
 from tierkv.config import TierConfig
-from tierkv.errors import ManagerClosed
+from tierkv.errors import ConfigError, ManagerClosed
 from tierkv.keys import BlockKey
 from tierkv.layout import BlockLayout
 from tierkv.manager import BlockingTierManager
@@ -142,6 +143,17 @@ class TieredCache(Cache):
         ``gpu``; 0: none, every step gathers every layer's blocks). ``nvme_dir``: the store goes in a
         folder of it named by the block layout, so caches of other models or ``kv_dtype`` share it."""
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if not isinstance(getattr(text_config, "num_hidden_layers", None), int):
+            raise ConfigError(f"config: expected the model's transformers config (model.config), got "
+                              f"{type(config).__name__}")
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, numbers.Integral) or block_tokens < 1:
+            raise ConfigError(f"block_tokens={block_tokens!r}: expected an integer >= 1")
+        if kv_dtype is not None and not isinstance(kv_dtype, str):
+            raise ConfigError(f"kv_dtype={kv_dtype!r}: expected a name such as 'int8' or 'int4', or None (blocks "
+                              "kept as computed)")
+        if nvme_dir is not None and Path(nvme_dir).exists() and not Path(nvme_dir).is_dir():
+            raise ConfigError(f"nvme_dir={str(nvme_dir)!r}: not a directory")
+        block_tokens = int(block_tokens)
         self.num_layers = text_config.num_hidden_layers
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
         self._budgets = dict(gpu=gpu, cpu=cpu, nvme_dir=nvme_dir, nvme_budget=nvme_budget)

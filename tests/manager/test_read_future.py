@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from tierkv.errors import BlockMissing
+from tierkv.errors import BlockMissing, ManagerClosed
 from tierkv.manager import BlockingTierManager, TierManager
 from tierkv.manager.lease import Lease, Lent, Watched
 from tierkv.manager.read_future import thread_future
@@ -565,3 +565,28 @@ def test_a_watched_lend_fails_when_one_of_its_own_slots_was_freed_not_another(tm
         future.cancel()
         settle(mgr, keys[0])
         assert_quiescent(mgr.manager)
+
+
+def test_a_read_into_fewer_rows_than_keys_is_refused(tmp_path, knobs):
+    """Refused whether the blocks are in memory or load: a loading block used to land in another's
+    row where the destination had too few."""
+    with manager(tmp_path, knobs, gpu=2, cpu=2) as mgr:
+        keys = stored(mgr, 12)
+        mgr.read(keys[:1], into=torch.empty(1, BLOCK, dtype=torch.uint8)).wait()    # 0 in memory, 1 on disk
+        around = torch.zeros(3, BLOCK, dtype=torch.uint8)
+        for read in (keys[:2], keys[:1] + keys[8:9]):
+            with pytest.raises(ValueError, match=r"read of 2 block\(s\) into 1 row\(s\)"):
+                mgr.read(read, into=around[:1])
+        assert not around.any()
+        mgr.contains(keys[0])                                                     # the unpins have run
+        assert_quiescent(mgr.manager)
+
+
+def test_a_closed_manager_says_so(tmp_path, knobs):
+    mgr = manager(tmp_path, knobs)
+    keys = stored(mgr, 2)
+    mgr.close()
+    for use in (lambda: mgr.put(key(5), block(5)), lambda: mgr.read(keys, into=torch.empty(2, BLOCK, dtype=torch.uint8)),
+                lambda: mgr.contains(keys[0])):
+        with pytest.raises(ManagerClosed, match="the tier manager is closed"):
+            use()

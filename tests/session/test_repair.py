@@ -26,7 +26,7 @@ from tierkv.model.loading import LoadedModel
 from tierkv.model.settings import SessionConfig
 from tierkv.session import Session
 from tierkv.session import scrub
-from tierkv.session.scrub import repair_store, verify
+from tierkv.session.scrub import IndexCheck, Verdict, repair_store, verify
 from tierkv.sparse import restore
 from tierkv.tiers.nvme import NvmeTier
 
@@ -274,3 +274,10 @@ def test_a_repair_beside_another_opener_says_the_lost_blocks_are_hidden_not_drop
         other.communicate("", timeout=60)
     (line,) = verify(tmp_path, drop=True).lines()[:1]
     assert "2 dropped" in line and verify(tmp_path).clean
+
+
+def test_a_repair_s_own_report_says_what_it_found_was_repaired():
+    damaged = [IndexCheck(Path("doc.idx"), "index", tokens=100, pages=10, bad_pages=[None])]
+    assert Verdict(indexes=damaged, repaired=True).lines()[-1].startswith("damage found, repaired as above")
+    assert Verdict(indexes=damaged).lines()[-1].startswith("DAMAGED")
+    assert Verdict(repaired=True).lines()[-1].startswith("clean")

@@ -115,7 +115,7 @@ def test_bad_requests_are_clear_errors(tmp_path):
             session.chat([{"role": "robot", "content": "hi"}])
         with pytest.raises(ConfigError, match="token id 128 is not in the model's vocabulary; ids are 0..127"):
             session.complete([1, 128, 2])
-        with pytest.raises(ConfigError, match="max_new_tokens='5': expected a number"):
+        with pytest.raises(ConfigError, match="max_new_tokens='5': expected an integer"):
             session.complete([1, 2, 3], max_new_tokens="5")
         with pytest.raises(ConfigError, match="unknown sampling setting\\(s\\): max_tokens; allowed: max_new_tokens"):
             session.complete([1, 2, 3], max_tokens=5)
@@ -166,6 +166,24 @@ def tiny_loaded() -> LoadedModel:
 
 def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_seeds_that_differ_only_past_32_bits_sample_differently():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    sampled = {seed: tuple(_draws(seed, logits)) for seed in (1, 2**32 + 1, -(2**32) + 1, 2**63 - 1, -1)}
+    assert len(set(sampled.values())) == len(sampled)
+    assert sampled[1] == tuple(_draws(1, logits))                    # and the same seed, the same draws
+
+
+def _draws(seed: int, logits: torch.Tensor) -> list[int]:
+    pick = Sampling(temperature=5.0, seed=seed).sampler()
+    return [pick(logits) for _ in range(8)]
+
+
+def test_sampling_settings_take_numpy_integers_and_name_the_integer_they_need():
+    assert Sampling(max_new_tokens=np.int64(3), seed=np.uint32(7)) == Sampling(max_new_tokens=3, seed=7)
+    with pytest.raises(ConfigError, match="max_new_tokens=2.0: expected an integer"):
+        Sampling(max_new_tokens=2.0)
 
 
 def test_a_prompt_the_tiers_cannot_hold_fails_and_holds_nothing():

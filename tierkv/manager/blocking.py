@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from tierkv.config import TierConfig
-
+from tierkv.errors import ManagerClosed
 from tierkv.knobs import IOKnobs
 from tierkv.keys import BlockKey
 from tierkv.manager.lease import shared_space, space_rows
@@ -123,6 +123,8 @@ class BlockingTierManager:
         access hook records the reads, it is the pinned read. ``rows``: each key's directory row as an
         earlier such read found it (``ReadFuture.rows``; -1: not known), a guess checked against the
         keys that spares their lookup."""
+        if len(into) < len(keys):
+            raise ValueError(f"read of {len(keys)} block(s) into {len(into)} row(s): `into` needs a row for each key")
         if not pin and (lend or packed):
             future = read_unpinned(self, keys, into, tier, layer, rows, lend=lend, packed=packed)
             if future is not None:
@@ -179,8 +181,11 @@ class BlockingTierManager:
         if not places:
             return
         at = list(range(len(places))) if rows is None else list(rows)
+        if len(at) != len(places) or at[-1] >= len(out):
+            raise ValueError(f"{len(places)} block(s) into rows {at[:4]}{'...' if len(at) > 4 else ''} of "
+                             f"{len(out)}: expected one row of the destination for each block")
         for name, (slots, mine) in by_tier(places).items():
-            if len(slots) == len(out):     # every row, in order
+            if mine is None and len(slots) == len(out):     # every row, in order
                 tiers[name].gather(slots, out)
             else:
                 tiers[name].gather(slots, out, at if mine is None else list(compress(at, mine)))
@@ -337,7 +342,17 @@ class BlockingTierManager:
 
     # -- plumbing -------------------------------------------------------
     def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(self._after_releases(coro), self._loop).result()
+        work = self._after_releases(coro)
+        try:
+            submitted = asyncio.run_coroutine_threadsafe(work, self._loop)
+        except RuntimeError:                  # its loop has stopped: closed
+            work.close()
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            if not self._loop.is_closed():
+                raise
+            raise ManagerClosed("the tier manager is closed: make a new one") from None
+        return submitted.result()
 
     async def _after_releases(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
         self._unpin_released()    # what this thread released before it asked

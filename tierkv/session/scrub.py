@@ -108,7 +108,8 @@ class Verdict:
             if i.note:
                 what += f"; {i.note}"
             out.append(what)
-        out.append(f"{'clean' if self.clean else 'DAMAGED'} ({self.seconds:.1f} s)")
+        verdict = "clean" if self.clean else "damage found, repaired as above" if self.repaired else "DAMAGED"
+        out.append(f"{verdict} ({self.seconds:.1f} s)")
         return out
 
 
