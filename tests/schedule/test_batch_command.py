@@ -152,6 +152,7 @@ def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from 'auto', 'float32', 'bfloat16', 'float16')"),
     (["--weight-dtype", "bf16"], "--weight-dtype='bf16': allowed: bfloat16, float16 or none"),
     (["--workers", "2", "--ray-batch", "4"], "--workers, --ray-batch: Ray settings, but no --ray"),
+    (["--out", "/proc/no-such/out.jsonl"], "--out /proc/no-such/out.jsonl: cannot write it (No such file or directory)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')

@@ -17,6 +17,20 @@ def test_jsonl_inputs_report_bad_lines_as_documents(tmp_path):
         ("n", None, 'unreadable: no "text" string')]
 
 
+def test_a_jsonl_line_ends_at_a_newline_only_and_its_bytes_are_utf8_or_the_line_says_so(tmp_path):
+    """U+2028 and its like are valid inside JSON text (written as they are by ensure_ascii=False): a
+    line used to be cut there, its document lost and every later line numbered wrong. A line that is
+    not UTF-8 used to run with its bytes replaced; a byte-order mark used to make the first line not JSON."""
+    path = tmp_path / "in.jsonl"
+    lines = [json.dumps({"id": "sep", "text": "a\u2028b\u2029c\x85d\x0ce"}, ensure_ascii=False).encode(),
+             b'{"id": "latin1", "text": "Caf\xe9"}', b'{"id": "crlf", "text": "x"}\r', b'{"id": "last", "text": "z"}']
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n")
+    docs = read_inputs(path)
+    assert [(d.id, d.text, d.error) for d in docs] == [
+        ("sep", "a\u2028b\u2029c\x85d\x0ce", None), ("2", None, "unreadable: line 2 is not UTF-8 text"),
+        ("crlf", "x", None), ("last", "z", None)]
+
+
 def test_directory_inputs_read_every_file_sorted(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "b.txt").write_text("bee")

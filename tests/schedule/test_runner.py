@@ -163,3 +163,33 @@ def test_weights_stored_in_the_compute_dtype_do_not_convert(tmp_path):
     with BatchEngine(loaded, policy, EngineLimits(8, 2)) as engine:
         assert not engine.weights.converts
         assert len(engine.generate([[5, 6, 7]], ignore_eos=True)[0]) == 2
+
+
+def test_a_search_made_while_an_engine_streams_the_weights_keeps_to_the_budgets(tmp_path):
+    """An engine empties the parameters it streams between their uses: a job that searched again after
+    its first block (its speed off the calibration) saw a model of almost no weights, and chose to keep
+    them all in a gpu budget they overflow. It measures the model once, before any engine runs."""
+    from tierkv.model.arch import decoder_layers
+    from tierkv.schedule.cost import Budgets, Machine, Workload, predict
+    from tierkv.schedule.job import JobConfig, _Measured, _replan
+    from tierkv.schedule.search import search
+    from tierkv.schedule.weights import parameter_sizes
+    loaded, limits = loaded_tiny(), EngineLimits(40, NEW)
+    model = _Measured.of(loaded, limits)
+    machine = Machine(memcpy=12e9, disk_read=2e9, disk_write=2e9, layer_s=lambda m: 1e-3 + m * 1e-5,
+                      attention_s=lambda r, q, k: r * q * k * 1e-8, head_s=lambda m: 1e-3 + m * 1e-5)
+    work = Workload(prompt_len=30, gen_len=NEW, num_sequences=5)
+    roomy = search(model.shape, work, machine, Budgets(1 << 30, 64 << 20, 0), place=model.place)
+    assert roomy.policy.weights.gpu == 1
+    short = roomy.estimate.memory["gpu"] - model.shape.num_layers * sum(model.sizes.values()) // 2
+    config = JobConfig(tmp_path / "in.jsonl", tmp_path / "out.jsonl", gpu_budget=int(short), cpu_budget=64 << 20)
+    streamed = Policy(5, 1, weights=Placement(0, 1, 0))
+    live = [BatchEngine(loaded, streamed, limits, nvme_dir=tmp_path)]
+    try:
+        assert sum(parameter_sizes(decoder_layers(loaded.model)[0]).values()) < sum(model.sizes.values())
+        found = _replan(config, model, work, machine, limits, streamed, live, None)
+        placed = model.place(found)           # its memory on the model's real sizes: within the budget
+        assert predict(placed, model.shape, work, machine).memory["gpu"] <= config.gpu_budget
+    finally:
+        for engine in live:
+            engine.close(restore=True)

@@ -24,6 +24,7 @@ settings is refused, so one file never mixes summaries made two ways.
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import itertools
 import json
@@ -80,9 +81,11 @@ def _read_file(file: Path, root: Path) -> Document:
 
 def _read_jsonl(path: Path) -> list[Document]:
     try:
-        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+        raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"--inputs {path}: cannot read it ({e.strerror or e})") from None
+    # Lines end at "\n" alone: JSON text may hold U+2028 and the like, which str.splitlines() would split at.
+    lines = raw.removeprefix(codecs.BOM_UTF8).split(b"\n")
     parsed = [(number, _parse_line(line, number)) for number, line in enumerate(lines, start=1) if line.strip()]
     given = {doc.id for _, (doc, named) in parsed if named}
     docs, seen = [], set()
@@ -98,8 +101,12 @@ def _read_jsonl(path: Path) -> list[Document]:
     return docs
 
 
-def _parse_line(line: str, number: int) -> tuple[Document, bool]:
+def _parse_line(raw: bytes, number: int) -> tuple[Document, bool]:
     """The line's document, and whether its id is its own (not made up from ``number``)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return Document(str(number), None, f"unreadable: line {number} is not UTF-8 text"), False
     try:
         data = json.loads(line)
     except ValueError:
@@ -141,9 +148,12 @@ class OutputLog:
         self.job = settings_digest(self.settings) if settings is not None else None
         if self.path.is_dir():
             raise ConfigError(f"--out {self.path}: is a directory; give a .jsonl file")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._recover()
-        self._file = open(self.path, "ab")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._recover()
+            self._file = open(self.path, "ab")
+        except OSError as error:
+            raise ConfigError(f"--out {self.path}: cannot write it ({error.strerror or error})") from None
 
     def _recover(self) -> None:
         try:

@@ -45,7 +45,7 @@ from tierkv.schedule.cost import (
 from tierkv.schedule.documents import Document, OutputLog, read_inputs
 from tierkv.schedule.engine import BLOCK_TOKENS, BatchEngine, EngineLimits
 from tierkv.schedule.policy import Placement, Policy, check_weight_dtype, read_policy
-from tierkv.schedule.weights import tensor_homes
+from tierkv.schedule.weights import parameter_sizes, tensor_homes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_DTYPE = "auto"        # bf16 where the device computes it natively, fp32 elsewhere (see compute_dtype)
@@ -177,9 +177,10 @@ def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], wr
     prompts = sorted(prompts, key=lambda p: len(p.ids), reverse=True)
     work = _workload(prompts, config.max_new_tokens)
     limits = EngineLimits(work.max_prompt_len, config.max_new_tokens)
+    model = _Measured.of(loaded, limits)     # before an engine runs: it empties the weights it streams
     policy, machine = choose_policy(config, loaded, work, fixed, limits)
-    placed = placed_policy(policy, loaded, limits)
-    estimate = predict(placed, ModelShape.of(loaded.model), work, machine)
+    placed = model.place(policy)
+    estimate = predict(placed, model.shape, work, machine)
     result.policy, result.predicted_tokens_per_s, result.memory = placed, estimate.tokens_per_s, estimate.memory
     result.predicted_calibrated = estimate.tokens_per_s
     if on_policy:
@@ -195,11 +196,13 @@ def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], wr
             _run_block(live[0], block, config, loaded, eos, write, result, progress, len(prompts))
             start += len(block)
             if result.in_run_factor is None:   # the first block: calibrate in the run, predict again
-                machine = _recalibrated(result, loaded, placed, block, work, machine, config.max_new_tokens)
+                machine = _recalibrated(result, model, placed, block, work, machine, config.max_new_tokens)
                 if start < len(prompts) and fixed is None and abs(math.log(result.in_run_factor)) > REPLAN:
                     rest = _workload(prompts[start:], config.max_new_tokens)
-                    policy = _replan(config, loaded, rest, machine, limits, policy, live, on_policy)
-                    result.policy = placed_policy(policy, loaded, limits)
+                    policy = _replan(config, model, rest, machine, limits, policy, live, on_policy)
+                    result.policy = model.place(policy)
+                    replanned = predict(result.policy, model.shape, rest, machine)
+                    result.memory, result.predicted_tokens_per_s = replanned.memory, replanned.tokens_per_s
     finally:
         for engine in live:
             engine.close(restore=True)
@@ -230,11 +233,27 @@ def _run_block(engine: BatchEngine, block: list[_Prompt], config: JobConfig, loa
     result.step_compute_s = list(engine.runner.stats.step_compute_s)
 
 
-def _recalibrated(result: JobResult, loaded: LoadedModel, placed: Policy, block: list[_Prompt], work: Workload,
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    """The model's sizes as the search and the placement need them, taken once before any engine runs."""
+    loaded: LoadedModel
+    limits: EngineLimits
+    shape: ModelShape
+    sizes: dict[str, int]           # bytes of each parameter of a decoder layer
+
+    @classmethod
+    def of(cls, loaded: LoadedModel, limits: EngineLimits) -> _Measured:
+        return cls(loaded, limits, ModelShape.of(loaded.model), parameter_sizes(decoder_layers(loaded.model)[0]))
+
+    def place(self, policy: Policy) -> Policy:
+        return placed_policy(policy, self.loaded, self.limits, self.sizes)
+
+
+def _recalibrated(result: JobResult, model: _Measured, placed: Policy, block: list[_Prompt], work: Workload,
                   machine: Machine, new: int) -> Machine:
     """The machine as the first block's first steps found it; the job's prediction made again with it."""
     from tierkv.schedule.calibrate import in_run_factor
-    shape = ModelShape.of(loaded.model)
+    shape = model.shape
     t = policy_terms(placed, shape, _workload(block, new), machine)
     result.in_run_factor = in_run_factor(t, fractions(placed), result.step_compute_s)
     machine = slowed(machine, result.in_run_factor)
@@ -242,19 +261,19 @@ def _recalibrated(result: JobResult, loaded: LoadedModel, placed: Policy, block:
     return machine
 
 
-def _replan(config: JobConfig, loaded: LoadedModel, rest: Workload, machine: Machine, limits: EngineLimits,
+def _replan(config: JobConfig, model: _Measured, rest: Workload, machine: Machine, limits: EngineLimits,
             policy: Policy, live: list[BatchEngine], on_policy: Callable[[Policy, float], None] | None) -> Policy:
     """The policy searched again on the recalibrated machine; ``live``'s engine replaced only when it changed."""
     from tierkv.schedule.search import search
     budgets = Budgets(config.gpu_budget, config.cpu_budget, config.nvme_budget if config.nvme_dir else 0)
-    found = search(ModelShape.of(loaded.model), rest, machine, budgets, allow_compress=config.allow_compress,
-                   place=lambda p: placed_policy(p, loaded, limits), weight_dtype=config.weight_dtype)
+    found = search(model.shape, rest, machine, budgets, allow_compress=config.allow_compress,
+                   place=model.place, weight_dtype=config.weight_dtype)
     if found.policy == policy:
         return policy
     live.pop().close(restore=True)
     if on_policy:
         on_policy(found.policy, found.estimate.tokens_per_s)
-    live.append(BatchEngine(loaded, found.policy, limits, nvme_dir=config.nvme_dir))
+    live.append(BatchEngine(model.loaded, found.policy, limits, nvme_dir=config.nvme_dir))
     return found.policy
 
 
@@ -289,11 +308,13 @@ def choose_policy(config: JobConfig, loaded: LoadedModel, work: Workload, fixed:
                   allow_compress=config.allow_compress, place=place, weight_dtype=config.weight_dtype).policy, machine
 
 
-def placed_policy(policy: Policy, loaded: LoadedModel, limits: EngineLimits) -> Policy:
-    """The policy with the fractions the runner really places (whole tensors, whole KV blocks)."""
+def placed_policy(policy: Policy, loaded: LoadedModel, limits: EngineLimits,
+                  sizes: dict[str, int] | None = None) -> Policy:
+    """The policy with the fractions the runner really places (whole tensors, whole KV blocks); ``sizes``:
+    a decoder layer's parameters as `parameter_sizes` measured them (by default now: no engine may run)."""
     layer = decoder_layers(loaded.model)[0]
-    sizes = {n: p.numel() * p.element_size() for n, p in layer.named_parameters()}
-    homes = tensor_homes(layer, policy.weights)
+    sizes = parameter_sizes(layer) if sizes is None else sizes
+    homes = tensor_homes(layer, policy.weights, sizes)
     total = sum(sizes.values())
     weights = Placement(*(sum(s for n, s in sizes.items() if homes[n] == t) / total for t in ("gpu", "cpu", "disk")))
     blocks = limits.blocks_per_cell

@@ -70,16 +70,23 @@ class Streamed:
         return self.nbytes // self.stored.itemsize * self.dtype.itemsize
 
 
-def tensor_homes(layer: nn.Module, placement: Placement) -> dict[str, str]:
-    """Parameter name -> home tier (gpu, cpu or disk), by cumulative bytes."""
-    params = list(layer.named_parameters())
-    total = sum(p.numel() * p.element_size() for _, p in params) or 1
+def tensor_homes(layer: nn.Module, placement: Placement, sizes: dict[str, int] | None = None) -> dict[str, str]:
+    """Parameter name -> home tier (gpu, cpu or disk), by cumulative bytes (``sizes``: each parameter's, as
+    `parameter_sizes` measured them; by default measured now)."""
+    sizes = parameter_sizes(layer) if sizes is None else sizes
+    total = sum(sizes.values()) or 1
     homes, start = {}, 0
-    for name, p in params:
-        end = start + p.numel() * p.element_size()
+    for name, nbytes in sizes.items():
+        end = start + nbytes
         homes[name] = placement.home(start / total, end / total)
         start = end
     return homes
+
+
+def parameter_sizes(layer: nn.Module) -> dict[str, int]:
+    """Bytes of each of ``layer``'s parameters, in order. Measured before an engine streams the weights:
+    while one runs, a streamed parameter is an empty tensor between its uses."""
+    return {name: p.numel() * p.element_size() for name, p in layer.named_parameters()}
 
 
 class WeightStore:
