@@ -104,6 +104,7 @@ def test_info_text(capsys):
     (["store", "verify", "--nvme-dir", "x", "--bogus"], "(see tierkv store verify --help)"),
     (["store", "verify", "--nvme-dir", ""], "argument --nvme-dir: empty: give a path"),     # not the working dir
     (["store", "repair"], "tierkv store repair: the following arguments are required: --nvme-dir"),
+    (["run", "--doc", "/proc/self/mem"], "--doc /proc/self/mem: cannot read it (Input/output error)"),
     (["run", "--synthetic-tokens", "100", "--sparse-budget", "4"], "sparse_budget=4: less than one chunk of 8 tokens"),
     (["run", "--synthetic-tokens", "100", "--nvme-dir", " "], "argument --nvme-dir: empty: give a path"),
     (["run", "--doc", "x.txt", "--question", ""], "--question number 1 is empty"),
@@ -281,3 +282,16 @@ def test_a_sparse_run_through_the_cli_finds_the_passkey_and_stores_a_sound_index
     assert one["sparse"]["approximate_prefill"] and one["sparse"]["repairs"] == []
     assert list((tmp_path / "s" / "sparse-indexes").glob("*.restore-*")) == []   # a prefill under 4K tokens
     assert tierkv("store", "verify", "--nvme-dir", str(tmp_path / "s")).returncode == 0
+
+
+def test_ctrl_c_while_the_command_starts_is_an_interruption_not_a_traceback():
+    """The command's first seconds go to importing torch; Ctrl-C there used to print a long traceback
+    from inside it and end the process by the signal."""
+    import signal
+    import time
+    started = subprocess.Popen([sys.executable, "-m", "tierkv", "info"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    started.send_signal(signal.SIGINT)
+    err = started.communicate(timeout=120)[1]
+    assert started.returncode == 130 and err.strip().splitlines() == ["tierkv: interrupted"], err

@@ -31,6 +31,18 @@ def test_a_sparse_run_config_file_sets_the_sparse_prefetcher(tmp_path):
     assert config.sparse.prefetch == "speculative" and config.engine.prefetch == "next-layer"
 
 
+def test_a_run_config_file_s_prefetcher_counts_as_given_for_the_mode(tmp_path):
+    """A config tuned on a sparse run names its prefetcher: a dense run refuses it, an auto one that runs
+    dense says it went unused (it used to run dense and say nothing)."""
+    from tierkv.errors import ConfigError
+    best = write_config(tmp_path / "best.json", sparse_prefetch="speculative")
+    with pytest.raises(ConfigError, match=r"--sparse-prefetch \(in --config .*best.json\): sparse-mode settings, "
+                                          "but --mode dense"):
+        settings_of("--synthetic-tokens", "100", "--mode", "dense", "--config", best)
+    args = build_parser().parse_args(["run", "--synthetic-tokens", "100", "--config", best])
+    assert run_config(args)[1] == [f"--sparse-prefetch (in --config {best})"]     # noted where auto runs dense
+
+
 @pytest.mark.parametrize("args,message", [
     (["run", "--synthetic-tokens", "100", "--gpu-policy", "mru"], "policy='mru': unknown"),
     (["run", "--synthetic-tokens", "100", "--prefetch", "eager"], "prefetch='eager': unknown"),

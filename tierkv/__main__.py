@@ -11,7 +11,11 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["serve"]:
         from tierkv.serve.listen import early
         early(args[1:])
-    from tierkv.cli import main as command
+    try:
+        from tierkv.cli import main as command      # (torch: seconds, in which Ctrl-C is as likely as later)
+    except KeyboardInterrupt:
+        print("tierkv: interrupted", file=sys.stderr)
+        return 130
     return command(args)
 
 

@@ -241,9 +241,12 @@ def run_config(args: argparse.Namespace):
     """The run's settings: each field's default, then ``--config``'s values, then the flags given."""
     from tierkv.model.settings import RunConfig, mode_flags
     from tierkv.tune.tune import read_run_config
-    from_file = nest(RunConfig, read_run_config(args.config)) if args.config else {}
-    config = build(RunConfig, from_file, given(args, RunConfig))
+    in_file = read_run_config(args.config) if args.config else {}
+    config = build(RunConfig, nest(RunConfig, in_file), given(args, RunConfig))
     sparse_given, dense_given = mode_flags(args)
+    filed = f" (in --config {args.config})"
+    sparse_given += [f"--sparse-prefetch{filed}" for key in in_file if key == "sparse_prefetch"]
+    dense_given += [f"--prefetch{filed}" for key in in_file if key == "prefetch"]
     config.engine.check_flags(sparse_given, dense_given)
     return config, sparse_given, dense_given
 

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.model
 def test_chat_answers_each_turn_from_the_last_and_reports_its_reuse(tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text("Alice met Bob in Paris in 1999. They founded a bakery called Blue Oven on Rue Cler.\n" * 20)
-    turns = "Who founded the bakery?\n/stats\nWhere is it?\n/stats\n/reset\n/stats\n/help\n/bogus\n/quit\n"
+    turns = "Who founded the bakery?\n/stats\nWhere is it?\n/stats \n/reset \n/stats\n/help\n/bogus\n/quit \n"
     done = subprocess.run([sys.executable, "-m", "tierkv.cli", "chat", "--doc", str(doc), "--max-new-tokens", "6",
                            "--nvme-dir", str(tmp_path / "store"), "--gpu-budget", "8MiB", "--cpu-budget", "16MiB",
                            "--block-tokens", "16", "--chunk-tokens", "256"],
@@ -23,6 +23,7 @@ def test_chat_answers_each_turn_from_the_last_and_reports_its_reuse(tmp_path):
     assert second > first and prompts[1] - second < 40        # the second turn went on from the first
     assert "(a new conversation)" in done.stdout and "commands:" in done.stdout
     assert "nothing asked yet" in done.stdout and "unknown command /bogus; commands:" in done.stdout
+    assert done.stdout.count("unknown command") == 1          # a command with a space after it is the command
     assert "tokens (0 found stored)" in done.stderr
 
 

@@ -186,6 +186,26 @@ def test_sampling_settings_take_numpy_integers_and_name_the_integer_they_need():
         Sampling(max_new_tokens=2.0)
 
 
+def test_a_session_that_reuses_nothing_leaves_nothing_in_the_store(tmp_path):
+    """With reuse off a run's blocks have keys of their own, which no later run finds: kept in the store,
+    each run added a copy that only took room."""
+    from tierkv.tiers.nvme import NvmeTier
+    lm, ids = tiny_loaded(), random_ids(700, 12)
+    for _ in range(2):
+        with Session(SessionConfig.of(nvme_dir=tmp_path, mode="dense", no_reuse=True), loaded=lm) as session:
+            session.read_ids(ids)
+            assert session.document_reused == 0
+            session.complete([*ids, 3], max_new_tokens=2)
+    (store,) = [p.parent for p in tmp_path.glob("*/store.json")]
+    with NvmeTier.existing(store) as tier:
+        assert len(list(tier.items())) == 0
+    with Session(SessionConfig.of(nvme_dir=tmp_path, mode="dense"), loaded=lm) as session:
+        session.read_ids(ids)                          # with reuse on, blocks stay: the next session finds them
+    with Session(SessionConfig.of(nvme_dir=tmp_path, mode="dense"), loaded=lm) as session:
+        session.read_ids(ids)
+        assert session.document_reused > 0
+
+
 def test_a_prompt_the_tiers_cannot_hold_fails_and_holds_nothing():
     """Its prefix prefilled part-way, then out of room: what it sealed is let go of, not held for good
     (every later prompt would find the tiers full)."""

@@ -242,6 +242,7 @@ def test_tune_prints_a_table_writes_the_best_config_and_a_plot(trace: AccessTrac
     (["--plot", "{d}/rank.txt"], "--plot {d}/rank.txt: give a file name ending in a format matplotlib writes: "),
     (["--plot", "{d}/no/rank.png"], "--plot {d}/no/rank.png: no such directory {d}/no"),
     (["--out", "{d}/no/best.json"], "--out {d}/no/best.json: no such directory {d}/no"),
+    (["--policies", ","], "--policies ',': names no policy; give names such as lru,arc"),    # (was an IndexError)
 ])
 def test_tune_refuses_a_plot_or_an_out_it_cannot_write_before_it_replays_and_writes_nothing(
         flags: list[str], message: str, trace: AccessTrace, tmp_path: Path) -> None:

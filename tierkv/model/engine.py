@@ -113,8 +113,14 @@ class Engine:
         gpu = manager.tier("gpu")          # the buffers' default: as many bytes as the gpu tier
         self.buffers = BufferBudget(config.buffer if config.buffer is not None else gpu.budget_bytes if gpu else 0)
 
+    @property
+    def keeps_blocks(self) -> bool:
+        """Whether sealed blocks are kept for later runs: a store holds them, and they can be found again
+        (``reuse=False`` salts their keys: kept, they would only fill the store)."""
+        return self.manager.persists and self.config.reuse
+
     def new_sequence(self) -> TieredSequence:
-        persist = self.manager.persists
+        persist = self.keeps_blocks
         seq = TieredSequence(self.manager, self.layout, model_id=self.loaded.model_id + self._salt, persist=persist,
                              budget=self.buffers if self.buffers.limit and not self.scores else None,
                              device=self.model.device)

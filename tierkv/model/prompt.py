@@ -77,6 +77,8 @@ def read_document(path: Path, *, named: str = "--doc") -> str:
     except UnicodeDecodeError as error:       # a PDF, an archive, a file in another encoding: the model would read noise
         raise ConfigError(f"{where}: not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
                           f"{error.start}); give a text file, or convert it (iconv -t UTF-8, pdftotext)") from None
+    except OSError as error:                  # no permission, a device that cannot be read, ...
+        raise ConfigError(f"{where}: cannot read it ({error.strerror or error})") from None
     if not text.strip():
         raise ConfigError(f"{where}: the file is empty")
     return text

@@ -64,17 +64,18 @@ def _converse(session: Session, text: str | None, sampling: dict) -> None:
     start = [{"role": "user", "content": text}] if text is not None else []
     messages, last = list(start), None
     while (line := _ask()) is not None:
-        if line in ("/quit", "/exit"):
+        command = line.strip()
+        if command in ("/quit", "/exit"):
             break
-        if line == "/reset":
+        if command == "/reset":
             messages, last = list(start), None
             print("(a new conversation)")
-        elif line == "/stats":
+        elif command == "/stats":
             _stats(session, last)
-        elif line.strip() == "/help":
+        elif command == "/help":
             print(HELP)
-        elif line.startswith("/"):
-            print(f"unknown command {line.split()[0]}; {HELP}")
+        elif command.startswith("/"):
+            print(f"unknown command {command.split()[0]}; {HELP}")
         elif line.strip():
             messages.append({"role": "user", "content": line})
             answer = _answer(session, messages, sampling)

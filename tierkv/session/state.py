@@ -123,7 +123,7 @@ class DenseState(_Releasable):
 
     def release(self) -> None:
         self.released = True
-        self.seq.release(keep=self.engine.manager.has_store)
+        self.seq.release(keep=self.engine.manager.has_store and self.engine.config.reuse)
 
 
 class SparseState(_Releasable):

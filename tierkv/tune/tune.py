@@ -305,6 +305,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.plot is not None:
         check_plot_path(args.plot)
     policies = None if args.policies is None else [p.strip() for p in args.policies.split(",") if p.strip()]
+    if policies == []:
+        raise ConfigError(f"--policies {args.policies!r}: names no policy; give names such as lru,arc "
+                          f"(available: {', '.join(available())})")
     points = parse_grid(_grid_items(args.grid, args.prefetch), trace.meta, policies)
     model = load_tier_model(args.links, args.nvme_dir, refresh=args.reprobe)
     ranked = _tune_with_progress(trace, model, points, quiet=args.json)
