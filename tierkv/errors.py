@@ -43,6 +43,11 @@ class DiskFullError(TierKVError, OSError):
     """The NVMe tier's file system has no space left for a block."""
 
 
+class StoreWriteError(TierKVError, OSError):
+    """A file of the store could not be written (a full disk is `DiskFullError`); nothing half-written is
+    left under its name."""
+
+
 class StoreReadError(TierKVError, OSError):
     """The device answered a read of a stored block with an error (EIO: perhaps a passing fault): the
     read fails, and the store keeps the block, to be read again (a checksum that fails is not this:

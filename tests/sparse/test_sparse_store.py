@@ -1,11 +1,13 @@
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from tierkv.config import TierConfig
 from tierkv.manager import BlockingTierManager
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.sparse import SparseConfig
-from tierkv.sparse.store import Shelf, identity_key, index_id, load_index, save_index
+from tierkv.errors import DiskFullError, StoreWriteError
+from tierkv.sparse.store import Shelf, _not_written, identity_key, index_id, load_index, save_index, write_checked
 
 CFG = SparseConfig(budget=64, sink_tokens=8, window_tokens=32, page_tokens=16, outlier_fraction=0.05,
                    positions="original", dense_prefill_tokens=128,
@@ -198,3 +200,22 @@ def test_a_stored_prefill_keeps_its_name_across_releases():
     assert key.hex() == "ed535171e7be1d68f24ff66e5ecf7047"
     wider = SparseConfig(page_tokens=32, layer_budgets="0:6144")
     assert index_id("smollm2", layout, wider, frozenset({"landmarks"}), ids) == key   # decode-only setting
+
+
+def test_an_index_that_cannot_be_written_is_a_store_error_and_leaves_no_file(tmp_path):
+    """safetensors' own error says its cause only in words: it used to end a run with a traceback."""
+    import resource
+    import signal
+    path = tmp_path / "x.safetensors"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, limit[1]))    # a write past 64 KiB fails (EFBIG)
+    try:
+        with pytest.raises(StoreWriteError, match=r"sparse index .*x.safetensors: cannot be written \(File too large"):
+            write_checked(path, {"a": torch.zeros(1 << 16)}, {"version": "3"}, "index")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, ignored)
+    assert list(tmp_path.iterdir()) == []
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert isinstance(_not_written(path, full, 1 << 20), DiskFullError)

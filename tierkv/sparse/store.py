@@ -26,9 +26,11 @@ the resumed prefill finds them or writes them again.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +41,13 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from tierkv.errors import StoreWriteError
 from tierkv.failpoints import failpoint
 from tierkv.keys import BlockKey
 from tierkv.sparse.config import SparseConfig
 from tierkv.layout import BlockLayout
 from tierkv.sparse.sequence import SparseSequence
+from tierkv.tiers.nvme_io import DISK_FULL, disk_full
 
 log = logging.getLogger(__name__)
 VERSION = "3"                # 2: landmarks saved per KV head, as they lie in memory; 3: metadata checksummed
@@ -139,11 +143,24 @@ def write_checked(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, 
     meta["meta_checksum"] = _meta_digest(meta)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")   # two processes saving one index never share it
-    save_file(tensors, str(tmp), metadata=meta)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except (OSError, SafetensorError) as error:
+        tmp.unlink(missing_ok=True)
+        raise _not_written(path, error, sum(t.nbytes for t in tensors.values())) from None
     failpoint(f"{point}.before-rename")
     os.replace(tmp, path)
+
+
+def _not_written(path: Path, error: Exception, nbytes: int) -> OSError:
+    """The error a failed write of ``path`` is told as: safetensors' own says its cause only in words."""
+    told = re.search(r"os error (\d+)", str(error))
+    code = error.errno if isinstance(error, OSError) and error.errno else int(told[1]) if told else errno.EIO
+    if code in DISK_FULL:
+        return disk_full(path.parent, nbytes, what=f"sparse index {path.name}")
+    return StoreWriteError(code, f"sparse index {path}: cannot be written ({os.strerror(code)})")
 
 
 def load_index(seq: SparseSequence, path: Path, *, missing: list[BlockKey] | None = None) -> dict[str, str] | None:

@@ -326,8 +326,9 @@ def disk_full_raised(directory: Path, needed: int) -> Iterator[None]:
         raise
 
 
-def disk_full(directory: Path, needed: int) -> DiskFullError:
+def disk_full(directory: Path, needed: int, *, what: str = "") -> DiskFullError:
+    """``what``: the file that did not fit, where it is not a block."""
     fs = os.statvfs(directory)
     return DiskFullError(errno.ENOSPC, f"NVMe store {directory}: no space left for "
-                         f"{format_size(needed)} ({needed} bytes) more; {format_size(fs.f_bavail * fs.f_frsize)} "
-                         f"free. Free disk space or lower the NVMe budget")
+                         f"{what + ' of ' if what else ''}{format_size(needed)} ({needed} bytes) more; "
+                         f"{format_size(fs.f_bavail * fs.f_frsize)} free. Free disk space or lower the NVMe budget")
