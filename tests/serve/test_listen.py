@@ -46,7 +46,8 @@ def test_a_socket_listening_early_for_another_address_is_closed_before_the_serve
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--port", "x"], ["--port", "0"], ["--host", "no.such.host."]])
+@pytest.mark.parametrize("args", [["--help"], ["--port", "x"], ["--port", "0"], ["--host", "no.such.host."],
+                                  ["--po", "9123"], ["--ho=0.0.0.0"]])     # (abbreviations: the server's parser reads them)
 def test_what_the_server_reports_itself_is_not_taken_early(args: list[str]) -> None:
     listen.early([*args, "--port", str(free_port())] if args[0] == "--help" else args)
     assert not listen._early

@@ -278,6 +278,7 @@ def test_a_repair_beside_another_opener_says_the_lost_blocks_are_hidden_not_drop
 
 def test_a_repair_s_own_report_says_what_it_found_was_repaired():
     damaged = [IndexCheck(Path("doc.idx"), "index", tokens=100, pages=10, bad_pages=[None])]
-    assert Verdict(indexes=damaged, repaired=True).lines()[-1].startswith("damage found, repaired as above")
+    assert Verdict(indexes=damaged, repaired=True).lines()[-1].startswith(
+        "damage found; the check after the repair says what is left")
     assert Verdict(indexes=damaged).lines()[-1].startswith("DAMAGED")
     assert Verdict(repaired=True).lines()[-1].startswith("clean")

@@ -201,8 +201,8 @@ def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], wr
                     rest = _workload(prompts[start:], config.max_new_tokens)
                     policy = _replan(config, model, rest, machine, limits, policy, live, on_policy)
                     result.policy = model.place(policy)
-                    replanned = predict(result.policy, model.shape, rest, machine)
-                    result.memory, result.predicted_tokens_per_s = replanned.memory, replanned.tokens_per_s
+                    rest_memory = predict(result.policy, model.shape, rest, machine).memory
+                    result.memory = {tier: max(used, rest_memory.get(tier, 0)) for tier, used in result.memory.items()}
     finally:
         for engine in live:
             engine.close(restore=True)

@@ -134,6 +134,7 @@ class _Load:
                              max_new_tokens=self.settings.max_new_tokens)
         except BaseException as error:       # (a missing model, a store that cannot be made, ...)
             self.failed = error
+            self._close_made()               # (a session made before a store failed to open), then the stop
             self.server.should_exit = True
             return
         with self.lock:
@@ -154,7 +155,8 @@ class _Load:
         self._close_made()
 
     def _close_made(self) -> None:
-        worker, session, self.worker, self.session = self.worker, self.session, None, None
+        with self.lock:
+            worker, session, self.worker, self.session = self.worker, self.session, None, None
         try:
             if worker is not None:
                 worker.stop(cancel=True)

@@ -52,6 +52,10 @@ def early(args: list[str]) -> None:
         port = int(known.port)
     except (SystemExit, ValueError):
         return
+    names = {arg.partition("=")[0] for arg in args if arg.startswith("--")}
+    if any(name not in ("--host", "--port") and ("--host".startswith(name) or "--port".startswith(name))
+           for name in names):
+        return                    # an abbreviation (--po 9000): the server's parser reads it, not this one
     if known.help or not 0 < port < 65536:
         return
     try:

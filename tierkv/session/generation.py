@@ -86,7 +86,7 @@ def _seed32(seed: int) -> int:
     taken as they are; larger or negative ones are hashed down."""
     if 0 <= seed < 1 << 32:
         return seed
-    digest = hashlib.blake2b(seed.to_bytes(16, "little", signed=True), digest_size=4).digest()
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
 

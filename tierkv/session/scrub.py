@@ -108,7 +108,8 @@ class Verdict:
             if i.note:
                 what += f"; {i.note}"
             out.append(what)
-        verdict = "clean" if self.clean else "damage found, repaired as above" if self.repaired else "DAMAGED"
+        verdict = "clean" if self.clean else "damage found; the check after the repair says what is left" \
+            if self.repaired else "DAMAGED"
         out.append(f"{verdict} ({self.seconds:.1f} s)")
         return out
 

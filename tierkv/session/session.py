@@ -315,7 +315,10 @@ class Session:
             self._settle(state, answer, keep and whole)
 
     def _settle(self, state: KVState, answer: Answer, keep: bool) -> None:
-        """An answer over: its state kept for the next turn (``keep``, unless cancelled), or let go."""
+        """An answer over: its state kept for the next turn (``keep``, unless cancelled), or let go. After
+        the session closed (a stream dropped late) there is nothing to do: its tiers went with it."""
+        if self.closed or (self._opener is not None and self._opener.closed):
+            return
         backend = self.backend(state.mode)
         answer.report = backend.report(state)
         if keep and answer.finish_reason != "cancelled":
