@@ -590,3 +590,29 @@ def test_a_closed_manager_says_so(tmp_path, knobs):
                 lambda: mgr.contains(keys[0])):
         with pytest.raises(ManagerClosed, match="the tier manager is closed"):
             use()
+
+
+def test_an_acquire_interrupted_while_it_waits_leaves_no_pin(tmp_path, knobs):
+    """Ctrl-C or SIGTERM while the loop still works on an acquire: its lease used to stay pinned, and the
+    drop that a batch's cleanup makes next failed with "still pinned"."""
+    import signal
+
+    class Interrupt(BaseException):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupt
+
+    with manager(tmp_path, knobs) as mgr:
+        keys = stored(mgr, 2)
+        mgr._loop.call_soon_threadsafe(time.sleep, 0.3)      # the loop busy: the acquire below waits for it
+        before = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        try:
+            with pytest.raises(Interrupt):
+                mgr.acquire(keys)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, before)
+        mgr.drop(keys)
+        assert_quiescent(mgr.manager)

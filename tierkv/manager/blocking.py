@@ -14,7 +14,7 @@ import asyncio
 import functools
 import threading
 from collections import deque
-from collections.abc import Awaitable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from itertools import compress
@@ -87,7 +87,8 @@ class BlockingTierManager:
         self._run(self.manager.put_many(items, layer=layer, first_index=first_index, persist=persist))
 
     def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Lease:
-        return self._callers(self._run(self.manager.acquire(keys, tier, **kw)))
+        return self._callers(self._run(self.manager.acquire(keys, tier, **kw),
+                                       undo=lambda lease: self._callers(lease).release()))
 
     @contextmanager
     def blocks(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -341,7 +342,10 @@ class BlockingTierManager:
         self.close()
 
     # -- plumbing -------------------------------------------------------
-    def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T], undo: Callable[[T], None] | None = None) -> T:
+        """``coro`` run on the loop; its result. ``undo``: where this thread is interrupted while it waits
+        (Ctrl-C, SIGTERM), the loop's work is waited for and its result given to ``undo`` (a lease
+        released) before the interruption goes on: a pin nobody holds would fail the drops that follow."""
         work = self._after_releases(coro)
         try:
             submitted = asyncio.run_coroutine_threadsafe(work, self._loop)
@@ -352,7 +356,17 @@ class BlockingTierManager:
             if not self._loop.is_closed():
                 raise
             raise ManagerClosed("the tier manager is closed: make a new one") from None
-        return submitted.result()
+        try:
+            return submitted.result()
+        except BaseException:
+            if undo is not None:
+                try:
+                    done = submitted.result()
+                except BaseException:       # the work failed (or a second signal came): nothing to undo
+                    pass
+                else:
+                    undo(done)
+            raise
 
     async def _after_releases(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
         self._unpin_released()    # what this thread released before it asked
