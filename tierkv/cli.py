@@ -239,14 +239,14 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 
 def run_config(args: argparse.Namespace):
     """The run's settings: each field's default, then ``--config``'s values, then the flags given."""
-    from tierkv.model.settings import RunConfig, mode_flags
+    from tierkv.model.settings import RunConfig, mode_flags, mode_settings
     from tierkv.tune.tune import read_run_config
     in_file = read_run_config(args.config) if args.config else {}
     config = build(RunConfig, nest(RunConfig, in_file), given(args, RunConfig))
     sparse_given, dense_given = mode_flags(args)
-    filed = f" (in --config {args.config})"
-    sparse_given += [f"--sparse-prefetch{filed}" for key in in_file if key == "sparse_prefetch"]
-    dense_given += [f"--prefetch{filed}" for key in in_file if key == "prefetch"]
+    sparse_filed, dense_filed = mode_settings(in_file)       # (a tuned config's prefetcher is one mode's)
+    sparse_given += [f"{flag} (in --config {args.config})" for flag in sparse_filed]
+    dense_given += [f"{flag} (in --config {args.config})" for flag in dense_filed]
     config.engine.check_flags(sparse_given, dense_given)
     return config, sparse_given, dense_given
 

@@ -15,6 +15,7 @@ gpu_budget="64MiB", sparse_budget="2%")``); every default is the field's.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from tierkv.config import TierConfig, store_dir
 from tierkv.device import auto_dtype
 from tierkv.model.weights import WEIGHTS
 from tierkv.errors import ConfigError
-from tierkv.flags import build, check_writable, flag_name, given_flags, nest, setting
+from tierkv.flags import build, check_writable, dest, exposed, flag_name, given_flags, nest, setting
 from tierkv.model.engine import EngineConfig
 from tierkv.sizes import format_size, parse_size
 from tierkv.sparse import SparseConfig
@@ -206,6 +207,14 @@ def mode_flags(args: Any) -> tuple[list[str], list[str]]:
     that only dense mode uses."""
     dense = {flag_name(f) for f in fields(EngineSettings) if f.name in DENSE_ONLY}
     return given_flags(args, SparseConfig), [flag for flag in given_flags(args, EngineSettings) if flag in dense]
+
+
+def mode_settings(names: Iterable[str]) -> tuple[list[str], list[str]]:
+    """`mode_flags` of settings named as their flags' dests (a ``--config`` file's keys)."""
+    sparse = {dest(f): flag_name(f) for f in exposed(SparseConfig)}
+    dense = {dest(f): flag_name(f) for f in fields(EngineSettings) if f.name in DENSE_ONLY}
+    names = list(names)
+    return [sparse[n] for n in names if n in sparse], [dense[n] for n in names if n in dense]
 
 
 @dataclass(frozen=True, slots=True)

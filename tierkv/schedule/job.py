@@ -178,7 +178,7 @@ def _generate(config: JobConfig, loaded: LoadedModel, prompts: list[_Prompt], wr
     work = _workload(prompts, config.max_new_tokens)
     limits = EngineLimits(work.max_prompt_len, config.max_new_tokens)
     model = _Measured.of(loaded, limits)     # before an engine runs: it empties the weights it streams
-    policy, machine = choose_policy(config, loaded, work, fixed, limits)
+    policy, machine = choose_policy(config, model, work, fixed)
     placed = model.place(policy)
     estimate = predict(placed, model.shape, work, machine)
     result.policy, result.predicted_tokens_per_s, result.memory = placed, estimate.tokens_per_s, estimate.memory
@@ -264,10 +264,7 @@ def _recalibrated(result: JobResult, model: _Measured, placed: Policy, block: li
 def _replan(config: JobConfig, model: _Measured, rest: Workload, machine: Machine, limits: EngineLimits,
             policy: Policy, live: list[BatchEngine], on_policy: Callable[[Policy, float], None] | None) -> Policy:
     """The policy searched again on the recalibrated machine; ``live``'s engine replaced only when it changed."""
-    from tierkv.schedule.search import search
-    budgets = Budgets(config.gpu_budget, config.cpu_budget, config.nvme_budget if config.nvme_dir else 0)
-    found = search(model.shape, rest, machine, budgets, allow_compress=config.allow_compress,
-                   place=model.place, weight_dtype=config.weight_dtype)
+    found = _search(config, model, rest, machine)
     if found.policy == policy:
         return policy
     live.pop().close(restore=True)
@@ -293,19 +290,22 @@ def eos_ids(loaded: LoadedModel) -> list[int]:
     return ids + ([tok] if tok is not None and tok not in ids else [])
 
 
-def choose_policy(config: JobConfig, loaded: LoadedModel, work: Workload, fixed: Policy | None = None,
-                  limits: EngineLimits | None = None):
-    """The policy (``fixed``, or searched as the engine places it for ``limits``) and the calibrated machine."""
+def choose_policy(config: JobConfig, model: _Measured, work: Workload, fixed: Policy | None = None):
+    """The policy (``fixed``, or searched as the engine places it) and the calibrated machine."""
     from tierkv.schedule.calibrate import calibrate
-    from tierkv.schedule.search import search
-    machine = calibrate(loaded.model, nvme_dir=config.nvme_dir, max_rows=work.num_sequences * work.prompt_len,
+    machine = calibrate(model.loaded.model, nvme_dir=config.nvme_dir, max_rows=work.num_sequences * work.prompt_len,
                         refresh=config.recalibrate)
     if fixed is not None:
         return fixed, machine
+    return _search(config, model, work, machine).policy, machine
+
+
+def _search(config: JobConfig, model: _Measured, work: Workload, machine: Machine):
+    """The fastest policy within the job's budgets, as the engine places it."""
+    from tierkv.schedule.search import search
     budgets = Budgets(config.gpu_budget, config.cpu_budget, config.nvme_budget if config.nvme_dir else 0)
-    place = None if limits is None else (lambda policy: placed_policy(policy, loaded, limits))
-    return search(ModelShape.of(loaded.model), work, machine, budgets,
-                  allow_compress=config.allow_compress, place=place, weight_dtype=config.weight_dtype).policy, machine
+    return search(model.shape, work, machine, budgets, allow_compress=config.allow_compress, place=model.place,
+                  weight_dtype=config.weight_dtype)
 
 
 def placed_policy(policy: Policy, loaded: LoadedModel, limits: EngineLimits,
