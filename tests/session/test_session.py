@@ -11,7 +11,8 @@ from tierkv.model.arch import model_spec
 from tierkv.model.loading import LoadedModel
 from tierkv.model.settings import SessionConfig
 from tierkv.session import Session
-from tierkv.session.session import Cancelled, document_text
+from tierkv.session.inputs import document_text
+from tierkv.session.session import Cancelled
 from tierkv.session.generation import Sampling
 from tierkv.session.state import DenseState
 

@@ -33,7 +33,8 @@ from starlette.exceptions import HTTPException
 
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.session import Answer
-from tierkv.session.session import PromptTooLong, Session, check_length, prompt_ids
+from tierkv.session.inputs import PromptTooLong, check_length, prompt_ids
+from tierkv.session.session import Session
 from tierkv.serve.metrics import Metrics
 from tierkv.serve.protocol import ChatRequest, CompletionRequest, error_body
 from tierkv.serve.worker import Job, QueueFull, Worker

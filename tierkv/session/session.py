@@ -26,11 +26,10 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
-import os
 import tempfile
 import time
 from dataclasses import replace
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,19 +37,13 @@ from torch import Tensor
 
 from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
 from tierkv.model.loading import LoadedModel, load_model
-from tierkv.model.prompt import chat_ids, read_document
+from tierkv.model.prompt import chat_ids
 from tierkv.model.settings import SessionConfig
 from tierkv.session.backend import Backend, open_backend
 from tierkv.session.generation import Answer, Sampling, generate
+from tierkv.session.inputs import Message, check_length, document_text, document_token_ids, prompt_ids
 from tierkv.session.state import KVState, Progress
 from tierkv.tiers.nvme_share import make_private_dir
-
-Message = dict[str, str]
-
-
-class PromptTooLong(ConfigError):
-    """A prompt longer than the session takes (``Session(max_prompt_tokens=...)``)."""
-
 
 class Cancelled(TierKVError):
     """The request's ``cancelled()`` came true while its prompt was computed; what it had computed
@@ -155,9 +148,7 @@ class Session:
         hold one of them, not both); where the new one fails, the session holds none, so that no
         question is asked of a document whose KV is gone."""
         self._check_open()
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable) or not (ids := list(ids)):
-            raise ConfigError(f"the document's token ids: expected a non-empty list of ints, got {ids!r:.60}")
-        ids = check_token_ids(ids, self.loaded.spec.vocab, what="the document")
+        ids = document_token_ids(ids, self.loaded.spec.vocab)
         start = time.perf_counter()
         old, self.document, self._messages, self.document_reused = self.document, None, [], 0
         if old is not None:
@@ -397,66 +388,6 @@ def _stop_if(cancelled: Cancel, _tokens: int) -> None:
     """A prompt's progress: `Cancelled` once ``cancelled()`` is true."""
     if cancelled():
         raise Cancelled("the request was cancelled while its prompt was computed")
-
-
-def prompt_ids(loaded: LoadedModel, kind: str, prompt: Any, tokenizer: Any = None) -> list[int]:
-    """The token ids a request's prompt runs as, checked: ``kind`` "chat" (messages, in the model's chat
-    template) or "completion" (text, or token ids). ``tokenizer``: another copy of the model's."""
-    tokenizer = tokenizer or loaded.tokenizer
-    if kind == "chat":
-        _check_messages(prompt)
-        return chat_ids(tokenizer, list(prompt))
-    ids = list(prompt) if not isinstance(prompt, str) else tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise ConfigError("the prompt is empty")
-    return check_token_ids(ids, loaded.spec.vocab)
-
-
-def document_text(document: str | Path) -> str:
-    """The text of ``Session.read``'s document: a Path's file read, a str taken as the text itself (one
-    that names a file is refused: ``read("report.txt")`` means the file)."""
-    if isinstance(document, Path):
-        return read_document(document, named="the document")
-    if not isinstance(document, str):
-        raise ConfigError(f"read(): the document is a str (its text) or a Path (a text file), not "
-                          f"{type(document).__name__}")
-    if "\n" not in document and len(document) < 4096 and os.path.isfile(document):
-        raise ConfigError(f"read({document!r}): a str is the document's text, and this one is a file's name: "
-                          f"read(Path({document!r})) reads the file")
-    return document
-
-
-def check_length(ids: Sequence[int], most: int | None) -> None:
-    if most is not None and len(ids) > most:
-        raise PromptTooLong(f"the prompt has {len(ids)} tokens; at most {most} are taken "
-                            "(tierkv serve --max-prompt-tokens)")
-
-
-def check_token_ids(ids: Sequence[int], vocab: int, what: str = "prompt") -> list[int]:
-    """``ids`` as ints (numpy's taken too); a ConfigError naming the first that is no integer, or outside
-    the model's vocabulary (0..vocab-1)."""
-    bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral)), None)
-    if bad is not None:
-        raise ConfigError(f"{what}: token id {bad!r} is a {type(bad).__name__}, not an integer (a tensor's ids: "
-                          ".tolist())")
-    ids = [int(i) for i in ids]
-    bad = next((i for i in ids if not 0 <= i < vocab), None)
-    if bad is not None:
-        raise ConfigError(f"{what}: token id {bad!r} is not in the model's vocabulary; ids are 0..{vocab - 1}")
-    return ids
-
-
-def _check_messages(messages: Sequence[Message]) -> None:
-    if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence):
-        raise ConfigError(f"messages: expected a list of {{'role': ..., 'content': ...}} dicts, got "
-                          f"{type(messages).__name__} (ask() takes a question as text)")
-    if not messages:
-        raise ConfigError("messages: at least one message is needed")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or \
-                not isinstance(m.get("content"), str):
-            raise ConfigError(f"messages[{i}]: expected {{'role': 'system'|'user'|'assistant', 'content': "
-                              f"text}}, got {m!r}")
 
 
 def _prepare_store(directory: Path | None) -> None:
