@@ -160,3 +160,18 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
                  "--model", str(tmp_path / "no-model"), *argv])
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_a_refused_ray_address_leaves_no_out_file(tmp_path, capsys):
+    """The address is tried before ``--out`` is made: a mistyped one leaves nothing to clean up."""
+    import socket
+    with socket.socket() as free:                        # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
+    out = tmp_path / "new" / "o.jsonl"
+    code = main(["batch", "--inputs", str(tmp_path / "in.jsonl"), "--out", str(out),
+                 "--model", str(tmp_path / "no-model"), "--ray", f"127.0.0.1:{port}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "no Ray cluster there" in err and len(err.splitlines()) == 1
+    assert not out.exists() and not out.parent.exists()

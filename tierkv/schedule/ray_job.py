@@ -115,6 +115,8 @@ def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | 
     """Summarize ``config.inputs`` into ``config.out`` through Ray; resumes like ``run_job``."""
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before Ray starts
     docs = read_inputs(config.inputs, out=config.out)
+    if options.address != "local":
+        _check_reachable(options.address)    # before --out is made: a refused address leaves nothing behind
     result = JobResult()
     with OutputLog(config.out, config.output_settings(fixed), retry_failed=config.retry_failed) as out:
         todo = [d for d in docs if d.id not in out.done]
@@ -188,7 +190,6 @@ def _write(records: Iterable[dict], out: OutputLog, result: JobResult, progress:
 
 def _start(options: RayOptions):
     if options.address != "local":
-        _check_reachable(options.address)
         if "RAY_AUTH_MODE" not in os.environ and Path("~/.ray/auth_token").expanduser().is_file():
             os.environ["RAY_AUTH_MODE"] = "token"   # what `ray start --head` turns on, with this token (read at import)
     # Ray starts workers at niceness 15, for work that should yield to the rest of the machine; here the
