@@ -17,6 +17,16 @@ def test_jsonl_inputs_report_bad_lines_as_documents(tmp_path):
         ("n", None, 'unreadable: no "text" string')]
 
 
+def test_a_duplicate_is_named_apart_from_every_real_id(tmp_path):
+    """A duplicate's made-up id (``x#line2``) used to collide with a real id spelled the same, and the
+    real document was then flagged as a duplicate too."""
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "x", "text": "one"}\n{"id": "x", "text": "two"}\n{"id": "x#line2", "text": "three"}\n')
+    docs = read_inputs(path)
+    assert [(d.id, d.text, d.error) for d in docs] == [
+        ("x", "one", None), ("x#line2#2", None, "duplicate id 'x'"), ("x#line2", "three", None)]
+
+
 def test_a_jsonl_line_ends_at_a_newline_only_and_its_bytes_are_utf8_or_the_line_says_so(tmp_path):
     """U+2028 and its like are valid inside JSON text (written as they are by ensure_ascii=False): a
     line used to be cut there, its document lost and every later line numbered wrong. A line that is

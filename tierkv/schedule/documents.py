@@ -89,13 +89,16 @@ def _read_jsonl(path: Path) -> list[Document]:
     parsed = [(number, _parse_line(line, number)) for number, line in enumerate(lines, start=1) if line.strip()]
     given = {doc.id for _, (doc, named) in parsed if named}
     docs, seen = [], set()
+
+    def made_up(stem: str) -> str:             # a made-up id never takes a line's own
+        return next(name for n in itertools.count(1)
+                    if (name := stem + (f"#{n}" if n > 1 else "")) not in given and name not in seen)
+
     for number, (doc, named) in parsed:
-        if not named and doc.id in given:      # a made-up id never takes a line's own
-            made = next(name for n in itertools.count(1)
-                        if (name := f"line{number}" + (f"#{n}" if n > 1 else "")) not in given | seen)
-            doc = Document(made, doc.text, doc.error)
+        if not named and doc.id in given:
+            doc = Document(made_up(f"line{number}"), doc.text, doc.error)
         if doc.id in seen:
-            doc = Document(f"{doc.id}#line{number}", None, f"duplicate id {doc.id!r}")
+            doc = Document(made_up(f"{doc.id}#line{number}"), None, f"duplicate id {doc.id!r}")
         seen.add(doc.id)
         docs.append(doc)
     return docs
