@@ -121,9 +121,17 @@ def test_a_cache_made_with_arguments_of_the_wrong_kind_names_them(tmp_path):
                               (dict(block_tokens=0), "block_tokens=0: expected an integer >= 1"),
                               (dict(block_tokens=2.5), "block_tokens=2.5"),
                               (dict(kv_dtype=torch.int8), "kv_dtype=torch.int8: expected a name such as 'int8'"),
-                              (dict(nvme_dir=tmp_path / "file"), "nvme_dir='.*file': not a directory")):
+                              (dict(nvme_dir=tmp_path / "file"), "nvme_dir='.*file': exists and is not a directory"),
+                              (dict(nvme_dir=tmp_path / "file" / "kv"), "cannot create the store's directory"),
+                              (dict(gpu=1.5), r"gpu=1.5: a byte count is a whole number")):
         with pytest.raises(ConfigError, match=message):
             TieredCache(FAMILIES["llama"](), **keywords)
+    home = tmp_path / "home"
+    with pytest.MonkeyPatch.context() as env:                # "~" is the home directory, not a folder named "~"
+        env.setenv("HOME", str(home))
+        env.chdir(tmp_path)
+        TieredCache(FAMILIES["llama"](), nvme_dir="~/kv").close()
+    assert (home / "kv").is_dir() and not (tmp_path / "~").exists()
     with pytest.raises(ConfigError, match=r"config: expected the model's transformers config \(model.config\)"):
         TieredCache(None)
 
@@ -316,3 +324,62 @@ def test_tiered_cache_with_tierkv_attention_gives_sdpa_s_tokens_for_a_padded_bat
         assert generate(model, ids, cache, **kw) == expected
     with spilling(config, tmp_path / "drafts") as cache:
         assert generate(model, ids[:1], cache, max_new_tokens=10, prompt_lookup_num_tokens=3) == drafted
+
+
+def test_a_deep_copy_is_a_fork_that_goes_on_on_its_own_and_shares_the_prefix_s_blocks(tmp_path):
+    """transformers' recipe for a prompt's cache reused by several questions: ``copy.deepcopy`` of the
+    prefilled cache (it raised "cannot pickle '_thread.lock'"). Each copy answers as a DynamicCache would;
+    the prefix's blocks are held, not copied; the tiers live until the last copy closes."""
+    import copy
+    torch.manual_seed(0)
+    config = FAMILIES["llama"]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    prefix, questions = torch.randint(1, 256, (1, 150)), [torch.randint(1, 256, (1, 20)) for _ in range(2)]
+    block = block_bytes(config, 32)
+    want_prompt, got_prompt = DynamicCache(config=config), TieredCache(config, gpu=4 * block, cpu=4 * block,
+                                                                     nvme_dir=tmp_path / "kv", block_tokens=32)
+    with torch.inference_mode():
+        model(prefix, cache=want_prompt)
+        model(prefix, cache=got_prompt)
+    mgr = got_prompt.manager.manager
+    prefix_blocks = {key for layer in got_prompt.layers for row in layer.rows for key in row.blocks}
+    assert len(prefix_blocks) == 3 * 4                     # 150 tokens: 4 blocks of 32 a layer
+    copies = []
+    for question in questions:
+        ids = torch.cat([prefix, question], dim=1)
+        expected = greedy(model, ids, copy.deepcopy(want_prompt), n=6)
+        fork = copy.deepcopy(got_prompt)
+        assert fork is not got_prompt and fork.get_seq_length() == 150
+        assert greedy(model, ids, fork, n=6) == expected
+        copies.append(fork)
+    assert got_prompt.get_seq_length() == 150          # the original is as it was
+    assert greedy(model, torch.cat([prefix, questions[0]], dim=1), got_prompt, n=6) == \
+        greedy(model, torch.cat([prefix, questions[0]], dim=1), copy.deepcopy(want_prompt), n=6)
+    manager = got_prompt.manager
+    got_prompt.close()
+    assert not manager.closed and copies[0].get_seq_length() > 150     # its forks still hold the prefix
+    held = {e.key: e.holders for e in mgr.directory}
+    assert all(held[key] == 2 for key in prefix_blocks)                  # held by each fork, stored once
+    for fork in copies:
+        fork.close()
+    assert manager.closed
+
+
+def test_a_cache_filled_under_inference_mode_goes_on_outside_it(tmp_path):
+    """Its tails and buffers were inference tensors: a later generate under no_grad (what generate
+    itself uses) failed writing to them, and left the layers of different lengths."""
+    torch.manual_seed(0)
+    config = FAMILIES["llama"]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, more = torch.randint(1, 256, (1, 100)), torch.randint(1, 256, (1, 40))
+    block = block_bytes(config, 32)
+    want = DynamicCache(config=config)
+    with TieredCache(config, gpu=4 * block, cpu=4 * block, nvme_dir=tmp_path / "kv", block_tokens=32) as got:
+        first = greedy(model, ids, got, n=6)
+        assert first == greedy(model, ids, want, n=6)
+        longer = torch.cat([ids, torch.tensor([first]), more], dim=1)
+        outs = [model.generate(longer, cache=c, max_new_tokens=6, do_sample=False, pad_token_id=0)
+                for c in (want, got)]
+        assert outs[0].tolist() == outs[1].tolist()
+        got.crop(-10)
+        assert {row.length for layer in got.layers for row in layer.rows} == {got.get_seq_length()}

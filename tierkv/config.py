@@ -78,7 +78,7 @@ class TierConfig:
 
 def store_dir(value: str | Path) -> Path:
     """``value`` as the NVMe store's directory; an empty string (``Path('')`` is the working directory,
-    where a store would be made by mistake) is refused."""
+    where a store would be made by mistake) is refused; ``~`` is the home directory."""
     if not str(value).strip():
         raise ConfigError("nvme_dir='': give the store's directory (leave it out: no NVMe store)")
-    return Path(value)
+    return Path(value).expanduser()

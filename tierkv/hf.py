@@ -17,6 +17,7 @@ Rows branch without copying KV, which is what beam search and assisted decoding 
     reorder_cache(beam_idx)          row i := row beam_idx[i]: a row kept twice is forked (its
     batch_select_indices / _repeat   blocks held once more, its tail copied), a row dropped lets go
     crop(-n)                         the last n tokens of every row: a rejected draft
+    fork() / copy.deepcopy(cache)    a second cache of the same tokens (a prompt's cache reused)
 
 Importing this module also registers an attention implementation, ``"tierkv"``
 (``model.set_attn_implementation("tierkv")``): transformers' ``sdpa``, except that a decode step of a
@@ -27,6 +28,7 @@ one) transformers sends a decode step through SDPA's ``enable_gqa`` path, which 
 from __future__ import annotations
 
 import contextlib
+import copy
 import numbers
 import os
 from collections.abc import Sequence
@@ -41,7 +43,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tierkv.codec import block_codec
-from tierkv.config import TierConfig
+from tierkv.config import TierConfig, store_dir
 from tierkv.errors import ConfigError, ManagerClosed
 from tierkv.keys import BlockKey
 from tierkv.layout import BlockLayout
@@ -49,6 +51,7 @@ from tierkv.manager import BlockingTierManager
 from tierkv.model.kv_buffer import BufferBudget
 from tierkv.model.layer_kv import LayerKV
 from tierkv.sizes import parse_size
+from tierkv.tiers.nvme_share import prepare_store_dir
 
 
 class TieredLayer(CacheLayerMixin):
@@ -151,8 +154,9 @@ class TieredCache(Cache):
         if kv_dtype is not None and not isinstance(kv_dtype, str):
             raise ConfigError(f"kv_dtype={kv_dtype!r}: expected a name such as 'int8' or 'int4', or None (blocks "
                               "kept as computed)")
-        if nvme_dir is not None and Path(nvme_dir).exists() and not Path(nvme_dir).is_dir():
-            raise ConfigError(f"nvme_dir={str(nvme_dir)!r}: not a directory")
+        if nvme_dir is not None and manager is None:          # one that cannot hold a store fails here
+            nvme_dir = store_dir(nvme_dir)
+            prepare_store_dir(nvme_dir, f"nvme_dir={str(nvme_dir)!r}")
         block_tokens = int(block_tokens)
         self.num_layers = text_config.num_hidden_layers
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
@@ -162,6 +166,7 @@ class TieredCache(Cache):
         self.buffers = BufferBudget(parse_size(gpu, "gpu") if buffer is None else parse_size(buffer, "buffer"))
         self.manager = manager
         self._owns_manager = manager is None
+        self._sharers = [1]       # caches forked from one another share its manager: the last to close closes it
         self.layout: BlockLayout | None = None
         self._root = os.urandom(16)
         self.closed = False
@@ -232,13 +237,47 @@ class TieredCache(Cache):
             if keys:
                 self.manager.prefetch(list(dict.fromkeys(keys))[:self.manager.pin_group()], layer=layer + 1)
 
+    # -- branching -----------------------------------------------------------
+    def fork(self) -> TieredCache:
+        """A second cache of the same tokens that goes on on its own: every sealed block is shared (held
+        once more) and each row's tail copied, so nothing of the KV is copied whole. ``copy.deepcopy``
+        calls it, as transformers' recipe for reusing a prompt's cache does. Close each fork; the
+        tiers they share are freed when the last one closes."""
+        if self.closed:
+            raise ManagerClosed("this TieredCache was closed (its blocks are freed): make a new one")
+        twin = copy.copy(self)
+        Cache.__init__(twin, layers=[TieredLayer(twin, i) for i in range(self.num_layers)])
+        if self.manager is None:       # nothing computed yet: the fork opens tiers of its own
+            twin._sharers, twin._root = [1], os.urandom(16)
+            return twin
+        try:
+            for mine, theirs in zip(twin.layers, self.layers):
+                if theirs.is_initialized:
+                    mine.device, mine.is_initialized = theirs.device, True
+                    for row in theirs.rows:
+                        mine.rows.append(row.fork())
+        except BaseException:
+            for layer in twin.layers:
+                for row in layer.rows:
+                    row.release(keep=False)
+            raise
+        self._sharers[0] += 1
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> TieredCache:
+        return self.fork()
+
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
+        if self.closed:
+            return
         self.closed = True
         for layer in self.layers:
             layer.reset()
-        if self._owns_manager and self.manager is not None:
-            self.manager.close()
+        if self.manager is not None:
+            self._sharers[0] -= 1
+            if self._owns_manager and not self._sharers[0]:
+                self.manager.close()
             self.manager = None
 
     def __enter__(self) -> TieredCache:

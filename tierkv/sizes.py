@@ -32,6 +32,9 @@ def parse_size(value: str | int, field_name: str = "size") -> int:
                 f"(units: {', '.join(u for u in _UNITS if u)})"
             )
         size = float(match.group(1)) * _UNITS[unit]
+        if _UNITS[unit] == 1 and not size.is_integer():
+            raise ConfigError(f"{field_name}={value!r}: a byte count is a whole number (or give a unit, "
+                              f"such as 1.5MiB)")
     if size < 0:
         raise ConfigError(f"{field_name}={value}: a size must be >= 0")
     if size > MAX_SIZE:

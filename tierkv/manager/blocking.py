@@ -326,6 +326,10 @@ class BlockingTierManager:
             self._loop.call_later(UNPIN_TICK_S, self._tick)
 
     # -- lifecycle ------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         if self._closed:
             return

@@ -91,8 +91,9 @@ class KVBuffer:
             self.close()
             return False
         try:
-            k = torch.empty(self.rows, self.heads, grown, self.dim, dtype=self.dtype, device=self.device)
-            v = torch.empty_like(k)
+            with torch.inference_mode(False):   # written to after an inference_mode() block too
+                k = torch.empty(self.rows, self.heads, grown, self.dim, dtype=self.dtype, device=self.device)
+                v = torch.empty_like(k)
         except BaseException:                           # out of device memory: the budget gets its bytes back
             self.budget.give((grown - self.capacity) * per_token, last=first)
             raise

@@ -39,9 +39,11 @@ class LayerKV:
         self.manager, self.layout, self.layer, self.read_tier = manager, layout, layer, read_tier
         self.blocks: list[BlockKey] = []
         shape = layout.fields[0].shape                                   # [B, Hkv, T, D]
-        # on the compute device: a step's K/V are appended and read back without leaving it
-        self.tail_k = torch.empty(shape, dtype=layout.dtype, device=device)
-        self.tail_v = torch.empty(shape, dtype=layout.dtype, device=device)
+        # on the compute device: a step's K/V are appended and read back without leaving it. Made as plain
+        # tensors even under torch.inference_mode(), which a cache filled there and used after it writes to
+        with torch.inference_mode(False):
+            self.tail_k = torch.empty(shape, dtype=layout.dtype, device=device)
+            self.tail_v = torch.empty(shape, dtype=layout.dtype, device=device)
         self.tail_len = 0
         self.budget, self.device = budget, device
         # a lossy codec's last sealed block, exact ([index, K, V]): a crop into it (a rejected draft, a step
@@ -98,7 +100,8 @@ class LayerKV:
             raise BlockMissing(f"layer {self.layer}: a block of the sequence to fork is no longer stored")
         twin = copy.copy(self)
         twin.blocks = list(self.blocks)
-        twin.tail_k, twin.tail_v = self.tail_k.clone(), self.tail_v.clone()
+        with torch.inference_mode(False):
+            twin.tail_k, twin.tail_v = self.tail_k.clone(), self.tail_v.clone()
         twin.buffer = None            # its own, filled from the shared blocks at its first read
         return twin
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
-import tempfile
 import time
 from dataclasses import replace
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -43,7 +42,7 @@ from tierkv.session.backend import Backend, open_backend
 from tierkv.session.generation import Answer, Sampling, generate
 from tierkv.session.inputs import Message, check_length, document_text, document_token_ids, prompt_ids
 from tierkv.session.state import KVState, Progress
-from tierkv.tiers.nvme_share import make_private_dir
+from tierkv.tiers.nvme_share import prepare_store_dir
 
 class Cancelled(TierKVError):
     """The request's ``cancelled()`` came true while its prompt was computed; what it had computed
@@ -98,7 +97,8 @@ class Session:
             raise ConfigError(f"max_prompt_tokens={max_prompt_tokens!r}: expected an integer >= 1, or None (no limit)")
         self.max_prompt_tokens = max_prompt_tokens
         self.config = config
-        _prepare_store(config.tiers.nvme_dir)    # a store that cannot be made fails now, not at the first question
+        if config.tiers.nvme_dir is not None:    # a store that cannot be made fails now, not at the first question
+            prepare_store_dir(config.tiers.nvme_dir)
         self.loaded = loaded or load_model(config.engine.model, dtype=config.engine.torch_dtype,
                                              weights=config.engine.weights)
         self.keep_events, self.record_access, self.max_states = keep_events, record_access, max_states
@@ -388,22 +388,3 @@ def _stop_if(cancelled: Cancel, _tokens: int) -> None:
     """A prompt's progress: `Cancelled` once ``cancelled()`` is true."""
     if cancelled():
         raise Cancelled("the request was cancelled while its prompt was computed")
-
-
-def _prepare_store(directory: Path | None) -> None:
-    """Make the store's directory (private, as the store makes it), or say why it cannot be."""
-    if directory is None:
-        return
-    try:
-        make_private_dir(directory)
-    except OSError as error:
-        raise ConfigError(f"--nvme-dir {directory}: cannot create the store's directory: "
-                          f"{error.strerror or error}") from None
-    if not directory.is_dir():
-        raise ConfigError(f"--nvme-dir {directory}: exists and is not a directory")
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as error:
-        raise ConfigError(f"--nvme-dir {directory}: the store cannot write there ({error.strerror or error}); "
-                          f"give a writable directory") from None

@@ -60,6 +60,7 @@ import logging
 import os
 import secrets
 import struct
+import tempfile
 import threading
 import time
 import weakref
@@ -93,6 +94,25 @@ def make_private_dir(directory: Path) -> None:
     except FileExistsError:
         return
     os.chmod(directory, 0o700)  # mkdir's mode is filtered by the umask
+
+
+def prepare_store_dir(directory: Path, label: str | None = None) -> None:
+    """Make a store's directory (private, as the store makes it) and try a write there, or say why it
+    cannot be used, before any KV is computed for it. ``label``: how errors name it (``--nvme-dir DIR``)."""
+    label = label or f"--nvme-dir {directory}"
+    try:
+        make_private_dir(directory)
+    except OSError as error:
+        raise ConfigError(f"{label}: cannot create the store's directory: "
+                          f"{error.strerror or error}") from None
+    if not directory.is_dir():
+        raise ConfigError(f"{label}: exists and is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{label}: the store cannot write there ({error.strerror or error}); "
+                          f"give a writable directory") from None
 
 
 class Claims:
