@@ -158,3 +158,11 @@ def test_an_empty_jsonl_and_an_out_that_is_the_inputs_or_a_list_of_documents_are
     with pytest.raises(ConfigError, match="line 1 is not a record of tierkv batch"):   # not "1 already done"
         OutputLog(inputs, {"--model": "smollm2"})
     assert inputs.read_text() == '{"id": "a", "text": "alpha"}\n'
+
+
+def test_a_file_with_no_json_object_in_it_is_not_taken_for_jsonl(tmp_path):
+    """A text file given as --inputs used to become one failed document a line, and the job exit 0."""
+    path = tmp_path / "doc.txt"
+    path.write_text("Once upon a time.\n{not json\n\n[1, 2]\n")
+    with pytest.raises(ConfigError, match=r"doc.txt: not a .jsonl file \(no line of it is a JSON object\)"):
+        read_inputs(path)

@@ -87,14 +87,17 @@ def _read_jsonl(path: Path) -> list[Document]:
     # Lines end at "\n" alone: JSON text may hold U+2028 and the like, which str.splitlines() would split at.
     lines = raw.removeprefix(codecs.BOM_UTF8).split(b"\n")
     parsed = [(number, _parse_line(line, number)) for number, line in enumerate(lines, start=1) if line.strip()]
-    given = {doc.id for _, (doc, named) in parsed if named}
+    if parsed and not any(is_object for _, (_, _, is_object) in parsed):
+        raise ConfigError(f"--inputs {path}: not a .jsonl file (no line of it is a JSON object); give a file of "
+                          '{"id": ..., "text": ...} lines, or a directory of text files')
+    given = {doc.id for _, (doc, named, _) in parsed if named}
     docs, seen = [], set()
 
     def made_up(stem: str) -> str:             # a made-up id never takes a line's own
         return next(name for n in itertools.count(1)
                     if (name := stem + (f"#{n}" if n > 1 else "")) not in given and name not in seen)
 
-    for number, (doc, named) in parsed:
+    for number, (doc, named, _) in parsed:
         if not named and doc.id in given:
             doc = Document(made_up(f"line{number}"), doc.text, doc.error)
         if doc.id in seen:
@@ -104,29 +107,30 @@ def _read_jsonl(path: Path) -> list[Document]:
     return docs
 
 
-def _parse_line(raw: bytes, number: int) -> tuple[Document, bool]:
-    """The line's document, and whether its id is its own (not made up from ``number``)."""
+def _parse_line(raw: bytes, number: int) -> tuple[Document, bool, bool]:
+    """The line's document, whether its id is its own (not made up from ``number``), and whether the line
+    is a JSON object."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return Document(str(number), None, f"unreadable: line {number} is not UTF-8 text"), False
+        return Document(str(number), None, f"unreadable: line {number} is not UTF-8 text"), False, False
     try:
         data = json.loads(line)
     except ValueError:
-        return Document(str(number), None, f"unreadable: line {number} is not JSON"), False
+        return Document(str(number), None, f"unreadable: line {number} is not JSON"), False, False
     if not isinstance(data, dict):
-        return Document(str(number), None, f"unreadable: line {number} is not a JSON object"), False
+        return Document(str(number), None, f"unreadable: line {number} is not a JSON object"), False, False
     if "id" not in data:
         doc_id, named = str(number), False
     elif isinstance(data["id"], (str, int, float)) and not isinstance(data["id"], bool):
         doc_id, named = str(data["id"]), True
     else:
         return Document(str(number), None, f"unreadable: line {number}'s \"id\" is "
-                        f"{json.dumps(data['id'])}: give a string or a number"), False
+                        f"{json.dumps(data['id'])}: give a string or a number"), False, True
     text = data.get("text")
     if not isinstance(text, str):
-        return Document(doc_id, None, "unreadable: no \"text\" string"), named
-    return Document(doc_id, text), named
+        return Document(doc_id, None, "unreadable: no \"text\" string"), named, True
+    return Document(doc_id, text), named, True
 
 
 FAILED = "failed: "     # an error line's prefix where the document failed while it ran (not one that cannot run)
@@ -151,8 +155,9 @@ class OutputLog:
         self.job = settings_digest(self.settings) if settings is not None else None
         if self.path.is_dir():
             raise ConfigError(f"--out {self.path}: is a directory; give a .jsonl file")
+        if not self.path.parent.is_dir():          # as every output flag: a mistyped folder is not made
+            raise ConfigError(f"--out {self.path}: no such directory {self.path.parent}")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             self._recover()
             self._file = open(self.path, "ab")
         except OSError as error:

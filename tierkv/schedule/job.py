@@ -30,7 +30,7 @@ import torch
 from tierkv.device import auto_dtype
 from tierkv.errors import ConfigError
 from tierkv.model.arch import decoder_layers
-from tierkv.model.loading import LoadedModel, load_model
+from tierkv.model.loading import LoadedModel, load_model, resolve_source
 from tierkv.model.prompt import DEFAULT_QUESTION, chat_ids
 from tierkv.schedule.cost import (
     Budgets,
@@ -120,6 +120,8 @@ class _Prompt:
 def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: Progress | None = None,
             on_policy: Callable[[Policy, float], None] | None = None) -> JobResult:
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before the model loads
+    if loaded is None:
+        resolve_source(config.model)          # an unknown model is named as such, before --out is read
     docs = read_inputs(config.inputs, out=config.out)
     with OutputLog(config.out, config.output_settings(fixed), retry_failed=config.retry_failed) as out:
         todo = [d for d in docs if d.id not in out.done]

@@ -37,6 +37,7 @@ from pathlib import Path
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.failpoints import failpoint
 from tierkv.schedule.documents import FAILED, Document, OutputLog, read_inputs
+from tierkv.model.loading import resolve_source
 from tierkv.schedule.job import JobConfig, JobResult, Progress, compute_dtype
 from tierkv.schedule.policy import Policy, read_policy
 
@@ -114,6 +115,7 @@ class Summarizer:
 def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | None = None) -> JobResult:
     """Summarize ``config.inputs`` into ``config.out`` through Ray; resumes like ``run_job``."""
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before Ray starts
+    resolve_source(config.model)              # an unknown model is named as such, before --out is read
     docs = read_inputs(config.inputs, out=config.out)
     if options.address != "local":
         _check_reachable(options.address)    # before --out is made: a refused address leaves nothing behind
