@@ -1,13 +1,15 @@
 """Offline batch summarization with a planned offload schedule, from Python.
 
-    .venv/bin/python examples/batch_summarize.py
+    .venv/bin/python examples/batch_summarize.py            # in a temporary directory
+    .venv/bin/python examples/batch_summarize.py DIR        # in DIR: run it again, and finished documents are skipped
 
 Writes eight of CPython's own documentation topics to a JSONL file, asks the policy search for the
 best placement under small budgets (the weights' share on the compute device is far below the
 model, so most of it streams from host memory), prints the plan of the first layers, runs the job,
-and reads the summaries back. Rerun it: finished documents are skipped.
+and reads the summaries back.
 """
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,12 +33,19 @@ def main(workdir: Path) -> None:
                        nvme_dir=workdir / "nvme", max_new_tokens=32)
     result = run_job(config, loaded=loaded,
                      on_policy=lambda p, tps: print(f"policy: {p.describe()}\npredicted {tps:.1f} tok/s"))
-    print(f"measured {result.tokens_per_s:.1f} tok/s ({result.generated_tokens} tokens, prefill included)\n")
+    print(f"{result.documents} documents summarized, {result.skipped} already done")
+    if result.documents:
+        print(f"measured {result.tokens_per_s:.1f} tok/s ({result.generated_tokens} tokens, prefill included)")
+    print()
     for line in out.read_text().splitlines():
         record = json.loads(line)
         print(f"{record['id']:>9}: {record.get('summary', record.get('error'))[:100]!r}")
 
 
 if __name__ == "__main__":
-    with tempfile.TemporaryDirectory() as tmp:
-        main(Path(tmp))
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
+        main(Path(sys.argv[1]))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            main(Path(tmp))

@@ -9,6 +9,7 @@ Part 2: the ``near-memory`` selector picks the same chunks as ``shadowkv``
 while only the query and the chosen ids cross the link.
 """
 import asyncio
+from types import SimpleNamespace
 
 import torch
 
@@ -44,8 +45,8 @@ async def pool_tier() -> None:
 
 def near_memory_selection() -> None:
     g = torch.Generator().manual_seed(0)
-    view = type("View", (), {"layer": 0, "landmarks": torch.randn(16384, 3, 64, generator=g),
-                             "candidates": torch.ones(16384, dtype=torch.bool)})
+    view = SimpleNamespace(layer=0, landmarks=torch.randn(16384, 3, 64, generator=g), landmark_scale=None,
+                           landmark_norm=None, lo=None, hi=None, candidates=torch.ones(16384, dtype=torch.bool))
     query = torch.randn(9, 64, generator=g)
     host, near = make_selector("shadowkv"), make_selector("near-memory")
     same = torch.equal(host.select(query, view, 328), near.select(query, view, 328))

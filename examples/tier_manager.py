@@ -1,10 +1,11 @@
-"""The tier manager on its own: put blocks, let them spill to disk, read them back.
+"""The tier manager on its own: put blocks, the ones memory cannot hold land on disk, read them back.
 
     .venv/bin/python examples/tier_manager.py
 
 Blocks are fixed-size byte buffers named by content keys. The gpu tier (host
 memory under a budget when there is no CUDA) holds 8 blocks, the cpu tier
-32, the rest is demoted to an NVMe store in a temporary directory.
+32; a put goes to the fastest tier with room, so the rest are stored in an
+NVMe store in a temporary directory.
 """
 import asyncio
 import tempfile
@@ -29,7 +30,7 @@ async def main(spill: str) -> None:
         lease = await manager.acquire(keys[:4], "gpu")        # pinned until released
         print("block 3 reads back as", int(lease.views[3][0]))
         lease.release()
-        moved = {e.kind for e in manager.events.events}
+        moved = {e.kind.value for e in manager.events.events}
         print("transfers recorded:", sorted(moved))
         for name in manager.order:
             print(f"{name:5s} used {manager.used_bytes(name) / 2**20:6.1f} MiB of "

@@ -9,6 +9,7 @@ worth more than what prefetching recovers for LRU::
 
     python examples/tune_my_policy.py                     # a synthetic decode trace, links given by hand
     python examples/tune_my_policy.py TRACE --probe       # a recorded trace, links measured on this machine
+    python examples/tune_my_policy.py --out best.json     # the best configuration, for tierkv run --config
 
 The same from the command line (with examples/ importable)::
 
@@ -18,6 +19,7 @@ The same from the command line (with examples/ importable)::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -67,13 +69,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", nargs="?", type=Path, help="a recorded access trace (default: a synthetic one)")
     parser.add_argument("--probe", action="store_true", help="link speeds measured on this machine (cached)")
+    parser.add_argument("--out", type=Path, help="write the best configuration there (default: print it)")
     args = parser.parse_args()
 
-    out_dir = Path(tempfile.mkdtemp(prefix="tierkv-tune-"))
-    if args.trace is None:
-        args.trace = out_dir / "decode.tkv"
-        decode_trace().write(args.trace)
-    trace = AccessTrace.read(args.trace)
+    with tempfile.TemporaryDirectory(prefix="tierkv-tune-") as scratch:
+        if args.trace is None:
+            args.trace = Path(scratch) / "decode.tkv"
+            decode_trace().write(args.trace)
+        trace = AccessTrace.read(args.trace)
     model = load_tier_model(None, None) if args.probe else TierModel.from_dict(HAND_MODEL)
 
     points = parse_grid(["gpu_budget=8MiB,16MiB", "prefetch=none,engine"], trace.meta,
@@ -81,9 +84,13 @@ def main() -> None:
     ranked = tune(trace, model, points)
     print(format_table(ranked))
 
-    best = out_dir / "best.json"
-    write_run_config(best, run_config(ranked[0], trace.meta, source=str(args.trace)))
-    print(f"\nbest: {ranked[0].point}; written to {best} (tierkv run --config {best})")
+    config = run_config(ranked[0], trace.meta, source=str(args.trace))
+    if args.out is None:
+        print(f"\nbest: {ranked[0].point}:\n{json.dumps(config, indent=2)}\n(--out FILE writes it for "
+              f"tierkv run --config FILE)")
+    else:
+        write_run_config(args.out, config)
+        print(f"\nbest: {ranked[0].point}; written to {args.out} (tierkv run --config {args.out})")
 
 
 if __name__ == "__main__":
