@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tierkv.cli import main
+from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
 from tierkv.failpoints import POINTS
 from tierkv.model.arch import model_spec
@@ -282,3 +283,41 @@ def test_a_repair_s_own_report_says_what_it_found_was_repaired():
         "damage found; the check after the repair says what is left")
     assert Verdict(indexes=damaged).lines()[-1].startswith("DAMAGED")
     assert Verdict(repaired=True).lines()[-1].startswith("clean")
+
+
+def _six_blocks(directory):
+    with NvmeTier(directory, 4096, 16 * 4096) as tier:
+        slots = [tier.pool.reserve() for _ in range(6)]
+        tier.write([(BlockKey.of("m", i), slot, torch.full((4096,), i, dtype=torch.uint8))
+                    for i, slot in enumerate(slots)])
+    return json.loads((directory / "store.json").read_text())
+
+
+def test_a_changed_store_json_is_found_and_a_repair_drops_no_block_of_it(tmp_path):
+    """One number changed in store.json (its block size) made every block read at other offsets: verify
+    called all of them damaged and a repair dropped every one, the document's whole KV lost for good."""
+    manifest = _six_blocks(tmp_path / "s")
+    changed = {**manifest, "block_bytes": 2048}
+    (tmp_path / "s" / "store.json").write_text(json.dumps(changed))
+    for drop in (False, True):
+        (line,) = verify(tmp_path, drop=drop).lines()[:1]
+        assert "unusable (store.json fails its checksum" in line and "move the store aside" in line
+    with pytest.raises(ConfigError, match="store.json fails its checksum"):
+        NvmeTier(tmp_path / "s", 4096, 16 * 4096)
+    # a store made before store.json had a checksum: every block failing is named, and none is dropped
+    (tmp_path / "s" / "store.json").write_text(json.dumps({k: v for k, v in changed.items() if k != "check"}))
+    (line,) = verify(tmp_path, drop=True).lines()[:1]
+    assert "6 blocks, 6 damaged: every one" in line and "store.json is likely not" in line and "nothing dropped" in line
+    (tmp_path / "s" / "store.json").write_text(json.dumps(manifest))
+    assert verify(tmp_path).clean and verify(tmp_path).lines()[0].startswith("store s: 6 blocks, all sound")
+
+
+def test_a_folder_in_place_of_a_store_file_is_named_not_a_traceback(tmp_path):
+    _six_blocks(tmp_path / "s")
+    (tmp_path / "s" / "slots.dat").unlink()
+    (tmp_path / "s" / "slots.dat").mkdir()
+    (line,) = verify(tmp_path).lines()[:1]
+    assert line.startswith("store s: unusable (slots.dat is not a file); move the store aside")
+    with pytest.raises(ConfigError, match="slots.dat is not a file"):
+        NvmeTier(tmp_path / "s", 4096, 16 * 4096)
+

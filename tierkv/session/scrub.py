@@ -34,6 +34,7 @@ from tierkv.session.session import Session
 from tierkv.sparse.store import checked, read_checked_meta, read_ids
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvme_scan import scan_journal, scan_read_only
+from tierkv.tiers.nvme_share import UNUSABLE
 
 INDEXES = "sparse-indexes"
 
@@ -48,6 +49,7 @@ class StoreCheck:
     torn_bytes: int = 0           # a last journal record a crash cut short: a write never completed (sound)
     problem: str | None = None    # the store cannot be read at all (its store.json)
     shared: bool = False          # a repair found another process with the store open: lost blocks only hidden
+    kept: bool = False            # a repair dropped nothing: every block failed (see `_drop_damaged`)
 
     @property
     def clean(self) -> bool:
@@ -55,14 +57,16 @@ class StoreCheck:
 
     def line(self, drop: bool) -> str:
         if self.problem:
-            return f"store {self.directory.name}: unusable ({self.problem}); move it aside or remove it: a run " \
-                   "makes a new one"
+            return f"store {self.directory.name}: unusable ({self.problem}){UNUSABLE}"
         gone = "lost"
         if drop:
             gone = "hidden from this repair: another process has the store open (repair again once it has " \
                    "closed it)" if self.shared else "dropped"
+        every = len(self.damaged) == self.blocks > 1
         return f"store {self.directory.name}: {self.blocks} blocks, " + \
             (f"{len(self.damaged)} damaged" if self.damaged else "all sound") + \
+            (": every one, which damage does not do block by block; the block size in store.json is likely not "
+             "the one they were written with" + ("; nothing dropped" if self.kept else "") if every else "") + \
             (f"; {self.lost} {gone}: their slots lie past the end of slots.dat (the file was cut short)"
              if self.lost else "") + \
             (f"; {self.bad_records} damaged journal record(s): the blocks they stored are {gone}"
@@ -136,11 +140,11 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
         try:
             if drop:                            # (the journal read before the join drops what is lost)
                 scan = scan_journal(directory)
-                scan.keys, scan.damaged, check.shared = _drop_damaged(directory, batch)
+                scan.keys, scan.damaged, check.shared, check.kept = _drop_damaged(directory, batch)
             else:
                 scan = scan_read_only(directory)
         except ConfigError as error:            # (its store.json): the others are checked all the same
-            check.problem = str(error).removeprefix(f"{directory}: ")
+            check.problem = str(error).removeprefix(f"NVMe store {directory}: ").removesuffix(UNUSABLE)
         else:
             check.blocks, check.damaged, check.lost = len(scan.keys), scan.damaged, len(scan.lost)
             check.bad_records, check.torn_bytes = scan.bad_records, scan.torn_bytes
@@ -153,10 +157,13 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     return verdict
 
 
-def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[BlockKey], bool]:
+def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[BlockKey], bool, bool]:
     """The store's keys and those of its blocks that fail their checksum, dropped, read through the store
-    (joining it, as any process that uses it: the drops are journaled for every process); and whether
-    another process had it open (then the blocks lost to a short data file are only hidden here)."""
+    (joining it, as any process that uses it: the drops are journaled for every process); whether
+    another process had it open (then the blocks lost to a short data file are only hidden here); and
+    whether the failed blocks were kept. Where every block of several fails, nothing is dropped: that is
+    a store read with the wrong block size (its store.json changed), not blocks damaged one by one, and a
+    run reads no block that fails its checksum all the same."""
     with NvmeTier.existing(directory) as tier:
         shared = not tier.opened_alone
         items = sorted(tier.items(), key=lambda item: item[1])
@@ -165,10 +172,11 @@ def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[Blo
         for first in range(0, len(items), batch):
             group = items[first:first + batch]
             damaged += tier.read([(key, slot, data[i]) for i, (key, slot) in enumerate(group)])
-        for key in damaged:
+        kept = len(damaged) == len(items) > 1
+        for key in () if kept else damaged:
             tier.drop(key)
         tier.flush()
-    return [key for key, _ in items], damaged, shared
+    return [key for key, _ in items], damaged, shared, kept
 
 
 def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import threading
@@ -77,7 +76,7 @@ from tierkv.tiers.journal import Journal, Op, Record, encode_puts
 from tierkv.tiers.nvme_io import (BACKENDS, DISK_FULL, block_buffer, choose_backend, disk_full, disk_full_raised,
                                   misaligned_of)
 from tierkv.tiers.nvme_pool import SharedPool
-from tierkv.tiers.nvme_share import Membership, closed_here, opened_here
+from tierkv.tiers.nvme_share import Membership, closed_here, opened_here, read_manifest
 from tierkv.tiers.nvme_striped import UNREADABLE, URGENT, StripedIO
 from tierkv.tiers.nvme_view import Changes, SharedView
 
@@ -119,11 +118,8 @@ class NvmeTier:
         """The store in ``directory`` opened as its manifest describes it, with room for every slot its
         file holds (nothing is dropped for the budget): for tools that look at a store as it is."""
         directory = Path(directory)
-        try:
-            manifest = json.loads((directory / "store.json").read_text())
-            block_bytes, namespace = int(manifest["block_bytes"]), str(manifest["namespace"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{directory}: not a readable tierkv NVMe store ({exc})") from None
+        manifest = read_manifest(directory)
+        block_bytes, namespace = manifest["block_bytes"], str(manifest["namespace"])
         data = directory / "slots.dat"
         size = data.stat().st_size if data.exists() else 0
         return cls(directory, block_bytes, max(size, block_bytes), namespace=namespace, **kw)

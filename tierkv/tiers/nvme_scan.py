@@ -6,7 +6,6 @@ of the journal, and blocks whose slots lie past the end of the data file (it was
 an opener drops without a word beyond its log."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
 from tierkv.tiers.journal import Replay, replay
+from tierkv.tiers.nvme_share import read_manifest
 from tierkv.tiers.nvme_striped import checksum
 
 
@@ -28,10 +28,8 @@ class Scan:
 
 def journal_state(directory: Path) -> tuple[Replay, int]:
     """The store's journal replayed against its data file's size, and its block size, reading only."""
+    block_bytes = read_manifest(directory)["block_bytes"]
     try:
-        block_bytes = int(json.loads((directory / "store.json").read_text())["block_bytes"])
-        if block_bytes <= 0:
-            raise ValueError(f"block_bytes={block_bytes}")
         raw = (directory / "index.log").read_bytes() if (directory / "index.log").exists() else b""
         data = directory / "slots.dat"
         size = data.stat().st_size if data.exists() else 0

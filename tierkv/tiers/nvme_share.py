@@ -67,6 +67,8 @@ import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import xxhash
+
 from tierkv.errors import ConfigError, StoreLocked, StoreUnusable
 from tierkv.tiers.nvme_io import fsync_dir, open_private
 
@@ -350,6 +352,42 @@ def _name(owner: int) -> str:
 
 
 # -- manifest ----------------------------------------------------------------
+_MANIFEST_FIELDS = ("format", "version", "block_bytes", "namespace", "created")
+UNUSABLE = "; move the store aside or remove it: a run makes a new one"
+
+
+def _manifest_check(manifest: dict) -> str:
+    """xxh3-64 over the manifest's own fields: a number changed in store.json (a disk's bit flip, an
+    edit) would make every block read at other offsets, and every block fail its checksum."""
+    fields = {name: manifest.get(name) for name in _MANIFEST_FIELDS}
+    return xxhash.xxh3_64_hexdigest(json.dumps(fields, sort_keys=True).encode())
+
+
+def read_manifest(directory: Path) -> dict:
+    """The store's store.json, checked: its fields there and of their types, its checksum (a manifest of
+    a store made before it had one has none) and its format; ConfigError names what is wrong."""
+    path = directory / "store.json"
+    try:
+        manifest = json.loads(path.read_text())
+        stored = (manifest["format"], manifest["version"], manifest["block_bytes"], manifest["namespace"])
+        if not isinstance(manifest["block_bytes"], int) or manifest["block_bytes"] <= 0:
+            raise ValueError(f"block_bytes={manifest['block_bytes']!r}")
+    except KeyError as exc:
+        raise ConfigError(f"NVMe store {directory}: unreadable store.json (no field {exc}){UNUSABLE}") from None
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"NVMe store {directory}: unreadable store.json ({exc}){UNUSABLE}") from None
+    for name in ("slots.dat", "index.log"):       # a folder or a device in their place is no store's file
+        if (directory / name).exists() and not (directory / name).is_file():
+            raise ConfigError(f"NVMe store {directory}: {name} is not a file{UNUSABLE}")
+    if "check" in manifest and manifest["check"] != _manifest_check(manifest):
+        raise ConfigError(f"NVMe store {directory}: store.json fails its checksum (damaged: its block size "
+                          f"or namespace cannot be trusted, so no block of it is read){UNUSABLE}")
+    if stored[:2] != (FORMAT, VERSION):
+        raise ConfigError(f"NVMe store {directory}: format {stored[0]!r} v{stored[1]}; "
+                          f"this tierkv reads {FORMAT!r} v{VERSION}")
+    return manifest
+
+
 def check_manifest(directory: Path, block_bytes: int, namespace: str) -> None:
     path = directory / "store.json"
     if not path.exists():
@@ -359,23 +397,17 @@ def check_manifest(directory: Path, block_bytes: int, namespace: str) -> None:
                               f"not a tierkv store, or a damaged one")
         _write_manifest(path, block_bytes, namespace)
         return
-    try:
-        manifest = json.loads(path.read_text())
-        stored = (manifest["format"], manifest["version"], manifest["block_bytes"], manifest["namespace"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"NVMe store {directory}: unreadable store.json ({exc})") from None
-    if stored[:2] != (FORMAT, VERSION):
-        raise ConfigError(f"NVMe store {directory}: format {stored[0]!r} v{stored[1]}; "
-                          f"this tierkv reads {FORMAT!r} v{VERSION}")
-    if stored[2:] != (block_bytes, namespace):
-        raise ConfigError(f"NVMe store {directory} holds block_bytes={stored[2]}, namespace={stored[3]!r}; "
-                          f"asked for block_bytes={block_bytes}, namespace={namespace!r}: "
-                          f"open it with those values or use another directory")
+    manifest = read_manifest(directory)
+    if (manifest["block_bytes"], manifest["namespace"]) != (block_bytes, namespace):
+        raise ConfigError(f"NVMe store {directory} holds block_bytes={manifest['block_bytes']}, "
+                          f"namespace={manifest['namespace']!r}; asked for block_bytes={block_bytes}, "
+                          f"namespace={namespace!r}: open it with those values or use another directory")
 
 
 def _write_manifest(path: Path, block_bytes: int, namespace: str) -> None:
     manifest = {"format": FORMAT, "version": VERSION, "block_bytes": block_bytes, "namespace": namespace,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest["check"] = _manifest_check(manifest)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
