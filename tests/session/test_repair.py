@@ -321,3 +321,17 @@ def test_a_folder_in_place_of_a_store_file_is_named_not_a_traceback(tmp_path):
     with pytest.raises(ConfigError, match="slots.dat is not a file"):
         NvmeTier(tmp_path / "s", 4096, 16 * 4096)
 
+
+def test_questions_leave_no_page_of_their_own_in_the_store(lm, tmp_path):
+    """A question's pages (its prompt's and answer's, keyed under a private root no run finds again) spilled
+    to the store when memory was small and stayed there, taking store space for good."""
+    store = tmp_path / "kv"
+    small = SETTINGS | dict(gpu_budget="256KiB", cpu_budget="512KiB")      # the questions' pages spill to it
+    with Session(SessionConfig.of(nvme_dir=store, **small), loaded=lm) as session:
+        session.read_ids(IDS)
+        for question in range(3):
+            answer = session.complete([*IDS, question, *range(10, 110)], max_new_tokens=8)
+            assert answer.reused_tokens == len(IDS)
+    stored = len(stored_slots(store))
+    indexed = sum(i.pages for i in verify(store).indexes if i.kind == "index")
+    assert stored == indexed > 0

@@ -71,6 +71,9 @@ class SparseSequence:
         self.rotate = None if plan is None else plan.positions.rotate
         self.root = root or BlockKey.of("private-sparse", os.urandom(16))
         self.persist = persist
+        # per layer, how many of its first pages are keyed for reuse (a stored document's); the rest are this
+        # lineage's own, under private roots, which no run can find again (None: every page is for reuse)
+        self.shared_pages: list[int] | None = None if root is not None else [0] * num_layers
         self.read_tier: str | None = None
         self.reader = PageReader(manager, layout)
         self._layer_args = (needs, dtype)
@@ -95,6 +98,7 @@ class SparseSequence:
         twin = copy.copy(self)
         twin.layers = [state.fork() for state in self.layers]
         twin.root, twin.persist = BlockKey.of("private-sparse", os.urandom(16)), False
+        twin.shared_pages = self._shared_counts()
         twin.stats, twin.chosen = ReadStats(), dict(self.chosen)
         twin.allocation = replace(self.allocation, shares=dict(self.allocation.shares), curves={}, uniform={})
         return twin
@@ -103,11 +107,19 @@ class SparseSequence:
         """Forget the newest ``tokens`` tokens in every layer (``LayerState.crop``)."""
         for state in self.layers:
             state.crop(tokens)
+        if self.shared_pages is not None:
+            self.shared_pages = [min(n, len(state.pages)) for n, state in zip(self.shared_pages, self.layers)]
 
     def detach(self) -> None:
         """From now on the pages this sequence seals are its own (a private root, not stored for reuse):
         it goes past the state it was loaded or prefilled as."""
+        self.shared_pages = self._shared_counts()
         self.root, self.persist = BlockKey.of("private-sparse", os.urandom(16)), False
+
+    def _shared_counts(self) -> list[int]:
+        if self.shared_pages is not None:
+            return list(self.shared_pages)
+        return [len(state.pages) for state in self.layers]
 
     def new_layer(self, layer: int) -> LayerState:
         """An empty state for ``layer`` (a stored index is read into fresh ones, then swapped in)."""
@@ -301,12 +313,14 @@ class SparseSequence:
         return [key for state in self.layers for key in state.pages]
 
     def release(self, *, keep: bool) -> None:
-        """Keep the pages as reusable cache (unprotected), or drop them everywhere."""
-        keys = self.all_pages()
-        if keep:
-            self.manager.unprotect(keys)
-        else:
-            self.manager.drop(keys)
+        """Keep the pages keyed for reuse as cache (unprotected), or drop them everywhere; the pages under
+        private roots are dropped either way (a branch's own: stored, they would only fill the store)."""
+        if not keep:
+            self.manager.drop(self.all_pages())
+            return
+        shared = self._shared_counts()
+        self.manager.unprotect([key for n, state in zip(shared, self.layers) for key in state.pages[:n]])
+        self.manager.drop([key for n, state in zip(shared, self.layers) for key in state.pages[n:]])
 
 
 def joinable(x: Tensor, *parts: Tensor) -> Tensor:
