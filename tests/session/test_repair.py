@@ -335,3 +335,30 @@ def test_questions_leave_no_page_of_their_own_in_the_store(lm, tmp_path):
     stored = len(stored_slots(store))
     indexed = sum(i.pages for i in verify(store).indexes if i.kind == "index")
     assert stored == indexed > 0
+
+
+def test_a_folder_where_an_index_belongs_is_named_before_the_prefill_and_by_verify(lm, tmp_path):
+    """The index's path taken by a folder: a run prefilled the whole document, then failed at the rename
+    with a bare errno and left its temporary file (the index's size) behind; verify said "No such device".
+    A file named like the index folder: verify said clean, a run failed with "File exists"."""
+    store = tmp_path / "kv"
+    answer(lm, store)
+    (index,) = (p for p in (store / "sparse-indexes").glob("*.safetensors") if ".restore-" not in p.name)
+    index.unlink()
+    index.mkdir()
+    with pytest.raises(ConfigError, match=f"sparse index {index}: not a file; move it aside"):
+        answer(lm, store)
+    assert not list(index.parent.glob("*.tmp"))
+    assert any(line.startswith(f"index {index.name}: 0 tokens, unusable (not a file)") for line in verify(store).lines())
+    index.rmdir()
+    other = tmp_path / "other"
+    (other / "sparse-indexes").parent.mkdir()
+    (other / "sparse-indexes").write_text("a note")
+    with pytest.raises(ConfigError, match="sparse-indexes: not a folder"):
+        answer(lm, other)
+    answer(lm, store)                         # (the store made in "other" is left unchecked by verify: no store there)
+    (store / "sparse-indexes").rename(tmp_path / "moved")
+    (store / "sparse-indexes").write_text("a note")
+    lines = verify(store).lines()
+    assert "index folder sparse-indexes: unusable (not a folder: no document can be stored; move it aside)" in lines
+    assert lines[-1].startswith("DAMAGED")

@@ -57,6 +57,8 @@ def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, 
     """The state covering ``ids`` (see the module notes); ``store``: save it on the shelf when it
     was computed here."""
     progress = progress or (lambda n: None)
+    if shelf is not None and store:
+        shelf.check(ids)
     found = shelf.longest(ids, at_most=len(ids)) if shelf is not None and reuse else 0
     if shelf is not None and reuse and found < len(ids) and fetch_index(engine, shelf, ids, longer_than=found):
         found = shelf.longest(ids, at_most=len(ids))

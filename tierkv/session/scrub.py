@@ -102,11 +102,12 @@ class Verdict:
     def lines(self) -> list[str]:
         out = [s.line(self.repaired) for s in self.stores]
         for i in self.indexes:
-            what = f"{i.kind} {i.path.name}: {i.tokens} tokens"
+            parts = [] if i.kind == "index folder" else [f"{i.tokens} tokens"]
             if i.problem:
-                what += f", unusable ({i.problem})"
+                parts.append(f"unusable ({i.problem})")
             elif i.kind == "index":
-                what += f", {i.pages} pages" + (f", {len(i.bad_pages)} missing or damaged" if i.bad_pages else "")
+                parts.append(f"{i.pages} pages" + (f", {len(i.bad_pages)} missing or damaged" if i.bad_pages else ""))
+            what = f"{i.kind} {i.path.name}: " + ", ".join(parts)
             if i.repair is not None:
                 what += f"; repaired: {i.repair}"
             if i.note:
@@ -151,7 +152,11 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
             sound.update(scan.keys)
             sound.difference_update(scan.damaged)
         verdict.stores.append(check)
-    for path in sorted(Path(nvme_dir, INDEXES).glob("*.safetensors")):
+    shelf = Path(nvme_dir, INDEXES)
+    if shelf.exists() and not shelf.is_dir():
+        verdict.indexes.append(IndexCheck(shelf, "index folder", problem="not a folder: no document can be "
+                                          "stored; move it aside"))
+    for path in sorted(shelf.glob("*.safetensors")) if shelf.is_dir() else ():
         verdict.indexes.append(_check_index(path, sound))
     verdict.seconds = time.perf_counter() - start
     return verdict
@@ -183,6 +188,9 @@ def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:
     name = path.name.removesuffix(".safetensors")
     kind = "checkpoint" if name.endswith(".partial") else "restore point" if ".restore-" in name else "index"
     check = IndexCheck(path, kind)
+    if not path.is_file():
+        check.problem = "not a file"
+        return check
     try:
         with safe_open(str(path), framework="pt", backend="pread") as f:
             meta, sums = read_checked_meta(f)
@@ -218,6 +226,9 @@ def repair_store(nvme_dir: Path, config: SessionConfig, *, loaded: LoadedModel |
 
 
 def _repair_one(check: IndexCheck, engine, shelf) -> None:
+    if not check.path.is_file():            # a folder or a device where a file belongs: not this repair's to remove
+        check.note = "not repaired: move it aside"
+        return
     if check.problem:
         check.path.unlink(missing_ok=True)
         check.note = "removed: " + ("the next run prefills the document again" if check.kind == "index"

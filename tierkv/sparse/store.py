@@ -26,6 +26,7 @@ the resumed prefill finds them or writes them again.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -41,7 +42,7 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from tierkv.errors import StoreWriteError
+from tierkv.errors import ConfigError, StoreWriteError
 from tierkv.failpoints import failpoint
 from tierkv.keys import BlockKey
 from tierkv.sparse.config import SparseConfig
@@ -85,6 +86,15 @@ class Shelf:
 
     def path(self, ids: Sequence[int]) -> Path:
         return self.directory / f"{self._stem(ids)}.safetensors"
+
+    def check(self, ids: Sequence[int]) -> None:
+        """That the index of ``ids`` can be stored here: said before a prefill, not after it."""
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ConfigError(f"{self.directory}: not a folder (the store keeps its sparse indexes there); move "
+                              "it aside")
+        for path in (self.path(ids), self.checkpoint(ids)):
+            if path.exists() and not path.is_file():
+                raise ConfigError(f"sparse index {path}: not a file; move it aside")
 
     def checkpoint(self, ids: Sequence[int]) -> Path:
         return self.directory / f"{self._stem(ids)}.partial.safetensors"
@@ -141,17 +151,18 @@ def write_checked(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, 
     written to a temporary name, fsynced, renamed (``point``: its failpoint's prefix)."""
     meta = meta | {"checksums": json.dumps({name: _digest(t) for name, t in tensors.items()})}
     meta["meta_checksum"] = _meta_digest(meta)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")   # two processes saving one index never share it
     try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         save_file(tensors, str(tmp), metadata=meta)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        failpoint(f"{point}.before-rename")
+        os.replace(tmp, path)
     except (OSError, SafetensorError) as error:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise _not_written(path, error, sum(t.nbytes for t in tensors.values())) from None
-    failpoint(f"{point}.before-rename")
-    os.replace(tmp, path)
 
 
 def _not_written(path: Path, error: Exception, nbytes: int) -> OSError:
