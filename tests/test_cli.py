@@ -10,6 +10,7 @@ import pytest
 from tierkv import cli
 from tierkv.cli import main
 from tierkv.errors import BlockMissing, BudgetExceeded, ConfigError, DiskFullError, StoreReadError
+from tierkv.failpoints import POINTS
 
 
 def tierkv(*args):
@@ -136,6 +137,11 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--trace", "no/such/dir/t.json"], "--trace no/such/dir/t.json: no such "
                                                                             "directory no/such/dir"),
     (["run", "--synthetic-tokens", "100", "--record-access", "."], "--record-access .: is a directory"),
+    (["run", "--synthetic-tokens", "100", "--trace", "/proc/t.json"], "--trace /proc/t.json: cannot write there"),
+    (["run", "--doc", __file__, "--depth", "0.3", "--seed", "2"],
+     "--depth, --seed: settings of the --synthetic-tokens haystack, but --doc is given"),
+    (["run", "--synthetic-tokens", "100", "--trace", "/dev/null", "--record-access", "/dev/null"],
+     "--trace and --record-access are both /dev/null: the second would overwrite the first"),
     (["serve", "--mode", "dense", "--rank", "64"], "--rank: sparse-mode settings, but --mode dense"),
     (["run", "--synthetic-tokens", "100", "--mode", "sparse", "--kv-dtype", "int4", "--prefetch", "none"],
      "--kv-dtype, --prefetch: dense-mode settings, but --mode sparse keeps pages"),
@@ -148,6 +154,8 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--cxl-preset", "nosuch"], "cxl_preset='nosuch': unknown; valid presets"),
     (["info", "--full"], "--full: a longer link measurement, so it goes with --probe or --reprobe"),
     (["info", "--nvme-dir", __file__], f"--nvme-dir {__file__}: not a directory"),
+    (["serve", "--api-key", ""], "--api-key: empty, or with spaces at its ends"),
+    (["serve", "--served-name", " "], "--served-name: empty; give the name clients ask for"),
     (["serve", "--mode", "sparse", "--draft-tokens", "2"], "--draft-tokens: drafts are verified in dense mode only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
@@ -297,3 +305,12 @@ def test_ctrl_c_while_the_command_starts_is_an_interruption_not_a_traceback():
               "sys.exit(main(['info']))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 130 and done.stderr.strip().splitlines() == ["tierkv: interrupted"], done.stderr
+
+
+def test_a_bad_failpoints_variable_is_one_line_even_for_help():
+    """It is read as tierkv is imported: every command, --help included, printed a traceback."""
+    env = {**os.environ, "TIERKV_FAILPOINTS": "bogus"}
+    done = subprocess.run([sys.executable, "-m", "tierkv", "--help"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "tierkv: error: TIERKV_FAILPOINTS: unknown point 'bogus'; points: " + ", ".join(POINTS)], done.stderr

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from tierkv.errors import ConfigError
+
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
@@ -16,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tierkv: interrupted", file=sys.stderr)
         return 130
+    except ConfigError as error:                    # a TIERKV_* variable read at import
+        print(f"tierkv: error: {error}", file=sys.stderr)
+        return 2
     return command(args)
 
 

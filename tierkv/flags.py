@@ -118,8 +118,14 @@ def check_writable(flag: str, path: Path) -> None:
         raise ConfigError(f"{flag} {path}: is a directory; give a file name")
     if not path.parent.is_dir():
         raise ConfigError(f"{flag} {path}: no such directory {path.parent}")
-    if not os.access(path if path.exists() else path.parent, os.W_OK):
-        raise ConfigError(f"{flag} {path}: cannot write there (permission denied)")
+    existed = path.exists()
+    try:                              # tried, not judged from permission bits: root passes those everywhere
+        with open(path, "ab"):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{flag} {path}: cannot write there ({error.strerror or error})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def _base_type(hint: Any) -> type:

@@ -5,6 +5,7 @@ import pytest
 import torch
 from tinymodels import KINDS, native_logits, tiny_model
 
+from tierkv.errors import ConfigError
 from tierkv.model import arch
 from tierkv.ops import rope
 
@@ -143,6 +144,9 @@ def test_weights_are_packed_only_for_bf16_on_a_cpu_that_computes_it(monkeypatch)
     model = arch.fuse_projections(tiny_model("llama").to(torch.bfloat16))
     arch.pack_decode_weights(model)
     assert not any(arch.PACKED in m.__dict__ for m in model.modules())
+    monkeypatch.setenv(arch.PACKED_ENV, "yes")                  # taken as on, where only "0" was off
+    with pytest.raises(ConfigError, match="TIERKV_PACKED_WEIGHTS='yes': 0 .* or 1"):
+        arch.packs_weights(torch.bfloat16)
 
 
 @pytest.mark.skipif(not arch.packs_weights(torch.bfloat16),

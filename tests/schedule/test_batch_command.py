@@ -153,7 +153,8 @@ def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path
     (["--weight-dtype", "bf16"], "--weight-dtype='bf16': allowed: bfloat16, float16 or none"),
     (["--workers", "2", "--ray-batch", "4"], "--workers, --ray-batch: Ray settings, but no --ray"),
     (["--out", "/proc/no-such/out.jsonl"], "--out /proc/no-such/out.jsonl: no such directory /proc/no-such"),
-    (["--model", "nosuch"], "model='nosuch': not a known name"),          # not blamed on the --out of another job
+    (["--model", "nosuch"], "model='nosuch': not a known name"),
+    (["--nvme-dir", __file__], f"--nvme-dir {__file__}: exists and is not a directory"),          # not blamed on the --out of another job
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     """(The model is only looked for: every case fails before it would load.)"""

@@ -282,7 +282,11 @@ def packs_weights(dtype: torch.dtype, device: torch.device | str = "cpu") -> boo
     """Whether `pack_decode_weights` packs a model in ``dtype`` on ``device``: bf16 on a CPU that computes it
     natively (AMX or AVX512-BF16), with oneDNN, unless ``TIERKV_PACKED_WEIGHTS=0``. Where bf16 is emulated
     nothing is packed: ``--dtype auto`` computes in float32 there."""
-    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and os.environ.get(PACKED_ENV) != "0"
+    setting = os.environ.get(PACKED_ENV, "1")
+    if setting not in ("0", "1"):
+        raise ConfigError(f"{PACKED_ENV}={setting!r}: 0 (decode through the plain weights) or 1 (packed where "
+                          "the CPU computes bf16 natively, the default)")
+    return (dtype == torch.bfloat16 and torch.device(device).type == "cpu" and setting == "1"
             and native_bf16() in ("AMX", "AVX512-BF16") and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 

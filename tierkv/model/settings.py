@@ -48,21 +48,30 @@ class PromptSettings:
     questions: tuple[str, ...] = setting(help="a question about --doc; repeat it to ask several, each after the "
                                               "first reusing the document (default: summarize)", flag="--question",
                                          metavar="TEXT", factory=tuple)
-    depth: float = setting(0.5, "passkey depth in [0, 1]")
-    seed: int = setting(0, "passkey seed")
-    filler: str = setting("repeat", "haystack filler", choices=FILLERS)
+    depth: float | None = setting(None, "passkey depth in [0, 1] (default: 0.5)", show_default=False)
+    seed: int | None = setting(None, "passkey seed (default: 0)", show_default=False)
+    filler: str | None = setting(None, "haystack filler (default: repeat)", choices=FILLERS, show_default=False)
 
     def __post_init__(self) -> None:
         if (self.doc is None) == (self.synthetic_tokens is None):
             raise ConfigError("give exactly one of --doc FILE or --synthetic-tokens N")
         if self.synthetic_tokens is not None and self.synthetic_tokens < 64:
             raise ConfigError(f"synthetic_tokens={self.synthetic_tokens}: must be >= 64")
-        if not 0 <= self.depth <= 1:
+        haystack = [flag for flag, value in (("--depth", self.depth), ("--seed", self.seed), ("--filler", self.filler))
+                    if value is not None]
+        if self.doc is not None and haystack:
+            raise ConfigError(f"{', '.join(haystack)}: settings of the --synthetic-tokens haystack, but --doc is given")
+        if self.depth is not None and not 0 <= self.depth <= 1:
             raise ConfigError(f"depth={self.depth}: must be in [0, 1]")
         empty = [i for i, question in enumerate(self.questions, 1) if not str(question).strip()]
         if empty:
             raise ConfigError(f"--question number {empty[0]} is empty: ask something (leave --question out: "
                               f"the document is summarized)")
+
+    def haystack(self) -> dict[str, Any]:
+        """The synthetic prompt's settings, the defaults where not given."""
+        return {"depth": 0.5 if self.depth is None else self.depth, "seed": self.seed or 0,
+                "filler": self.filler or "repeat"}
 
 
 _CXL_PRESET = "cxl2-x8"
@@ -234,6 +243,10 @@ class OutputSettings:
         for flag, path in (("--trace", self.trace), ("--record-access", self.record_access)):
             if path is not None:
                 check_writable(flag, path)
+        if self.trace is not None and self.record_access is not None and \
+                Path(self.trace).resolve() == Path(self.record_access).resolve():
+            raise ConfigError(f"--trace and --record-access are both {self.trace}: the second would overwrite the "
+                              "first; give each its own file")
 
 
 class _Flat:

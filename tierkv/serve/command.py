@@ -47,6 +47,11 @@ class ServeSettings:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         if not self.drain_s >= 0:
             raise ConfigError(f"drain_s={self.drain_s}: must be >= 0")
+        if self.api_key is not None and (not self.api_key.strip() or self.api_key != self.api_key.strip()):
+            raise ConfigError("--api-key: empty, or with spaces at its ends (a client's 'Bearer KEY' could not "
+                              "carry it); give the key itself, or leave the flag out for no key")
+        if self.served_name is not None and not self.served_name.strip():
+            raise ConfigError("--served-name: empty; give the name clients ask for, or leave it out (--model's)")
         object.__setattr__(self, "max_body_bytes", parse_size(self.max_body_bytes, "max_body_bytes"))
 
 

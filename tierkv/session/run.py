@@ -65,7 +65,7 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
     with Session(config.session(), loaded=loaded, keep_events=out.trace is not None,
                  record_access=out.record_access is not None) as session:
         tokenizer, start = session.loaded.tokenizer, time.perf_counter()
-        prompt = passkey_prompt(tokenizer, p.synthetic_tokens, depth=p.depth, seed=p.seed, filler=p.filler) \
+        prompt = passkey_prompt(tokenizer, p.synthetic_tokens, **p.haystack()) \
             if p.synthetic_tokens is not None else None
         result = RunResult(answer=None if prompt is None else prompt.answer)
         done = [0]
@@ -135,7 +135,7 @@ def _summarise(result: RunResult, backend, session: Session) -> None:
     result.stall_fraction = result.stall_fraction / result.decode_s if result.decode_s else 0.0
     result.mode = backend.mode
     spec = session.loaded.spec
-    result.kv_bytes = (result.prompt_tokens + result.generated_tokens) * spec.kv_bytes_per_token
+    result.kv_bytes = result.prompt_tokens * spec.kv_bytes_per_token     # the prompt's, as the summary says
     result.dtype = str(spec.dtype).removeprefix("torch.")
     result.kv_dtype = session.config.engine.kv_dtype if backend.mode == "dense" else None
     tiers = session.config.tiers

@@ -49,6 +49,7 @@ from tierkv.profile.plots import check_plot_path, matplotlib_canvas
 from tierkv.tune.prefetchers import VOCABULARIES, resolve_prefetch
 from tierkv.tune.replay import ReplayConfig, ReplayResult, replay
 from tierkv.tune.tier_model import TierModel
+from tierkv.tiers.nvme_share import prepare_store_dir
 
 CONFIG_FORMAT, CONFIG_VERSION = "tierkv-run-config", 1
 RUN_KEYS = ("gpu_budget", "cpu_budget", "nvme_budget", "gpu_policy", "cpu_policy", "nvme_policy", "prefetch",
@@ -309,6 +310,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise ConfigError(f"--policies {args.policies!r}: names no policy; give names such as lru,arc "
                           f"(available: {', '.join(available())})")
     points = parse_grid(_grid_items(args.grid, args.prefetch), trace.meta, policies)
+    if args.nvme_dir is not None:
+        prepare_store_dir(args.nvme_dir)      # the probe writes there
     model = load_tier_model(args.links, args.nvme_dir, refresh=args.reprobe)
     ranked = _tune_with_progress(trace, model, points, quiet=args.json)
     write_run_config(out, run_config(ranked[0], trace.meta, source=str(args.trace)))
