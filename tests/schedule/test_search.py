@@ -215,3 +215,14 @@ def test_the_in_run_factor_scales_the_compute_the_run_found():
     slow = slowed(MACHINE, 2.0)                                              # cores and host copies: all half as fast
     assert predict(policy, SHAPE, work, slow).tokens_per_s == pytest.approx(
         predict(policy, SHAPE, work, MACHINE).tokens_per_s / 2)
+
+
+def test_a_job_of_fewer_documents_than_a_block_is_predicted_as_the_block_that_runs():
+    """A --policy of 8 x 4 rows on 2 documents was predicted as a full block of 32 (16x the measured
+    throughput, then more once the run's first steps calibrated it against 32 rows)."""
+    two = Workload(512, 32, num_sequences=2)
+    big, fitted = Policy(8, 4, weights=Placement(0, 1, 0)), Policy(2, 1, weights=Placement(0, 1, 0))
+    assert predict(big, SHAPE, two, MACHINE) == predict(fitted, SHAPE, two, MACHINE)
+    three = Workload(512, 32, num_sequences=3)                  # batches of 2 and 1, as the engine cuts them
+    assert predict(Policy(2, 4, weights=Placement(0, 1, 0)), SHAPE, three, MACHINE) == \
+        predict(Policy(2, 2, weights=Placement(0, 1, 0)), SHAPE, three, MACHINE)

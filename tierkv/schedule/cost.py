@@ -283,8 +283,12 @@ def evaluate(t: Terms, x: dict[str, float]) -> Estimate:
 
 
 def policy_terms(policy: Policy, shape: ModelShape, work: Workload, machine: Machine) -> Terms:
-    return terms(shape, work, machine, policy.gpu_batch_size, policy.num_gpu_batches,
-                 compress=policy.compress_kv, overlap=policy.overlap, weight_dtype=policy.weight_dtype)
+    """The terms of ``policy``'s blocks as they run ``work``: a job of fewer sequences than a block runs
+    one block of only those (its GPU batches cut as the engine cuts them), not a full one."""
+    rows = min(policy.block_size, work.num_sequences)
+    bs = min(policy.gpu_batch_size, rows)
+    return terms(shape, work, machine, bs, -(-rows // bs), compress=policy.compress_kv, overlap=policy.overlap,
+                 weight_dtype=policy.weight_dtype)
 
 
 def predict(policy: Policy, shape: ModelShape, work: Workload, machine: Machine) -> Estimate:
