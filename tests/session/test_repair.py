@@ -362,3 +362,16 @@ def test_a_folder_where_an_index_belongs_is_named_before_the_prefill_and_by_veri
     lines = verify(store).lines()
     assert "index folder sparse-indexes: unusable (not a folder: no document can be stored; move it aside)" in lines
     assert lines[-1].startswith("DAMAGED")
+
+
+def test_a_repair_with_other_settings_names_them_and_leaves_no_store_of_its_own(lm, tmp_path):
+    """It said only "other sparse settings than given here", and left an empty store of the settings given."""
+    answer(lm, tmp_path)
+    flip_high_bytes(tmp_path, stored_slots(tmp_path)[:3], random.Random(3))
+    stores = sorted(p.name for p in tmp_path.iterdir())
+    other = SessionConfig.of(**SETTINGS | dict(page_tokens=32, rank=8))
+    verdict = repair_store(tmp_path, other, loaded=lm)
+    (index,) = [i for i in verdict.indexes if i.kind == "index"]
+    assert index.note.startswith("not repaired: stored with another model or other sparse settings than given here (")
+    assert "page_tokens=16 (given 32)" in index.note and "rank=" in index.note
+    assert sorted(p.name for p in tmp_path.iterdir()) == stores

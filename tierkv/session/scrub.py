@@ -17,6 +17,7 @@ too (drops are journaled for every process).
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,9 +32,9 @@ from tierkv.model.settings import SessionConfig
 from tierkv.session.prefill import shelf_of, stored_state
 from tierkv.session.repair import Repair
 from tierkv.session.session import Session
-from tierkv.sparse.store import checked, read_checked_meta, read_ids
+from tierkv.sparse.store import checked, index_settings, read_checked_meta, read_ids
 from tierkv.tiers.nvme import NvmeTier
-from tierkv.tiers.nvme_scan import scan_journal, scan_read_only
+from tierkv.tiers.nvme_scan import journal_state, scan_journal, scan_read_only
 from tierkv.tiers.nvme_share import UNUSABLE
 
 INDEXES = "sparse-indexes"
@@ -216,13 +217,29 @@ def repair_store(nvme_dir: Path, config: SessionConfig, *, loaded: LoadedModel |
     broken = [i for i in verdict.indexes if i.problem or i.bad_pages]
     if not broken:
         return verdict
+    before = set(stores_in(nvme_dir))
     with Session(replace(config, tiers=replace(config.tiers, nvme_dir=Path(nvme_dir))), loaded=loaded) as session:
         backend = session.backend("sparse")
         shelf = shelf_of(backend.engine, nvme_dir)
         for check in broken:
             _repair_one(check, backend.engine, shelf)
+    for made in set(stores_in(nvme_dir)) - before:     # a store of the settings given, that nothing went into
+        if not len(journal_state(made)[0].index.records()[0]):
+            shutil.rmtree(made, ignore_errors=True)
     verdict.seconds = time.perf_counter() - start
     return verdict
+
+
+def _differences(path: Path, engine) -> str:
+    """The settings the index at ``path`` was stored with that differ from ``engine``'s, where it says them."""
+    with safe_open(str(path), framework="pt", backend="pread") as f:
+        stored = json.loads((f.metadata() or {}).get("settings", "null") or "null")
+    if not isinstance(stored, dict):
+        return ""
+    given = json.loads(json.dumps(index_settings(engine.layout, engine.config), default=str))
+    differ = [f"{name}={value!r} (given {given.get(name)!r})" for name, value in stored.items()
+              if given.get(name) != value]
+    return f" ({', '.join(differ)})" if differ else " (the same sparse settings: another model)"
 
 
 def _repair_one(check: IndexCheck, engine, shelf) -> None:
@@ -238,7 +255,8 @@ def _repair_one(check: IndexCheck, engine, shelf) -> None:
     if ids is None:
         check.note = "not repaired: the index does not record its tokens (stored by an earlier version)"
     elif shelf.path(ids) != check.path:
-        check.note = "not repaired: stored with another model or other sparse settings than given here"
+        check.note = "not repaired: stored with another model or other sparse settings than given here" + \
+            _differences(check.path, engine)
     else:
         state = stored_state(engine, shelf, ids)       # drops made its damaged pages missing: repaired here
         if state is None:

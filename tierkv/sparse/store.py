@@ -142,8 +142,14 @@ def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0, point
         tensors["ids"] = torch.tensor(list(ids), dtype=torch.int64)
     meta = {"version": VERSION, "tokens": json.dumps([s.length for s in seq.layers]),
             "pages": json.dumps([len(s.pages) for s in seq.layers]),
-            "energy": json.dumps([s.basis.energy_kept for s in seq.layers]), "prefill_s": repr(prefill_s)}
+            "energy": json.dumps([s.basis.energy_kept for s in seq.layers]), "prefill_s": repr(prefill_s),
+            "settings": json.dumps(index_settings(seq.layout, seq.config), default=str)}
     write_checked(path, tensors, meta, point)
+
+
+def index_settings(layout: BlockLayout, config: SparseConfig) -> dict[str, object]:
+    """What shaped an index besides the model (``identity_key``), as a repair with other settings is told."""
+    return {"pages": layout.name, **dict(config.identity())}
 
 
 def write_checked(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str], point: str) -> None:
