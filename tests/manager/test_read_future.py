@@ -195,6 +195,22 @@ def test_an_interrupted_wait_releases_the_blocks_when_they_arrive(tmp_path, knob
         assert_quiescent(mgr.manager)
 
 
+def test_a_wait_interrupted_after_its_blocks_arrived_releases_them(tmp_path, knobs, monkeypatch):
+    """The lease has arrived and ``wait`` is interrupted before the copy: its pins go with it."""
+    with manager(tmp_path / "s", knobs) as mgr:
+        keys = stored(mgr, 12)
+        future = mgr.read(keys, into=torch.zeros(len(keys), BLOCK, dtype=torch.uint8))
+        future._pending.result(timeout=30)
+
+        def interrupted(*args, **kwargs):
+            raise Interrupted
+        monkeypatch.setattr(mgr.manager.events, "wait", interrupted)
+        with pytest.raises(Interrupted):
+            future.wait()
+        settle(mgr, keys[0])
+        assert_quiescent(mgr.manager)
+
+
 def test_a_plain_read_waits_for_every_row_and_raises_for_a_block_stored_nowhere(tmp_path, knobs):
     with manager(tmp_path / "s", knobs) as mgr:
         keys = stored(mgr, 12)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tierkv.cli import main
-from tierkv.errors import ConfigError
+from tierkv.errors import BlockMissing, ConfigError
 from tierkv.keys import BlockKey
 from tierkv.failpoints import POINTS
 from tierkv.model.arch import model_spec
@@ -375,3 +375,32 @@ def test_a_repair_with_other_settings_names_them_and_leaves_no_store_of_its_own(
     assert index.note.startswith("not repaired: stored with another model or other sparse settings than given here (")
     assert "page_tokens=16 (given 32)" in index.note and "rank=" in index.note
     assert sorted(p.name for p in tmp_path.iterdir()) == stores
+
+
+def test_a_damaged_journal_record_makes_verify_call_the_store_damaged(tmp_path, capsys):
+    """The block a record in the middle of index.log stored is lost: the verdict is not clean (exit 1)."""
+    from tierkv.tiers.journal import RECORD_BYTES
+    _six_blocks(tmp_path / "s")
+    journal = tmp_path / "s" / "index.log"
+    raw = bytearray(journal.read_bytes())
+    raw[len(raw) - 3 * RECORD_BYTES + 10] ^= 1             # a record with whole ones after it
+    journal.write_bytes(bytes(raw))
+    verdict = verify(tmp_path)
+    assert verdict.stores[0].bad_records == 1 and not verdict.clean
+    assert main(["store", "verify", "--nvme-dir", str(tmp_path)]) == 1
+    assert "1 damaged journal record(s)" in capsys.readouterr().out
+
+
+def test_a_replay_that_seals_no_damaged_page_again_is_not_called_a_repair(lm, tmp_path, monkeypatch):
+    """A replay that stops before the damaged pages are sealed again must say so (BlockMissing), not
+    record a repair that did not happen."""
+    from tierkv.session import repair as repair_module
+    clean = answer(lm, tmp_path)
+    flip_high_bytes(tmp_path, random.Random(5).sample(stored_slots(tmp_path), 3), random.Random(6))
+    monkeypatch.setattr(repair_module, "_until", lambda seq, places: 0)
+    try:
+        again = answer(lm, tmp_path)
+    except BlockMissing as error:
+        assert "were not sealed again by a replay" in str(error)
+    else:
+        assert again.report["repairs"] == [] and again.tokens == clean.tokens

@@ -659,3 +659,17 @@ async def test_a_manager_at_its_share_while_extents_stay_unclaimed_still_writes_
             assert m.contains(key("M", 5)) and len(m.tiers["nvme"].pool._own) == 4
     finally:
         other.close()
+
+
+def test_a_process_may_not_write_into_another_one_s_slots(tmp_path: Path) -> None:
+    """Each opener writes only into the extents it claimed: a slot of another opener (or one named twice
+    in a batch) is refused before a byte is written, and the other's block stays readable."""
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as a, NvmeTier(store, BB, 8 * BB) as b:
+        slot = put(a, "A", range(1))[key("A", 0)]
+        with pytest.raises(ValueError, match=f"slot\\(s\\) \\[{slot}\\] are not in this process's extents"):
+            b.write([(key("B", 0), slot, torch.from_numpy(expected(key("B", 0))))])
+        mine = b.pool.reserve()
+        with pytest.raises(ValueError, match="the same slot appears twice"):
+            b.write([(key("B", i), mine, torch.from_numpy(expected(key("B", i)))) for i in range(2)])
+        assert verify(a) == (1, 0)
