@@ -35,7 +35,8 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
                    help="a .jsonl file (objects with 'text' and optional 'id') or a directory of text files")
     p.add_argument("--out", type=path_arg, required=True, help="output JSONL (appended; finished ids are skipped)")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a HF folder")
-    p.add_argument("--policy", default="auto", help="'auto' (search) or a policy JSON file")
+    p.add_argument("--policy", default="auto", help="'auto' (searched on this machine) or a policy JSON file "
+                                                     "(default auto)")
     p.add_argument("--gpu-budget", default=DEFAULTS["gpu_budget"],
                    help=f"bytes on the compute device: resident weights, KV, activations (default {DEFAULTS['gpu_budget']})")
     p.add_argument("--cpu-budget", default=DEFAULTS["cpu_budget"],
