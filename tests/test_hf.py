@@ -383,3 +383,33 @@ def test_a_cache_filled_under_inference_mode_goes_on_outside_it(tmp_path):
         assert outs[0].tolist() == outs[1].tolist()
         got.crop(-10)
         assert {row.length for layer in got.layers for row in layer.rows} == {got.get_seq_length()}
+
+
+def test_a_fork_let_go_of_unclosed_lets_go_of_its_blocks_and_the_last_closes_the_tiers(tmp_path):
+    """transformers' recipe makes a deep copy per question and never closes it: each one held the
+    prefix's blocks and its own for as long as the process lived, and the tiers were never closed."""
+    import copy
+    import gc
+    import time
+    torch.manual_seed(0)
+    config = FAMILIES["llama"]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    prefix = torch.randint(1, 256, (1, 150))
+    cache = TieredCache(config, gpu="1MiB", cpu="1MiB", block_tokens=32)
+    with torch.inference_mode():
+        model(prefix, cache=cache)
+    manager = cache.manager
+    blocks = manager.call(lambda: {e.key: e.holders for e in manager.manager.directory})
+    for _ in range(3):
+        greedy(model, torch.cat([prefix, torch.randint(1, 256, (1, 40))], dim=1), copy.deepcopy(cache), n=4)
+    gc.collect()
+    assert manager.call(lambda: {e.key: e.holders for e in manager.manager.directory}) == blocks
+    fork = copy.deepcopy(cache)
+    cache.close()
+    assert not manager.closed
+    del fork
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while not manager.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert manager.closed

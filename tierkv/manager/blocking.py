@@ -50,6 +50,7 @@ class BlockingTierManager:
         self._thread.start()
         self._closed = False
         self._released: deque[Any] = deque()   # places callers let go of, not yet unpinned on the loop
+        self._dropped: deque[list[BlockKey]] = deque()   # blocks let go of by `drop_later`, not yet dropped
         self._used: deque[tuple[str, Sequence[BlockKey]]] = deque()   # blocks lent unpinned, not yet touched
         try:
             self._run(manager.start())
@@ -310,6 +311,12 @@ class BlockingTierManager:
         interpreter's lock while the loop works (one wake per layer read, ~1 ms each on two cores)."""
         self._released.append(places)
 
+    def drop_later(self, keys: Sequence[BlockKey]) -> None:
+        """``drop`` without waiting for it, from any thread, a finalizer's included (which may run on the
+        loop's own thread, where waiting for the loop never ends): queued, and dropped on the loop before
+        anything asked later."""
+        self._dropped.append(list(keys))
+
     def _unpin_released(self) -> None:
         """On the loop: unpin what callers released, and tell the policies of the blocks lent unpinned
         (deques: appends from other threads are never lost)."""
@@ -320,8 +327,14 @@ class BlockingTierManager:
             name, keys = used.popleft()
             touch_all(self.manager.policies[name], keys)
 
+    async def _drop_queued(self) -> None:
+        while self._dropped:
+            await self.manager.drop(self._dropped.popleft())
+
     def _tick(self) -> None:
         self._unpin_released()
+        if self._dropped:
+            self.manager._spawn(self._drop_queued(), quiet=True)
         if not self._closed:
             self._loop.call_later(UNPIN_TICK_S, self._tick)
 
@@ -374,6 +387,8 @@ class BlockingTierManager:
 
     async def _after_releases(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
         self._unpin_released()    # what this thread released before it asked
+        if self._dropped:
+            await self._drop_queued()
         return await coro
 
     def call(self, fn: Any, *args: Any) -> Any:
