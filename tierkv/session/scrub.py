@@ -34,8 +34,8 @@ from tierkv.session.repair import Repair
 from tierkv.session.session import Session
 from tierkv.sparse.store import checked, index_settings, read_checked_meta, read_ids
 from tierkv.tiers.nvme import NvmeTier
-from tierkv.tiers.nvme_scan import journal_state, scan_journal, scan_read_only
-from tierkv.tiers.nvme_share import UNUSABLE
+from tierkv.tiers.nvme_scan import scan_journal, scan_read_only
+from tierkv.tiers.nvme_share import UNUSABLE, read_manifest
 
 INDEXES = "sparse-indexes"
 
@@ -50,7 +50,8 @@ class StoreCheck:
     torn_bytes: int = 0           # a last journal record a crash cut short: a write never completed (sound)
     problem: str | None = None    # the store cannot be read at all (its store.json)
     shared: bool = False          # a repair found another process with the store open: lost blocks only hidden
-    kept: bool = False            # a repair dropped nothing: every block failed (see `_drop_damaged`)
+    size_suspect: bool = False    # every block of several failed, and store.json has no checksum: its
+                                  # block size is likely not the one they were written with (nothing dropped)
 
     @property
     def clean(self) -> bool:
@@ -63,11 +64,10 @@ class StoreCheck:
         if drop:
             gone = "hidden from this repair: another process has the store open (repair again once it has " \
                    "closed it)" if self.shared else "dropped"
-        every = len(self.damaged) == self.blocks > 1
         return f"store {self.directory.name}: {self.blocks} blocks, " + \
             (f"{len(self.damaged)} damaged" if self.damaged else "all sound") + \
             (": every one, which damage does not do block by block; the block size in store.json is likely not "
-             "the one they were written with" + ("; nothing dropped" if self.kept else "") if every else "") + \
+             "the one they were written with" + ("; nothing dropped" if drop else "") if self.size_suspect else "") + \
             (f"; {self.lost} {gone}: their slots lie past the end of slots.dat (the file was cut short)"
              if self.lost else "") + \
             (f"; {self.bad_records} damaged journal record(s): the blocks they stored are {gone}"
@@ -103,7 +103,7 @@ class Verdict:
     def lines(self) -> list[str]:
         out = [s.line(self.repaired) for s in self.stores]
         for i in self.indexes:
-            parts = [] if i.kind == "index folder" else [f"{i.tokens} tokens"]
+            parts = [] if i.problem else [f"{i.tokens} tokens"]           # (a file that fails: not known)
             if i.problem:
                 parts.append(f"unusable ({i.problem})")
             elif i.kind == "index":
@@ -140,9 +140,10 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     for directory in stores_in(nvme_dir):
         check = StoreCheck(directory)
         try:
+            unchecked = "check" not in read_manifest(directory)     # (a store made before store.json had one)
             if drop:                            # (the journal read before the join drops what is lost)
                 scan = scan_journal(directory)
-                scan.keys, scan.damaged, check.shared, check.kept = _drop_damaged(directory, batch)
+                scan.keys, scan.damaged, check.shared = _drop_damaged(directory, batch, keep_if_all=unchecked)
             else:
                 scan = scan_read_only(directory)
         except ConfigError as error:            # (its store.json): the others are checked all the same
@@ -150,26 +151,26 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
         else:
             check.blocks, check.damaged, check.lost = len(scan.keys), scan.damaged, len(scan.lost)
             check.bad_records, check.torn_bytes = scan.bad_records, scan.torn_bytes
+            check.size_suspect = unchecked and len(scan.damaged) == len(scan.keys) > 1
             sound.update(scan.keys)
             sound.difference_update(scan.damaged)
         verdict.stores.append(check)
-    shelf = Path(nvme_dir, INDEXES)
-    if shelf.exists() and not shelf.is_dir():
-        verdict.indexes.append(IndexCheck(shelf, "index folder", problem="not a folder: no document can be "
+    folder = Path(nvme_dir, INDEXES)
+    if folder.exists() and not folder.is_dir():
+        verdict.indexes.append(IndexCheck(folder, "index folder", problem="not a folder: no document can be "
                                           "stored; move it aside"))
-    for path in sorted(shelf.glob("*.safetensors")) if shelf.is_dir() else ():
+    for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
         verdict.indexes.append(_check_index(path, sound))
     verdict.seconds = time.perf_counter() - start
     return verdict
 
 
-def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[BlockKey], bool, bool]:
+def _drop_damaged(directory: Path, batch: int, *, keep_if_all: bool) -> tuple[list[BlockKey], list[BlockKey], bool]:
     """The store's keys and those of its blocks that fail their checksum, dropped, read through the store
-    (joining it, as any process that uses it: the drops are journaled for every process); whether
-    another process had it open (then the blocks lost to a short data file are only hidden here); and
-    whether the failed blocks were kept. Where every block of several fails, nothing is dropped: that is
-    a store read with the wrong block size (its store.json changed), not blocks damaged one by one, and a
-    run reads no block that fails its checksum all the same."""
+    (joining it, as any process that uses it: the drops are journaled for every process); and whether
+    another process had it open (then the blocks lost to a short data file are only hidden here).
+    ``keep_if_all``: where every block of several fails, drop none: a store.json without a checksum may
+    have had its block size changed, and a run reads no block that fails its checksum all the same."""
     with NvmeTier.existing(directory) as tier:
         shared = not tier.opened_alone
         items = sorted(tier.items(), key=lambda item: item[1])
@@ -178,11 +179,10 @@ def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[Blo
         for first in range(0, len(items), batch):
             group = items[first:first + batch]
             damaged += tier.read([(key, slot, data[i]) for i, (key, slot) in enumerate(group)])
-        kept = len(damaged) == len(items) > 1
-        for key in () if kept else damaged:
+        for key in () if keep_if_all and len(damaged) == len(items) > 1 else damaged:
             tier.drop(key)
         tier.flush()
-    return [key for key, _ in items], damaged, shared, kept
+    return [key for key, _ in items], damaged, shared
 
 
 def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:
@@ -215,6 +215,9 @@ def repair_store(nvme_dir: Path, config: SessionConfig, *, loaded: LoadedModel |
     start = time.perf_counter()
     verdict = verify(nvme_dir, drop=True)
     broken = [i for i in verdict.indexes if i.problem or i.bad_pages]
+    for check in [i for i in broken if not i.path.is_file()]:   # a folder or a device where a file belongs:
+        check.note = "not repaired: move it aside"               # not this repair's to remove
+        broken.remove(check)
     if not broken:
         return verdict
     before = set(stores_in(nvme_dir))
@@ -224,28 +227,33 @@ def repair_store(nvme_dir: Path, config: SessionConfig, *, loaded: LoadedModel |
         for check in broken:
             _repair_one(check, backend.engine, shelf)
     for made in set(stores_in(nvme_dir)) - before:     # a store of the settings given, that nothing went into
-        if not len(journal_state(made)[0].index.records()[0]):
-            shutil.rmtree(made, ignore_errors=True)
+        _remove_if_unused(made)
     verdict.seconds = time.perf_counter() - start
     return verdict
 
 
-def _differences(path: Path, engine) -> str:
-    """The settings the index at ``path`` was stored with that differ from ``engine``'s, where it says them."""
+def _remove_if_unused(directory: Path) -> None:
+    """Remove the store in ``directory`` if it holds no block and no other process has it open."""
+    with NvmeTier.existing(directory) as tier:
+        unused = tier.opened_alone and next(iter(tier.items()), None) is None
+    if unused:
+        shutil.rmtree(directory)
+
+
+def _differences(path: Path, engine, ids: list[int]) -> str:
+    """The settings the index at ``path`` was stored with that differ from those ``engine`` would store
+    ``ids`` with, where the index says them."""
     with safe_open(str(path), framework="pt", backend="pread") as f:
         stored = json.loads((f.metadata() or {}).get("settings", "null") or "null")
     if not isinstance(stored, dict):
         return ""
-    given = json.loads(json.dumps(index_settings(engine.layout, engine.config), default=str))
+    given = json.loads(json.dumps(index_settings(engine.layout, engine.resolved(len(ids))), default=str))
     differ = [f"{name}={value!r} (given {given.get(name)!r})" for name, value in stored.items()
               if given.get(name) != value]
     return f" ({', '.join(differ)})" if differ else " (the same sparse settings: another model)"
 
 
 def _repair_one(check: IndexCheck, engine, shelf) -> None:
-    if not check.path.is_file():            # a folder or a device where a file belongs: not this repair's to remove
-        check.note = "not repaired: move it aside"
-        return
     if check.problem:
         check.path.unlink(missing_ok=True)
         check.note = "removed: " + ("the next run prefills the document again" if check.kind == "index"
@@ -256,7 +264,7 @@ def _repair_one(check: IndexCheck, engine, shelf) -> None:
         check.note = "not repaired: the index does not record its tokens (stored by an earlier version)"
     elif shelf.path(ids) != check.path:
         check.note = "not repaired: stored with another model or other sparse settings than given here" + \
-            _differences(check.path, engine)
+            _differences(check.path, engine, ids)
     else:
         state = stored_state(engine, shelf, ids)       # drops made its damaged pages missing: repaired here
         if state is None:

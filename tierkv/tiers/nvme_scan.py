@@ -33,8 +33,8 @@ def journal_state(directory: Path) -> tuple[Replay, int]:
         raw = (directory / "index.log").read_bytes() if (directory / "index.log").exists() else b""
         data = directory / "slots.dat"
         size = data.stat().st_size if data.exists() else 0
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{directory}: not a readable tierkv NVMe store ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"NVMe store {directory}: cannot read its files ({exc.strerror or exc})") from None
     state, _ = replay(raw, slots=size // block_bytes)
     return state, block_bytes
 

@@ -369,22 +369,25 @@ def read_manifest(directory: Path) -> dict:
     path = directory / "store.json"
     try:
         manifest = json.loads(path.read_text())
-        stored = (manifest["format"], manifest["version"], manifest["block_bytes"], manifest["namespace"])
-        if not isinstance(manifest["block_bytes"], int) or manifest["block_bytes"] <= 0:
-            raise ValueError(f"block_bytes={manifest['block_bytes']!r}")
+        form, version = manifest["format"], manifest["version"]
+        if (form, version) == (FORMAT, VERSION):      # (another format's fields are its own)
+            if not isinstance(manifest["block_bytes"], int) or manifest["block_bytes"] <= 0:
+                raise ValueError(f"block_bytes={manifest['block_bytes']!r}")
+            if not isinstance(manifest["namespace"], str):
+                raise ValueError(f"namespace={manifest['namespace']!r}")
     except KeyError as exc:
         raise ConfigError(f"NVMe store {directory}: unreadable store.json (no field {exc}){UNUSABLE}") from None
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(f"NVMe store {directory}: unreadable store.json ({exc}){UNUSABLE}") from None
+    if (form, version) != (FORMAT, VERSION):
+        raise ConfigError(f"NVMe store {directory}: format {form!r} v{version}; this tierkv reads {FORMAT!r} "
+                          f"v{VERSION}")
     for name in ("slots.dat", "index.log"):       # a folder or a device in their place is no store's file
         if (directory / name).exists() and not (directory / name).is_file():
             raise ConfigError(f"NVMe store {directory}: {name} is not a file{UNUSABLE}")
     if "check" in manifest and manifest["check"] != _manifest_check(manifest):
         raise ConfigError(f"NVMe store {directory}: store.json fails its checksum (damaged: its block size "
                           f"or namespace cannot be trusted, so no block of it is read){UNUSABLE}")
-    if stored[:2] != (FORMAT, VERSION):
-        raise ConfigError(f"NVMe store {directory}: format {stored[0]!r} v{stored[1]}; "
-                          f"this tierkv reads {FORMAT!r} v{VERSION}")
     return manifest
 
 
