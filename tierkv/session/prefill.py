@@ -68,7 +68,6 @@ def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, 
             progress(found)
             if found == len(ids):
                 return Opened(state, found)
-            state.seq.detach()                       # the stored state stays as it was stored
             try:
                 state.absorb(ids[found:], progress)
             except BaseException:
@@ -95,6 +94,7 @@ def stored_state(engine: SparseEngine, shelf: Shelf, ids: Sequence[int]) -> Spar
             log.warning("sparse index %s: %s; prefilling again", path.name, error)
             seq.release(keep=True)
             return None
+    seq.detach()                 # pages it seals from now on are its own, not the stored document's
     return SparseState(engine, seq, ids)
 
 
@@ -127,7 +127,7 @@ def _prefill_into(seq: SparseSequence, engine: SparseEngine, ids: Sequence[int],
     share_index(engine, path)
     partial.unlink(missing_ok=True)
     seq.origin = Origin.of(seq, path, ids)
-    seq.persist = False          # pages sealed after this are not part of the stored state
+    seq.detach()                 # pages sealed after this are not part of the stored state: keyed apart
     return Opened(SparseState(engine, seq, ids), 0, seq.resumed_tokens)
 
 

@@ -107,8 +107,6 @@ class SparseSequence:
         """Forget the newest ``tokens`` tokens in every layer (``LayerState.crop``)."""
         for state in self.layers:
             state.crop(tokens)
-        if self.shared_pages is not None:
-            self.shared_pages = [min(n, len(state.pages)) for n, state in zip(self.shared_pages, self.layers)]
 
     def detach(self) -> None:
         """From now on the pages this sequence seals are its own (a private root, not stored for reuse):
