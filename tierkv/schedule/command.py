@@ -16,7 +16,6 @@ import sys
 
 from tierkv.errors import ConfigError
 from tierkv.flags import path_arg
-from tierkv.tiers.nvme_share import prepare_store_dir
 from tierkv.sizes import format_size, parse_size
 from tierkv.model.prompt import DEFAULT_QUESTION
 from tierkv.schedule.job import JobConfig, JobResult, run_job
@@ -82,8 +81,6 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
 def cmd_batch(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    if args.nvme_dir is not None:
-        prepare_store_dir(args.nvme_dir)      # its scratch, said now: not at the first spill
     config = JobConfig(inputs=args.inputs, out=args.out, model=args.model, policy=args.policy,
                        gpu_budget=parse_size(args.gpu_budget, "--gpu-budget"),
                        cpu_budget=parse_size(args.cpu_budget, "--cpu-budget"), nvme_dir=args.nvme_dir,

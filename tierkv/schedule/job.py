@@ -46,6 +46,7 @@ from tierkv.schedule.documents import Document, OutputLog, read_inputs
 from tierkv.schedule.engine import BLOCK_TOKENS, BatchEngine, EngineLimits
 from tierkv.schedule.policy import Placement, Policy, check_weight_dtype, read_policy
 from tierkv.schedule.weights import parameter_sizes, tensor_homes
+from tierkv.tiers.nvme_share import prepare_store_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO_DTYPE = "auto"        # bf16 where the device computes it natively, fp32 elsewhere (see compute_dtype)
@@ -122,6 +123,8 @@ def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: P
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before the model loads
     if loaded is None:
         resolve_source(config.model)          # an unknown model is named as such, before --out is read
+    if config.nvme_dir is not None:
+        prepare_store_dir(config.nvme_dir)    # the scratch, said now: not at the first spill
     docs = read_inputs(config.inputs, out=config.out)
     with OutputLog(config.out, config.output_settings(fixed), retry_failed=config.retry_failed) as out:
         todo = [d for d in docs if d.id not in out.done]
