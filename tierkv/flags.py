@@ -118,14 +118,16 @@ def check_writable(flag: str, path: Path) -> None:
         raise ConfigError(f"{flag} {path}: is a directory; give a file name")
     if not path.parent.is_dir():
         raise ConfigError(f"{flag} {path}: no such directory {path.parent}")
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"{flag} {path}: a link to {os.readlink(path)}, which does not exist")
     existed = path.exists()
     try:                              # tried, not judged from permission bits: root passes those everywhere
-        with open(path, "ab"):
-            pass
+        flags = os.O_WRONLY | (os.O_APPEND | os.O_NONBLOCK if existed else os.O_CREAT | os.O_EXCL)
+        os.close(os.open(path, flags, 0o644))           # (a pipe with no reader fails, not blocks)
     except OSError as error:
         raise ConfigError(f"{flag} {path}: cannot write there ({error.strerror or error})") from None
     if not existed:
-        path.unlink(missing_ok=True)
+        path.unlink()
 
 
 def _base_type(hint: Any) -> type:
