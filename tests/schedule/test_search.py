@@ -219,10 +219,14 @@ def test_the_in_run_factor_scales_the_compute_the_run_found():
 
 def test_a_job_of_fewer_documents_than_a_block_is_predicted_as_the_block_that_runs():
     """A --policy of 8 x 4 rows on 2 documents was predicted as a full block of 32 (16x the measured
-    throughput, then more once the run's first steps calibrated it against 32 rows)."""
-    two = Workload(512, 32, num_sequences=2)
-    big, fitted = Policy(8, 4, weights=Placement(0, 1, 0)), Policy(2, 1, weights=Placement(0, 1, 0))
-    assert predict(big, SHAPE, two, MACHINE) == predict(fitted, SHAPE, two, MACHINE)
+    throughput, then more once the run's first steps calibrated it against 32 rows). The engine runs the
+    one GPU batch they fill, computes their 2 rows, and keeps 8-row KV blocks and all 4 batches' memory."""
+    w = Placement(0, 1, 0)
+    two, full = Workload(512, 32, num_sequences=2), Workload(512, 32)
+    big, one_batch = predict(Policy(8, 4, weights=w), SHAPE, two, MACHINE), predict(Policy(8, 1, weights=w), SHAPE,
+                                                                                     two, MACHINE)
+    assert big.tokens_per_s == one_batch.tokens_per_s and big.memory["gpu"] > one_batch.memory["gpu"]
+    assert big.tokens_per_s < predict(Policy(8, 4, weights=w), SHAPE, full, MACHINE).tokens_per_s / 4
     three = Workload(512, 32, num_sequences=3)                  # batches of 2 and 1, as the engine cuts them
-    assert predict(Policy(2, 4, weights=Placement(0, 1, 0)), SHAPE, three, MACHINE) == \
-        predict(Policy(2, 2, weights=Placement(0, 1, 0)), SHAPE, three, MACHINE)
+    assert predict(Policy(2, 4, weights=w), SHAPE, three, MACHINE).tokens_per_s == \
+        predict(Policy(2, 2, weights=w), SHAPE, three, MACHINE).tokens_per_s

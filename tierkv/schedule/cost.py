@@ -200,13 +200,19 @@ class Terms:
 
 
 def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, compress: bool,
-          overlap: bool, weight_dtype: str | None = None) -> Terms:
+          overlap: bool, weight_dtype: str | None = None, rows: int | None = None) -> Terms:
+    """``rows``: the sequences a block holds when fewer than ``bs * nb`` (a job of fewer documents). The
+    engine then runs only the GPU batches they fill, and computes only their rows; its KV blocks and
+    the memory it sets aside keep ``bs`` rows and ``nb`` batches."""
+    memory = memory_terms(shape, work, bs, nb, compress, weight_dtype)
+    rows = bs * nb if rows is None else min(rows, bs * nb)
+    nb, cbs = -(-rows // bs), min(bs, rows)          # the batches that run, the rows one computes
     P, n, L = round(work.padded_len(bs)), work.gen_len, shape.num_layers
     S_l = shape.stored_layer_bytes(weight_dtype)
     stage = S_l / m.memcpy + (S_l / m.convert[weight_dtype] if shape.converts(weight_dtype) else 0.0)
     phases, serial, thread = {}, {}, {}
     for phase, T, ctx in (("prefill", P, 0), ("decode", 1, P + n // 2)):
-        work_s = prefill_s(work, m, bs) if phase == "prefill" else m.layer_s(bs) + m.attention_s(bs, 1, ctx + 1)
+        work_s = prefill_s(work, m, bs) if phase == "prefill" else m.layer_s(cbs) + m.attention_s(cbs, 1, ctx + 1)
         compute = Linear(nb * work_s)
         kv_read = shape.kv_bytes(bs, ctx, compress) * nb
         kv_new = shape.kv_bytes(bs, T, compress) * nb
@@ -220,8 +226,8 @@ def terms(shape: ModelShape, work: Workload, m: Machine, bs: int, nb: int, *, co
         bounds = [compute + copies] if m.copies_on_compute else [compute, copies]
         phases[phase] = bounds + [disk_read, disk_write]
         serial[phase] = compute + copies + disk_read + disk_write
-    return Terms(phases, serial, thread, n * nb * m.head_s(bs), memory_terms(shape, work, bs, nb, compress, weight_dtype),
-                 L, n, bs * nb, overlap, bs, nb, compress, weight_dtype)
+    return Terms(phases, serial, thread, n * nb * m.head_s(cbs), memory, L, n, rows, overlap, bs, nb, compress,
+                 weight_dtype)
 
 
 def prefill_s(work: Workload, m: Machine, bs: int) -> float:
@@ -283,12 +289,10 @@ def evaluate(t: Terms, x: dict[str, float]) -> Estimate:
 
 
 def policy_terms(policy: Policy, shape: ModelShape, work: Workload, machine: Machine) -> Terms:
-    """The terms of ``policy``'s blocks as they run ``work``: a job of fewer sequences than a block runs
-    one block of only those (its GPU batches cut as the engine cuts them), not a full one."""
-    rows = min(policy.block_size, work.num_sequences)
-    bs = min(policy.gpu_batch_size, rows)
-    return terms(shape, work, machine, bs, -(-rows // bs), compress=policy.compress_kv, overlap=policy.overlap,
-                 weight_dtype=policy.weight_dtype)
+    """The terms of ``policy``'s blocks as they run ``work`` (a job of fewer sequences than a block runs
+    one block of only those: see ``terms``)."""
+    return terms(shape, work, machine, policy.gpu_batch_size, policy.num_gpu_batches, compress=policy.compress_kv,
+                 overlap=policy.overlap, weight_dtype=policy.weight_dtype, rows=work.num_sequences)
 
 
 def predict(policy: Policy, shape: ModelShape, work: Workload, machine: Machine) -> Estimate:
