@@ -394,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
         IOKnobs.from_env().apply_to_process()   # this process is tierkv's own
         if args.command != "serve":             # (the server's log lines carry times: its own format)
             logging.basicConfig(level=logging.WARNING, format="tierkv: %(message)s")
@@ -409,7 +410,7 @@ def _main(argv: list[str] | None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # (the exit's flush would fail too)
         return 128 + signal.SIGPIPE          # as a command killed by SIGPIPE: `tierkv ... | head` is no error
     except (TierKVError, OSError) as error:
-        print(f"tierkv: error: {error}", file=sys.stderr)
+        print(f"tierkv: error: {_as_flag(str(error), parser)}", file=sys.stderr)
         return 2 if _usage(error) else 1
     except Terminated:
         print("tierkv: terminated", file=sys.stderr)
@@ -427,6 +428,30 @@ def _stdout_gone() -> bool:
         return any(events & select.POLLERR for _, events in poll.poll(0))
     except (OSError, ValueError, AttributeError):
         return False
+
+
+_FIELD = re.compile(r"([a-z][a-z0-9_]*)(?==|: )")
+
+
+def _as_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """A settings error names its field (``gpu_budget='10XB': ...``, as the library takes it); the command
+    line says the flag it was given as (``--gpu-budget='10XB': ...``)."""
+    field = _FIELD.match(message)
+    if field is None or field[1] not in _flag_dests(parser):
+        return message
+    return "--" + field[1].replace("_", "-") + message[field.end():]
+
+
+def _flag_dests(parser: argparse.ArgumentParser) -> set[str]:
+    """The names of every option of ``parser`` and its commands, as settings fields spell them."""
+    dests = set()
+    for action in parser._actions:
+        if action.option_strings and action.option_strings[0].startswith("--"):
+            dests.add(action.option_strings[0][2:].replace("-", "_"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                dests |= _flag_dests(sub)
+    return dests
 
 
 def _usage(error: BaseException) -> bool:
