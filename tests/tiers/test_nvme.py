@@ -478,3 +478,18 @@ def test_a_store_is_scanned_without_joining_it_empty_damaged_cut_short_or_with_a
         == {p: b for p, b in files.items() if p.suffix not in (".dat", ".log")}        # nothing else written
 
 
+
+
+def test_a_growth_the_disk_refused_halfway_is_given_back(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system may keep part of a fallocate that then fails for want of room: slots.dat is cut back
+    to its size before, so a full disk leaves no slots past what the journal knows."""
+    with NvmeTier(store, BB, 1024 * BB) as tier:
+        before = os.fstat(tier._file.fd).st_size
+
+        def partly(fd: int, offset: int, length: int) -> None:
+            os.ftruncate(fd, offset + length // 2)               # half of it taken, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(nvme.os, "posix_fallocate", partly)
+        with pytest.raises(DiskFullError):
+            tier._grow_to(before + 512 * BB)
+        assert os.fstat(tier._file.fd).st_size == before

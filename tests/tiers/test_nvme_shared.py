@@ -673,3 +673,18 @@ def test_a_process_may_not_write_into_another_one_s_slots(tmp_path: Path) -> Non
         with pytest.raises(ValueError, match="the same slot appears twice"):
             b.write([(key("B", i), mine, torch.from_numpy(expected(key("B", i)))) for i in range(2)])
         assert verify(a) == (1, 0)
+
+
+def test_a_process_whose_extents_another_unclaimed_stops_claiming(tmp_path: Path) -> None:
+    """Another process reaped this one's extents (its owner file gone, say): this one may neither claim
+    more nor go on writing into slots another may now take."""
+    store = tmp_path / "store"
+    with NvmeTier(store, BB, 8 * BB) as tier:
+        tier.pool.reserve()
+        claims = tier.pool._claims
+        with claims.locked():
+            for extent in sorted(tier.pool._own):
+                claims.write(extent, 0)                     # as a process reaping this one would
+        with pytest.raises(StoreUnusable, match=r"extents \[.*\] of this process were unclaimed by another"):
+            for _ in range(8):
+                tier.pool.reserve()
