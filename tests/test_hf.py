@@ -413,3 +413,38 @@ def test_a_fork_let_go_of_unclosed_lets_go_of_its_blocks_and_the_last_closes_the
     while not manager.closed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert manager.closed
+
+
+def test_a_cache_collected_unclosed_leaves_no_block_in_its_store_and_a_script_left_so_exits(tmp_path):
+    """Its blocks are keyed under a root of its own, which no later cache finds: left in the store they
+    only filled it. A script that never closed its cache or its copies used to hang at exit."""
+    import gc
+    import subprocess
+    import sys
+    from tierkv.tiers.nvme import NvmeTier
+    torch.manual_seed(0)
+    config = FAMILIES["llama"]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    cache = TieredCache(config, gpu="64KiB", cpu="128KiB", nvme_dir=tmp_path / "kv", block_tokens=16)
+    greedy(model, torch.randint(1, 256, (1, 300)), cache, n=2)
+    manager = cache.manager
+    (store,) = (tmp_path / "kv").iterdir()
+    del cache
+    gc.collect()
+    manager._thread.join(timeout=30)
+    assert manager.closed and not manager._thread.is_alive()
+    with NvmeTier.existing(store) as tier:
+        assert next(iter(tier.items()), None) is None
+    script = ("import copy, torch, transformers\n"
+              "from tierkv.hf import TieredCache\n"
+              f"config = transformers.LlamaConfig(**{SMALL!r})\n"
+              "model = transformers.AutoModelForCausalLM.from_config(config).eval()\n"
+              "ids = torch.randint(1, 256, (1, 200))\n"
+              f"cache = TieredCache(config, gpu='64KiB', cpu='128KiB', nvme_dir={str(tmp_path / 'kv2')!r}, block_tokens=16)\n"
+              "with torch.inference_mode():\n"
+              "    model(ids, cache=cache)\n"
+              "model.generate(ids, cache=copy.deepcopy(cache), max_new_tokens=3, do_sample=False, pad_token_id=0)\n"
+              "print('end')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "end", done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]

@@ -31,7 +31,6 @@ import contextlib
 import copy
 import numbers
 import os
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -270,17 +269,15 @@ class TieredCache(Cache):
 
     def __del__(self) -> None:
         """A cache let go of unclosed (a fork ``copy.deepcopy`` made, as transformers' recipes drop them)
-        lets go of its blocks; the last of its forks to go closes the tiers they shared, on a thread of its
-        own (a finalizer may run on the tiers' own loop thread, which ``close`` waits for)."""
+        lets go of its blocks, and the last of its forks to go closes the tiers they shared. Nothing here
+        waits: a finalizer may run on the tiers' own loop thread, or as the interpreter exits."""
         if getattr(self, "closed", True) or getattr(self, "manager", None) is None:
             return
         self.closed, manager = True, self.manager
         self._sharers[0] -= 1
-        if self._owns_manager and not self._sharers[0]:
-            with contextlib.suppress(RuntimeError):      # (at the interpreter's exit no thread starts)
-                threading.Thread(target=manager.close, name="tierkv-cache-close", daemon=True).start()
-            return
         manager.drop_later([key for layer in self.layers for row in layer.rows for key in row.blocks])
+        if self._owns_manager and not self._sharers[0]:
+            manager.close_later()
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:

@@ -11,6 +11,7 @@ loop runs on a thread of its own. Each call hops to that loop and waits::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 from collections import deque
@@ -46,7 +47,8 @@ class BlockingTierManager:
     def __init__(self, manager: TierManager) -> None:
         self.manager = manager
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tierkv-loop", daemon=True)
+        self._ends_itself = False             # set by `close_later`: the loop's thread closes the loop
+        self._thread = threading.Thread(target=self._serve, name="tierkv-loop", daemon=True)
         self._thread.start()
         self._closed = False
         self._released: deque[Any] = deque()   # places callers let go of, not yet unpinned on the loop
@@ -351,6 +353,28 @@ class BlockingTierManager:
             self._run(self.manager.aclose())
         finally:
             self._stop_loop()
+
+    def close_later(self) -> None:
+        """``close`` without waiting for it, from any thread, a finalizer's included: the loop drops what
+        `drop_later` queued, closes the tiers, and ends (no thread is started or waited for: a finalizer
+        may run on the loop's own thread, or as the interpreter exits)."""
+        if self._closed:
+            return
+        self._closed, self._ends_itself = True, True
+
+        async def close() -> None:
+            try:
+                await self._drop_queued()
+                await self.manager.aclose()
+            finally:
+                self._loop.stop()
+        with contextlib.suppress(RuntimeError):           # its loop has ended already
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(close()))
+
+    def _serve(self) -> None:
+        self._loop.run_forever()
+        if self._ends_itself:                 # stopped by `close_later`: nobody joins this thread to close it
+            self._loop.close()
 
     def __enter__(self) -> BlockingTierManager:
         return self
