@@ -384,7 +384,7 @@ def test_a_repair_with_other_settings_names_them_and_leaves_no_store_of_its_own(
     verdict = repair_store(tmp_path, other, loaded=lm)
     (index,) = [i for i in verdict.indexes if i.kind == "index"]
     assert index.note.startswith("not repaired: stored with another model or other sparse settings than given here (")
-    assert "page_tokens=16 (given 32)" in index.note and "rank=" in index.note
+    assert "(stored with --rank the default (given 8), --page-tokens 16 (given 32))" in index.note
     assert "positions" not in index.note and "dense_prefill" not in index.note    # as resolved for the document
     assert sorted(p.name for p in tmp_path.iterdir()) == stores
 

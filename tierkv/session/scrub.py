@@ -248,9 +248,16 @@ def _differences(path: Path, engine, ids: list[int]) -> str:
     if not isinstance(stored, dict):
         return ""
     given = json.loads(json.dumps(index_settings(engine.layout, engine.resolved(len(ids))), default=str))
-    differ = [f"{name}={value!r} (given {given.get(name)!r})" for name, value in stored.items()
-              if given.get(name) != value]
-    return f" ({', '.join(differ)})" if differ else " (the same sparse settings: another model)"
+    differ = [name for name, value in stored.items() if name != "pages" and given.get(name) != value]
+    if not differ and stored.get("pages") != given.get("pages"):
+        differ = ["pages"]                  # the page layout alone: the model's shape, or --dtype / --page-dtype
+    shown = [f"--{name.replace('_', '-')} {_shown(stored[name])} (given {_shown(given.get(name))})"
+             if name != "pages" else f"pages {stored[name]} (given {given.get(name)})" for name in differ]
+    return f" (stored with {', '.join(shown)})" if shown else " (the same sparse settings: another model)"
+
+
+def _shown(value: object) -> str:
+    return "the default" if value is None else str(value)
 
 
 def _repair_one(check: IndexCheck, engine, shelf) -> None:

@@ -4,7 +4,7 @@ A store is one directory (0700; every file 0600)::
 
     DIR/
       store.json   manifest: {"format": "tierkv-nvme", "version": 1, "block_bytes",
-                   "namespace", "created", "check": xxh3 of the others}; opening with
+                   "namespace", "created", "check": xxh3 of the first four}; opening with
                    another block_bytes or namespace, or one failing its check, is a
                    ConfigError (tierkv.tiers.nvme_share.read_manifest)
       slots.dat    slot i at offset i * block_bytes; grown with fallocate (doubling, at

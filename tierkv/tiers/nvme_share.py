@@ -352,7 +352,7 @@ def _name(owner: int) -> str:
 
 
 # -- manifest ----------------------------------------------------------------
-_MANIFEST_FIELDS = ("format", "version", "block_bytes", "namespace", "created")
+_MANIFEST_FIELDS = ("format", "version", "block_bytes", "namespace")     # ("created" says nothing of the data)
 UNUSABLE = "; move the store aside or remove it: a run makes a new one"
 
 
