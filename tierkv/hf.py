@@ -241,8 +241,9 @@ class TieredCache(Cache):
     def fork(self) -> TieredCache:
         """A second cache of the same tokens that goes on on its own: every sealed block is shared (held
         once more) and each row's tail copied, so nothing of the KV is copied whole. ``copy.deepcopy``
-        calls it, as transformers' recipe for reusing a prompt's cache does. Close each fork; the
-        tiers they share are freed when the last one closes."""
+        calls it, as transformers' recipe for reusing a prompt's cache does. Close each fork (one let go
+        of unclosed lets go of its blocks when it is collected); the tiers they share are freed when the
+        last one goes."""
         if self.closed:
             raise ManagerClosed("this TieredCache was closed (its blocks are freed): make a new one")
         twin = copy.copy(self)
