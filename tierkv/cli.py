@@ -34,7 +34,7 @@ import torch
 from tierkv.sizes import format_size
 from tierkv.device import GDS_INSTALL, auto_dtype, has_cuda, has_cuda_driver, native_bf16
 from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
-from tierkv.flags import add_flags, build, given, nest, path_arg
+from tierkv.flags import add_flags, as_flag, build, given, nest, path_arg
 from tierkv.knobs import IOKnobs
 from tierkv.profile.command import add_profile
 from tierkv.tune.tune import add_tune
@@ -410,7 +410,7 @@ def _main(argv: list[str] | None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # (the exit's flush would fail too)
         return 128 + signal.SIGPIPE          # as a command killed by SIGPIPE: `tierkv ... | head` is no error
     except (TierKVError, OSError) as error:
-        print(f"tierkv: error: {_as_flag(str(error), parser)}", file=sys.stderr)
+        print(f"tierkv: error: {as_flag(str(error), parser)}", file=sys.stderr)
         return 2 if _usage(error) else 1
     except Terminated:
         print("tierkv: terminated", file=sys.stderr)
@@ -428,30 +428,6 @@ def _stdout_gone() -> bool:
         return any(events & select.POLLERR for _, events in poll.poll(0))
     except (OSError, ValueError, AttributeError):
         return False
-
-
-_FIELD = re.compile(r"([a-z][a-z0-9_]*)(?==|: )")
-
-
-def _as_flag(message: str, parser: argparse.ArgumentParser) -> str:
-    """A settings error names its field (``gpu_budget='10XB': ...``, as the library takes it); the command
-    line says the flag it was given as (``--gpu-budget='10XB': ...``)."""
-    field = _FIELD.match(message)
-    if field is None or field[1] not in _flag_dests(parser):
-        return message
-    return "--" + field[1].replace("_", "-") + message[field.end():]
-
-
-def _flag_dests(parser: argparse.ArgumentParser) -> set[str]:
-    """The names of every option of ``parser`` and its commands, as settings fields spell them."""
-    dests = set()
-    for action in parser._actions:
-        if action.option_strings and action.option_strings[0].startswith("--"):
-            dests.add(action.option_strings[0][2:].replace("-", "_"))
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                dests |= _flag_dests(sub)
-    return dests
 
 
 def _usage(error: BaseException) -> bool:

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import numbers
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -241,3 +242,27 @@ def _accepted(cls: type) -> dict[str, tuple[tuple[type, ...], str]]:
     for f, inner in nested(cls):
         found |= _accepted(inner)
     return found
+
+
+_FIELD = re.compile(r"([a-z][a-z0-9_]*)(?==|: )")
+
+
+def as_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """A settings error names its field (``gpu_budget='10XB': ...``, as the library takes it); the command
+    line says the flag it was given as (``--gpu-budget='10XB': ...``)."""
+    field = _FIELD.match(message)
+    if field is None or field[1] not in _flag_dests(parser):
+        return message
+    return "--" + field[1].replace("_", "-") + message[field.end():]
+
+
+def _flag_dests(parser: argparse.ArgumentParser) -> set[str]:
+    """The names of every option of ``parser`` and its commands, as settings fields spell them."""
+    dests = set()
+    for action in parser._actions:
+        if action.option_strings and action.option_strings[0].startswith("--"):
+            dests.add(action.option_strings[0][2:].replace("-", "_"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                dests |= _flag_dests(sub)
+    return dests
