@@ -121,10 +121,7 @@ class _Prompt:
 def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: Progress | None = None,
             on_policy: Callable[[Policy, float], None] | None = None) -> JobResult:
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before the model loads
-    if loaded is None:
-        resolve_source(config.model)          # an unknown model is named as such, before --out is read
-    if config.nvme_dir is not None:
-        prepare_store_dir(config.nvme_dir)    # the scratch, said now: not at the first spill
+    check_here(config, model=loaded is None)
     docs = read_inputs(config.inputs, out=config.out)
     with OutputLog(config.out, config.output_settings(fixed), retry_failed=config.retry_failed) as out:
         todo = [d for d in docs if d.id not in out.done]
@@ -134,6 +131,15 @@ def run_job(config: JobConfig, *, loaded: LoadedModel | None = None, progress: P
         result = summarize(config, loaded, todo, out.write, progress=progress, on_policy=on_policy, fixed=fixed)
         result.skipped = len(docs) - len(todo)
     return result
+
+
+def check_here(config: JobConfig, *, model: bool = True) -> None:
+    """What this machine must have for the job, said before ``--out`` is read: the model (``model``: it is
+    loaded here), and a scratch folder it can use."""
+    if model:
+        resolve_source(config.model)          # an unknown model is named as such
+    if config.nvme_dir is not None:
+        prepare_store_dir(config.nvme_dir)    # not at the first spill
 
 
 def summarize(config: JobConfig, loaded: LoadedModel, docs: list[Document], write: Callable[[dict], None], *,

@@ -36,11 +36,9 @@ from pathlib import Path
 
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.failpoints import failpoint
-from tierkv.model.loading import resolve_source
 from tierkv.schedule.documents import FAILED, Document, OutputLog, read_inputs
-from tierkv.schedule.job import JobConfig, JobResult, Progress, compute_dtype
+from tierkv.schedule.job import JobConfig, JobResult, Progress, check_here, compute_dtype
 from tierkv.schedule.policy import Policy, read_policy
-from tierkv.tiers.nvme_share import prepare_store_dir
 
 log = logging.getLogger(__name__)
 WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}    # as the CLI: spinning OpenMP threads starve tierkv's I/O threads
@@ -117,9 +115,7 @@ def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | 
     """Summarize ``config.inputs`` into ``config.out`` through Ray; resumes like ``run_job``."""
     fixed = None if config.policy == "auto" else read_policy(Path(config.policy))   # fail before Ray starts
     if options.address == "local":            # (a cluster's workers may hold a model the driver does not)
-        resolve_source(config.model)          # an unknown model is named as such, before --out is read
-        if config.nvme_dir is not None:
-            prepare_store_dir(config.nvme_dir)
+        check_here(config)
     docs = read_inputs(config.inputs, out=config.out)
     if options.address != "local":
         _check_reachable(options.address)    # before --out is made: a refused address leaves nothing behind
