@@ -125,7 +125,12 @@ def test_info_text(capsys):
      "invalid choice: 'heads' (choose from 'pages', 'chunks')"),
     (["run", "--synthetic-tokens", "100", "--rank", "500", "--mode", "sparse"], "rank=500: at most the key dimensions"),
     (["run", "--synthetic-tokens", "100", "--cxl-budget", "lots"], "--cxl-budget='lots'"),
-    (["run", "--synthetic-tokens", "100", "--chunk-tokens", "1000"], "must be a multiple of block_tokens=256"),
+    (["run", "--synthetic-tokens", "100", "--chunk-tokens", "1000"],
+     "--chunk-tokens=1000: must be a multiple of --block-tokens=256"),
+    (["run", "--synthetic-tokens", "100", "--mode", "sparse", "--rank", "-3"], "--rank=-3: must be > 0 (unset: the default)"),
+    (["run", "--synthetic-tokens", "100", "--mode", "sparse", "--page-tokens", "12"],
+     "--page-tokens=12: must be a multiple of the tokens one landmark summarises (the sparse chunk_tokens, 8; "
+     "not --chunk-tokens"),
     (["run", "--synthetic-tokens", "100", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["run", "--synthetic-tokens", "100", "--mode", "dense", "--no-sparse-overlap"],
      "--no-sparse-overlap: sparse-mode settings, but --mode dense"),

@@ -245,15 +245,22 @@ def _accepted(cls: type) -> dict[str, tuple[tuple[type, ...], str]]:
 
 
 _FIELD = re.compile(r"([a-z][a-z0-9_]*)(?==|: )")
+_NAMED = re.compile(r"(?<![\w.\[-])([a-z][a-z0-9]*_[a-z0-9_]+)(?==)")
 
 
 def as_flag(message: str, parser: argparse.ArgumentParser) -> str:
-    """A settings error names its field (``gpu_budget='10XB': ...``, as the library takes it); the command
-    line says the flag it was given as (``--gpu-budget='10XB': ...``)."""
+    """A settings error names its fields (``chunk_tokens=100: must be a multiple of block_tokens=256``,
+    as the library takes them); the command line says the flags they were given as (``--chunk-tokens=100:
+    must be a multiple of --block-tokens=256``). Past the message's start only ``two_words=`` is taken for a
+    field: a single word there (``policy='x'``) is as often a function's own argument."""
+    dests = _flag_dests(parser)
     field = _FIELD.match(message)
-    if field is None or field[1] not in _flag_dests(parser):
-        return message
-    return "--" + field[1].replace("_", "-") + message[field.end():]
+    start = 0
+    if field is not None and field[1] in dests:
+        message, start = "--" + field[1].replace("_", "-") + message[field.end():], field.end() + 2
+    rest = _NAMED.sub(lambda named: "--" + named[1].replace("_", "-") if named[1] in dests else named[0],
+                      message[start:])
+    return message[:start] + rest
 
 
 def _flag_dests(parser: argparse.ArgumentParser) -> set[str]:

@@ -45,7 +45,8 @@ def test_explicit_rank_must_fit_the_keys():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("page_tokens", 12, "multiple of the tokens one landmark summarises .*chunk_tokens=8; not --chunk-tokens"), ("sink_tokens", 4, "multiple of chunk_tokens"),
+    ("page_tokens", 12, "multiple of the tokens one landmark summarises .*chunk_tokens, 8; not --chunk-tokens"),
+    ("sink_tokens", 4, "multiple of the sparse chunk_tokens, 8"),
     ("chunk_tokens", 0, "must be > 0"), ("window_tokens", -1, "must be >= 0"),
     ("outlier_fraction", 1.0, r"in \[0, 1\)"), ("rank", 0, "must be > 0"),
     ("positions", "rope", "allowed: auto, original, remap"), ("selector", "best", "valid names: .*quest, shadowkv"),

@@ -144,18 +144,18 @@ class SparseConfig:
             raise ConfigError(f"page_tokens={self.page_tokens}: must be > 0")
         if self.page_tokens is not None and self.page_tokens % self.chunk_tokens:
             raise ConfigError(f"page_tokens={self.page_tokens}: must be a multiple of the tokens one landmark "
-                              f"summarises (the sparse chunk_tokens={self.chunk_tokens}; not --chunk-tokens, the "
+                              f"summarises (the sparse chunk_tokens, {self.chunk_tokens}; not --chunk-tokens, the "
                               "prefill's chunk)")
         for name in ("sink_tokens", "window_tokens", "max_outlier_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.sink_tokens % self.chunk_tokens:
-            raise ConfigError(f"sink_tokens={self.sink_tokens}: must be a multiple of "
-                              f"chunk_tokens={self.chunk_tokens}")
+            raise ConfigError(f"sink_tokens={self.sink_tokens}: must be a multiple of the sparse "
+                              f"chunk_tokens, {self.chunk_tokens}")
         if not 0 <= self.outlier_fraction < 1:
             raise ConfigError(f"outlier_fraction={self.outlier_fraction}: must be in [0, 1)")
         if self.rank is not None and self.rank <= 0:
-            raise ConfigError(f"rank={self.rank}: must be > 0 (or None for the default)")
+            raise ConfigError(f"rank={self.rank}: must be > 0 (unset: the default)")
         if self.allocation not in ALLOCATIONS:
             raise ConfigError(f"allocation={self.allocation!r}: allowed: {', '.join(ALLOCATIONS)}")
         if self.attend not in ATTENDS:
