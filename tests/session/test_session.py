@@ -127,6 +127,10 @@ def test_bad_requests_are_clear_errors(tmp_path):
             session.read(str(tmp_path / "report.txt"))
         with pytest.raises(ConfigError, match="a str \\(its text\\) or a Path \\(a text file\\), not bytes"):
             session.read(b"text")
+    with pytest.raises(ConfigError, match="--sparse-budget: sparse-mode settings, but --mode dense"):
+        Session.open("tiny", loaded=lm, mode="dense", sparse_budget=64)     # not taken and ignored
+    with pytest.raises(ConfigError, match="--kv-dtype: dense-mode settings, but --mode sparse"):
+        Session.open("tiny", loaded=lm, mode="sparse", kv_dtype="int8")
     line = "The quick brown fox jumps. " * 12                  # one line, too long for a file's name: text
     assert document_text(line) == line
     with pytest.raises(TierKVError, match="closed"):

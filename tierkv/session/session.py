@@ -37,7 +37,7 @@ from torch import Tensor
 from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import chat_ids
-from tierkv.model.settings import SessionConfig
+from tierkv.model.settings import SessionConfig, mode_settings
 from tierkv.session.backend import Backend, open_backend
 from tierkv.session.generation import Answer, Sampling, generate
 from tierkv.session.inputs import Message, check_length, document_text, document_token_ids, prompt_ids
@@ -115,8 +115,11 @@ class Session:
     @classmethod
     def open(cls, model: str = "smollm2", *, loaded: LoadedModel | None = None, **settings: Any) -> Session:
         """A session over ``model``; ``settings`` named as ``tierkv run``'s flags (``nvme_dir``,
-        ``gpu_budget``, ``cpu_budget``, ``mode``, ``dtype``, ``sparse_budget``, ...)."""
-        return cls(SessionConfig.of(model=model, **settings), loaded=loaded)
+        ``gpu_budget``, ``cpu_budget``, ``mode``, ``dtype``, ``sparse_budget``, ...); those of the mode not
+        chosen are refused, as the command line refuses them (``mode="dense", sparse_budget=64``)."""
+        config = SessionConfig.of(model=model, **settings)
+        config.engine.check_flags(*mode_settings(settings))
+        return cls(config, loaded=loaded)
 
     # -- documents ----------------------------------------------------------------------------------
     def read(self, document: str | Path, *, progress: Progress | None = None) -> int:
