@@ -167,7 +167,8 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
 
 
 def test_a_refused_ray_address_leaves_no_out_file(tmp_path, capsys):
-    """The address is tried before ``--out`` is made: a mistyped one leaves nothing to clean up."""
+    """The address is tried before ``--out`` is made: a mistyped one leaves nothing to clean up; a resume
+    with nothing left to do needs no cluster."""
     import socket
     with socket.socket() as free:                        # a port nobody listens on
         free.bind(("127.0.0.1", 0))
@@ -179,3 +180,14 @@ def test_a_refused_ray_address_leaves_no_out_file(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "no Ray cluster there" in err and len(err.splitlines()) == 1
     assert not out.exists()
+    out.write_text('{"id": "1", "summary": "y"}\n')          # a resume: refused only where work is left
+    code = main(["batch", "--inputs", str(tmp_path / "in.jsonl"), "--out", str(out),
+                 "--model", "smollm2", "--ray", f"127.0.0.1:{port}"])
+    report = capsys.readouterr()
+    assert code == 0 and "(0 failed, 1 already done)" in report.out, report
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n{"text": "again"}\n')
+    code = main(["batch", "--inputs", str(tmp_path / "in.jsonl"), "--out", str(out),
+                 "--model", "smollm2", "--ray", f"127.0.0.1:{port}"])
+    assert code == 2 and "no Ray cluster there" in capsys.readouterr().err
+    assert out.read_text() == '{"id": "1", "summary": "y"}\n'
+

@@ -117,14 +117,17 @@ def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | 
     if options.address == "local":            # (a cluster's workers may hold a model the driver does not)
         check_here(config)
     docs = read_inputs(config.inputs, out=config.out)
-    if options.address != "local":
+    remote, resumed = options.address != "local", config.out.exists()
+    if remote and not resumed:
         _check_reachable(options.address)    # before --out is made: a refused address leaves nothing behind
     result = JobResult()
     with OutputLog(config.out, config.output_settings(fixed), retry_failed=config.retry_failed) as out:
         todo = [d for d in docs if d.id not in out.done]
         result.skipped = len(docs) - len(todo)
         if not todo:
-            return result
+            return result                    # (a resume with nothing left to do needs no cluster)
+        if remote and resumed:
+            _check_reachable(options.address)
         with contextlib.redirect_stdout(sys.stderr):     # Ray reports dead workers on stdout: --json owns it
             _run(config, options, todo, out, result, progress, fixed)
     return result
