@@ -93,6 +93,31 @@ class Stop(Exception):
     pass
 
 
+def test_float_pages_of_another_compute_dtype_are_another_identity(tiny_loaded, tmp_path):
+    """float32 pages of a bfloat16 run hold its KV widened: a float32 run would have computed other KV, so
+    it does not take them (quantized pages and pages in the model's dtype name the dtype in their layout)."""
+    import copy
+    from dataclasses import replace
+
+    from tierkv.model.arch import model_spec
+    from tierkv.model.loading import LoadedModel
+    from tierkv.session.prefill import shelf_of
+    half = copy.deepcopy(tiny_loaded.model).to(torch.bfloat16)
+    half = LoadedModel(half, None, tiny_loaded.model_id, model_spec(half))
+
+    def identity(lm, **settings):
+        config = replace(CFG, **settings)
+        layout = SparseEngine.page_layout(lm, config)
+        with BlockingTierManager.from_config(TierConfig(block_bytes=layout.block_bytes, gpu="128KiB", cpu=0)) as mgr:
+            engine = SparseEngine(lm, mgr, config, chunk_tokens=64)
+            return shelf_of(engine, tmp_path).identity, identity_key(lm.model_id, layout, config, engine.needs)
+
+    assert identity(half, page_dtype="float32")[0] != identity(tiny_loaded, page_dtype="float32")[0]
+    for lm, settings in ((tiny_loaded, {"page_dtype": "float32"}), (half, {}), (half, {"page_dtype": "int8"})):
+        given, before = identity(lm, **settings)       # where the pages say it, the identity stores had before
+        assert given == before
+
+
 def run_open(lm, root, *, stop_after=None, checkpoint_s=1e-9):
     """open_sparse on IDS with the store under ``root`` (a checkpoint after every chunk); with
     ``stop_after``, the run is stopped once that many tokens are prefilled. Returns (reused, logits)."""

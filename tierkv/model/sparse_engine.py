@@ -121,6 +121,15 @@ class SparseEngine:
         except ConfigError as bad:     # a group that does not divide this model's heads or the page
             raise ConfigError(f"page_dtype={config.page_dtype!r}: {bad}") from None
 
+    @property
+    def kv_of(self) -> str:
+        """Whose KV the pages hold, for a stored index's identity: the model's id, and the dtype it computes
+        in where the pages do not say it (float32 pages of a bfloat16 run hold its KV widened, which a
+        float32 run would not have computed)."""
+        computed = self.loaded.spec.dtype
+        return self.loaded.model_id + ("" if self.layout.dtype == computed else
+                                       f"+computed-{str(computed).removeprefix('torch.')}")
+
     def resolved(self, prompt_tokens: int) -> SparseConfig:
         return self.config.resolve(prompt_tokens=prompt_tokens, trained_tokens=self.loaded.spec.max_position)
 

@@ -47,7 +47,7 @@ class Opened:
 def shelf_of(engine: SparseEngine, nvme_dir: Path | None) -> Shelf | None:
     if nvme_dir is None:
         return None
-    identity = identity_key(engine.loaded.model_id, engine.layout, engine.config, engine.needs)
+    identity = identity_key(engine.kv_of, engine.layout, engine.config, engine.needs)
     return Shelf(Path(nvme_dir) / "sparse-indexes", identity)
 
 
