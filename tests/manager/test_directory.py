@@ -55,6 +55,19 @@ def test_bulk_lookups_agree_with_entries_one_by_one() -> None:
         d.plan_loads([key(999)], "cpu", ["cpu", "nvme"])
 
 
+def test_the_held_count_is_the_entries_held_after_holds_releases_and_reused_rows() -> None:
+    d = Directory()
+    for i in range(50):
+        d.add(key(i), hold=i % 4 == 0).copies["cpu"] = i
+    d.let_go([key(0), key(4)])
+    for i in (0, 1, 2):                      # forgotten: their rows are reused below
+        d.get(key(i)).copies.pop("cpu")
+        d.forget_if_empty(key(i))
+    d.add(key(100), hold=False).copies["cpu"] = 1
+    d.add(key(101), hold=True).copies["cpu"] = 2
+    assert d.held_count() == sum(1 for entry in d if entry.holders) == 12
+
+
 def test_moves_in_flight_are_joined_and_settled() -> None:
     loop = asyncio.new_event_loop()
     try:

@@ -259,7 +259,7 @@ class BlockingTierManager:
 
     def held_blocks(self) -> int:
         """Blocks some sequence holds."""
-        return self._call(lambda: sum(1 for entry in self.manager.directory if entry.holders))
+        return self._call(self.manager.directory.held_count)
 
     def persist(self, keys: Sequence[BlockKey]) -> None:
         self._call(self.manager.persist, keys)

@@ -134,6 +134,11 @@ class Directory:
         """One more holder for each of ``rows`` (a row named twice gets two)."""
         np.add.at(self._rows.meta["holders"], rows, 1)
 
+    def held_count(self) -> int:
+        """Blocks some sequence holds, in one pass over the holders column (a released row's is 0): the
+        same cost with a million stored blocks as with none held."""
+        return int(np.count_nonzero(self._rows.meta["holders"]))
+
     def let_go(self, keys: Sequence[BlockKey]) -> None:
         """One holder fewer for each known key (never below none; a key named twice lets go twice)."""
         rows = self._table.find_many(keys)
