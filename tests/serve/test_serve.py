@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -118,6 +119,8 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(launch, tmp_path
                     headers=key), 400, "n=1"),
         (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": "x" * 70000}]},
                     headers=key), 413, "at most 65536 bytes"),
+        (httpx.post(url, content=iter([b"x" * 40000] * 2), headers=key | {"content-type": "application/json"}),
+         413, "at most 65536 bytes"),                                   # chunked: no length to refuse it by
         (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": DOC * 2}]},
                     headers=key, timeout=120), 400, "at most 600"),
         (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": DOC * 2}], "stream": True},
@@ -201,10 +204,17 @@ def test_a_server_stopped_with_a_request_running_and_one_waiting_exits_cleanly(l
     deadline = time.monotonic() + 60
     while not (server.health()["busy"] and server.health()["queue"] == 1) and time.monotonic() < deadline:
         time.sleep(0.1)
+    stalled = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))   # its body never comes
+    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"mo")
+    time.sleep(0.5)
     assert server.stop() == 0, server.log.read_text()
     for c in clients:
         c.join(30)
     assert len(outcomes) == 2 and "Traceback" not in server.log.read_text()
+    stalled.settimeout(10)
+    told = stalled.recv(4096).decode()
+    assert told.startswith("HTTP/1.1 503") and "body had not all arrived" in told, told
     assert "tierkv serve: stopped" in server.log.read_text()
     again = launch("--nvme-dir", str(tmp_path / "store"), *SMALL)              # the store opens as it was left
     assert ask(client(again), "Who founded the bakery?", max_tokens=2).usage.completion_tokens <= 2
@@ -257,6 +267,43 @@ async def test_events_already_there_are_delivered_after_the_drain_ended():
     waiting = Job("completion", "hi", None, asyncio.get_running_loop())
     with pytest.raises(Exception, match="shutting down"):
         await anext(_results(waiting, closing))
+
+
+async def test_a_body_that_stops_arriving_is_a_408_and_the_app_never_sees_it(monkeypatch):
+    import asyncio
+
+    from fastapi import FastAPI
+
+    from tierkv.serve import app as served
+    from tierkv.serve.metrics import Metrics
+    monkeypatch.setattr(served, "BODY_IDLE_S", 0.5)
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.extend([await receive(), await receive()])
+
+    started = []
+
+    async def stalls():
+        if not started:
+            started.append(True)
+            return {"type": "http.request", "body": b'{"mo', "more_body": True}
+        await asyncio.Event().wait()
+
+    async def send(message):
+        sent.append(message)
+    guard = served.Guard(app, metrics=Metrics(), api_key=None, max_body_bytes=1 << 20, routes=FastAPI(),
+                         closing=served.Closing(0.0))
+    scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
+    await asyncio.wait_for(guard(scope, stalls, send), 5)
+    assert not reached and sent[0]["status"] == 408 and b"stopped arriving" in sent[1]["body"]
+    pieces = iter([{"type": "http.request", "body": b'{"a":', "more_body": True},
+                   {"type": "http.request", "body": b' 1}', "more_body": False}, {"type": "http.disconnect"}])
+
+    async def arrives():
+        return next(pieces)
+    await guard(scope, arrives, send)             # a body in pieces reaches the app whole, then the hang-up
+    assert reached == [{"type": "http.request", "body": b'{"a": 1}', "more_body": False}, {"type": "http.disconnect"}]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -98,16 +98,13 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
     limits = dict(default_tokens=default_tokens, most_tokens=max_new_tokens)
     closing = closing or Closing(0.0)
 
-    app.add_middleware(Guard, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes, routes=app)
+    app.add_middleware(Guard, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes, routes=app,
+                       closing=closing)
     prompts = PromptCheck(worker.session)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body, status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(BodyTooLarge)
-    async def too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
-        return JSONResponse(_too_large(max_body_bytes).body, status_code=413)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -195,18 +192,20 @@ class PromptCheck:
         check_length(prompt_ids(self.loaded, job.kind, job.prompt, self.tokenizer), self.most)
 
 
-class BodyTooLarge(Exception):
-    """A body that went past the limit while it was read (one sent without a length)."""
+BODY_IDLE_S = 30.0          # a request whose body stops arriving for this long is a 408
 
 
 class Guard:
-    """Size limit, API key and per-request metrics, before anything else sees a request (plain
-    ASGI, so a streamed response still sees its client hang up)."""
+    """Size limit, API key, the request's body and per-request metrics, before anything else sees a
+    request (plain ASGI, so a streamed response still sees its client hang up). The body is read here
+    whole: one past the limit is a 413 however it is sent (with a length or chunked), one that stops
+    arriving a 408 after ``BODY_IDLE_S``, and one still arriving when the server shuts down a 503, so
+    that a stalled client holds neither a connection nor the shutdown."""
 
     def __init__(self, app: Any, *, metrics: Metrics, api_key: str | None, max_body_bytes: int,
-                 routes: FastAPI) -> None:
+                 routes: FastAPI, closing: Closing) -> None:
         self.app, self.metrics, self.api_key, self.limit = app, metrics, api_key, max_body_bytes
-        self._routes, self._paths = routes, None
+        self._routes, self._paths, self.closing = routes, None, closing
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -223,10 +222,11 @@ class Guard:
             await send(message)
         try:
             self._check(path, headers)
+            read = await self._whole_body(receive)
         except ApiError as error:
-            await JSONResponse(error.body, status_code=error.status)(scope, receive, sending)
+            await JSONResponse(error.body, status_code=error.status, headers=error.headers)(scope, receive, sending)
         else:
-            await self.app(scope, self._counted(receive), sending)
+            await self.app(scope, read, sending)
         finally:
             self.metrics.requests.labels(label, str(status[0])).inc()
             self.metrics.latency.labels(label).observe(time.perf_counter() - start)
@@ -241,17 +241,41 @@ class Guard:
                 raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                kind="authentication_error", code="invalid_api_key")
 
-    def _counted(self, receive: Any) -> Any:
-        seen = [0]
+    async def _whole_body(self, receive: Any) -> Any:
+        """Read the request's body; returns the ``receive`` the app gets: the body in one message, then
+        the client's own (its hang-up)."""
+        pieces, size, first = [], 0, None
+        while first is None:
+            message = await self._next_piece(receive)
+            if message["type"] != "http.request":
+                first = message                           # it hung up: the app sees that
+                break
+            pieces.append(message.get("body", b""))
+            size += len(pieces[-1])
+            if size > self.limit:
+                raise _too_large(self.limit)
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(pieces), "more_body": False}
+        given = [first]
 
-        async def counted() -> dict:
-            message = await receive()
-            if message["type"] == "http.request":
-                seen[0] += len(message.get("body", b""))
-                if seen[0] > self.limit:
-                    raise BodyTooLarge()
-            return message
-        return counted
+        async def read() -> dict:
+            return given.pop() if given else await receive()
+        return read
+
+    async def _next_piece(self, receive: Any) -> dict:
+        piece = asyncio.ensure_future(receive())
+        idle = time.monotonic() + BODY_IDLE_S
+        try:
+            while not (await asyncio.wait([piece], timeout=CLOSING_POLL_S))[0]:
+                if self.closing.cut_at is not None:
+                    raise ApiError(503, "the server is shutting down: the request's body had not all arrived",
+                                   kind="server_error", code="server_shutdown")
+                if time.monotonic() >= idle:
+                    raise ApiError(408, f"the request's body stopped arriving: nothing came for {BODY_IDLE_S:g} s",
+                                   code="request_timeout")
+            return piece.result()
+        finally:
+            piece.cancel()
 
 
 def _too_large(limit: int) -> ApiError:
