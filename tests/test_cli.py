@@ -161,6 +161,7 @@ def test_info_text(capsys):
     (["info", "--nvme-dir", __file__], f"--nvme-dir {__file__}: not a directory"),
     (["serve", "--api-key", ""], "--api-key: empty, or with spaces at its ends"),
     (["serve", "--served-name", " "], "--served-name: empty; give the name clients ask for"),
+    (["serve", "--host", "0.0.0.0x"], "--host 0.0.0.0x: not an address of this machine"),   # (no warning first)
     (["serve", "--mode", "sparse", "--draft-tokens", "2"], "--draft-tokens: drafts are verified in dense mode only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):

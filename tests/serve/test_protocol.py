@@ -22,6 +22,9 @@ def test_the_neutral_values_agent_frameworks_send_are_taken():
     (ChatRequest, dict(store=True), "completions are not stored here"),
     (CompletionRequest, dict(prompt=["a", "b"]), "one prompt a request is supported, not 2"),
     (ChatRequest, dict(wat=1), "Extra inputs are not permitted"),
+    (ChatRequest, dict(stream_options={"include_usage": True}), "stream_options: only with stream=true"),
+    (ChatRequest, dict(temperature=float("nan")), "finite number"),
+    (CompletionRequest, dict(top_p=float("inf")), "finite number"),
 ])
 def test_what_tierkv_does_not_do_is_refused_by_name(request_type, fields, message):
     base = {"model": "m", **({"messages": HI} if request_type is ChatRequest else {"prompt": "x"})}

@@ -105,6 +105,7 @@ def test_bad_requests_get_openai_errors_and_the_server_lives_on(launch, tmp_path
         (httpx.post(url, json={"model": "smollm2", "messages": []}), 401, "API key"),
         (httpx.post(url, content=b"{not json", headers=key | {"content-type": "application/json"}), 400,
          "not valid JSON (at character 1)"),
+        (httpx.post(url, headers=key), 400, "the request has no body: send a JSON object"),
         (httpx.post(url, data={"model": "smollm2"}, headers=key), 400,                     # a form, as curl -d sends
          "sent with 'Content-Type: application/json' (this one came as application/x-www-form-urlencoded)"),
         (httpx.post(url, json={"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "wat": 1},

@@ -114,6 +114,8 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if first.get("type") == "json_invalid":
             message, where = f"the body is not valid JSON (at character {where})", None
+        elif first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+            message = "the request has no body: send a JSON object, with 'Content-Type: application/json'"
         elif first.get("type") == "extra_forbidden":
             message = f"unknown field {where!r}"
         elif kind != "application/json" and not where:

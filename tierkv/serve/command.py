@@ -71,10 +71,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tierkv.serve.app import Closing, Starting
     settings, config = build(ServeSettings, given(args, ServeSettings)), build(SessionConfig, given(args, SessionConfig))
     config.engine.check_flags(*mode_flags(args))
+    listener = take(settings.host, settings.port)     # (taken already by `tierkv`) before the model loads
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         print(f"tierkv serve: warning: listening on {settings.host} without --api-key: anyone who can reach it "
               "can use it", file=sys.stderr)
-    listener = take(settings.host, settings.port)     # (taken already by `tierkv`) before the model loads
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("tierkv.serve").setLevel(logging.INFO)       # one line per answer
     name = settings.served_name or config.engine.model

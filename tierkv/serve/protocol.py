@@ -22,8 +22,8 @@ def error_body(message: str, *, kind: str = "invalid_request_error", param: str 
 
 class _Strict(BaseModel):
     """Unknown fields and values of the wrong type are refused, as OpenAI's API refuses them ("3" is not
-    a max_tokens, "true" not a stream), not converted."""
-    model_config = ConfigDict(extra="forbid", strict=True)
+    a max_tokens, "true" not a stream), not converted; NaN and infinity are not numbers here."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TextPart(_Strict):
@@ -88,6 +88,12 @@ class _Generation(_Strict):
         if value != 0:
             raise ValueError("penalties are not supported (only 0)")
         return value
+
+    @model_validator(mode="after")
+    def _streamed_options(self) -> _Generation:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream=true (an answer sent whole has its usage)")
+        return self
 
     @field_validator("stop")
     @classmethod
