@@ -282,6 +282,36 @@ def test_a_stream_dropped_before_its_first_piece_lets_go_of_its_state():
     del late                           # after the session closed: nothing to let go of, and nothing said
 
 
+def test_a_stream_read_after_its_session_closed_says_so():
+    lm = tiny_loaded()
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=lm) as session:
+        ids = random_ids(300, 4)
+        session.read_ids(ids)
+        unread, forked = session.complete(ids, stream=True, max_new_tokens=4), session.fork()
+        of_fork = forked.complete(ids, stream=True, max_new_tokens=4)
+    with pytest.raises(TierKVError, match="the session is closed"):
+        next(unread)
+    with pytest.raises(TierKVError, match="the session this one was forked from is closed"):
+        next(of_fork)
+
+
+@pytest.mark.model
+def test_a_script_that_exits_with_a_stream_half_read_and_its_session_open_exits(tmp_path):
+    """As the interpreter exits, the unfinished stream's cleanup finds the tiers' thread stopped: it
+    must not wait for it (it did, for ever)."""
+    import subprocess
+    import sys
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import sys\nfrom tierkv import Session\n"
+        "s = Session.open('smollm2', gpu_budget='4MiB', cpu_budget='8MiB', nvme_dir=sys.argv[1])\n"
+        "s.read('Tom is a cat who lives in a red house by the river. Rex is a dog. ' * 60)\n"
+        "st = s.ask('Who is Rex?', stream=True, max_new_tokens=20)\nnext(iter(st))\nprint('leaving', flush=True)\n")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "leaving" in done.stdout and "Exception ignored" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_a_document_whose_read_failed_is_not_asked_about(tmp_path, mode):
     """A second read that fails part-way has let go of the first document: the session then holds

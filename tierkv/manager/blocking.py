@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import sys
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
@@ -387,6 +388,10 @@ class BlockingTierManager:
         """``coro`` run on the loop; its result. ``undo``: where this thread is interrupted while it waits
         (Ctrl-C, SIGTERM), the loop's work is waited for and its result given to ``undo`` (a lease
         released) before the interruption goes on: a pin nobody holds would fail the drops that follow."""
+        if sys.is_finalizing():   # the loop's thread stops at its next step: a wait for it would never end
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise ManagerClosed("the interpreter is exiting: the tier manager no longer runs")
         work = self._after_releases(coro)
         try:
             submitted = asyncio.run_coroutine_threadsafe(work, self._loop)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
+import sys
 import time
 from dataclasses import replace
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -303,15 +304,22 @@ class Session:
         raised or was not read to its end leaves a state its next turn must not build on)."""
         whole = False
         try:
-            yield from pieces
+            while True:
+                self._check_open()            # a stream read on after its session closed: its tiers are gone
+                piece = next(pieces, None)
+                if piece is None:
+                    break
+                yield piece
             whole = True
         finally:
+            pieces.close()
             self._settle(state, answer, keep and whole)
 
     def _settle(self, state: KVState, answer: Answer, keep: bool) -> None:
         """An answer over: its state kept for the next turn (``keep``, unless cancelled), or let go. After
-        the session closed (a stream dropped late) there is nothing to do: its tiers went with it."""
-        if self.closed or (self._opener is not None and self._opener.closed):
+        the session closed (a stream dropped late) there is nothing to do: its tiers went with it; nor as
+        the interpreter exits (a stream left unfinished and unclosed), when the tiers' thread no longer runs."""
+        if self.closed or (self._opener is not None and self._opener.closed) or sys.is_finalizing():
             return
         backend = self.backend(state.mode)
         answer.report = backend.report(state)
