@@ -70,6 +70,25 @@ def test_a_damaged_value_is_never_served_and_is_deleted(redis_server):
     assert client.exists(store.block_name(key)) == 0
 
 
+def test_a_value_overwritten_with_something_else_is_damaged_not_another_format(redis_server):
+    store = RemoteStore(redis_server.url, "ns")
+    key, client = BlockKey.of("k"), redis_server.client()
+    store.put_many([(key, b"\7" * BLOCK)])
+    client.set(store.block_name(key), b"garbage-not-a-frame")
+    assert store.get_many([key], BLOCK) == [None] and store.stats.corrupt == 1
+    assert client.exists(store.block_name(key)) == 0
+
+
+def test_a_key_of_another_type_is_damaged_alone(redis_server):
+    store = RemoteStore(redis_server.url, "ns")
+    keys, client = [BlockKey.of("k", i) for i in range(3)], redis_server.client()
+    store.put_many([(key, bytes([i]) * BLOCK) for i, key in enumerate(keys)])
+    client.delete(store.block_name(keys[1]))
+    client.lpush(store.block_name(keys[1]), b"x")              # a list where a block's value belongs
+    assert store.get_many(keys, BLOCK) == [bytes([0]) * BLOCK, None, bytes([2]) * BLOCK]
+    assert store.stats.corrupt == 1 and client.exists(store.block_name(keys[1])) == 0
+
+
 def test_a_value_in_another_format_is_a_miss_and_left_alone(redis_server):
     store = RemoteStore(redis_server.url, "ns")
     key, client = BlockKey.of("k"), redis_server.client()
@@ -116,13 +135,17 @@ def test_a_full_server_skips_writes_and_reads_still_work(tmp_path):
     from redis_process import RedisServer
     server = RedisServer(tmp_path, maxmemory="2mb").start()
     try:
-        store = RemoteStore(server.url, "ns")            # (a refusal is no outage: no retry period)
+        store = RemoteStore(server.url, "ns", retry_s=0.5)   # (a refusal is no outage: reads go on)
         first = BlockKey.of("first")
         assert store.put_many([(first, b"1" * BLOCK)])
         big = [(BlockKey.of(i), bytes(BLOCK * 64)) for i in range(16)]       # 4 MiB: over the cap
         assert not store.put_many(big)
         assert "OOM" in store.stats.last_error or "maxmemory" in store.stats.last_error
         assert store.available and store.get_many([first], BLOCK) == [b"1" * BLOCK]
+        second = [(BlockKey.of("second"), b"2" * BLOCK)]
+        assert not store.put_many(second) and store.stats.errors == 1      # not sent: writes wait the period
+        time.sleep(0.6)
+        assert store.put_many(second) and store.get_many([second[0][0]], BLOCK) == [b"2" * BLOCK]
     finally:
         server.kill()
 

@@ -12,12 +12,14 @@ Blocks are content-addressed by the same keys as the NVMe store, under the store
     frame = b"TKV1" | u32 payload bytes | u64 xxh3-64(key | payload) | payload
 
 The checksum covers the key too, so a value under another key (or cut short, or flipped) never
-passes. A value that fails it is deleted and reported as a miss: the caller recomputes. A value
-that does not start with the magic (another version's format) is a miss too, and not deleted.
+passes. A value that fails it (a key of another type too) is deleted and reported as a miss: the
+caller recomputes. A frame of another version (``TKV`` and another digit) is a miss too, and not
+deleted.
 
 A remote is a helper, never a dependency: every call has a short timeout, and an error (down,
-refused, out of memory, a TLS or auth failure) marks it unavailable for ``retry_s``: it is logged
-once, and meanwhile every read misses and every write is skipped. ``stats`` counts it all.
+a TLS or auth failure) marks it unavailable for ``retry_s``: it is logged once, and meanwhile every
+read misses and every write is skipped. A refused write (a full Redis under ``noeviction``) skips
+writes, not reads, for ``retry_s``. ``stats`` counts it all.
 """
 from __future__ import annotations
 
@@ -78,9 +80,11 @@ def frame(key: bytes, payload: bytes | memoryview) -> bytes:
 
 
 def foreign(value: bytes) -> bool:
-    """``value`` is in another frame format (another version's): not ours to judge damaged or to delete,
-    and it reads as missing. A value too short to hold the magic is a damaged frame of ours."""
-    return len(value) >= len(MAGIC) and not value.startswith(MAGIC)
+    """``value`` is a frame of another version (``TKV`` and another digit): not ours to judge damaged or
+    to delete, and it reads as missing. Anything else that is not a whole frame of ours (cut short,
+    overwritten) is damaged."""
+    return len(value) >= len(MAGIC) and value[:3] == MAGIC[:3] and value[3:4].isdigit() and \
+        value[3:4] != MAGIC[3:4]
 
 
 def unframe(key: bytes, value: bytes, size: int | None = None) -> bytes | None:
@@ -144,6 +148,7 @@ class RemoteStore:
         self._prefix = f"tierkv:{self.namespace}:".encode()
         self._down_until = 0.0
         self._told_until = 0.0         # a refusal is logged again after this
+        self._writes_until = 0.0       # a refused write (a full Redis): no writes are sent before this
         self._lock = threading.Lock()
         self.link: Link | None = None
 
@@ -168,10 +173,13 @@ class RemoteStore:
 
     def _refused(self, error: Exception, doing: str) -> None:
         """The server answered with an error (a write refused under ``maxmemory`` with ``noeviction``):
-        it is up, so reads go on; counted, and logged once a retry period."""
+        it is up, so reads go on, and writes wait a retry period (each would be refused, after sending its
+        bytes); counted, and logged once a retry period."""
         with self._lock:
             self.stats.errors += 1
             self.stats.last_error = f"{doing}: {error}"
+            if doing == "write":
+                self._writes_until = time.monotonic() + self.retry_s
             tell = self._told_until <= time.monotonic()
             if tell:
                 self._told_until = time.monotonic() + self.retry_s
@@ -207,7 +215,8 @@ class RemoteStore:
                 pipe = self._client.pipeline(transaction=False)
                 for name in names[first:first + PIPELINE]:
                     pipe.getex(name, ex=self.ttl_s)
-                values += pipe.execute()
+                values += [b"" if isinstance(v, self._redis.ResponseError) else v    # (a key of another type:
+                           for v in pipe.execute(raise_on_error=False)]             # damaged, that key alone)
             return values
         began = time.perf_counter()
         values = self._call("read", read, [None] * len(keys))
@@ -232,10 +241,19 @@ class RemoteStore:
             self._call("delete", lambda: self._client.delete(*damaged), 0)
         return out
 
+    @property
+    def writable(self) -> bool:
+        """Up, and no write refused within a retry period."""
+        return self.available and time.monotonic() >= self._writes_until
+
     def put_many(self, items: Sequence[tuple[BlockKey, bytes | memoryview]]) -> bool:
         """Store blocks (one pipelined round trip); False where the remote refused or is unavailable."""
         if not items:
             return True
+        if not self.writable:
+            with self._lock:
+                self.stats.skipped += len(items)
+            return False
 
         def write() -> bool:
             for first in range(0, len(items), PIPELINE):
@@ -257,6 +275,8 @@ class RemoteStore:
     def put_file(self, name: str, payload: bytes) -> bool:
         """Store a file in parts of ``FILE_PART`` bytes (a Redis value holds at most 512 MB), its part count
         written last, so a reader never sees part of it."""
+        if not self.writable:
+            return False
         base = self._prefix + b"f:" + name.encode()
         parts = [payload[i:i + FILE_PART] for i in range(0, len(payload), FILE_PART)] or [b""]
 
