@@ -116,6 +116,13 @@ def test_bad_requests_are_clear_errors(tmp_path):
             session.chat([{"role": "robot", "content": "hi"}])
         with pytest.raises(ConfigError, match="token id 128 is not in the model's vocabulary; ids are 0..127"):
             session.complete([1, 128, 2])
+        for prompt, kind in ((b"abc", "bytes"), (None, "NoneType"), (5, "int")):
+            with pytest.raises(ConfigError, match=f"the prompt: expected text .* or token ids .*, got {kind}"):
+                session.complete(prompt)
+        with pytest.raises(ConfigError, match="stream='yes': expected True or False"):
+            session.complete([1, 2, 3], stream="yes")
+        with pytest.raises(ConfigError, match="cancelled=5: expected a function"):
+            session.complete([1, 2, 3], cancelled=5)
         with pytest.raises(ConfigError, match="max_new_tokens='5': expected an integer"):
             session.complete([1, 2, 3], max_new_tokens="5")
         with pytest.raises(ConfigError, match="unknown sampling setting\\(s\\): max_tokens; allowed: max_new_tokens"):

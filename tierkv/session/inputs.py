@@ -26,6 +26,9 @@ def prompt_ids(loaded: LoadedModel, kind: str, prompt: Any, tokenizer: Any = Non
     if kind == "chat":
         check_messages(prompt)
         return chat_ids(tokenizer, list(prompt))
+    if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (str, Iterable)):
+        raise ConfigError(f"the prompt: expected text (a str) or token ids (a list of ints), got "
+                          f"{type(prompt).__name__}")
     ids = list(prompt) if not isinstance(prompt, str) else tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ConfigError("the prompt is empty")

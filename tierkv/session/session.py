@@ -245,6 +245,11 @@ class Session:
                  start: float, cancelled: Cancel | None = None) -> Answer | Stream:
         """``start``: when the request came in (its TTFT counts the prompt's rendering too)."""
         self._check_open()
+        if not isinstance(stream, bool):
+            raise ConfigError(f"stream={stream!r}: expected True or False")
+        if cancelled is not None and not callable(cancelled):
+            raise ConfigError(f"cancelled={cancelled!r}: expected a function of no arguments that says whether to "
+                              "stop (or None)")
         check_length(ids, self.max_prompt_tokens)
         progress = None if cancelled is None else functools.partial(_stop_if, cancelled)
         answer, state, logits = self._prompted(ids, prefix, progress, reach=len(ids) + sampling.max_new_tokens)
