@@ -289,6 +289,34 @@ def test_a_stream_dropped_before_its_first_piece_lets_go_of_its_state():
     del late                           # after the session closed: nothing to let go of, and nothing said
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")     # (an error in __del__)
+def test_a_session_let_go_of_unclosed_ends_its_threads_and_keeps_its_store(tmp_path):
+    import gc
+    import threading
+    import time
+    lm = tiny_loaded()
+    before = {t for t in threading.enumerate() if t.name.startswith("tierkv")}
+    settings = SessionConfig.of(nvme_dir=tmp_path / "store", mode="dense", gpu_budget="64KiB", cpu_budget="64KiB")
+    session = Session(settings, loaded=lm)
+    ids = random_ids(700, 3)
+    session.read_ids(ids)
+    fork = session.fork()
+    fork.complete([*ids, 5], max_new_tokens=2)
+    del session
+    gc.collect()
+    assert not fork.closed and fork._opener is not None and not fork._opener.closed    # a fork holds it
+    del fork
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while (left := {t for t in threading.enumerate() if t.name.startswith("tierkv")} - before) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, sorted(t.name for t in left)
+    with Session(settings, loaded=lm) as again:          # the blocks it stored are found
+        again.read_ids(ids)
+        assert again.document_reused == 512
+
+
 def test_a_stream_read_after_its_session_closed_says_so():
     lm = tiny_loaded()
     with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=lm) as session:

@@ -226,6 +226,16 @@ class Session:
             for backend in self.backends.values():
                 backend.close()
 
+    def __del__(self) -> None:
+        """A session let go of unclosed (its forks and streams gone too: they hold it) closes its tiers
+        without waiting for them: their threads and files go, and what the store holds stays. Nothing
+        here waits (a finalizer may run on the tiers' own thread, or as the interpreter exits)."""
+        if getattr(self, "closed", True) or getattr(self, "_opener", None) is not None:
+            return
+        self.closed = True
+        for backend in self.backends.values():
+            backend.manager.close_later()
+
     def __enter__(self) -> Session:
         self._check_open()
         return self
