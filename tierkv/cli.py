@@ -354,7 +354,7 @@ def _print_sparse_summary(s: dict) -> None:
         print(f"resumed a stopped prefill at token {s['resumed_prefill_tokens']}; its prefill took "
               f"{s['prefill_s_all_runs']:.0f} s over all runs")
     for r in s["repairs"]:
-        print(f"repaired {r['pages']} damaged page(s) of the stored document: replayed {r['tokens']} tokens "
+        print(f"repaired {r['pages']} lost or damaged page(s) of the stored document: replayed {r['tokens']} tokens "
               f"from token {r['start']} in {r['seconds']:.1f} s ({r['scrubbed']} pages checked in "
               f"{r['scrub_s']:.1f} s)")
     if s["approximate_prefill"]:

@@ -416,3 +416,21 @@ def test_a_replay_that_seals_no_damaged_page_again_is_not_called_a_repair(lm, tm
         assert "were not sealed again by a replay" in str(error)
     else:
         assert again.report["repairs"] == [] and again.tokens == clean.tokens
+
+
+def test_pages_the_remote_lost_are_replayed_from_its_shared_restore_points(lm, tmp_path, redis_server):
+    """A document read from the remote store into an empty one, the remote having lost its last pages
+    (evicted): the restore points came with the index, so the replay starts at the one before them."""
+    clean = answer(lm, tmp_path / "a", remote=redis_server.url)
+    client = redis_server.client()
+    shared = [n.decode() for key in client.keys(b"tierkv:*:files") for n in client.smembers(key)]
+    assert sum(".restore-" in name for name in shared) >= 8                  # a point every 256 of 2,400 tokens
+    with NvmeTier.existing(page_store(tmp_path / "a")[0]) as tier:
+        last = sorted(tier.items(), key=lambda item: item[1])[-3:]          # sealed last
+    for key, _ in last:
+        (name,) = client.keys(b"tierkv:*:b:" + key.hex().encode())
+        client.delete(name)
+    again = answer(lm, tmp_path / "b", remote=redis_server.url)
+    assert again.tokens == clean.tokens and again.reused_tokens == len(PROMPT) - 1
+    (repair,) = again.report["repairs"]
+    assert repair["pages"] == 3 and repair["start"] >= 1792, repair

@@ -30,7 +30,7 @@ from tierkv.errors import BlockMissing
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.session.repair import repair
 from tierkv.session.state import Progress, SparseState
-from tierkv.sparse.restore import Origin, restore_path, save_restore, spacing
+from tierkv.sparse.restore import Origin, restore_path, restore_points, save_restore, spacing
 from tierkv.sparse.sequence import SparseSequence
 from tierkv.sparse.store import Shelf, identity_key, load_index, save_index
 
@@ -132,10 +132,13 @@ def _prefill_into(seq: SparseSequence, engine: SparseEngine, ids: Sequence[int],
 
 
 def share_index(engine: SparseEngine, path: Path) -> None:
-    """Put a stored index in the remote store; its pages went there as they were sealed, and the flush
-    before the index was saved waited for them."""
+    """Put a stored index in the remote store, its restore points first (a page the remote lost then costs
+    a replay from the point before it, on any machine, not from the start); its pages went there as they
+    were sealed, and the flush before the index was saved waited for them."""
     remote = engine.manager.remote
     if remote is not None:
+        for _, point in restore_points(path):
+            remote.put_file(point.name, point.read_bytes())
         remote.put_file(path.name, path.read_bytes())
 
 
@@ -156,11 +159,20 @@ def fetch_index(engine: SparseEngine, shelf: Shelf, ids: Sequence[int], *, longe
     if payload is None:
         return False
     shelf.directory.mkdir(parents=True, exist_ok=True)
-    part = shelf.directory / (best[1] + ".part")
-    part.write_bytes(payload)
-    part.replace(shelf.directory / best[1])
-    log.info("sparse index %s: read from the remote store", best[1])
+    points = remote.file_names(prefix=best[1].removesuffix(".safetensors") + ".restore-")
+    for name, point in ((name, remote.get_file(name)) for name in points):   # checked where a repair uses one
+        if point is not None:
+            _place(shelf.directory / name, point)
+    _place(shelf.directory / best[1], payload)
+    log.info("sparse index %s: read from the remote store, with %d restore point(s)", best[1], len(points))
     return True
+
+
+def _place(path: Path, payload: bytes) -> None:
+    """``payload`` as the file ``path``, whole or not at all."""
+    part = path.with_name(path.name + ".part")
+    part.write_bytes(payload)
+    part.replace(path)
 
 
 class _Checkpoints:

@@ -45,7 +45,7 @@ class Repair:
     seconds: float
 
     def __str__(self) -> str:
-        return (f"{self.pages} damaged page(s) computed again: {self.tokens} tokens replayed from token "
+        return (f"{self.pages} lost or damaged page(s) computed again: {self.tokens} tokens replayed from token "
                 f"{self.start} in {self.seconds:.1f} s ({self.scrubbed} pages checked in {self.scrub_s:.1f} s)")
 
 
@@ -84,7 +84,7 @@ def repair(engine: SparseEngine, seq: SparseSequence, keys: Iterable[BlockKey], 
         keys |= set(engine.manager.scrub(sorted(place, key=place.get)))
     scrub_s = time.perf_counter() - begin
     damaged = {key: place[key] for key in keys}
-    log.warning("%d damaged page(s) of a stored document; computing them again", len(damaged))
+    log.warning("%d lost or damaged page(s) of a stored document; computing them again", len(damaged))
     while True:
         try:
             start = _replay(engine, seq, origin, damaged)
@@ -140,6 +140,6 @@ def _replay(engine: SparseEngine, seq: SparseSequence, origin: Origin,
     lost = [key for key, (layer, page) in damaged.items()
             if page >= len(twin.layers[layer].pages) or twin.layers[layer].pages[page] != key]
     if lost:
-        raise BlockMissing(f"{len(lost)} damaged page(s) were not sealed again by a replay of the document "
+        raise BlockMissing(f"{len(lost)} lost or damaged page(s) were not sealed again by a replay of the document "
                            f"from token {start}", tuple(lost))
     return start
