@@ -317,6 +317,27 @@ def test_a_session_let_go_of_unclosed_ends_its_threads_and_keeps_its_store(tmp_p
         assert again.document_reused == 512
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_fork_that_failed_and_a_copy_let_go_of_leave_the_session_s_tiers_open(monkeypatch):
+    import copy
+    import gc
+    lm = tiny_loaded()
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=lm) as session:
+        ids = random_ids(300, 4)
+        session.read_ids(ids)
+
+        def fails(state):
+            raise KeyboardInterrupt
+        with monkeypatch.context() as patch:
+            patch.setattr(type(session.document), "fork", fails)
+            with pytest.raises(KeyboardInterrupt):
+                session.fork()
+        copied = copy.copy(session)
+        del copied
+        gc.collect()
+        assert session.complete([*ids, 5], max_new_tokens=2).generated_tokens == 2
+
+
 def test_a_stream_read_after_its_session_closed_says_so():
     lm = tiny_loaded()
     with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=lm) as session:

@@ -89,6 +89,19 @@ def test_a_key_of_another_type_is_damaged_alone(redis_server):
     assert store.stats.corrupt == 1 and client.exists(store.block_name(keys[1])) == 0
 
 
+def test_a_read_the_server_refuses_is_no_damage(redis_server):
+    """An error for every key (here a user not allowed GETEX; a read-only replica, a failed save) is the
+    server's: reads miss, nothing is called damaged or deleted."""
+    client = redis_server.client()
+    client.execute_command("ACL", "SETUSER", "reader", "on", ">pw", "~*", "+@all", "-getex")
+    store = RemoteStore(redis_server.url.replace("redis://", "redis://reader:pw@"), "ns")
+    keys = [BlockKey.of("k", i) for i in range(3)]
+    store.put_many([(key, b"\1" * BLOCK) for key in keys])
+    assert store.get_many(keys, BLOCK) == [None] * 3
+    assert store.stats.corrupt == 0 and store.stats.errors == 1 and "getex" in store.stats.last_error
+    assert all(client.exists(store.block_name(key)) for key in keys)
+
+
 def test_a_value_in_another_format_is_a_miss_and_left_alone(redis_server):
     store = RemoteStore(redis_server.url, "ns")
     key, client = BlockKey.of("k"), redis_server.client()

@@ -112,6 +112,7 @@ class Session:
         self._messages: list[Message] = []              # the document's messages
         self.closed = False
         self._opener: Session | None = None             # a fork's: the session whose backends it shares
+        self._made_as = id(self)                        # the session that opened the backends (not a copy of it)
 
     @classmethod
     def open(cls, model: str = "smollm2", *, loaded: LoadedModel | None = None, **settings: Any) -> Session:
@@ -206,8 +207,9 @@ class Session:
         self._check_open()
         twin = Session.__new__(Session)
         twin.__dict__.update(self.__dict__)
-        twin.document = None if self.document is None else self.document.fork()
-        twin._states, twin._messages, twin._opener = [], list(self._messages), self._opener or self
+        twin._opener, twin.document, twin._states = self._opener or self, None, []   # before anything can fail:
+        twin.document = None if self.document is None else self.document.fork()    # a twin is never an opener
+        twin._messages = list(self._messages)
         return twin
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -230,7 +232,8 @@ class Session:
         """A session let go of unclosed (its forks and streams gone too: they hold it) closes its tiers
         without waiting for them: their threads and files go, and what the store holds stays. Nothing
         here waits (a finalizer may run on the tiers' own thread, or as the interpreter exits)."""
-        if getattr(self, "closed", True) or getattr(self, "_opener", None) is not None:
+        if getattr(self, "closed", True) or getattr(self, "_opener", None) is not None or \
+                self.__dict__.get("_made_as") != id(self):       # (a copy of a session shares its tiers)
             return
         self.closed = True
         for backend in self.backends.values():

@@ -87,6 +87,16 @@ def foreign(value: bytes) -> bool:
         value[3:4] != MAGIC[3:4]
 
 
+def _wrong_type(value, redis):
+    """A read's answer for one key: a key holding another type (a list, a set) reads as a damaged value of
+    that key alone (b""); any other error (a read-only replica, a failed save) is the server's, raised."""
+    if isinstance(value, redis.ResponseError):
+        if str(value).startswith("WRONGTYPE"):
+            return b""
+        raise value
+    return value
+
+
 def unframe(key: bytes, value: bytes, size: int | None = None) -> bytes | None:
     """The payload of ``value``, or None where it is not a whole, intact frame of ``key`` (of ``size`` bytes)."""
     if len(value) < HEADER.size:
@@ -215,8 +225,7 @@ class RemoteStore:
                 pipe = self._client.pipeline(transaction=False)
                 for name in names[first:first + PIPELINE]:
                     pipe.getex(name, ex=self.ttl_s)
-                values += [b"" if isinstance(v, self._redis.ResponseError) else v    # (a key of another type:
-                           for v in pipe.execute(raise_on_error=False)]             # damaged, that key alone)
+                values += [_wrong_type(v, self._redis) for v in pipe.execute(raise_on_error=False)]
             return values
         began = time.perf_counter()
         values = self._call("read", read, [None] * len(keys))
