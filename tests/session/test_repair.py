@@ -420,7 +420,8 @@ def test_a_replay_that_seals_no_damaged_page_again_is_not_called_a_repair(lm, tm
 
 def test_pages_the_remote_lost_are_replayed_from_its_shared_restore_points(lm, tmp_path, redis_server):
     """A document read from the remote store into an empty one, the remote having lost its last pages
-    (evicted): the restore points came with the index, so the replay starts at the one before them."""
+    (evicted): the restore points were shared after the index, so the replay starts at the one before
+    them, fetched when the repair needs it (and no other)."""
     clean = answer(lm, tmp_path / "a", remote=redis_server.url)
     client = redis_server.client()
     shared = [n.decode() for key in client.keys(b"tierkv:*:files") for n in client.smembers(key)]
@@ -434,3 +435,5 @@ def test_pages_the_remote_lost_are_replayed_from_its_shared_restore_points(lm, t
     assert again.tokens == clean.tokens and again.reused_tokens == len(PROMPT) - 1
     (repair,) = again.report["repairs"]
     assert repair["pages"] == 3 and repair["start"] >= 1792, repair
+    fetched = list((tmp_path / "b" / "sparse-indexes").glob("*.restore-*"))
+    assert len(fetched) == 1 and fetched[0].name.endswith(f".restore-{repair['start']}.safetensors")   # that one

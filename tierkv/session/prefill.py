@@ -32,7 +32,7 @@ from tierkv.session.repair import repair
 from tierkv.session.state import Progress, SparseState
 from tierkv.sparse.restore import Origin, restore_path, restore_points, save_restore, spacing
 from tierkv.sparse.sequence import SparseSequence
-from tierkv.sparse.store import Shelf, identity_key, load_index, save_index
+from tierkv.sparse.store import Shelf, identity_key, load_index, place_file, save_index
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +132,14 @@ def _prefill_into(seq: SparseSequence, engine: SparseEngine, ids: Sequence[int],
 
 
 def share_index(engine: SparseEngine, path: Path) -> None:
-    """Put a stored index in the remote store, its restore points first (a page the remote lost then costs
-    a replay from the point before it, on any machine, not from the start); its pages went there as they
-    were sealed, and the flush before the index was saved waited for them."""
+    """Put a stored index in the remote store, then its restore points where the remote takes them (a page
+    the remote lost then costs a replay from the point before it, on any machine, not from the start;
+    a repair fetches the one it needs). Its pages went there as they were sealed, and the flush before
+    the index was saved waited for them."""
     remote = engine.manager.remote
-    if remote is not None:
+    if remote is not None and remote.put_file(path.name, path.read_bytes()):
         for _, point in restore_points(path):
             remote.put_file(point.name, point.read_bytes())
-        remote.put_file(path.name, path.read_bytes())
 
 
 def fetch_index(engine: SparseEngine, shelf: Shelf, ids: Sequence[int], *, longer_than: int) -> bool:
@@ -159,20 +159,9 @@ def fetch_index(engine: SparseEngine, shelf: Shelf, ids: Sequence[int], *, longe
     if payload is None:
         return False
     shelf.directory.mkdir(parents=True, exist_ok=True)
-    points = remote.file_names(prefix=best[1].removesuffix(".safetensors") + ".restore-")
-    for name, point in ((name, remote.get_file(name)) for name in points):   # checked where a repair uses one
-        if point is not None:
-            _place(shelf.directory / name, point)
-    _place(shelf.directory / best[1], payload)
-    log.info("sparse index %s: read from the remote store, with %d restore point(s)", best[1], len(points))
+    place_file(shelf.directory / best[1], payload)
+    log.info("sparse index %s: read from the remote store", best[1])
     return True
-
-
-def _place(path: Path, payload: bytes) -> None:
-    """``payload`` as the file ``path``, whole or not at all."""
-    part = path.with_name(path.name + ".part")
-    part.write_bytes(payload)
-    part.replace(path)
 
 
 class _Checkpoints:

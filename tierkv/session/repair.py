@@ -23,12 +23,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from tierkv.errors import BlockMissing, PassBroken
 from tierkv.keys import BlockKey
 from tierkv.model.sparse_engine import SparseEngine
-from tierkv.sparse.restore import Origin, restore_pages, restore_points, restored
+from tierkv.sparse.restore import Origin, restore_pages, restore_points, restore_prefix, restored
+from tierkv.sparse.store import place_file
 from tierkv.sparse.sequence import SparseSequence
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,14 @@ def repair(engine: SparseEngine, seq: SparseSequence, keys: Iterable[BlockKey], 
     return repaired
 
 
+def _fetched(remote, path: Path) -> bool:
+    """A restore point the remote store keeps, brought to ``path`` (its checks run as it is read)."""
+    payload = remote.get_file(path.name)
+    if payload is not None:
+        place_file(path, payload)
+    return payload is not None
+
+
 def _places(seq: SparseSequence, origin: Origin) -> dict[BlockKey, tuple[int, int]]:
     """(layer, page) of each page of the stored document."""
     return {key: (layer, page) for layer, state in enumerate(seq.layers)
@@ -123,8 +133,12 @@ def _replay(engine: SparseEngine, seq: SparseSequence, origin: Origin,
     first = [min((p for (layer, p) in damaged.values() if layer == i), default=len(state.pages))
              for i, state in enumerate(seq.layers)]
     twin = engine.new_sequence(len(origin.tokens), root=origin.root, persist=True)
-    start = 0
-    for token, path in reversed(restore_points(origin.path)):
+    start, remote = 0, engine.manager.remote
+    shared = [] if remote is None else remote.file_names(prefix=restore_prefix(origin.path))
+    sealing = min(_until(seq, [place]) for place in damaged.values())     # no point before it holds one
+    for token, path in reversed(restore_points(origin.path, elsewhere=shared)):
+        if token >= sealing or (not path.exists() and not _fetched(remote, path)):
+            continue
         pages = restore_pages(path)
         if pages is not None and all(p <= f for p, f in zip(pages, first)) and restored(seq, path, twin):
             start = token

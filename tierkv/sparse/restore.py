@@ -20,6 +20,7 @@ measured at 32K and 128K), so the 32 of a long document take about 1.4 GB (at 12
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,18 +55,25 @@ def spacing(tokens: int) -> int:
 
 
 def restore_path(index: Path, tokens: int) -> Path:
-    return index.with_name(f"{index.name.removesuffix('.safetensors')}.restore-{tokens}.safetensors")
+    return index.with_name(f"{restore_prefix(index)}{tokens}.safetensors")
 
 
-def restore_points(index: Path) -> list[tuple[int, Path]]:
-    """(token, file) of the restore points saved for ``index``, ascending."""
-    stem = index.name.removesuffix(".safetensors")
+def restore_points(index: Path, elsewhere: Iterable[str] = ()) -> list[tuple[int, Path]]:
+    """(token, file) of the restore points saved for ``index``, ascending; ``elsewhere``: names of files
+    kept in another place (a remote store's), taken where they are restore points of ``index`` (their
+    path is where they go beside it)."""
+    names = {path.name for path in index.parent.glob(f"{restore_prefix(index)}*.safetensors")} | set(elsewhere)
     found = []
-    for path in index.parent.glob(f"{stem}.restore-*.safetensors"):
-        tokens = path.name.removesuffix(".safetensors").rpartition("-")[2]
-        if tokens.isdigit():
-            found.append((int(tokens), path))
+    for name in names:
+        tokens = name.removesuffix(".safetensors").removeprefix(restore_prefix(index))
+        if name.startswith(restore_prefix(index)) and name.endswith(".safetensors") and tokens.isdigit():
+            found.append((int(tokens), index.with_name(name)))
     return sorted(found)
+
+
+def restore_prefix(index: Path) -> str:
+    """How the names of ``index``'s restore points begin."""
+    return f"{index.name.removesuffix('.safetensors')}.restore-"
 
 
 def restore_pages(path: Path) -> list[int] | None:

@@ -152,6 +152,17 @@ def index_settings(layout: BlockLayout, config: SparseConfig) -> dict[str, objec
     return {"pages": layout.name, **dict(config.identity())}
 
 
+def place_file(path: Path, payload: bytes) -> None:
+    """``payload`` as the file ``path`` (one fetched from a remote store), whole or not at all; its own
+    checksums are checked where it is read."""
+    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        part.write_bytes(payload)
+        part.replace(path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
 def write_checked(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str], point: str) -> None:
     """``tensors`` and ``meta`` to ``path`` with an xxh3-64 of every tensor and of the metadata itself:
     written to a temporary name, fsynced, renamed (``point``: its failpoint's prefix)."""
