@@ -190,4 +190,13 @@ def test_a_refused_ray_address_leaves_no_out_file(tmp_path, capsys):
                  "--model", "smollm2", "--ray", f"127.0.0.1:{port}"])
     assert code == 2 and "no Ray cluster there" in capsys.readouterr().err
     assert out.read_text() == '{"id": "1", "summary": "y"}\n'
+    failed = '{"id": "1", "summary": "y"}\n{"id": "2", "error": "failed: a worker died"}\n'
+    out.write_text(failed)                         # --retry-failed would take line 2 out: not before the address
+    code = main(["batch", "--inputs", str(tmp_path / "in.jsonl"), "--out", str(out), "--retry-failed",
+                 "--model", "smollm2", "--ray", f"127.0.0.1:{port}"])
+    assert code == 2 and "no Ray cluster there" in capsys.readouterr().err and out.read_text() == failed
+    out.write_text('{"id": "1", "summary": "y"}\n{"id": "2", "summary": "z"}\n')
+    code = main(["batch", "--inputs", str(tmp_path / "in.jsonl"), "--out", str(out), "--model", "smollm2",
+                 "--ray", "nowhere"])              # all done, and still an address of no form
+    assert code == 2 and "--ray 'nowhere': expected local, auto, host:port" in capsys.readouterr().err
 

@@ -114,3 +114,22 @@ def test_a_policy_file_that_cannot_be_read_fails_before_ray_starts(tmp_path):
     with pytest.raises((ConfigError, OSError), match="missing.json"):
         run_ray_job(config, RayOptions(address="local", workers=1))
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_settings_no_worker_can_run_stop_the_job_as_in_one_process(tmp_path):
+    """Workers the cluster cannot start are refused (Ray waited for them, saying nothing); budgets no
+    policy fits are one error, exit 2, as without Ray (they were a failed line a document, exit 0)."""
+    folder = documents(tmp_path, bad=False)
+    for flags, message in ((["--cpus-per-worker", "4096"], "--workers 1 x --cpus-per-worker 4096: the Ray cluster "
+                                                           "has"),
+                           (["--gpu-budget", "10MiB", "--cpu-budget", "20MiB"], "no policy fits")):
+        out = tmp_path / f"out{len(flags)}.jsonl"
+        job = batch("--inputs", str(folder), "--out", str(out), "--ray", "local", *flags)
+        try:
+            _, err = job.communicate(timeout=300)
+        except subprocess.TimeoutExpired:             # (it hung: its Ray instance goes with it)
+            job.send_signal(signal.SIGINT)
+            job.communicate(timeout=60)
+            raise
+        assert job.returncode == 2 and message in err, err[-3000:]
+        assert not out.exists()

@@ -226,6 +226,17 @@ class OutputLog:
         self.close()
 
 
+def finished(path: Path, *, retry_failed: bool = False) -> set[str]:
+    """The ids an output holds records of, read without changing it (as ``OutputLog`` would take them;
+    lines that are no record are left for it to judge)."""
+    try:
+        lines = Path(path).read_bytes().splitlines(keepends=True)
+    except OSError:
+        return set()
+    records = [r for r in map(_complete_record, lines) if r is not None]
+    return {str(r["id"]) for r in records if not (retry_failed and str(r.get("error", "")).startswith(FAILED))}
+
+
 def _complete_record(line: bytes) -> dict[str, Any] | None:
     """A whole line of an output: an id and its summary or its error (a document's line is not one)."""
     if not line.endswith(b"\n"):

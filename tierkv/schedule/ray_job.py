@@ -36,7 +36,7 @@ from pathlib import Path
 
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.failpoints import failpoint
-from tierkv.schedule.documents import FAILED, Document, OutputLog, read_inputs
+from tierkv.schedule.documents import FAILED, Document, OutputLog, finished, read_inputs
 from tierkv.schedule.job import JobConfig, JobResult, Progress, check_here, compute_dtype
 from tierkv.schedule.policy import Policy, read_policy
 
@@ -72,6 +72,9 @@ class RayOptions:
             raise ConfigError(f"--gpus-per-worker={self.gpus_per_worker}: must be >= 0")
 
 
+JOB_ERROR = "job_error"      # a worker's record of an error in the job's settings (no document's line)
+
+
 class Summarizer:
     """A Ray actor: loads the model once, then summarizes batches of documents into JSON records."""
 
@@ -97,6 +100,8 @@ class Summarizer:
         records: list[dict] = []
         try:
             self._summarize(docs, records.append)
+        except ConfigError as error:            # the job's settings, not a document's: the job stops, as it
+            return {"record": [json.dumps({"id": docs[0].id, JOB_ERROR: str(error)})]}   # does in one process
         except Exception:                       # one bad document must not fail the others: one at a time
             records = []
             for doc in docs:
@@ -117,19 +122,23 @@ def run_ray_job(config: JobConfig, options: RayOptions, *, progress: Progress | 
     if options.address == "local":            # (a cluster's workers may hold a model the driver does not)
         check_here(config)
     docs = read_inputs(config.inputs, out=config.out)
-    remote, resumed = options.address != "local", config.out.exists()
-    if remote and not resumed:
-        _check_reachable(options.address)    # before --out is made: a refused address leaves nothing behind
-    result = JobResult()
-    with OutputLog(config.out, config.output_settings(fixed), retry_failed=config.retry_failed) as out:
-        todo = [d for d in docs if d.id not in out.done]
-        result.skipped = len(docs) - len(todo)
-        if not todo:
-            return result                    # (a resume with nothing left to do needs no cluster)
-        if remote and resumed:
-            _check_reachable(options.address)
-        with contextlib.redirect_stdout(sys.stderr):     # Ray reports dead workers on stdout: --json owns it
-            _run(config, options, todo, out, result, progress, fixed)
+    if options.address != "local":           # tried before --out is made or changed: a refused address leaves
+        address = _address(options.address)  # nothing behind; not where a resume has nothing left to do
+        if {d.id for d in docs} - finished(config.out, retry_failed=config.retry_failed):
+            _check_reachable(*address)
+    result, made = JobResult(), not config.out.exists()
+    try:
+        with OutputLog(config.out, config.output_settings(fixed), retry_failed=config.retry_failed) as out:
+            todo = [d for d in docs if d.id not in out.done]
+            result.skipped = len(docs) - len(todo)
+            if not todo:
+                return result
+            with contextlib.redirect_stdout(sys.stderr):     # Ray reports dead workers on stdout: --json owns it
+                _run(config, options, todo, out, result, progress, fixed)
+    except ConfigError:                      # the job's settings: an --out it made holds nothing
+        if made and config.out.is_file() and config.out.stat().st_size == 0:
+            config.out.unlink()
+        raise
     return result
 
 
@@ -139,6 +148,7 @@ def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: Outp
     try:
         threads = _threads(ray, options)
         cpus = options.cpus_per_worker or threads
+        _check_fits(ray, options, cpus)
         batch = options.batch_documents or min(MAX_BATCH, -(-len(todo) // options.workers))
         if progress:
             progress(0, 0, 0.0, len(todo))
@@ -181,6 +191,8 @@ def _write(records: Iterable[dict], out: OutputLog, result: JobResult, progress:
            total: int) -> None:
     last = time.perf_counter()
     for record in records:
+        if JOB_ERROR in record:
+            raise ConfigError(record[JOB_ERROR])
         if record["id"] in out.done:         # a retried batch's second answer
             continue
         out.write(record)
@@ -253,19 +265,36 @@ def _init(ray, options: RayOptions) -> None:
                               f"RAY_AUTH_TOKEN as the cluster has them, or give --ray local") from None
 
 
-def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast on a host:port nobody listens on (Ray itself retries a missing cluster for minutes)."""
+def _address(address: str) -> tuple[str, str | None, int | None]:
+    """``--ray ADDRESS`` checked for its form: (the address, its host, its port); auto has neither."""
     if address == "auto":
-        return
+        return address, None, None
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--ray {address!r}: expected local, auto, host:port or ray://host:port "
                           f"(what `ray start --head` prints)")
+    return address, host, int(port)
+
+
+def _check_reachable(address: str, host: str | None, port: int | None, timeout_s: float = 5.0) -> None:
+    """Fail fast on a host:port nobody listens on (Ray itself retries a missing cluster for minutes)."""
+    if host is None:
+        return
     try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as error:
         raise ConfigError(f"--ray {address}: no Ray cluster there ({error.strerror or error}); start one with "
                           f"`ray start --head`, or give --ray local") from None
+
+
+def _check_fits(ray, options: RayOptions, cpus: float) -> None:
+    """Refuse workers the cluster cannot start all of (Ray would wait for them, saying nothing)."""
+    have = ray.cluster_resources()
+    for name, each, flag in (("CPU", cpus, "--cpus-per-worker"), ("GPU", options.gpus_per_worker, "--gpus-per-worker")):
+        if options.workers * each > have.get(name, 0):
+            raise ConfigError(f"--workers {options.workers} x {flag} {each:g}: the Ray cluster has "
+                              f"{have.get(name, 0):g} {name}(s) in all, so not every worker could start; "
+                              "ask for fewer")
 
 
 def _threads(ray, options: RayOptions) -> int:
