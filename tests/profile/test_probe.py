@@ -91,6 +91,15 @@ def test_buffered_io_with_fsync_where_o_direct_is_missing(tiny: None, tmp_path: 
         _check_link(link)
 
 
+def test_a_full_disk_under_the_probe_is_named_as_such(tiny: None, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierkv.errors import DiskFullError
+    monkeypatch.setattr(probe.os, "pwritev", lambda fd, buffers, offset: 4096)    # what a full tmpfs does
+    with pytest.raises(DiskFullError, match=f"{tmp_path}: no room for the disk probe's test file"):
+        probe.disk_links(tmp_path, TINY)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_link_lines_name_each_link_with_its_rate(tiny: None, tmp_path: Path) -> None:
     lines = probe.link_lines(probe.probe_links(tmp_path / "d", cache_dir=tmp_path))
     assert [line.split()[0] for line in lines] == ["cpu->cpu", "cpu->gpu", "gpu->cpu", "cpu->nvme", "nvme->cpu"]

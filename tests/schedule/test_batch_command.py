@@ -149,6 +149,8 @@ def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path
     (["--gpu-budget", "lots"], "--gpu-budget='lots': expected a size"),
     (["--max-new-tokens", "0"], "--max-new-tokens=0: must be > 0"),
     (["--policy", "nope.json"], "--policy nope.json: no such file"),
+    (["--policy", "p.json", "--gpu-budget", "1GiB", "--compress-kv"],
+     "--gpu-budget, --compress-kv: settings of the policy search, but --policy p.json places weights and KV itself"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from 'auto', 'float32', 'bfloat16', 'float16')"),
     (["--weight-dtype", "bf16"], "--weight-dtype='bf16': allowed: bfloat16, float16 or none"),
     (["--workers", "2", "--ray-batch", "4"], "--workers, --ray-batch: Ray settings, but no --ray"),

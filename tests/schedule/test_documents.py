@@ -53,6 +53,34 @@ def test_directory_inputs_read_every_file_sorted(tmp_path):
         read_inputs(tmp_path / "missing")
 
 
+
+def test_a_pipe_a_link_to_nothing_and_nul_bytes_in_a_folder_are_each_a_document_s_error(tmp_path):
+    import os
+    os.mkfifo(tmp_path / "pipe")                    # (read, it would wait for a writer for ever)
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "zeros.dat").write_bytes(bytes(2000))
+    (tmp_path / "a.txt").write_text("ay")
+    docs = {d.id: (d.text, d.error) for d in read_inputs(tmp_path)}
+    assert docs == {"a.txt": ("ay", None), "zeros.dat": (None, "unreadable: binary (NUL bytes)"),
+                    "pipe": (None, "unreadable: not a regular file (a pipe, a device, or a link to nothing)"),
+                    "gone": (None, "unreadable: not a regular file (a pipe, a device, or a link to nothing)")}
+
+
+def test_an_output_line_the_disk_has_no_room_for_names_the_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from tierkv.errors import DiskFullError
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with OutputLog(tmp_path / "o.jsonl") as out:
+        monkeypatch.setattr(os, "fsync", full)
+        with pytest.raises(DiskFullError, match=f"--out {tmp_path / 'o.jsonl'}: No space left on device; the same "
+                                                "command again goes on"):
+            out.write({"id": "a", "summary": "x"})
+
+
 def test_output_log_resumes_and_cuts_a_torn_last_line(tmp_path):
     path = tmp_path / "out.jsonl"
     with OutputLog(path) as log:

@@ -17,6 +17,7 @@ moves a few hundred MiB and takes about a second.
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import mmap
 import os
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from tierkv.device import ALIGN, has_cuda
+from tierkv.errors import DiskFullError
 from tierkv.knobs import cache_dir, read_cache, write_cache
 
 VERSION = 1
@@ -135,6 +137,11 @@ def disk_links(directory: Path, size: ProbeSize) -> dict[str, dict[str, object]]
         fd, direct = _open(path)
         try:
             return _measure_disk(fd, direct, size)
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            raise DiskFullError(errno.ENOSPC, f"{directory}: no room for the disk probe's test file (a few MiB; "
+                                "the store needs more): free space there, or give another directory") from None
         finally:
             os.close(fd)
     finally:
@@ -193,8 +200,8 @@ def _aligned(nbytes: int) -> np.ndarray:
 
 def _pwrite(fd: int, buf: np.ndarray, offset: int) -> int:
     done = os.pwritev(fd, [buf], offset)
-    if done != buf.nbytes:
-        raise OSError(f"short write: {done} of {buf.nbytes} bytes at offset {offset}")
+    if done != buf.nbytes:                # a file system writes less than asked only where it is full
+        raise OSError(errno.ENOSPC, f"short write: {done} of {buf.nbytes} bytes at offset {offset}")
     return done
 
 

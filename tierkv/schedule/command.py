@@ -81,6 +81,14 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
 def cmd_batch(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    if args.policy != "auto":            # a policy file places everything itself: these would be ignored
+        searched = [flag for flag, value, default in (
+            ("--gpu-budget", args.gpu_budget, DEFAULTS["gpu_budget"]), ("--cpu-budget", args.cpu_budget,
+             DEFAULTS["cpu_budget"]), ("--nvme-budget", args.nvme_budget, DEFAULTS["nvme_budget"]),
+            ("--compress-kv", args.compress_kv, False)) if value != default]
+        if searched:
+            raise ConfigError(f"{', '.join(searched)}: settings of the policy search, but --policy {args.policy} "
+                              "places weights and KV itself; drop them, or use --policy auto to search within them")
     config = JobConfig(inputs=args.inputs, out=args.out, model=args.model, policy=args.policy,
                        gpu_budget=parse_size(args.gpu_budget, "--gpu-budget"),
                        cpu_budget=parse_size(args.cpu_budget, "--cpu-budget"), nvme_dir=args.nvme_dir,

@@ -25,6 +25,7 @@ settings is refused, so one file never mixes summaries made two ways.
 from __future__ import annotations
 
 import codecs
+import errno
 import hashlib
 import itertools
 import json
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, DiskFullError
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ def read_inputs(path: Path, *, out: Path | None = None) -> list[Document]:
         if not os.access(path, os.R_OK | os.X_OK):
             raise ConfigError(f"--inputs {path}: cannot read the directory (permission denied)")
         skip = None if out is None else Path(out).resolve()
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.resolve() != skip
+        files = sorted(p for p in path.rglob("*") if not p.is_dir() and p.resolve() != skip
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise ConfigError(f"--inputs {path}: no documents in it (give a directory of text files, or a "
@@ -71,8 +72,11 @@ def read_inputs(path: Path, *, out: Path | None = None) -> list[Document]:
 
 def _read_file(file: Path, root: Path) -> Document:
     name = file.relative_to(root).as_posix()
+    if not file.is_file():       # not read: a pipe would wait for a writer
+        return Document(name, None, "unreadable: not a regular file (a pipe, a device, or a link to nothing)")
     try:
-        return Document(name, file.read_bytes().decode("utf-8"))
+        text = file.read_bytes().decode("utf-8")
+        return Document(name, text) if "\0" not in text else Document(name, None, "unreadable: binary (NUL bytes)")
     except UnicodeDecodeError:
         return Document(name, None, "unreadable: not UTF-8 text")
     except OSError as e:
@@ -211,9 +215,14 @@ class OutputLog:
         if self.job is not None:
             record = {**record, "job": self.job}
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        self._file.write(line)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.write(line)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as error:          # (a line cut short is cut off by the next run, and redone)
+            kind = DiskFullError if error.errno == errno.ENOSPC else OSError
+            raise kind(error.errno, f"--out {self.path}: {error.strerror or error}; the same command again goes "
+                                    "on from the documents written") from None
         self.done.add(str(record["id"]))
 
     def close(self) -> None:
