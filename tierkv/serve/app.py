@@ -202,7 +202,8 @@ class Guard:
     request (plain ASGI, so a streamed response still sees its client hang up). The body is read here
     whole: one past the limit is a 413 however it is sent (with a length or chunked), one that stops
     arriving a 408 after ``BODY_IDLE_S``, and one still arriving when the server shuts down a 503, so
-    that a stalled client holds neither a connection nor the shutdown."""
+    that a client whose body stops arriving holds neither a connection nor the shutdown (one that trickles
+    a byte within every ``BODY_IDLE_S`` is still read, as a slow link is)."""
 
     def __init__(self, app: Any, *, metrics: Metrics, api_key: str | None, max_body_bytes: int,
                  routes: FastAPI, closing: Closing) -> None:
