@@ -5,7 +5,7 @@ sparse prefill) on disk, closes it, and reopens it through a `TierManager`
 (a cpu tier over the store), as a stored document is reopened, and reads a
 few blocks into the cpu tier. Then it counts the arrays that name, place and
 order every block, and times the lookup a sparse layer's read makes (526
-keys)::
+keys) and the count of held blocks ``tierkv serve``'s /health makes::
 
     directory  key table: key 16 B, live flag, hash cells     \\
                rows: holders, layer, index, generation,        > the manager's bookkeeping
@@ -94,6 +94,8 @@ def measure(path: Path, n: int, report: Report) -> None:
         batches = [[keys[i] for i in np.sort(rng.choice(n, LOOKUP_KEYS, replace=False)).tolist()] for _ in range(64)]
         lookup = min(timeit.repeat(lambda: [directory.find_rows(b) for b in batches], number=1, repeat=5))
         report.add_row(f"lookup of {LOOKUP_KEYS} keys", "time", round(lookup / len(batches) * 1e6, 1), "us")
+        held = min(timeit.repeat(directory.held_count, number=1, repeat=5))      # what /health counts
+        report.add_row("held blocks counted (serve's /health)", "time", round(held * 1e3, 3), "ms")
         report.add_ratio("manager_bytes_per_block", round(manager_bytes / n, 2), TARGET,
                          f"the directory's arrays and the tiers' pools over {n:,} blocks of a reopened store, "
                          "bytes a block", ceiling=True)
