@@ -132,4 +132,4 @@ def test_settings_no_worker_can_run_stop_the_job_as_in_one_process(tmp_path):
             job.communicate(timeout=60)
             raise
         assert job.returncode == 2 and message in err, err[-3000:]
-        assert not out.exists()
+        assert not out.exists() and "ray_remote_args` is deprecated" not in err      # (Ray's, for restarts)

@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,11 +162,13 @@ def _run(config: JobConfig, options: RayOptions, todo: list[Document], out: Outp
             # one batch a worker at a time: a worker that dies takes its own batch with it, not batches queued
             # behind it (their retries would run out on a poison document's account)
             pool = ray.data.ActorPoolStrategy(size=options.workers, max_tasks_in_flight_per_actor=1)
-            rows = dataset.map_batches(
-                Summarizer, fn_constructor_kwargs={"config": config, "threads": threads, "fixed": fixed},
-                batch_size=size, compute=pool, num_cpus=cpus, num_gpus=options.gpus_per_worker or None,
-                batch_format="numpy", max_restarts=-1, max_task_retries=options.retries,
-                runtime_env={"env_vars": WORKER_ENV}).iter_rows()
+            with warnings.catch_warnings():       # restarts and retries have no named parameter yet (Ray < 2.64,
+                warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")   # as pinned)
+                rows = dataset.map_batches(
+                    Summarizer, fn_constructor_kwargs={"config": config, "threads": threads, "fixed": fixed},
+                    batch_size=size, compute=pool, num_cpus=cpus, num_gpus=options.gpus_per_worker or None,
+                    batch_format="numpy", max_restarts=-1, max_task_retries=options.retries,
+                    runtime_env={"env_vars": WORKER_ENV}).iter_rows()
             return (json.loads(row["record"]) for row in rows)
 
         _write(records(todo, batch), out, result, progress, len(todo))
