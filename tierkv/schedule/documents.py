@@ -185,7 +185,7 @@ class OutputLog:
                 raise ConfigError(f"--out {self.path}: line {number} was made with settings other than this run's "
                                   f"(this run: {shown}); resume with the settings that wrote it, or give a new --out")
             good += len(line)
-            if self.retry_failed and str(record.get("error", "")).startswith(FAILED):
+            if self.retry_failed and failed_while_running(record):
                 dropped += 1
                 continue
             self.done.add(str(record["id"]))
@@ -243,7 +243,12 @@ def finished(path: Path, *, retry_failed: bool = False) -> set[str]:
     except OSError:
         return set()
     records = [r for r in map(_complete_record, lines) if r is not None]
-    return {str(r["id"]) for r in records if not (retry_failed and str(r.get("error", "")).startswith(FAILED))}
+    return {str(r["id"]) for r in records if not (retry_failed and failed_while_running(r))}
+
+
+def failed_while_running(record: dict[str, Any]) -> bool:
+    """The record says its document failed while it ran (``--retry-failed`` runs it again)."""
+    return str(record.get("error", "")).startswith(FAILED)
 
 
 def _complete_record(line: bytes) -> dict[str, Any] | None:

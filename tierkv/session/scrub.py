@@ -253,7 +253,7 @@ def _differences(path: Path, engine, ids: list[int]) -> str:
         differ = ["pages"]                  # the page layout alone: the model's shape, or --dtype / --page-dtype
     shown = [f"--{name.replace('_', '-')} {_shown(stored[name])} (given {_shown(given.get(name))})"
              if name != "pages" else f"pages {stored[name]} (given {given.get(name)})" for name in differ]
-    return f" (stored with {', '.join(shown)})" if shown else " (the same sparse settings: another model)"
+    return f" (stored with {', '.join(shown)})" if shown else " (the same sparse settings: another model, or --dtype)"
 
 
 def _shown(value: object) -> str:

@@ -62,11 +62,12 @@ def restore_points(index: Path, elsewhere: Iterable[str] = ()) -> list[tuple[int
     """(token, file) of the restore points saved for ``index``, ascending; ``elsewhere``: names of files
     kept in another place (a remote store's), taken where they are restore points of ``index`` (their
     path is where they go beside it)."""
-    names = {path.name for path in index.parent.glob(f"{restore_prefix(index)}*.safetensors")} | set(elsewhere)
+    prefix = restore_prefix(index)
+    names = {path.name for path in index.parent.glob(f"{prefix}*.safetensors")} | set(elsewhere)
     found = []
     for name in names:
-        tokens = name.removesuffix(".safetensors").removeprefix(restore_prefix(index))
-        if name.startswith(restore_prefix(index)) and name.endswith(".safetensors") and tokens.isdigit():
+        tokens = name.removesuffix(".safetensors").removeprefix(prefix)
+        if name.startswith(prefix) and name.endswith(".safetensors") and tokens.isdigit():
             found.append((int(tokens), index.with_name(name)))
     return sorted(found)
 
