@@ -343,3 +343,24 @@ def test_a_store_that_cannot_be_used_stops_the_start_not_every_request(launch, t
     broken[0].write_text("{broken")
     with pytest.raises(AssertionError, match=r"(?s)tierkv serve exited 2: .*unreadable store.json"):
         launch("--model", str(tiny_model_dir), "--nvme-dir", str(store))
+
+
+def test_a_prompt_the_tiers_cannot_hold_is_the_client_s_400_and_the_operator_s_log_line(launch, tmp_path,
+                                                                                       tiny_model_dir):
+    """Without a store, the tiers' budgets bound a prompt: one past them was a 500 that told the
+    client to raise the server's budgets."""
+    server = launch("--model", str(tiny_model_dir), "--mode", "dense", "--gpu-budget", "64KiB",
+                    "--cpu-budget", "64KiB", "--served-name", "tiny")
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    for stream in (False, True):         # streamed: its headers went before the prompt ran; an error event
+        refused = httpx.post(f"{server.url}/v1/completions", headers=key, timeout=120,
+                             json={"model": "tiny", "prompt": list(range(5, 1500)), "max_tokens": 2, "stream": stream})
+        assert refused.status_code == (200 if stream else 400), refused.text
+        error = json.loads(refused.text.removeprefix("data: "))["error"]
+        assert error["code"] == "context_length_exceeded" and "more KV than this server's tiers hold" in error["message"]
+        assert "budget" not in error["message"]
+    ok = httpx.post(f"{server.url}/v1/completions", headers=key, timeout=120,
+                    json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    assert server.stop() == 0
+    assert "raise its budget" in server.log.read_text()

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from tierkv.errors import ConfigError, TierKVError
+from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
 from tierkv.session import Answer
 from tierkv.session.inputs import PromptTooLong, check_length, prompt_ids
 from tierkv.session.session import Session
@@ -388,6 +388,9 @@ def _as_api_error(error: BaseException) -> ApiError:
         return ApiError(400, str(error), param="messages", code="context_length_exceeded")
     if isinstance(error, ConfigError):
         return ApiError(400, str(error))
+    if isinstance(error, BudgetExceeded):       # the tiers' words (and paths) are the operator's: in the log
+        return ApiError(400, "the prompt and its answer need more KV than this server's tiers hold; send a shorter "
+                        "prompt or a smaller max_tokens", code="context_length_exceeded")
     if isinstance(error, TierKVError):
         return ApiError(500, str(error), kind="server_error")
     return ApiError(500, "internal error; the server's log has the details", kind="server_error")
