@@ -364,3 +364,18 @@ def test_a_prompt_the_tiers_cannot_hold_is_the_client_s_400_and_the_operator_s_l
     assert ok.status_code == 200, ok.text
     assert server.stop() == 0
     assert "raise its budget" in server.log.read_text()
+
+
+def test_a_full_disk_is_a_507_that_names_no_path_and_the_server_goes_on(launch, tiny_tmpfs, tiny_model_dir):
+    server = launch("--model", str(tiny_model_dir), "--mode", "dense", "--gpu-budget", "64KiB",
+                    "--cpu-budget", "64KiB", "--nvme-dir", str(tiny_tmpfs / "store"), "--served-name", "tiny")
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    full = httpx.post(f"{server.url}/v1/completions", headers=key, timeout=120,
+                      json={"model": "tiny", "prompt": list(range(5, 12000)), "max_tokens": 2})
+    assert full.status_code == 507, full.text
+    assert "out of disk space" in full.json()["error"]["message"] and str(tiny_tmpfs) not in full.text
+    ok = httpx.post(f"{server.url}/v1/completions", headers=key, timeout=120,
+                    json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    assert server.stop() == 0
+    assert "no space left" in server.log.read_text()

@@ -31,7 +31,8 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
+from tierkv.errors import (BudgetExceeded, ConfigError, DiskFullError, StoreReadError, StoreWriteError,
+                           TierKVError)
 from tierkv.session import Answer
 from tierkv.session.inputs import PromptTooLong, check_length, prompt_ids
 from tierkv.session.session import Session
@@ -391,6 +392,11 @@ def _as_api_error(error: BaseException) -> ApiError:
     if isinstance(error, BudgetExceeded):       # the tiers' words (and paths) are the operator's: in the log
         return ApiError(400, "the prompt and its answer need more KV than this server's tiers hold; send a shorter "
                         "prompt or a smaller max_tokens", code="context_length_exceeded")
+    if isinstance(error, DiskFullError):
+        return ApiError(507, "the server's KV store is out of disk space; its log has the details", kind="server_error")
+    if isinstance(error, (StoreReadError, StoreWriteError)):      # its file's path is the operator's: in the log
+        return ApiError(500, "the server's KV store failed to read or write; its log has the details",
+                        kind="server_error")
     if isinstance(error, TierKVError):
         return ApiError(500, str(error), kind="server_error")
     return ApiError(500, "internal error; the server's log has the details", kind="server_error")
