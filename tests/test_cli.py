@@ -153,7 +153,7 @@ def test_info_text(capsys):
     (["serve", "--mode", "sparse", "--block-tokens", "128"], "--block-tokens: dense-mode settings"),
     (["chat", "--mode", "sparse", "--kv-buffer", "1MiB"], "--kv-buffer: dense-mode settings"),
     (["run", "--synthetic-tokens", "100", "--cxl-preset", "cxl2-x16"],
-     "--cxl-preset='cxl2-x16': the CXL pool has no budget; give --cxl-budget SIZE"),
+     "--cxl-preset='cxl2-x16': the CXL pool has no budget; give --cxl-budget=SIZE"),
     (["run", "--synthetic-tokens", "100", "--gpu-policy", "nosuch"], "--gpu-policy: policy='nosuch': unknown"),
     (["run", "--synthetic-tokens", "100", "--kv-dtype", "int8-g64-g32"], "option -g given twice"),
     (["run", "--synthetic-tokens", "100", "--cxl-preset", "nosuch"], "--cxl-preset='nosuch': unknown; valid presets"),

@@ -126,9 +126,9 @@ def test_freed_memory_kept_for_reuse_stops_the_page_faults_of_every_allocation()
 
 def test_a_budget_under_one_block_is_named_by_its_flag_with_the_block_s_size(tmp_path):
     from tierkv.model.settings import TierSettings
-    with pytest.raises(ConfigError, match=r"--gpu-budget 1.0 KiB: less than one KV block of this model and mode "
+    with pytest.raises(ConfigError, match=r"gpu_budget=.1.0 KiB.: less than one KV block of this model and mode "
                                           r"\(384.0 KiB\); give at least that, or 0 for no such tier"):
         TierSettings(gpu_budget="1KiB").tier_config(393216, "store")          # not "gpu=1024: ..."
-    with pytest.raises(ConfigError, match="--nvme-budget 64.0 KiB: less than one KV block"):
+    with pytest.raises(ConfigError, match="nvme_budget=.64.0 KiB.: less than one KV block"):
         TierSettings(nvme_dir=tmp_path, nvme_budget="64KiB").tier_config(393216, "store")
     assert TierSettings(gpu_budget=0, nvme_budget="64KiB").tier_config(393216, "store").gpu == 0   # no store: no check

@@ -134,9 +134,9 @@ def test_bad_requests_are_clear_errors(tmp_path):
             session.read(str(tmp_path / "report.txt"))
         with pytest.raises(ConfigError, match="a str \\(its text\\) or a Path \\(a text file\\), not bytes"):
             session.read(b"text")
-    with pytest.raises(ConfigError, match="--sparse-budget: sparse-mode settings, but --mode dense"):
+    with pytest.raises(ConfigError, match="sparse_budget: sparse-mode settings, but mode='dense'"):   # (as given)
         Session.open("tiny", loaded=lm, mode="dense", sparse_budget=64)     # not taken and ignored
-    with pytest.raises(ConfigError, match="--kv-dtype: dense-mode settings, but --mode sparse"):
+    with pytest.raises(ConfigError, match="kv_dtype: dense-mode settings, but mode='sparse'.*use mode='dense'"):
         Session.open("tiny", loaded=lm, mode="sparse", kv_dtype="int8")
     line = "The quick brown fox jumps. " * 12                  # one line, too long for a file's name: text
     assert document_text(line) == line

@@ -15,7 +15,7 @@ gpu_budget="64MiB", sparse_budget="2%")``); every default is the field's.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -106,7 +106,7 @@ class TierSettings:
                 raise ConfigError(f"{name}: {error}") from None
         link_spec(self.cxl_preset)        # an unknown name says so first
         if not parse_size(self.cxl_budget, "cxl_budget") and self.cxl_preset != _CXL_PRESET:
-            raise ConfigError(f"cxl_preset={self.cxl_preset!r}: the CXL pool has no budget; give --cxl-budget SIZE")
+            raise ConfigError(f"cxl_preset={self.cxl_preset!r}: the CXL pool has no budget; give cxl_budget=SIZE")
         if self.nvme_dir is not None:
             object.__setattr__(self, "nvme_dir", store_dir(self.nvme_dir))
         if self.remote is not None:
@@ -121,7 +121,7 @@ class TierSettings:
             budget = parse_size(getattr(self, name), name)
             used = nvme_dir is not None if name == "nvme_budget" else budget > 0
             if used and budget < block_bytes:
-                raise ConfigError(f"--{name.replace('_', '-')} {format_size(budget)}: less than one KV block of this "
+                raise ConfigError(f"{name}={format_size(budget)!r}: less than one KV block of this "
                                   f"model and mode ({format_size(block_bytes)}); give at least that"
                                   + (", or 0 for no such tier" if name != "nvme_budget" else ""))
         return TierConfig(block_bytes=block_bytes, gpu=self.gpu_budget, cpu=self.cpu_budget, nvme_dir=nvme_dir,
@@ -167,7 +167,8 @@ class EngineSettings:
         if self.dtype not in DTYPES and self.dtype != "auto":
             raise ConfigError(f"dtype={self.dtype!r}: allowed: auto, {', '.join(DTYPES)}")
         if self.weights is not None and self.weights not in WEIGHTS:
-            raise ConfigError(f"weights={self.weights!r}: allowed: {', '.join(WEIGHTS)} (or none: the weights in --dtype)")
+            raise ConfigError(f"weights={self.weights!r}: allowed: {', '.join(WEIGHTS)} (or none: the weights in the "
+                              "compute dtype)")
         if self.draft_tokens < 0:
             raise ConfigError(f"draft_tokens={self.draft_tokens}: must be >= 0 (0: no drafts)")
         if not self.checkpoint_every >= 0:
@@ -185,19 +186,24 @@ class EngineSettings:
     def torch_dtype(self) -> torch.dtype:
         return auto_dtype() if self.dtype == "auto" else DTYPES[self.dtype]
 
-    def check_flags(self, sparse_given: list[str], dense_given: list[str] = ()) -> None:
+    def check_flags(self, sparse_given: list[str], dense_given: list[str] = (), *,
+                    named: Callable[..., str] | None = None) -> None:
         """Refuse flags the chosen mode would never use (``sparse_given``, ``dense_given``: the flags of
-        one mode given; see `mode_flags`)."""
+        one mode given; see `mode_flags`). ``named``: how a message names a setting (`as_setting` where
+        the library's keywords gave them; the command line's flags by default)."""
+        n = named or as_flag_named
         if self.draft_tokens and self.mode == "sparse":
-            raise ConfigError("--draft-tokens: drafts are verified in dense mode only (a sparse pass over several "
-                              "tokens selects for all of them at once); use --mode dense or auto")
+            raise ConfigError(f"{n('draft_tokens')}: drafts are verified in dense mode only (a sparse pass over "
+                              f"several tokens selects for all of them at once); use {n('mode', 'dense')} or auto")
         if sparse_given and self.mode == "dense":
-            raise ConfigError(f"{', '.join(sparse_given)}: sparse-mode settings, but --mode dense attends to every "
-                              "stored key; drop them, or use --mode sparse (or auto: sparse past the trained window)")
+            raise ConfigError(f"{', '.join(sparse_given)}: sparse-mode settings, but {n('mode', 'dense')} attends to "
+                              f"every stored key; drop them, or use {n('mode', 'sparse')} (or auto: sparse past the "
+                              "trained window)")
         if dense_given and self.mode == "sparse":
-            raise ConfigError(f"{', '.join(dense_given)}: dense-mode settings, but --mode sparse keeps pages, not "
-                              "blocks (--page-dtype quantizes them, --sparse-prefetch loads them ahead); drop them, or "
-                              "use --mode dense (or auto: dense within the trained window)")
+            raise ConfigError(f"{', '.join(dense_given)}: dense-mode settings, but {n('mode', 'sparse')} keeps pages, "
+                              f"not blocks ({n('page_dtype')} quantizes them, {n('sparse_prefetch')} loads them "
+                              f"ahead); drop them, or use {n('mode', 'dense')} (or auto: dense within the trained "
+                              "window)")
 
     def resolve_mode(self, positions: int, trained_tokens: int) -> str:
         """The mode for a sequence of ``positions`` (a prompt's and its answer's at most): ``auto`` is sparse
@@ -218,12 +224,23 @@ def mode_flags(args: Any) -> tuple[list[str], list[str]]:
     return given_flags(args, SparseConfig), [flag for flag in given_flags(args, EngineSettings) if flag in dense]
 
 
-def mode_settings(names: Iterable[str]) -> tuple[list[str], list[str]]:
-    """`mode_flags` of settings named as their flags' dests (a ``--config`` file's keys)."""
-    sparse = {dest(f): flag_name(f) for f in exposed(SparseConfig)}
-    dense = {dest(f): flag_name(f) for f in fields(EngineSettings) if f.name in DENSE_ONLY}
+def mode_settings(names: Iterable[str], *, as_flags: bool = True) -> tuple[list[str], list[str]]:
+    """`mode_flags` of settings named as their flags' dests (a ``--config`` file's keys, the library's
+    keywords); ``as_flags=False``: named as given."""
+    sparse = {dest(f): flag_name(f) if as_flags else dest(f) for f in exposed(SparseConfig)}
+    dense = {dest(f): flag_name(f) if as_flags else dest(f) for f in fields(EngineSettings) if f.name in DENSE_ONLY}
     names = list(names)
     return [sparse[n] for n in names if n in sparse], [dense[n] for n in names if n in dense]
+
+
+def as_flag_named(name: str, value: Any = None) -> str:
+    """A setting as the command line gives it: ``--mode dense``."""
+    return f"--{name.replace('_', '-')}" + ("" if value is None else f" {value}")
+
+
+def as_setting(name: str, value: Any = None) -> str:
+    """A setting as the library takes it: ``mode='dense'``."""
+    return name if value is None else f"{name}={value!r}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from torch import Tensor
 from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import chat_ids
-from tierkv.model.settings import SessionConfig, mode_settings
+from tierkv.model.settings import SessionConfig, as_setting, mode_settings
 from tierkv.session.backend import Backend, open_backend
 from tierkv.session.generation import Answer, Sampling, generate
 from tierkv.session.inputs import Message, check_length, document_text, document_token_ids, prompt_ids
@@ -120,7 +120,7 @@ class Session:
         ``gpu_budget``, ``cpu_budget``, ``mode``, ``dtype``, ``sparse_budget``, ...); those of the mode not
         chosen are refused, as the command line refuses them (``mode="dense", sparse_budget=64``)."""
         config = SessionConfig.of(model=model, **settings)
-        config.engine.check_flags(*mode_settings(settings))
+        config.engine.check_flags(*mode_settings(settings, as_flags=False), named=as_setting)
         return cls(config, loaded=loaded)
 
     # -- documents ----------------------------------------------------------------------------------
