@@ -134,7 +134,7 @@ def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path
     code = main(["batch", "--inputs", str(docs), "--out", str(out), "--model", str(model_dir),
                  "--max-new-tokens", "4", "--max-prompt-tokens", "200", "--gpu-budget", "64MiB",
                  "--cpu-budget", "256MiB", "--weight-dtype", "bfloat16"])
-    assert code == 0
+    assert code == 1                                          # every line written, and a script learns of errors
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert records["empty.txt"]["error"] == "empty document"
     assert records["binary.bin"]["error"].startswith("unreadable")
@@ -143,6 +143,7 @@ def test_failed_documents_are_reported_and_the_batch_goes_on(model_dir, tmp_path
     printed = capsys.readouterr()
     assert "policy: gpu batch" in printed.out and "predicted" in printed.out and "measured" in printed.out
     assert "bfloat16-weights" in printed.out                 # the flag reaches the searched policy
+    assert f"3 document(s) failed; their lines in {out} say why" in printed.err
 
 
 @pytest.mark.parametrize("argv,message", [

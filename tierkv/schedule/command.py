@@ -139,6 +139,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
         for b in bar:
             b.close()
     _report(result, args)
+    if result.failed:              # every line is written; a script still learns that some are errors
+        print(f"tierkv batch: {result.failed} document(s) failed; their lines in {args.out} say why "
+              "(--retry-failed runs again those that failed while they ran)", file=sys.stderr)
+        return 1
     return 0
 
 
