@@ -106,10 +106,19 @@ def test_a_resume_with_other_settings_is_refused_and_the_file_left_as_it_was(tmp
         log.write({"id": "b", "summary": "y"})
     written = path.read_text()
     assert [json.loads(line)["job"] for line in written.splitlines()] == [settings_digest(first)] * 2
-    with pytest.raises(ConfigError,
-                       match=r"line 1 was made with settings other than this run's \(this run: .*--max-new-tokens 32"):
+    with pytest.raises(ConfigError, match=r"line 1 was made with --max-new-tokens 64 where this run has 32; resume"):
         OutputLog(path, {"--model": "smollm2", "--max-new-tokens": 32})
     assert path.read_text() == written
+    long = {"--instruction": "Summarize. " * 20}         # a long text: kept as its digest, and still compared
+    with OutputLog(tmp_path / "long.jsonl", long) as log:
+        log.write({"id": "a", "summary": "x"})
+    assert json.loads((tmp_path / "long.jsonl").read_text())["settings"]["--instruction"].startswith("sha256:")
+    with pytest.raises(ConfigError, match=r"made with --instruction 'sha256:.*' where this run has 'Summarize.'"):
+        OutputLog(tmp_path / "long.jsonl", {"--instruction": "Summarize."})
+    digest_only = tmp_path / "digest.jsonl"              # records that carry the digest alone: all settings shown
+    digest_only.write_text(json.dumps({"id": "a", "summary": "x", "job": settings_digest(first)}) + "\n")
+    with pytest.raises(ConfigError, match=r"settings other than this run's \(this run: .*--max-new-tokens 32"):
+        OutputLog(digest_only, {"--model": "smollm2", "--max-new-tokens": 32})
     older = tmp_path / "older.jsonl"                     # records written before the digest: taken as they are
     older.write_text('{"id": "a", "summary": "x"}\n')
     with OutputLog(older, first) as log:

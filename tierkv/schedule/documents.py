@@ -19,8 +19,9 @@ An error line is final, like a summary; ``--retry-failed`` takes out the lines o
 failed while they ran (``"error": "failed: ..."``) and runs those again, the file rewritten whole.
 
 Each record carries ``"job"``: a digest of the settings that shape a summary (the model, the
-instruction, the token limits, the dtypes; see ``JobConfig.output_settings``). A resume with other
-settings is refused, so one file never mixes summaries made two ways.
+instruction, the token limits, the dtypes; see ``JobConfig.output_settings``), and ``"settings"``:
+those settings themselves (a long text, the instruction, as its digest). A resume with other
+settings is refused, naming those that differ, so one file never mixes summaries made two ways.
 """
 from __future__ import annotations
 
@@ -144,6 +145,15 @@ def settings_digest(settings: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(dict(settings), sort_keys=True).encode()).hexdigest()[:16]
 
 
+LONG_SETTING = 80       # characters past which a record keeps a setting's digest, not its text
+
+
+def settings_shown(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings as a record keeps them: a text longer than ``LONG_SETTING`` as ``sha256:<digest>``."""
+    return {name: f"sha256:{hashlib.sha256(value.encode()).hexdigest()[:16]}"
+            if isinstance(value, str) and len(value) > LONG_SETTING else value for name, value in settings.items()}
+
+
 class OutputLog:
     """The output JSONL: which ids are done, and appending a record durably. ``settings``: what shapes
     a record (its digest goes into each one; records made under others are refused)."""
@@ -157,6 +167,7 @@ class OutputLog:
         self.retry_failed = retry_failed
         self.settings = dict(settings or {})
         self.job = settings_digest(self.settings) if settings is not None else None
+        self.shown = settings_shown(self.settings)
         if self.path.is_dir():
             raise ConfigError(f"--out {self.path}: is a directory; give a .jsonl file")
         if not self.path.parent.is_dir():          # as every output flag: a mistyped folder is not made
@@ -181,9 +192,8 @@ class OutputLog:
                 raise ConfigError(f"--out {self.path}: line {number} is not a record of tierkv batch (another "
                                   "kind of file, or edited by hand); give a new .jsonl file, or remove that line")
             if self.job is not None and record.get("job", self.job) != self.job:
-                shown = ", ".join(f"{name} {value!r}" for name, value in self.settings.items())
-                raise ConfigError(f"--out {self.path}: line {number} was made with settings other than this run's "
-                                  f"(this run: {shown}); resume with the settings that wrote it, or give a new --out")
+                raise ConfigError(f"--out {self.path}: line {number} was made with {self._other(record)}; resume "
+                                  "with the settings that wrote it, or give a new --out")
             good += len(line)
             if self.retry_failed and failed_while_running(record):
                 dropped += 1
@@ -196,6 +206,16 @@ class OutputLog:
             with open(self.path, "r+b") as f:
                 f.truncate(good)
                 os.fsync(f.fileno())
+
+    def _other(self, record: dict[str, Any]) -> str:
+        """What differs between the settings that made ``record`` and this run's, in words."""
+        made = record.get("settings")
+        differ = [name for name in self.shown if name in made and made[name] != self.shown[name]] \
+            if isinstance(made, dict) else []
+        if not differ:                   # a record without its settings (older), or differing in a setting no
+            shown = ", ".join(f"{name} {value!r}" for name, value in self.shown.items())        # longer made
+            return f"settings other than this run's (this run: {shown})"
+        return ", ".join(f"{name} {made[name]!r} where this run has {self.shown[name]!r}" for name in differ)
 
     def _rewrite(self, data: bytes) -> None:
         """The file as ``data``, whole or not at all (a new file renamed over it)."""
@@ -213,7 +233,7 @@ class OutputLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.job is not None:
-            record = {**record, "job": self.job}
+            record = {**record, "job": self.job, "settings": self.shown}
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
         try:
             self._file.write(line)
