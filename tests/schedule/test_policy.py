@@ -55,6 +55,10 @@ def test_policy_file_round_trip_and_errors(tmp_path):
     path.write_text(json.dumps({"gpu_batch_size": 2, "num_gpu_batches": 1, "weight": {}}))
     with pytest.raises(ConfigError, match="unknown key.*weight"):
         read_policy(path)
+    for version in (2, "1", True):                                      # a later tierkv's, or no number
+        path.write_text(json.dumps({"version": version, "gpu_batch_size": 2, "num_gpu_batches": 1}))
+        with pytest.raises(ConfigError, match=f"policy version={version!r}: this tierkv reads version 1"):
+            read_policy(path)
     path.write_text("{")
     with pytest.raises(ConfigError, match="not a readable JSON policy"):
         read_policy(path)

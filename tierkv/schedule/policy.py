@@ -147,6 +147,10 @@ class Policy:
             raise ConfigError(f"policy: expected a JSON object, got {type(data).__name__}")
         if data.get("format", POLICY_FORMAT) != POLICY_FORMAT:
             raise ConfigError(f"policy format={data.get('format')!r}: expected {POLICY_FORMAT!r}")
+        version = data.get("version", POLICY_VERSION)
+        if isinstance(version, bool) or version != POLICY_VERSION:     # (one this tierkv cannot read, or no number)
+            raise ConfigError(f"policy version={version!r}: this tierkv reads version {POLICY_VERSION} (a policy "
+                              "written by another tierkv: search one again with --policy auto)")
         known = {"format", "version", "gpu_batch_size", "num_gpu_batches", "weights", "kv", "act",
                  "overlap", "compress_kv", "weight_dtype"}
         if unknown := sorted(set(data) - known):
