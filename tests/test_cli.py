@@ -77,7 +77,7 @@ def test_store_verify_calls_a_store_cut_short_or_unreadable_damaged_checks_the_o
     out = capsys.readouterr().out
     assert "store a: 4 blocks, all sound; 2 lost: their slots lie past the end of slots.dat" in out
     assert "store b: unusable (unreadable store.json (Expecting" in out and "store c: 6 blocks, all sound" in out
-    assert "store c0: unusable (unreadable store.json (no field 'format')); move the store aside" in out
+    assert "store c0: unusable (unreadable store.json (no field 'format')); a run with the settings" in out
     assert out.rstrip().splitlines()[-1].strip().startswith("DAMAGED")
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files     # a check, not a repair
     assert main(["store", "verify", "--nvme-dir", str(tmp_path / "c" / "slots.dat")]) == 2

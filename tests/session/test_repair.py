@@ -301,9 +301,9 @@ def test_a_changed_store_json_is_found_and_a_repair_drops_no_block_of_it(tmp_pat
     (tmp_path / "s" / "store.json").write_text(json.dumps(changed))
     for drop in (False, True):
         (line,) = verify(tmp_path, drop=drop).lines()[:1]
-        assert "unusable (store.json fails its checksum" in line and "move the store aside" in line
+        assert "unusable (store.json fails its checksum" in line and "rebuilds it from its blocks" in line
     with pytest.raises(ConfigError, match="store.json fails its checksum"):
-        NvmeTier(tmp_path / "s", 4096, 16 * 4096)
+        NvmeTier(tmp_path / "s", 4096, 16 * 4096)              # (its namespace is not the store's name: not rebuilt)
     # a store made before store.json had a checksum: every block failing is named, and none is dropped
     (tmp_path / "s" / "store.json").write_text(json.dumps({k: v for k, v in changed.items() if k != "check"}))
     (line,) = verify(tmp_path, drop=True).lines()[:1]
@@ -437,3 +437,24 @@ def test_pages_the_remote_lost_are_replayed_from_its_shared_restore_points(lm, t
     assert repair["pages"] == 3 and repair["start"] >= 1792, repair
     fetched = list((tmp_path / "b" / "sparse-indexes").glob("*.restore-*"))
     assert len(fetched) == 1 and fetched[0].name.endswith(f".restore-{repair['start']}.safetensors")   # that one
+
+
+def test_a_damaged_store_json_is_rebuilt_by_the_repair_given_the_run_s_settings_and_the_answer_kept(lm, tmp_path):
+    """A damaged store.json made the store unusable: every run refused it, and the advice was to remove
+    it, its blocks sound. A repair with the run's settings opens it as a run would, and its blocks vouch
+    for the block size and namespace those settings ask for."""
+    dense = dict(mode="dense", gpu_budget="1MiB", cpu_budget="1MiB")
+    before = answer(lm, tmp_path, **dense)
+    (directory,) = tmp_path.glob("kv-*")
+    manifest = json.loads((directory / "store.json").read_text())
+    for damage in ('{"format": "tierkv-nvme", "vers', json.dumps({**manifest, "block_bytes": 1024})):
+        (directory / "store.json").write_text(damage)
+        assert "rebuilds it from its blocks" in verify(tmp_path).lines()[0]
+        other = repair_store(tmp_path, SessionConfig.of(nvme_dir=tmp_path, block_tokens=128, **dense), loaded=lm)
+        assert not other.clean and "unusable" in other.lines()[0]      # other settings: not its own, not rebuilt
+        assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [directory.name]   # nothing left made
+        repaired = repair_store(tmp_path, SessionConfig.of(nvme_dir=tmp_path, **SETTINGS | dense), loaded=lm)
+        assert repaired.clean, repaired.lines()
+        assert json.loads((directory / "store.json").read_text()) | {"created": 0} == manifest | {"created": 0}
+    again = answer(lm, tmp_path, **dense)
+    assert again.text == before.text and again.reused_tokens >= len(PROMPT) - 256

@@ -348,6 +348,25 @@ def test_manifest_mismatch_is_a_config_error(store: Path) -> None:
     NvmeTier(store, BB, 8 * BB, namespace="llama").close()  # the lock was released by the failures
 
 
+def test_a_damaged_manifest_is_rebuilt_only_where_the_blocks_vouch_for_the_opener_s_settings(tmp_path: Path) -> None:
+    store = tmp_path / "llama"                           # named after its namespace, as tierkv names stores
+    with NvmeTier(store, BB, 8 * BB, namespace="llama") as tier:
+        slots = [tier.pool.reserve() for _ in range(3)]
+        tier.write([(key(i), slot, torch.full((BB,), i, dtype=torch.uint8)) for i, slot in enumerate(slots)])
+    good = (store / "store.json").read_text()
+    (store / "store.json").write_text(good.replace(str(BB), str(BB + 4096)))      # fails its checksum
+    for size, namespace in ((2 * BB, "llama"), (BB // 2, "llama"), (BB, "qwen")):  # the blocks fail, or another name
+        with pytest.raises(ConfigError, match="store.json fails its checksum.*rebuilds it from its blocks"):
+            NvmeTier(store, size, 8 * BB, namespace=namespace)
+    with NvmeTier(store, BB, 8 * BB, namespace="llama") as tier:                   # rebuilt, the blocks kept
+        assert sorted(k for k, _ in tier.items()) == sorted(key(i) for i in range(3))
+    assert json.loads((store / "store.json").read_text())["block_bytes"] == BB
+    empty = tmp_path / "empty"
+    NvmeTier(empty, BB, 8 * BB, namespace="empty").close()
+    (empty / "store.json").write_text("{")
+    NvmeTier(empty, 2 * BB, 8 * BB, namespace="empty").close()      # no block to lose: rebuilt as asked
+
+
 def test_foreign_directory_without_manifest_is_refused(store: Path) -> None:
     store.mkdir()
     (store / "slots.dat").write_bytes(b"x")

@@ -16,6 +16,7 @@ too (drops are journaled for every process).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -35,7 +36,7 @@ from tierkv.session.session import Session
 from tierkv.sparse.store import checked, index_settings, read_checked_meta, read_ids
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvme_scan import scan_journal, scan_read_only
-from tierkv.tiers.nvme_share import UNUSABLE, read_manifest
+from tierkv.tiers.nvme_share import REBUILD, UNUSABLE, ManifestDamaged, read_manifest
 
 INDEXES = "sparse-indexes"
 
@@ -49,6 +50,7 @@ class StoreCheck:
     bad_records: int = 0          # journal records damaged in the middle: the blocks they put are lost
     torn_bytes: int = 0           # a last journal record a crash cut short: a write never completed (sound)
     problem: str | None = None    # the store cannot be read at all (its store.json)
+    advice: str = UNUSABLE        # what to do about the problem
     shared: bool = False          # a repair found another process with the store open: lost blocks only hidden
     size_suspect: bool = False    # every block of several failed, and store.json has no checksum: its
                                   # block size is likely not the one they were written with (nothing dropped)
@@ -59,7 +61,7 @@ class StoreCheck:
 
     def line(self, drop: bool) -> str:
         if self.problem:
-            return f"store {self.directory.name}: unusable ({self.problem}){UNUSABLE}"
+            return f"store {self.directory.name}: unusable ({self.problem}){self.advice}"
         gone = "lost"
         if drop:
             gone = "hidden from this repair: another process has the store open (repair again once it has " \
@@ -148,6 +150,8 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
                 scan = scan_read_only(directory)
         except ConfigError as error:            # (its store.json): the others are checked all the same
             check.problem = str(error).removeprefix(f"NVMe store {directory}: ").removesuffix(UNUSABLE)
+            if isinstance(error, ManifestDamaged):
+                check.problem, check.advice = check.problem.removesuffix(REBUILD), REBUILD
         else:
             check.blocks, check.damaged, check.lost = len(scan.keys), scan.damaged, len(scan.lost)
             check.bad_records, check.torn_bytes = scan.bad_records, scan.torn_bytes
@@ -213,23 +217,53 @@ def repair_store(nvme_dir: Path, config: SessionConfig, *, loaded: LoadedModel |
     """``verify`` dropping what fails, then each damaged document computed again (see the module notes),
     with ``config``'s model (or ``loaded``) and sparse settings."""
     start = time.perf_counter()
-    verdict = verify(nvme_dir, drop=True)
-    broken = [i for i in verdict.indexes if i.problem or i.bad_pages]
-    for check in [i for i in broken if not i.path.is_file()]:   # a folder or a device where a file belongs:
-        check.note = "not repaired: move it aside"               # not this repair's to remove
-        broken.remove(check)
-    if not broken:
-        return verdict
+    config = replace(config, tiers=replace(config.tiers, nvme_dir=Path(nvme_dir)))
     before = set(stores_in(nvme_dir))
-    with Session(replace(config, tiers=replace(config.tiers, nvme_dir=Path(nvme_dir))), loaded=loaded) as session:
-        backend = session.backend("sparse")
-        shelf = shelf_of(backend.engine, nvme_dir)
-        for check in broken:
-            _repair_one(check, backend.engine, shelf)
-    for made in set(stores_in(nvme_dir)) - before:     # a store of the settings given, that nothing went into
-        _remove_if_unused(made)
+    try:
+        if any(_manifest_damaged(directory) for directory in before):
+            _rebuild_manifests(config, loaded)
+            _remove_made(nvme_dir, before)
+        verdict = verify(nvme_dir, drop=True)
+        broken = [i for i in verdict.indexes if i.problem or i.bad_pages]
+        for check in [i for i in broken if not i.path.is_file()]:   # a folder or a device where a file belongs:
+            check.note = "not repaired: move it aside"               # not this repair's to remove
+            broken.remove(check)
+        if broken:
+            with Session(config, loaded=loaded) as session:
+                backend = session.backend("sparse")
+                shelf = shelf_of(backend.engine, nvme_dir)
+                for check in broken:
+                    _repair_one(check, backend.engine, shelf)
+    finally:
+        _remove_made(nvme_dir, before)
     verdict.seconds = time.perf_counter() - start
     return verdict
+
+
+def _manifest_damaged(directory: Path) -> bool:
+    try:
+        read_manifest(directory)
+    except ManifestDamaged:
+        return True
+    except ConfigError:
+        pass
+    return False
+
+
+def _rebuild_manifests(config: SessionConfig, loaded: LoadedModel | None) -> None:
+    """Open the stores of ``config``'s settings (dense and sparse): opening one whose store.json is damaged
+    rebuilds it where its blocks vouch for the settings (`nvme_share.check_manifest`); one they do not
+    vouch for stays unusable, and the check after says so."""
+    with Session(config, loaded=loaded) as session:
+        for mode in ("dense", "sparse"):
+            with contextlib.suppress(ManifestDamaged):
+                session.backend(mode)
+
+
+def _remove_made(nvme_dir: Path, before: set[Path]) -> None:
+    """The stores a repair's opening made (of the settings given) that nothing went into, removed."""
+    for made in set(stores_in(nvme_dir)) - before:
+        _remove_if_unused(made)
 
 
 def _remove_if_unused(directory: Path) -> None:

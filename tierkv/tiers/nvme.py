@@ -5,8 +5,9 @@ A store is one directory (0700; every file 0600)::
     DIR/
       store.json   manifest: {"format": "tierkv-nvme", "version": 1, "block_bytes",
                    "namespace", "created", "check": xxh3 of the first four}; opening with
-                   another block_bytes or namespace, or one failing its check, is a
-                   ConfigError (tierkv.tiers.nvme_share.read_manifest)
+                   another block_bytes or namespace is a ConfigError, and so is one
+                   damaged, unless the blocks vouch for the opener's settings: then it
+                   is rebuilt (tierkv.tiers.nvme_share.check_manifest)
       slots.dat    slot i at offset i * block_bytes; grown with fallocate (doubling, at
                    least 64 MiB a step, exactly what is needed when that does not fit,
                    never past the budget), by one process at a time

@@ -67,10 +67,13 @@ import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from tierkv.errors import ConfigError, StoreLocked, StoreUnusable
+from tierkv.tiers.journal import replay
 from tierkv.tiers.nvme_io import fsync_dir, open_private
+from tierkv.tiers.nvme_striped import checksum
 
 log = logging.getLogger(__name__)
 
@@ -363,9 +366,19 @@ def _manifest_check(manifest: dict) -> str:
     return xxhash.xxh3_64_hexdigest(json.dumps(fields, sort_keys=True).encode())
 
 
+class ManifestDamaged(ConfigError):
+    """store.json is no manifest (not JSON, a field missing or of another type) or fails its checksum:
+    its block size and namespace cannot be trusted. An opener that knows both rebuilds it where the
+    store's blocks vouch for them (`check_manifest`)."""
+
+
+REBUILD = "; a run with the settings that made it (or tierkv store repair with them) rebuilds it from its blocks"
+
+
 def read_manifest(directory: Path) -> dict:
     """The store's store.json, checked: its fields there and of their types, its checksum (a manifest of
-    a store made before it had one has none) and its format; ConfigError names what is wrong."""
+    a store made before it had one has none) and its format; ConfigError names what is wrong
+    (ManifestDamaged where it is damaged)."""
     path = directory / "store.json"
     try:
         manifest = json.loads(path.read_text())
@@ -375,10 +388,12 @@ def read_manifest(directory: Path) -> dict:
                 raise ValueError(f"block_bytes={manifest['block_bytes']!r}")
             if not isinstance(manifest["namespace"], str):
                 raise ValueError(f"namespace={manifest['namespace']!r}")
+    except OSError as exc:
+        raise ConfigError(f"NVMe store {directory}: unreadable store.json ({exc.strerror or exc})") from None
     except KeyError as exc:
-        raise ConfigError(f"NVMe store {directory}: unreadable store.json (no field {exc}){UNUSABLE}") from None
-    except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"NVMe store {directory}: unreadable store.json ({exc}){UNUSABLE}") from None
+        raise ManifestDamaged(f"NVMe store {directory}: unreadable store.json (no field {exc}){REBUILD}") from None
+    except (ValueError, TypeError) as exc:
+        raise ManifestDamaged(f"NVMe store {directory}: unreadable store.json ({exc}){REBUILD}") from None
     if (form, version) != (FORMAT, VERSION):
         raise ConfigError(f"NVMe store {directory}: format {form!r} v{version}; this tierkv reads {FORMAT!r} "
                           f"v{VERSION}")
@@ -386,8 +401,8 @@ def read_manifest(directory: Path) -> dict:
         if (directory / name).exists() and not (directory / name).is_file():
             raise ConfigError(f"NVMe store {directory}: {name} is not a file{UNUSABLE}")
     if "check" in manifest and manifest["check"] != _manifest_check(manifest):
-        raise ConfigError(f"NVMe store {directory}: store.json fails its checksum (damaged: its block size "
-                          f"or namespace cannot be trusted, so no block of it is read){UNUSABLE}")
+        raise ManifestDamaged(f"NVMe store {directory}: store.json fails its checksum (damaged: its block size "
+                              f"or namespace cannot be trusted, so no block of it is read){REBUILD}")
     return manifest
 
 
@@ -400,11 +415,47 @@ def check_manifest(directory: Path, block_bytes: int, namespace: str) -> None:
                               f"not a tierkv store, or a damaged one")
         _write_manifest(path, block_bytes, namespace)
         return
-    manifest = read_manifest(directory)
+    try:
+        manifest = read_manifest(directory)
+    except ManifestDamaged as damaged:
+        vouched = _blocks_vouch(directory, block_bytes, namespace)
+        if vouched is None:
+            raise
+        log.warning("%s; rebuilt it for block_bytes=%d, namespace=%r: %s", str(damaged).removesuffix(REBUILD),
+                    block_bytes, namespace, vouched)
+        _write_manifest(path, block_bytes, namespace)
+        return
     if (manifest["block_bytes"], manifest["namespace"]) != (block_bytes, namespace):
         raise ConfigError(f"NVMe store {directory} holds block_bytes={manifest['block_bytes']}, "
                           f"namespace={manifest['namespace']!r}; asked for block_bytes={block_bytes}, "
                           f"namespace={namespace!r}: open it with those values or use another directory")
+
+
+VOUCHING = 16       # blocks read to rebuild a damaged store.json: each must pass its checksum
+
+
+def _blocks_vouch(directory: Path, block_bytes: int, namespace: str) -> str | None:
+    """Why ``block_bytes`` and ``namespace`` are the store's own, or None where nothing says so: the store
+    is named after its namespace (as every store tierkv makes), and up to ``VOUCHING`` of the blocks its
+    journal names, spread over its slots, pass their checksums read at that block size (read at any
+    other, no block passes); a store that holds no block has nothing to lose."""
+    if directory.name != namespace:
+        return None
+    try:
+        raw = (directory / "index.log").read_bytes() if (directory / "index.log").exists() else b""
+        data = directory / "slots.dat"
+        size = data.stat().st_size if data.exists() else 0
+        state, _ = replay(raw, slots=size // block_bytes)
+        _, slots, sums = state.index.records()
+        if not slots:
+            return None if state.lost else "it holds no block"
+        picked = sorted(set(np.linspace(0, len(slots) - 1, min(VOUCHING, len(slots))).astype(int).tolist()))
+        with open(data, "rb", buffering=0) as f:
+            if any(checksum(os.pread(f.fileno(), block_bytes, slots[i] * block_bytes)) != sums[i] for i in picked):
+                return None
+    except OSError:
+        return None
+    return f"{len(picked)} of its {len(slots)} blocks, read at that size, pass their checksums"
 
 
 def _write_manifest(path: Path, block_bytes: int, namespace: str) -> None:
