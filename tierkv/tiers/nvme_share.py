@@ -462,7 +462,7 @@ def _write_manifest(path: Path, block_bytes: int, namespace: str) -> None:
     manifest = {"format": FORMAT, "version": VERSION, "block_bytes": block_bytes, "namespace": namespace,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     manifest["check"] = _manifest_check(manifest)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")     # (two openers may rebuild a damaged one at once)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, 0o600)
