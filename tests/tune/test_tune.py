@@ -133,6 +133,12 @@ def test_rows_rank_by_stall_then_bytes_and_failures_go_last(trace: AccessTrace, 
     assert len(format_table(ranked, top=1).splitlines()) == 2
 
 
+def test_a_store_too_small_for_every_block_evicts_from_it_in_the_replay(trace: AccessTrace, model: TierModel) -> None:
+    """The simulated store's drop took no slot, which the eviction of a store block passes: a TypeError."""
+    ranked = tune(trace, model, parse_grid(["nvme_budget=12MiB,256MiB"], trace.meta, ["lru"]))
+    assert len(ranked) == 2 and all(r.result is not None for r in ranked), [r.error for r in ranked]
+
+
 def test_attention_policies_replay_like_any_other(trace: AccessTrace, model: TierModel) -> None:
     ranked = tune(trace, model, parse_grid([], trace.meta, ["streaming", "h2o", "lru"]))
     assert all(r.result is not None for r in ranked)

@@ -117,8 +117,10 @@ class SimStore:
              aligned: bool = False) -> list[BlockKey]:
         return [key for key, slot, _ in items if self._index.get(key) != slot]
 
-    def drop(self, key: BlockKey) -> None:
-        self._index.pop(key, None)
+    def drop(self, key: BlockKey, slot: int | None = None) -> None:
+        """As `NvmeTier.drop`: ``slot`` given, only where the key is still in that slot."""
+        if slot is None or self._index.get(key) == slot:
+            self._index.pop(key, None)
 
     def refresh(self) -> Changes:
         """Nothing changes behind a replay's back: no other process shares a simulated store."""
