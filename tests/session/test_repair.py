@@ -458,3 +458,24 @@ def test_a_damaged_store_json_is_rebuilt_by_the_repair_given_the_run_s_settings_
         assert json.loads((directory / "store.json").read_text()) | {"created": 0} == manifest | {"created": 0}
     again = answer(lm, tmp_path, **dense)
     assert again.text == before.text and again.reused_tokens >= len(PROMPT) - 256
+
+
+def _indexes(store: Path) -> set[Path]:
+    return {p for p in (store / "sparse-indexes").glob("*.safetensors") if p.name.count(".") == 1}
+
+
+def test_an_index_renamed_over_another_document_s_is_not_served_and_verify_names_it(lm, tmp_path):
+    """A stored index was taken by its name alone: one copied over another document's (same length)
+    served that document's landmarks with this one's pages, a wrong answer, and verify called it clean."""
+    clean = answer(lm, tmp_path)
+    (own,) = _indexes(tmp_path)
+    other = torch.randint(0, 128, (len(IDS),), generator=torch.Generator().manual_seed(8)).tolist()
+    with Session(SessionConfig.of(nvme_dir=tmp_path, **SETTINGS), loaded=lm) as session:
+        session.complete([*other, 5, 6, 7], max_new_tokens=8)
+    (copied,) = _indexes(tmp_path) - {own}
+    os.replace(copied, own)
+    (index,) = [i for i in verify(tmp_path).indexes if i.kind == "index"]
+    assert index.problem == "named for other tokens than it holds (a file renamed, or copied over another's)"
+    again = answer(lm, tmp_path)
+    assert again.reused_tokens == 0 and again.tokens == clean.tokens      # prefilled again, and right
+    assert verify(tmp_path).clean                                         # its own index written in its place

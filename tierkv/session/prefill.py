@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierkv.errors import BlockMissing
+from tierkv.keys import BlockKey
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.session.repair import repair
 from tierkv.session.state import Progress, SparseState
@@ -82,7 +83,7 @@ def stored_state(engine: SparseEngine, shelf: Shelf, ids: Sequence[int]) -> Spar
     """The stored state of ``ids``, its missing pages computed again; None if the index is not usable
     (or a missing page cannot be rebuilt): the caller prefills."""
     seq, path, missing = engine.new_sequence(len(ids), root=shelf.key(ids), persist=False), shelf.path(ids), []
-    meta = load_index(seq, path, missing=missing)
+    meta = load_index(seq, path, missing=missing, ids=ids)
     if meta is None:
         return None
     seq.prefill_s = float(meta.get("prefill_s", 0.0))
@@ -115,15 +116,15 @@ def _prefill_into(seq: SparseSequence, engine: SparseEngine, ids: Sequence[int],
         engine.prefill(seq, ids, progress)
         return Opened(SparseState(engine, seq, ids), 0)
     partial = shelf.checkpoint(ids)
-    if reuse and (meta := load_index(seq, partial)) is not None:
+    if reuse and (meta := load_index(seq, partial, ids=ids)) is not None:
         seq.resumed_tokens, seq.prefill_s = seq.length(0), float(meta.get("prefill_s", 0.0))
         progress(seq.resumed_tokens)
     path = shelf.path(ids)
-    checkpoints = _Checkpoints(engine, partial, path, len(ids), seq.prefill_s, checkpoint_every)
+    checkpoints = _Checkpoints(engine, partial, path, ids, shelf.identity, seq.prefill_s, checkpoint_every)
     engine.prefill(seq, ids, progress, checkpoints)
     engine.manager.flush()
     seq.prefill_s = checkpoints.total_s()
-    save_index(seq, path, prefill_s=seq.prefill_s, ids=ids)
+    save_index(seq, path, prefill_s=seq.prefill_s, ids=ids, identity=shelf.identity)
     share_index(engine, path)
     partial.unlink(missing_ok=True)
     seq.origin = Origin.of(seq, path, ids)
@@ -168,10 +169,11 @@ class _Checkpoints:
     """Saves a long prefill's state every ``every_s`` seconds (0: never), so a stopped run resumes
     there, and a restore point of it every ``spacing(tokens)`` tokens (``tierkv.sparse.restore``)."""
 
-    def __init__(self, engine: SparseEngine, path: Path, index: Path, tokens: int, earlier_s: float,
-                 every_s: float) -> None:
+    def __init__(self, engine: SparseEngine, path: Path, index: Path, ids: Sequence[int], identity: BlockKey,
+                 earlier_s: float, every_s: float) -> None:
         self.engine, self.path, self.index, self.earlier_s, self.every_s = engine, path, index, earlier_s, every_s
-        self.spacing = spacing(tokens)
+        self.ids, self.identity = ids, identity
+        self.spacing = spacing(len(ids))
         self.next_restore = self.spacing
         self.start = self.last = time.perf_counter()
 
@@ -186,5 +188,6 @@ class _Checkpoints:
         if not self.every_s or time.perf_counter() - self.last < self.every_s:
             return
         self.engine.manager.flush()              # every page the checkpoint names is stored first
-        save_index(seq, self.path, prefill_s=self.total_s(), point="checkpoint")
+        save_index(seq, self.path, prefill_s=self.total_s(), point="checkpoint", ids=self.ids[:at],
+                   identity=self.identity)
         self.last = time.perf_counter()

@@ -33,7 +33,7 @@ from tierkv.model.settings import SessionConfig
 from tierkv.session.prefill import shelf_of, stored_state
 from tierkv.session.repair import Repair
 from tierkv.session.session import Session
-from tierkv.sparse.store import checked, index_settings, read_checked_meta, read_ids
+from tierkv.sparse.store import checked, index_name_problem, index_settings, read_checked_meta, read_ids
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvme_scan import scan_journal, scan_read_only
 from tierkv.tiers.nvme_share import REBUILD, UNUSABLE, ManifestDamaged, read_manifest
@@ -199,12 +199,18 @@ def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:
     try:
         with safe_open(str(path), framework="pt", backend="pread") as f:
             meta, sums = read_checked_meta(f)
+            ids = None
             for tensor, digest in sums.items():
-                checked(f, tensor, digest)
+                read = checked(f, tensor, digest)
+                ids = read.tolist() if tensor == "ids" else ids
         check.tokens = max(json.loads(meta["tokens"])) if meta["tokens"].startswith("[") else int(meta["tokens"])
         root = BlockKey(bytes.fromhex(name.split(".")[0].split("-")[2]))     # <identity>-<tokens>-<root>
+        if kind == "index" and ids is not None:
+            check.problem = index_name_problem(path, meta, ids)
     except (OSError, SafetensorError, ValueError, KeyError, RuntimeError, IndexError) as error:
         check.problem = str(error)
+        return check
+    if check.problem:
         return check
     if kind == "index":
         keys = [BlockKey.of(root.digest, "page", layer, page)

@@ -126,9 +126,10 @@ class Shelf:
 
 
 def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0, point: str = "index",
-               ids: Sequence[int] | None = None) -> None:
+               ids: Sequence[int] | None = None, identity: BlockKey | None = None) -> None:
     """Write ``seq``'s in-memory part; ``prefill_s``: seconds its prefill took so far (all runs);
-    ``ids``: the token ids it covers (what a repair replays).
+    ``ids``: the token ids it covers (what a repair replays, and what a load checks the prompt against);
+    ``identity``: its shelf's (with ``ids``, what its name must be: `tierkv store verify` checks it).
 
     The tensors are written from where they lie (the landmarks of 1M tokens are 1.5 GB: a copy
     for the save would add that much to the peak memory of every checkpoint)."""
@@ -144,6 +145,8 @@ def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0, point
             "pages": json.dumps([len(s.pages) for s in seq.layers]),
             "energy": json.dumps([s.basis.energy_kept for s in seq.layers]), "prefill_s": repr(prefill_s),
             "settings": json.dumps(index_settings(seq.layout, seq.config), default=str)}
+    if identity is not None:
+        meta["identity"] = identity.hex()
     write_checked(path, tensors, meta, point)
 
 
@@ -191,9 +194,11 @@ def _not_written(path: Path, error: Exception, nbytes: int) -> OSError:
     return StoreWriteError(code, f"sparse index {path}: cannot be written ({os.strerror(code)})")
 
 
-def load_index(seq: SparseSequence, path: Path, *, missing: list[BlockKey] | None = None) -> dict[str, str] | None:
+def load_index(seq: SparseSequence, path: Path, *, missing: list[BlockKey] | None = None,
+               ids: Sequence[int] | None = None) -> dict[str, str] | None:
     """Fill a fresh ``seq`` from ``path`` and return the file's metadata; None (``seq`` untouched)
-    if it is absent, damaged or stale.
+    if it is absent, damaged or stale, or holds other tokens than ``ids`` (a checkpoint: than a prefix
+    of them), where it records its tokens: a file renamed or copied over another is another document's.
 
     The file is read one layer at a time into fresh layer states that take the tensors as read
     (no second copy, no mapping of the file kept), each tensor checked against its checksum;
@@ -204,6 +209,8 @@ def load_index(seq: SparseSequence, path: Path, *, missing: list[BlockKey] | Non
     try:
         with safe_open(str(path), framework="pt", backend="pread") as f:
             meta, sums = read_checked_meta(f)
+            if ids is not None and "ids" in sums:
+                _check_ids(checked(f, "ids", sums["ids"]).tolist(), ids, path)
             pages = json.loads(meta["pages"])
             if len(pages) != len(seq.layers):
                 raise ValueError(f"{len(pages)} layers, the model has {len(seq.layers)}")
@@ -219,6 +226,23 @@ def load_index(seq: SparseSequence, path: Path, *, missing: list[BlockKey] | Non
         missing.extend(seq.manager.hold(keys))
     seq.layers = layers
     return meta
+
+
+def _check_ids(stored: list[int], ids: Sequence[int], path: Path) -> None:
+    partial = path.name.endswith(".partial.safetensors")
+    if stored != list(ids[:len(stored)] if partial else ids):
+        raise ValueError("it holds the tokens of another document (a file renamed, or copied over another)")
+
+
+def index_name_problem(path: Path, meta: dict[str, str], ids: list[int]) -> str | None:
+    """What is wrong with the name of the index at ``path`` (not a checkpoint's), whose metadata and
+    token ids these are; None where it is right, or the file does not record what shaped its name."""
+    if "identity" not in meta:
+        return None
+    identity = BlockKey(bytes.fromhex(meta["identity"]))
+    if path.name != Shelf(path.parent, identity).path(ids).name:
+        return "named for other tokens than it holds (a file renamed, or copied over another's)"
+    return None
 
 
 def read_checked_meta(f: safe_open) -> tuple[dict[str, str], dict[str, str]]:
