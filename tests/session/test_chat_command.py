@@ -1,4 +1,5 @@
 """``tierkv chat``: a real process reading questions from its terminal input."""
+import os
 import subprocess
 import sys
 
@@ -48,3 +49,16 @@ def test_ctrl_c_stops_an_answer_and_the_conversation_goes_on(tmp_path):
         chat.kill()
     assert chat.returncode == 0, err
     assert " (stopped)" in out and "prompt " in out and "interrupted" not in err    # /stats answered after it
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8:surrogateescape"])   # a UTF-8 locale's input, a C locale's
+def test_a_question_that_is_not_utf8_is_asked_again_not_a_traceback(tmp_path, encoding):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The pass statement does nothing.\n")
+    done = subprocess.run([sys.executable, "-m", "tierkv.cli", "chat", "--doc", str(doc), "--max-new-tokens", "2"],
+                          input=b"What is \xff\xfe pass?\nWhat is pass?\n", capture_output=True, timeout=600,
+                          env={**os.environ, "PYTHONIOENCODING": encoding})
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert b"(the question: not UTF-8 text (byte 0xff" in done.stdout and b"; ask again)" in done.stdout
+    after = done.stdout.split(b"ask again)\n", 1)[1]
+    assert after.startswith(b"> ") and after.count(b"> ") == 2 and len(after.split(b"\n")[0]) > 2   # answered

@@ -12,17 +12,20 @@ answers so far), so only the new question is computed. History is kept in
 from __future__ import annotations
 
 import argparse
+import io
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from tierkv.errors import ConfigError
 from tierkv.flags import add_flags, build, given, path_arg
 from tierkv.knobs import cache_dir
 from tierkv.model.prompt import read_document
 from tierkv.model.settings import SessionConfig, mode_flags
 from tierkv.sizes import format_size
 from tierkv.session.generation import Answer, Sampling
+from tierkv.session.inputs import check_text
 from tierkv.session.session import Cancelled, Session
 
 HELP = "commands: /stats (the last answer and the tiers), /reset (a new conversation), /help, /quit"
@@ -49,6 +52,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     text = read_document(args.doc) if args.doc is not None else None
     if not args.no_history:
         _history()
+    if isinstance(sys.stdin, io.TextIOWrapper):    # bytes that are not UTF-8 reach check_text, named there (a
+        sys.stdin.reconfigure(errors="surrogateescape")   # strict decoder raises, and drops the lines after them)
     print(f"loading {config.engine.model} ...", file=sys.stderr, flush=True)
     with Session(config) as session:
         if text is not None:
@@ -77,6 +82,11 @@ def _converse(session: Session, text: str | None, sampling: dict) -> None:
         elif command.startswith("/"):
             print(f"unknown command {command.split()[0]}; {HELP}")
         elif line.strip():
+            try:
+                check_text(line, "the question")
+            except ConfigError as error:
+                print(f"({error}; ask again)")
+                continue
             messages.append({"role": "user", "content": line})
             answer = _answer(session, messages, sampling)
             if answer is None:                  # stopped before its first token: as if not asked

@@ -29,6 +29,8 @@ def prompt_ids(loaded: LoadedModel, kind: str, prompt: Any, tokenizer: Any = Non
     if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, (str, Iterable)):
         raise ConfigError(f"the prompt: expected text (a str) or token ids (a list of ints), got "
                           f"{type(prompt).__name__}")
+    if isinstance(prompt, str):
+        check_text(prompt, "the prompt")
     ids = list(prompt) if not isinstance(prompt, str) else tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ConfigError("the prompt is empty")
@@ -87,3 +89,15 @@ def check_messages(messages: Sequence[Message]) -> None:
                 not isinstance(m.get("content"), str):
             raise ConfigError(f"messages[{i}]: expected {{'role': 'system'|'user'|'assistant', 'content': "
                               f"text}}, got {m!r}")
+        check_text(m["content"], f"messages[{i}]")
+
+
+def check_text(text: str, what: str) -> None:
+    """That ``text`` is Unicode a tokenizer takes: a lone surrogate (bytes that were not UTF-8, read with
+    ``errors="surrogateescape"``, as a terminal's input is in a C locale) names its byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        char = ord(text[error.start])
+        byte = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"a lone surrogate U+{char:04X}"
+        raise ConfigError(f"{what}: not UTF-8 text ({byte} at character {error.start})") from None
