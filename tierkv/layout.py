@@ -24,6 +24,7 @@ are those earlier releases used, so stores they wrote stay readable.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -62,6 +63,14 @@ class Field:
         if self.codec is None:
             return math.prod(self.shape) * dtype.itemsize
         return self.codec.nbytes(self.shape)
+
+
+_LAYOUT_NAME = re.compile(r"(kv-L\d+|sparse-P\d+|batch)-H\d+-D\d+-")
+
+
+def is_layout_name(name: str) -> bool:
+    """Whether ``name`` has the form of a layout's (``BlockLayout.name``): what tierkv names a store's folder."""
+    return _LAYOUT_NAME.match(name) is not None
 
 
 @dataclass(frozen=True, slots=True)

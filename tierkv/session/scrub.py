@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
+from tierkv.layout import is_layout_name
 from tierkv.model.loading import LoadedModel
 from tierkv.model.settings import SessionConfig
 from tierkv.session.prefill import shelf_of, stored_state
@@ -36,7 +37,7 @@ from tierkv.session.session import Session
 from tierkv.sparse.store import checked, index_name_problem, index_settings, read_checked_meta, read_ids
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.nvme_scan import scan_journal, scan_read_only
-from tierkv.tiers.nvme_share import REBUILD, UNUSABLE, ManifestDamaged, read_manifest
+from tierkv.tiers.nvme_share import REBUILD, UNUSABLE, ManifestDamaged, foreign_manifest, read_manifest
 
 INDEXES = "sparse-indexes"
 
@@ -54,6 +55,8 @@ class StoreCheck:
     shared: bool = False          # a repair found another process with the store open: lost blocks only hidden
     size_suspect: bool = False    # every block of several failed, and store.json has no checksum: its
                                   # block size is likely not the one they were written with (nothing dropped)
+    foreign: str | None = None    # every block of several failed, and store.json names another namespace than
+                                  # the store's folder: it is another store's (nothing dropped)
 
     @property
     def clean(self) -> bool:
@@ -70,6 +73,8 @@ class StoreCheck:
             (f"{len(self.damaged)} damaged" if self.damaged else "all sound") + \
             (": every one, which damage does not do block by block; the block size in store.json is likely not "
              "the one they were written with" + ("; nothing dropped" if drop else "") if self.size_suspect else "") + \
+            (f": every one, and {self.foreign}" + ("; nothing dropped" if drop else "") + REBUILD
+             if self.foreign else "") + \
             (f"; {self.lost} {gone}: their slots lie past the end of slots.dat (the file was cut short)"
              if self.lost else "") + \
             (f"; {self.bad_records} damaged journal record(s): the blocks they stored are {gone}"
@@ -142,10 +147,14 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     for directory in stores_in(nvme_dir):
         check = StoreCheck(directory)
         try:
-            unchecked = "check" not in read_manifest(directory)     # (a store made before store.json had one)
+            manifest = read_manifest(directory)
+            unchecked = "check" not in manifest                   # (a store made before store.json had one)
+            foreign = manifest["namespace"] != directory.name and is_layout_name(directory.name)   # (a store
+                                                                  # of tierkv's is named after its namespace)
             if drop:                            # (the journal read before the join drops what is lost)
                 scan = scan_journal(directory)
-                scan.keys, scan.damaged, check.shared = _drop_damaged(directory, batch, keep_if_all=unchecked)
+                scan.keys, scan.damaged, check.shared = _drop_damaged(directory, batch,
+                                                                      keep_if_all=unchecked or foreign)
             else:
                 scan = scan_read_only(directory)
         except ConfigError as error:            # (its store.json): the others are checked all the same
@@ -155,7 +164,9 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
         else:
             check.blocks, check.damaged, check.lost = len(scan.keys), scan.damaged, len(scan.lost)
             check.bad_records, check.torn_bytes = scan.bad_records, scan.torn_bytes
-            check.size_suspect = unchecked and len(scan.damaged) == len(scan.keys) > 1
+            every = len(scan.damaged) == len(scan.keys) > 1
+            check.size_suspect = unchecked and every
+            check.foreign = foreign_manifest(manifest) if foreign and every and not unchecked else None
             sound.update(scan.keys)
             sound.difference_update(scan.damaged)
         verdict.stores.append(check)
@@ -247,13 +258,13 @@ def repair_store(nvme_dir: Path, config: SessionConfig, *, loaded: LoadedModel |
 
 
 def _manifest_damaged(directory: Path) -> bool:
+    """Whether store.json is damaged, or names another namespace than the store's folder."""
     try:
-        read_manifest(directory)
+        return read_manifest(directory)["namespace"] != directory.name and is_layout_name(directory.name)
     except ManifestDamaged:
         return True
     except ConfigError:
-        pass
-    return False
+        return False
 
 
 def _rebuild_manifests(config: SessionConfig, loaded: LoadedModel | None) -> None:

@@ -417,6 +417,8 @@ def check_manifest(directory: Path, block_bytes: int, namespace: str) -> None:
         return
     try:
         manifest = read_manifest(directory)
+        if directory.name == namespace != manifest["namespace"]:      # the folder says whose store it is
+            raise ManifestDamaged(f"NVMe store {directory}: {foreign_manifest(manifest)}{REBUILD}")
     except ManifestDamaged as damaged:
         vouched = _blocks_vouch(directory, block_bytes, namespace)
         if vouched is None:
@@ -429,6 +431,12 @@ def check_manifest(directory: Path, block_bytes: int, namespace: str) -> None:
         raise ConfigError(f"NVMe store {directory} holds block_bytes={manifest['block_bytes']}, "
                           f"namespace={manifest['namespace']!r}; asked for block_bytes={block_bytes}, "
                           f"namespace={namespace!r}: open it with those values or use another directory")
+
+
+def foreign_manifest(manifest: dict) -> str:
+    """A store.json naming another namespace than its store's folder, in words."""
+    return (f"store.json is another store's (namespace={manifest['namespace']!r}, block_bytes="
+            f"{manifest['block_bytes']}; copied over this one's?)")
 
 
 VOUCHING = 16       # blocks read to rebuild a damaged store.json: each must pass its checksum
