@@ -482,3 +482,20 @@ def test_an_index_renamed_over_another_document_s_is_not_served_and_verify_names
     again = answer(lm, tmp_path)
     assert again.reused_tokens == 0 and again.tokens == clean.tokens      # prefilled again, and right
     assert verify(tmp_path).clean                                         # its own index written in its place
+
+
+def test_a_lost_journal_or_data_file_is_named_and_a_torn_tail_counted_in_records(tmp_path):
+    """index.log removed beside a slots.dat that held blocks was "0 blocks, all sound / clean"; slots.dat
+    removed was "the file was cut short"; a journal zeroed whole was "a last journal record cut short"."""
+    store = tmp_path / "s"
+    _six_blocks(store)
+    journal = (store / "index.log").read_bytes()
+    (store / "index.log").unlink()
+    verdict = verify(tmp_path)
+    assert not verdict.clean and "index.log is missing: the blocks slots.dat held are lost" in verdict.lines()[0]
+    (store / "index.log").write_bytes(bytes(len(journal)))                  # zeroed: six records unreadable
+    assert f"the journal's last {len(journal)} bytes (6 records) unreadable" in verify(tmp_path).lines()[0]
+    (store / "index.log").write_bytes(journal)
+    (store / "slots.dat").unlink()
+    verdict = verify(tmp_path)
+    assert not verdict.clean and "6 lost: slots.dat, the file that held them, is missing" in verdict.lines()[0]

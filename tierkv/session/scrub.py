@@ -36,6 +36,7 @@ from tierkv.session.repair import Repair
 from tierkv.session.session import Session
 from tierkv.sparse.store import checked, index_name_problem, index_settings, read_checked_meta, read_ids
 from tierkv.tiers.nvme import NvmeTier
+from tierkv.tiers.journal import RECORD_BYTES
 from tierkv.tiers.nvme_scan import scan_journal, scan_read_only
 from tierkv.tiers.nvme_share import REBUILD, UNUSABLE, ManifestDamaged, foreign_manifest, read_manifest
 
@@ -49,7 +50,9 @@ class StoreCheck:
     damaged: list[BlockKey] = field(default_factory=list)    # failed their checksum
     lost: int = 0                 # blocks whose slots lie past the end of slots.dat (the file was cut short)
     bad_records: int = 0          # journal records damaged in the middle: the blocks they put are lost
-    torn_bytes: int = 0           # a last journal record a crash cut short: a write never completed (sound)
+    torn_bytes: int = 0           # journal records a crash cut short at its end: writes never completed (sound)
+    no_journal: bool = False      # index.log missing beside a slots.dat that held blocks: they are lost
+    no_data: bool = False         # slots.dat missing: the blocks the journal names are lost
     problem: str | None = None    # the store cannot be read at all (its store.json)
     advice: str = UNUSABLE        # what to do about the problem
     shared: bool = False          # a repair found another process with the store open: lost blocks only hidden
@@ -60,7 +63,7 @@ class StoreCheck:
 
     @property
     def clean(self) -> bool:
-        return not (self.damaged or self.lost or self.bad_records or self.problem)
+        return not (self.damaged or self.lost or self.bad_records or self.problem or self.no_journal)
 
     def line(self, drop: bool) -> str:
         if self.problem:
@@ -75,12 +78,15 @@ class StoreCheck:
              "the one they were written with" + ("; nothing dropped" if drop else "") if self.size_suspect else "") + \
             (f": every one, and {self.foreign}" + ("; nothing dropped" if drop else "") + REBUILD
              if self.foreign else "") + \
-            (f"; {self.lost} {gone}: their slots lie past the end of slots.dat (the file was cut short)"
+            (f"; {self.lost} {gone}: " + ("slots.dat, the file that held them, is missing" if self.no_data else
+                                          "their slots lie past the end of slots.dat (the file was cut short)")
              if self.lost else "") + \
+            ("; index.log is missing: the blocks slots.dat held are lost (no journal names them)"
+             if self.no_journal else "") + \
             (f"; {self.bad_records} damaged journal record(s): the blocks they stored are {gone}"
              if self.bad_records else "") + \
-            (f"; a last journal record cut short ({self.torn_bytes} bytes: a write a crash stopped, never "
-             "completed)" if self.torn_bytes else "")
+            (f"; the journal's last {_records(self.torn_bytes)} unreadable: writes a crash stopped (blocks they "
+             "stored are lost, as the newest blocks are when a machine stops)" if self.torn_bytes else "")
 
 
 @dataclass(slots=True)
@@ -127,6 +133,12 @@ class Verdict:
         return out
 
 
+def _records(nbytes: int) -> str:
+    """``nbytes`` of the journal, in its records (48 bytes each) where there are whole ones."""
+    whole = nbytes // RECORD_BYTES
+    return f"{nbytes} bytes ({whole} record{'s' * (whole != 1)})" if whole else f"{nbytes} bytes (part of a record)"
+
+
 def stores_in(nvme_dir: Path) -> list[Path]:
     return sorted(p.parent for p in Path(nvme_dir).glob("*/store.json"))
 
@@ -164,6 +176,7 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
         else:
             check.blocks, check.damaged, check.lost = len(scan.keys), scan.damaged, len(scan.lost)
             check.bad_records, check.torn_bytes = scan.bad_records, scan.torn_bytes
+            check.no_journal, check.no_data = scan.no_journal, scan.no_data
             every = len(scan.damaged) == len(scan.keys) > 1
             check.size_suspect = unchecked and every
             check.foreign = foreign_manifest(manifest) if foreign and every and not unchecked else None

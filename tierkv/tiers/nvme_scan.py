@@ -23,7 +23,9 @@ class Scan:
     damaged: list[BlockKey] = field(default_factory=list)    # of those, failing their checksum
     lost: list[BlockKey] = field(default_factory=list)       # named in slots past the end of slots.dat
     bad_records: int = 0          # journal records damaged in the middle (each a block put or dropped)
-    torn_bytes: int = 0           # a journal record cut short at the end: a write a crash cut (not damage)
+    torn_bytes: int = 0           # journal records cut short at the end: writes a crash cut (not damage)
+    no_journal: bool = False      # index.log is missing beside a slots.dat that held blocks: they are lost
+    no_data: bool = False         # slots.dat is missing where the journal names blocks: they are lost
 
 
 def journal_state(directory: Path) -> tuple[Replay, int]:
@@ -41,11 +43,14 @@ def journal_state(directory: Path) -> tuple[Replay, int]:
 
 def scan_journal(directory: Path) -> Scan:
     """What the store's journal says, reading no block: what is lost, what records are damaged."""
-    return _journal_scan(journal_state(directory)[0])
+    return _journal_scan(journal_state(directory)[0], directory)
 
 
-def _journal_scan(state: Replay) -> Scan:
-    return Scan(lost=[key for key, _ in state.lost], bad_records=state.damaged, torn_bytes=state.cut_bytes)
+def _journal_scan(state: Replay, directory: Path) -> Scan:
+    journal, data = directory / "index.log", directory / "slots.dat"
+    return Scan(lost=[key for key, _ in state.lost], bad_records=state.damaged, torn_bytes=state.cut_bytes,
+                no_journal=not journal.exists() and data.exists() and data.stat().st_size > 0,
+                no_data=bool(state.lost) and not data.exists())
 
 
 def scan_read_only(directory: Path) -> Scan:
@@ -54,7 +59,7 @@ def scan_read_only(directory: Path) -> Scan:
     second replay of the journal, so that one a process rewrote meanwhile (its slot named anew, or no
     more) is not reported."""
     state, block_bytes = journal_state(directory)
-    scan = _journal_scan(state)
+    scan = _journal_scan(state, directory)
     if not (directory / "slots.dat").exists():     # a store that never held a block
         return scan
     keys, slots, sums = state.index.records()
