@@ -188,3 +188,26 @@ def test_a_forked_sequence_diverges_and_freeing_one_branch_frees_only_its_own_bl
         assert torch.allclose(again, before, atol=1e-3)
         branch.release(keep=False)
         assert len(mgr.directory) == 0
+
+
+def test_a_run_stopped_mid_answer_writes_what_it_recorded_as_partial(smollm2, tmp_path):
+    """A stopped run wrote no trace and said nothing, leaving an earlier run's trace to be profiled."""
+    from tierkv.profile.trace import read_trace
+    from tierkv.profile.summary import summarize
+    trace, access = tmp_path / "t.json", tmp_path / "a.tkv"
+    trace.write_text("an earlier run's")
+    access.write_text("an earlier run's")
+    config = RunConfig.of(trace=trace, record_access=access, nvme_dir=tmp_path / "store", **SMALL_RUN)
+
+    def stop(piece: str) -> None:
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        run(config, loaded=smollm2, on_text=stop)
+    read = read_trace(trace)
+    assert read.meta["partial"] == "interrupted" and any(e.kind == "put" for e in read.events)
+    notes = summarize(read.events, read.meta, phase="all").notes
+    assert any("the run stopped before its end (interrupted)" in note for note in notes)
+    assert access.read_bytes().startswith(b"TKVTRACE")
+    with pytest.raises(KeyboardInterrupt):                  # stopped before it recorded anything: no file at all
+        run(config, loaded=smollm2, on_prefill=lambda done, total: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert not trace.exists() and not access.exists()

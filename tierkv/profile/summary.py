@@ -162,6 +162,8 @@ def summarize(events: Sequence[Event], meta: dict | None = None, *, phase: str =
     if not events:
         raise ConfigError("no events to summarize")
     meta, notes = meta or {}, []
+    if isinstance(meta.get("partial"), str):
+        notes.append(f"the run stopped before its end ({meta['partial']}): the trace holds what it did until then")
     if phase == "decode" and not any(e.kind == EventKind.STEP for e in events):
         notes.append("the trace has no decode steps: summarizing the whole run")
         phase = "all"

@@ -7,18 +7,23 @@ final bytes, bytes read and written, and the backend that moved them.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tierkv.errors import ConfigError
 from tierkv.events import Event, EventKind
 from tierkv.model.loading import LoadedModel
 from tierkv.model.prompt import DEFAULT_QUESTION, passkey_prompt, read_document
-from tierkv.model.settings import RunConfig
+from tierkv.model.settings import OutputSettings, RunConfig
 from tierkv.profile.trace import write_trace
+from tierkv.session.backend import Backend
 from tierkv.session.generation import Answer
 from tierkv.session.session import Session
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -64,51 +69,78 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
     out.check_paths()
     with Session(config.session(), loaded=loaded, keep_events=out.trace is not None,
                  record_access=out.record_access is not None) as session:
-        tokenizer, start = session.loaded.tokenizer, time.perf_counter()
-        prompt = passkey_prompt(tokenizer, p.synthetic_tokens, **p.haystack()) \
-            if p.synthetic_tokens is not None else None
-        result = RunResult(answer=None if prompt is None else prompt.answer)
-        done = [0]
+        try:
+            tokenizer, start = session.loaded.tokenizer, time.perf_counter()
+            prompt = passkey_prompt(tokenizer, p.synthetic_tokens, **p.haystack()) \
+                if p.synthetic_tokens is not None else None
+            result = RunResult(answer=None if prompt is None else prompt.answer)
+            done = [0]
 
-        def progress(n: int) -> None:
-            done[0] += n
-            on_prefill(done[0], result.document_tokens)
+            def progress(n: int) -> None:
+                done[0] += n
+                on_prefill(done[0], result.document_tokens)
 
-        if prompt is None:
-            result.document_tokens = len(session.document_ids(text))
-            session.read_text(text, progress=progress)
-        else:
-            result.document_tokens = len(prompt.ids) - 1
-            session.read_ids(prompt.ids[:-1], progress=progress)
-        result.prefill_s = session.document_s
-        document = session.backend(session.document.mode)
-        before = {name: stats["bytes_read"] for name, stats in document.manager.tier_stats().items()}
-        read_at = start + (time.perf_counter() - start - session.document_s)
-        prefill_event = Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, read_at + result.prefill_s)
-        questions = list(p.questions or [DEFAULT_QUESTION]) if prompt is None else [None]
-        for i, question in enumerate(questions):
-            on_question(i, question or "")
-            stream = session.ask(question, stream=True, max_new_tokens=out.max_new_tokens) if prompt is None \
-                else session.complete(prompt.ids, stream=True, max_new_tokens=out.max_new_tokens)
-            for piece in stream:
-                on_text(piece)
-            _add_answer(result, question, stream.answer, start if i == 0 else None, session.document_reused)
-        backend = session.backends[session.last_mode]
-        backend.events.record(prefill_event)
-        _summarise(result, backend, session)
-        prefill_reads = before if backend is document else {}
-        for name, stats in result.tiers.items():    # what the answers read, the document's prefill aside
-            stats["answer_bytes_read"] = stats["bytes_read"] - prefill_reads.get(name, 0)
-        if prompt is not None:
-            result.found = prompt.answer in result.text
-        backend.manager.flush()
-        if out.record_access is not None:
-            backend.access.save(out.record_access, backend.manager.manager)
-        if out.trace is not None:
-            events = backend.events
-            write_trace(out.trace, events.events, events.origin,
-                        meta={"block_bytes": backend.layout.block_bytes, "tiers": result.tiers})
+            if prompt is None:
+                result.document_tokens = len(session.document_ids(text))
+                session.read_text(text, progress=progress)
+            else:
+                result.document_tokens = len(prompt.ids) - 1
+                session.read_ids(prompt.ids[:-1], progress=progress)
+            result.prefill_s = session.document_s
+            document = session.backend(session.document.mode)
+            before = {name: stats["bytes_read"] for name, stats in document.manager.tier_stats().items()}
+            read_at = start + (time.perf_counter() - start - session.document_s)
+            prefill_event = Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, read_at + result.prefill_s)
+            questions = list(p.questions or [DEFAULT_QUESTION]) if prompt is None else [None]
+            for i, question in enumerate(questions):
+                on_question(i, question or "")
+                stream = session.ask(question, stream=True, max_new_tokens=out.max_new_tokens) if prompt is None \
+                    else session.complete(prompt.ids, stream=True, max_new_tokens=out.max_new_tokens)
+                for piece in stream:
+                    on_text(piece)
+                _add_answer(result, question, stream.answer, start if i == 0 else None, session.document_reused)
+            backend = session.backends[session.last_mode]
+            backend.events.record(prefill_event)
+            _summarise(result, backend, session)
+            prefill_reads = before if backend is document else {}
+            for name, stats in result.tiers.items():    # what the answers read, the document's prefill aside
+                stats["answer_bytes_read"] = stats["bytes_read"] - prefill_reads.get(name, 0)
+            if prompt is not None:
+                result.found = prompt.answer in result.text
+            backend.manager.flush()
+        except BaseException as error:        # (Ctrl-C, a failure): what was recorded so far, said to be partial
+            try:
+                _write_outputs(session, None, out, {"partial": _stopped_by(error)})
+            except Exception:                 # (the run's own error is the one to raise)
+                log.exception("the run stopped, and what it recorded could not be written")
+            raise
+        _write_outputs(session, backend, out, {"tiers": result.tiers})
     return result
+
+
+def _write_outputs(session: Session, backend: Backend | None, out: OutputSettings, meta: dict) -> None:
+    """The run's trace and access trace, of ``backend`` (None: the backend that ran last, or the one that read
+    the document: a run that stopped). A stopped run that recorded nothing leaves no file of an earlier
+    run where it was to write one."""
+    backend = backend or session.backends.get(session.last_mode) or next(iter(session.backends.values()), None)
+    if backend is None or "partial" in meta and out.trace is not None and not backend.events.events:
+        for path in (out.trace, out.record_access):
+            if path is not None:
+                Path(path).unlink(missing_ok=True)
+        return
+    if out.record_access is not None:
+        backend.access.save(out.record_access, backend.manager.manager)
+    if out.trace is not None:
+        events = backend.events
+        write_trace(out.trace, events.events, events.origin, meta={"block_bytes": backend.layout.block_bytes} | meta)
+    if "partial" in meta:
+        written = [str(p) for p in (out.trace, out.record_access) if p is not None]
+        log.warning("the run stopped (%s): %s %s what it did until then", meta["partial"], " and ".join(written),
+                    "hold" if len(written) > 1 else "holds")
+
+
+def _stopped_by(error: BaseException) -> str:
+    return "interrupted" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}"
 
 
 def _add_answer(result: RunResult, question: str | None, answer: Answer, start: float | None,
