@@ -34,7 +34,7 @@ import torch
 from tierkv.sizes import format_size
 from tierkv.device import GDS_INSTALL, auto_dtype, has_cuda, has_cuda_driver, native_bf16
 from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
-from tierkv.flags import add_flags, as_flag, build, given, nest, path_arg
+from tierkv.flags import add_flags, as_flag, build, check_not_read, given, nest, path_arg
 from tierkv.knobs import IOKnobs
 from tierkv.profile.command import add_profile
 from tierkv.tune.tune import add_tune
@@ -248,6 +248,8 @@ def run_config(args: argparse.Namespace):
     sparse_given += [f"{flag} (in --config {args.config})" for flag in sparse_filed]
     dense_given += [f"{flag} (in --config {args.config})" for flag in dense_filed]
     config.engine.check_flags(sparse_given, dense_given)
+    check_not_read({"--trace": config.output.trace, "--record-access": config.output.record_access},
+                   {"--config": args.config})
     return config, sparse_given, dense_given
 
 

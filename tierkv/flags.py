@@ -131,6 +131,15 @@ def check_writable(flag: str, path: Path) -> None:
         path.unlink()
 
 
+def check_not_read(written: dict[str, Path | None], read: dict[str, Path | None]) -> None:
+    """That no file written (by flag) is one read: a ConfigError naming both flags."""
+    for out_flag, out in written.items():
+        for in_flag, source in read.items():
+            if out is not None and source is not None and Path(out).resolve() == Path(source).resolve():
+                raise ConfigError(f"{out_flag} {out}: is also the {in_flag} file, which this would overwrite; "
+                                  "give another file")
+
+
 def _base_type(hint: Any) -> type:
     """The type a flag parses to: the annotation without ``None``; str for unions of several."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]

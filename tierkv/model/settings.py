@@ -27,7 +27,7 @@ from tierkv.config import TierConfig, store_dir
 from tierkv.device import auto_dtype
 from tierkv.model.weights import WEIGHTS
 from tierkv.errors import ConfigError
-from tierkv.flags import build, check_writable, dest, exposed, flag_name, given_flags, nest, setting
+from tierkv.flags import build, check_not_read, check_writable, dest, exposed, flag_name, given_flags, nest, setting
 from tierkv.model.engine import EngineConfig
 from tierkv.sizes import format_size, parse_size
 from tierkv.sparse import SparseConfig
@@ -255,8 +255,9 @@ class OutputSettings:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
 
-    def check_paths(self) -> None:
-        """The files a run writes at its end can be written: said before the run, not after it."""
+    def check_paths(self, read: dict[str, Path | None] | None = None) -> None:
+        """The files a run writes at its end can be written, and are none of the files it reads (``read``, by
+        flag): said before the run, not after it."""
         for flag, path in (("--trace", self.trace), ("--record-access", self.record_access)):
             if path is not None:
                 check_writable(flag, path)
@@ -264,6 +265,8 @@ class OutputSettings:
                 Path(self.trace).resolve() == Path(self.record_access).resolve():
             raise ConfigError(f"--trace and --record-access are both {self.trace}: the second would overwrite the "
                               "first; give each its own file")
+        check_not_read({"--trace": self.trace, "--record-access": self.record_access}, read or {})
+
 
 
 class _Flat:

@@ -66,7 +66,7 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
         raise ConfigError("--question asks about --doc; a synthetic prompt asks for its passkey")
     text = read_document(p.doc) if p.synthetic_tokens is None else None   # a bad --doc fails before the model loads
     out = config.output
-    out.check_paths()
+    out.check_paths({"--doc": p.doc})
     with Session(config.session(), loaded=loaded, keep_events=out.trace is not None,
                  record_access=out.record_access is not None) as session:
         try:

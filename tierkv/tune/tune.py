@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from policies import available, make_policy
-from tierkv.flags import check_writable, path_arg
+from tierkv.flags import check_not_read, check_writable, path_arg
 from tierkv.sizes import format_size, parse_size
 from tierkv.errors import ConfigError, TierKVError
 from tierkv.profile.access_trace import AccessTrace, TraceMeta
@@ -300,8 +300,9 @@ def add_tune(sub: argparse._SubParsersAction) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top={args.top}: must be >= 1")
-    trace = AccessTrace.read(args.trace)
     out = args.out or args.trace.with_suffix(".best.json")
+    check_not_read({"--out": out}, {"input": args.trace, "--links": args.links})
+    trace = AccessTrace.read(args.trace)
     check_writable("--out", out)                  # before the replays, not after them
     if args.plot is not None:
         check_plot_path(args.plot)
