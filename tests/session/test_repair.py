@@ -447,7 +447,7 @@ def test_a_damaged_store_json_is_rebuilt_by_the_repair_given_the_run_s_settings_
     before = answer(lm, tmp_path, **dense)
     (directory,) = tmp_path.glob("kv-*")
     manifest = json.loads((directory / "store.json").read_text())
-    another = answer(lm, tmp_path / "another", block_tokens=128, **dense)          # another layout's store
+    answer(lm, tmp_path / "another", block_tokens=128, **dense)                    # another layout's store
     (foreign,) = (tmp_path / "another").glob("kv-*")
     for damage in ('{"format": "tierkv-nvme", "vers', json.dumps({**manifest, "block_bytes": 1024}),
                    (foreign / "store.json").read_text()):
