@@ -78,7 +78,7 @@ class Registry(Generic[P]):
         factory: object = getattr(module, attr, None)
         if factory is None:
             raise ConfigError(f"{self.field}={spec!r}: module {module_name!r} has no attribute {attr!r}")
-        if not callable(factory):
+        if not inspect.isclass(factory):      # (a function named in a config or trace file is not called)
             raise ConfigError(f"{self.field}={spec!r}: {attr!r} is a {type(factory).__name__}, not a class")
         return factory
 

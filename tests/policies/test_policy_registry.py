@@ -152,6 +152,11 @@ def test_an_attribute_that_is_not_a_class_is_rejected(module_dir: Path) -> None:
     (module_dir / "custom_constant.py").write_text(CUSTOM)
     with pytest.raises(ConfigError, match="'NOT_A_CLASS' is a int, not a class"):
         make_policy("custom_constant:NOT_A_CLASS")
+    (module_dir / "custom_call.py").write_text("CALLED = []\ndef act():\n    CALLED.append(1)\n")
+    with pytest.raises(ConfigError, match="'act' is a function, not a class"):    # named in a file: never called
+        make_policy("custom_call:act")
+    import custom_call
+    assert custom_call.CALLED == []
 
 
 @pytest.mark.parametrize("spec", [":NewestFirst", "custom_cache:", ":"])

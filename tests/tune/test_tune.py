@@ -5,6 +5,7 @@ Traces are synthetic and small (a few dozen calls) so every replay takes a fract
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -169,6 +170,36 @@ def test_the_best_setting_is_a_run_config_tierkv_run_can_read(trace: AccessTrace
     assert config["tuned"]["trace"] == "t.tkv" and config["tuned"]["stall_s"] == ranked[0].result.stall_s
     write_run_config(tmp_path / "best.json", config)
     assert read_run_config(tmp_path / "best.json") == written
+
+
+def test_a_config_tuned_on_a_cxl_pool_or_a_sparse_run_is_one_tierkv_run_takes(model: TierModel,
+                                                                                tmp_path: Path) -> None:
+    """A pool's budget and policy were written, and refused by run as unknown keys; a sparse trace's
+    config ran dense unless --mode sparse was given too."""
+    from tierkv.flags import build, nest
+    from tierkv.model.settings import RunConfig
+    base = decode_trace()
+    tiers = (*base.meta.tiers[:2], TierSpec("cxl", "cxl", 4), base.meta.tiers[2])
+    pooled = dataclasses.replace(base, meta=TraceMeta(block_bytes=MiB, tiers=tiers, layers=2))
+    ranked = tune(pooled, model, parse_grid(["cxl_budget=2MiB,8MiB"], pooled.meta, ["lru", "arc"]))
+    write_run_config(tmp_path / "best.json", run_config(ranked[0], pooled.meta))
+    read = read_run_config(tmp_path / "best.json")
+    assert {"cxl_budget", "cxl_policy"} <= set(read) and "mode" not in read
+    tiers = build(RunConfig, nest(RunConfig, read | {"synthetic_tokens": 100})).tiers
+    assert (tiers.cxl_budget, tiers.cxl_policy) == (read["cxl_budget"], read["cxl_policy"])
+    sparse = TraceMeta(block_bytes=MiB, tiers=base.meta.tiers, layers=2, info={"engine": "sparse"})
+    assert run_config(ranked[0], sparse)["mode"] == "sparse"
+
+
+@pytest.mark.parametrize("meta,message", [
+    (dict(block_bytes=True), "block_bytes=True: must be a positive integer"),
+    (dict(tiers=(TierSpec("gpu", "gpu", 2), TierSpec("gpu", "cpu", 2))), "each tier needs a name of its own"),
+    (dict(tiers=(TierSpec("gpu", "teleport", 2),)), "tier medium 'teleport': allowed: cpu, cxl, gpu, nvme"),
+    (dict(tiers=(TierSpec("gpu", "gpu", 10**30),)), "each with 1 to 1099511627776 slots"),
+])
+def test_a_header_of_no_run_is_refused_by_name(meta: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        TraceMeta(**{"block_bytes": MiB, "tiers": (TierSpec("gpu", "gpu", 2),)} | meta)
 
 
 def test_a_dense_trace_config_names_the_prefetch_tierkv_run_takes(trace: AccessTrace, model: TierModel) -> None:

@@ -89,6 +89,7 @@ class TierSettings:
     gpu_policy: str = setting("lru", "eviction policy of the gpu tier: a name in policies or module:Class", metavar="NAME")
     cpu_policy: str = setting("lru", "eviction policy of the cpu tier", metavar="NAME")
     nvme_policy: str = setting("lru", "eviction policy of the nvme tier", metavar="NAME")
+    cxl_policy: str = setting("lru", "eviction policy of the CXL pool", metavar="NAME")
     remote: str | None = setting(None, "a Redis/Valkey server shared by machines, below the NVMe store: "
                                        "redis://[:password@]host:port[/db] (rediss:// for TLS); blocks are "
                                        "written through and read on a miss where that beats recomputing them",
@@ -99,7 +100,7 @@ class TierSettings:
     def __post_init__(self) -> None:
         for name in ("gpu_budget", "cpu_budget", "nvme_budget", "cxl_budget"):
             parse_size(getattr(self, name), name)
-        for name in ("gpu_policy", "cpu_policy", "nvme_policy"):
+        for name in ("gpu_policy", "cpu_policy", "nvme_policy", "cxl_policy"):
             try:
                 make_policy(getattr(self, name))  # unknown names list the valid ones
             except ConfigError as error:
@@ -127,7 +128,7 @@ class TierSettings:
         return TierConfig(block_bytes=block_bytes, gpu=self.gpu_budget, cpu=self.cpu_budget, nvme_dir=nvme_dir,
                           nvme_budget=self.nvme_budget, cxl=self.cxl_budget, cxl_preset=self.cxl_preset,
                           gpu_policy=self.gpu_policy, cpu_policy=self.cpu_policy, nvme_policy=self.nvme_policy,
-                          remote=self.remote, remote_ttl=int(self.remote_ttl))
+                          cxl_policy=self.cxl_policy, remote=self.remote, remote_ttl=int(self.remote_ttl))
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ import numpy as np
 
 from tierkv.errors import ConfigError
 from tierkv.profile.access_file import COLUMNS, not_a_trace, read_columns, write_columns
+from tierkv.tiers.base import Medium
 
 if TYPE_CHECKING:  # profile sits below the manager: no import at run time
     from tierkv.manager.manager import TierManager
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # profile sits below the manager: no import at run time
 ARRIVING = 254   # ``where``: no copy yet, a move into some tier is in flight
 NOWHERE = 255    # ``where``: stored nowhere, or recorded without a manager
 STEP_KINDS = ("prefill", "decode")
+MAX_SLOTS = 2**40                # a tier's slots in a trace's header: more is no tier a run could have had
 ENGINES = ("dense", "sparse")   # what recorded a trace: tierkv.model.engine or tierkv.model.sparse_engine
 
 
@@ -58,11 +60,16 @@ class TraceMeta:
     sources: tuple[str, ...] = ()     # the prefetchers whose guesses the trace holds (op_source indexes it)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.block_bytes, int) and self.block_bytes > 0):
+        if isinstance(self.block_bytes, bool) or not (isinstance(self.block_bytes, int) and self.block_bytes > 0):
             raise ConfigError(f"block_bytes={self.block_bytes!r}: must be a positive integer")
-        if not self.tiers or not all(isinstance(t.slots, int) and t.slots >= 1 for t in self.tiers):
-            raise ConfigError(f"tiers={self.tiers!r}: need at least one tier, each with >= 1 slot")
+        if not self.tiers or not all(type(t.slots) is int and 1 <= t.slots <= MAX_SLOTS for t in self.tiers):
+            raise ConfigError(f"tiers={self.tiers!r}: need at least one tier, each with 1 to {MAX_SLOTS} slots")
         names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names) or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"tiers named {names}: each tier needs a name of its own")
+        media = {m.value for m in Medium}
+        if bad := [t.medium for t in self.tiers if t.medium not in media]:
+            raise ConfigError(f"tier medium {bad[0]!r}: allowed: {', '.join(sorted(media))}")
         if self.read_tier is not None and self.read_tier not in names:
             raise ConfigError(f"read_tier={self.read_tier!r}: not one of the tiers {', '.join(names)}")
         if not (len(self.sources) < 256 and all(isinstance(n, str) and n for n in self.sources)):

@@ -52,8 +52,8 @@ from tierkv.tune.tier_model import TierModel
 from tierkv.tiers.nvme_share import prepare_store_dir
 
 CONFIG_FORMAT, CONFIG_VERSION = "tierkv-run-config", 1
-RUN_KEYS = ("gpu_budget", "cpu_budget", "nvme_budget", "gpu_policy", "cpu_policy", "nvme_policy", "prefetch",
-            "sparse_prefetch")
+RUN_KEYS = ("mode", "gpu_budget", "cpu_budget", "cxl_budget", "nvme_budget", "gpu_policy", "cpu_policy", "cxl_policy",
+            "nvme_policy", "prefetch", "sparse_prefetch")
 # Keys a user may expect that a recorded trace cannot vary, and why.
 FIXED_BY_TRACE = {
     "block_tokens": "the trace's blocks have a fixed size; record one trace per block size",
@@ -177,6 +177,8 @@ def run_config(best: Ranked, meta: TraceMeta, *, source: str = "") -> dict[str, 
     if best.result is None:
         raise ConfigError(f"no setting replayed without error; the best failed with {best.error}")
     config: dict[str, Any] = {"format": CONFIG_FORMAT, "version": CONFIG_VERSION}
+    if meta.engine == "sparse":                   # (auto runs a short document dense: not what was tuned)
+        config["mode"] = "sparse"
     chosen = replay_config(best.point, meta)
     for tier in meta.tiers:
         slots = chosen.slots.get(tier.name, tier.slots)
