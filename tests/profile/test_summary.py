@@ -141,6 +141,8 @@ def test_missed_blocks_without_a_load_were_taken_from_a_prefetch_in_flight() -> 
               ev("prefetch", 0.0, 0.3, "nvme", "gpu", 0, 3 * MiB, 3), ev("wait", 0.2, 0.3, "", "gpu", 0, 3 * MiB, 3)]
     s = summarize(events)
     assert {r.source: r.blocks for r in s.reads} == {"taken from a prefetch in flight": 3, "in place in gpu": 1}
+    wasted = summarize([*events, ev("prefetch", 0.0, 0.3, "nvme", "gpu", 0, 5 * MiB, 5)])   # 8 in, 4 acquired
+    assert wasted.reuse == 0.0 and "prefetches brought at least 4 blocks no step read" in " ".join(wasted.notes)
     assert s.causes[0].describe().startswith("nvme->gpu late prefetches at layer 0: 100 % of stall")
 
 

@@ -305,6 +305,9 @@ def _reads(inside: list[Event], notes: list[str]) -> tuple[list[Source], float |
     acquired = sum(e.blocks for e in hits) + missed
     reads = [Source(s, n, n / acquired) for s, n in sorted(counts.items(), key=lambda kv: -kv[1])]
     brought = sum(e.blocks for e in inside if e.kind in INTO_MEMORY and e.src in STORAGE_TIERS)
+    if brought > acquired:
+        notes.append(f"the steps acquired {acquired} blocks and {brought} came in from storage (loads and "
+                     f"prefetches): prefetches brought at least {brought - acquired} blocks no step read")
     return reads, max(0.0, 1.0 - brought / acquired) if acquired else None
 
 

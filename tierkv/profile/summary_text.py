@@ -81,5 +81,6 @@ def _read_lines(s: Summary) -> list[str]:
     lines += [f"  {r.source:32s} {r.blocks:8d} {100 * r.share:6.1f}%" for r in s.reads]
     if s.reuse is not None:
         lines.append(f"cross-step reuse {100 * s.reuse:.1f} % of reads needed no block from storage "
-                     "(1 - blocks read from nvme / blocks acquired; a lower bound)")
+                     "(1 - blocks brought in from nvme, loads and prefetches, / blocks acquired; a lower bound: "
+                     "a prefetched block no step read counts)")
     return lines
