@@ -120,6 +120,12 @@ BAD_FILES = {
                      '"args": {"kind": "load"}}]}', "traceEvents[0]"),
     "newer version": ('{"traceEvents": [], "tierkv": {"version": 99}}', "version 99"),
     "bad meta": ('{"traceEvents": [], "tierkv": [1]}', '"tierkv" must be an object'),
+    "version true": ('{"traceEvents": [], "tierkv": {"version": true}}', "version True"),
+    "huge bytes": ('{"traceEvents": [{"name": "load", "ph": "X", "ts": 0, "dur": 1, '
+                   '"args": {"kind": "load", "bytes": 1e999}}]}', "cannot convert float infinity"),
+    "negative blocks": ('{"traceEvents": [{"name": "hit", "ph": "X", "ts": 0, "dur": 1, '
+                        '"args": {"kind": "hit", "blocks": -1000}}]}', "blocks=-1000"),
+    "nested deep": ('{"traceEvents": ' + "[" * 200_000 + "]" * 200_000 + "}", "nested deeper"),
 }
 
 
@@ -136,6 +142,11 @@ def test_bad_trace_files_give_one_line_naming_file_and_problem(tmp_path: Path, c
         read_trace(path)
     message = str(raised.value)
     assert str(path) in message and problem in message and "\n" not in message
+
+
+def test_a_device_of_endless_bytes_is_refused_at_its_first_ones() -> None:
+    with pytest.raises(ConfigError, match="/dev/zero: not a JSON trace \\(it does not start with '\\{'\\)"):
+        read_trace(Path("/dev/zero"))
 
 
 def test_binary_file_is_rejected(tmp_path: Path) -> None:

@@ -156,6 +156,9 @@ class Trace:
     meta: dict
 
 
+MAX_TRACE_BYTES = 4 * 2**30      # a trace file read whole: past this it is no trace a run wrote here
+
+
 def read_trace(path: Path) -> Trace:
     """Parse a file ``write_trace`` wrote; raises ConfigError naming the file and the problem."""
     path = Path(path)
@@ -166,7 +169,7 @@ def read_trace(path: Path) -> Trace:
     if not isinstance(meta, dict):
         raise ConfigError(f"{path}: malformed trace: \"tierkv\" must be an object, got {type(meta).__name__}")
     version = meta.get("version", VERSION)
-    if not isinstance(version, int) or version > VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= VERSION:
         raise ConfigError(f"{path}: trace format version {version!r}: this tierkv reads versions "
                           f"up to {VERSION}")
     events = [_event(path, i, r) for i, r in enumerate(doc["traceEvents"]) if _is_tierkv_slice(r)]
@@ -178,17 +181,30 @@ def read_trace(path: Path) -> Trace:
 
 def _load_json(path: Path) -> object:
     try:
-        text = path.read_text()
+        if path.is_file() and path.stat().st_size > MAX_TRACE_BYTES:
+            raise ConfigError(f"{path}: {path.stat().st_size} bytes, past the {MAX_TRACE_BYTES // 2**30} GiB a "
+                              "trace file is read to")
+        with open(path, encoding="utf-8") as f:
+            text = f.read(2**16)
+            if not path.is_file() and text.lstrip()[:1] not in ("{", ""):   # (a device's endless bytes)
+                raise ConfigError(f"{path}: not a JSON trace (it does not start with '{{')")
+            text += f.read(MAX_TRACE_BYTES + 1 - len(text))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such trace file") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory, not a trace file") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a JSON trace (binary data)") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read it ({error.strerror or error})") from None
+    if len(text) > MAX_TRACE_BYTES:
+        raise ConfigError(f"{path}: more than the {MAX_TRACE_BYTES // 2**30} GiB a trace file is read to")
     if not text.strip():
         raise ConfigError(f"{path}: the trace file is empty")
     try:
         return json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{path}: not a tierkv trace: JSON nested deeper than any trace is") from None
     except json.JSONDecodeError as error:
         if error.pos >= len(text.rstrip()) or error.msg.startswith("Unterminated string"):
             raise ConfigError(f"{path}: truncated JSON: the file ends at byte {len(text)} inside "
@@ -211,11 +227,16 @@ def _event(path: Path, index: int, r: dict) -> Event:
         event = Event(EventKind(a["kind"]), str(a.get("src", "")), str(a.get("dst", "")), layer,
                       int(a.get("bytes", 0)), start - float(a.get("queued_us", 0.0)) / 1e6, start, done,
                       int(a.get("blocks", 1)), str(a.get("error", "")))
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, OverflowError) as error:
         raise ConfigError(f"{path}: malformed trace: traceEvents[{index}] ({r.get('name')!r}): "
                           f"bad or missing field {error}") from None
     if not (math.isfinite(event.start) and math.isfinite(event.done)) or event.done < event.start:
         raise ConfigError(f"{path}: malformed trace: traceEvents[{index}] has ts={r['ts']}, dur={r['dur']}")
+    if event.nbytes < 0 or event.blocks < 0 or (event.layer is not None and event.layer < 0) \
+            or not math.isfinite(event.submit):
+        raise ConfigError(f"{path}: malformed trace: traceEvents[{index}] has bytes={event.nbytes}, "
+                          f"blocks={event.blocks}, layer={event.layer}, queued_us={a.get('queued_us')}: "
+                          "no run records these")
     return event
 
 
