@@ -289,7 +289,11 @@ def test_a_tier_model_from_a_run_prices_links_by_their_busy_time() -> None:
 
 @pytest.mark.parametrize("bad, message", [
     ({"links": {"nvme": {"gbps": 1.0}}}, "keys must look like 'src->dst'"),
-    ({"links": {"a->b": {"gbps": 0}}}, "bandwidth must be > 0"),
+    ({"links": {"a->b": {"gbps": 0}}}, "gbps=0: a link's bandwidth is 0.001 to 10000 GB/s"),
+    ({"links": {"a->b": {"gbps": 1e-7}}}, "gbps=1e-07"),                # (a replay ran for ages)
+    ({"links": {"a->b": {"gbps": float("inf")}}}, "gbps=inf"),
+    ({"links": {"a->b": {"gbps": 1.0, "latency_us": 1e12}}}, r"latency_us=1000000000000.0: 0 to 1e\+07 us"),
+    ({"links": {"a->b": {"gbps": 1.0}}, "overhead_us": float("nan")}, "overhead_us=nan"),
     ({"links": {"a->b": {"gbps": 1.0, "queue_depth": 0}}}, "queue_depth=0"),
     ({"links": {"a->b": {"gbit": 1.0}}}, "expected"),
     ({}, "expected"),
@@ -299,6 +303,13 @@ def test_a_tier_model_from_a_run_prices_links_by_their_busy_time() -> None:
 def test_a_bad_tier_model_is_a_clear_error(bad, message) -> None:
     with pytest.raises(ConfigError, match=message):
         TierModel.from_dict(bad)
+
+
+def test_a_link_the_model_lacks_fails_the_replay_by_name() -> None:
+    """The missing link's error was lost inside the loop, and the replay said it stalled."""
+    trace = Script().step().get(0).trace()
+    with pytest.raises(ConfigError, match=r"no link model for nvme->gpu; the model has gpu->nvme"):
+        replay(trace, TierModel.from_dict({"links": {"gpu->nvme": {"gbps": 1.0}}}))
 
 
 def test_replay_settings_are_checked() -> None:

@@ -26,7 +26,7 @@ import selectors
 
 import torch
 
-from tierkv.errors import TierKVError
+from tierkv.errors import ConfigError, TierKVError
 from tierkv.events import Event, EventKind, EventRecorder
 from tierkv.keys import BlockKey
 from tierkv.manager.executor import Finish, Job
@@ -192,7 +192,11 @@ class ModelledRunner:
             result, error = job.body(), None
         except Exception as exc:  # a failed transfer, as a worker thread would report it
             result, error = None, exc
-        loop.call_at(self._done_at(job.transfer, job.start), finish, job, result, error)
+        try:
+            done_at = self._done_at(job.transfer, job.start)
+        except ConfigError as exc:    # a link the model lacks: the transfer fails with it, and the replay
+            done_at, result, error = job.start, None, exc
+        loop.call_at(done_at, finish, job, result, error)
 
     def close(self) -> None:
         pass

@@ -21,6 +21,7 @@ the run's contention for CPU and device is in it).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,6 +29,14 @@ from typing import Any
 from tierkv.errors import ConfigError
 from tierkv.profile.access_trace import AccessTrace
 from tierkv.tiers.cxl_link import LinkSpec
+
+
+MIN_GBPS, MAX_GBPS = 1e-3, 1e4   # a link from 1 MB/s to 10 TB/s: past either, no device (and a replay's clock
+MAX_US = 1e7                     # would run for ages); latencies and overheads up to 10 s
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +49,10 @@ class Link:
     channel: str = ""        # links naming the same channel queue on one clock; "": the link's own
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.gbps, int | float) and self.gbps > 0):
-            raise ConfigError(f"gbps={self.gbps!r}: a link's bandwidth must be > 0 GB/s")
-        if not (isinstance(self.latency_us, int | float) and self.latency_us >= 0):
-            raise ConfigError(f"latency_us={self.latency_us!r}: must be >= 0")
+        if not (_number(self.gbps) and MIN_GBPS <= self.gbps <= MAX_GBPS):
+            raise ConfigError(f"gbps={self.gbps!r}: a link's bandwidth is {MIN_GBPS:g} to {MAX_GBPS:g} GB/s")
+        if not (_number(self.latency_us) and 0 <= self.latency_us <= MAX_US):
+            raise ConfigError(f"latency_us={self.latency_us!r}: 0 to {MAX_US:g} us")
         if not (isinstance(self.queue_depth, int) and self.queue_depth >= 1):
             raise ConfigError(f"queue_depth={self.queue_depth!r}: must be an integer >= 1")
 
@@ -63,8 +72,8 @@ class TierModel:
         bad = [k for k in self.links if k.count("->") != 1 or not all(k.split("->"))]
         if bad:
             raise ConfigError(f"links {bad}: keys must look like 'src->dst' (tier names, 'new' or '*')")
-        if self.overhead_us < 0:
-            raise ConfigError(f"overhead_us={self.overhead_us!r}: must be >= 0")
+        if not (_number(self.overhead_us) and 0 <= self.overhead_us <= MAX_US):
+            raise ConfigError(f"overhead_us={self.overhead_us!r}: 0 to {MAX_US:g} us")
 
     def link(self, src: str, dst: str) -> Link:
         for key in (f"{src}->{dst}", f"{src}->*", f"*->{dst}", "*->*"):
