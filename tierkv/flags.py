@@ -131,11 +131,19 @@ def check_writable(flag: str, path: Path) -> None:
         path.unlink()
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """One file by two names (a link, a relative path): both may not exist yet."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
 def check_not_read(written: dict[str, Path | None], read: dict[str, Path | None]) -> None:
     """That no file written (by flag) is one read: a ConfigError naming both flags."""
     for out_flag, out in written.items():
         for in_flag, source in read.items():
-            if out is not None and source is not None and Path(out).resolve() == Path(source).resolve():
+            if out is not None and source is not None and _same_file(Path(out), Path(source)):
                 raise ConfigError(f"{out_flag} {out}: is also the {in_flag} file, which this would overwrite; "
                                   "give another file")
 

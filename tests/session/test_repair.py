@@ -450,8 +450,11 @@ def test_a_damaged_store_json_is_rebuilt_by_the_repair_given_the_run_s_settings_
     answer(lm, tmp_path / "another", block_tokens=128, **dense)                    # another layout's store
     (foreign,) = (tmp_path / "another").glob("kv-*")
     for damage in ('{"format": "tierkv-nvme", "vers', json.dumps({**manifest, "block_bytes": 1024}),
-                   (foreign / "store.json").read_text()):
-        (directory / "store.json").write_text(damage)
+                   (foreign / "store.json").read_text(), None):
+        if damage is None:                                                       # no store.json at all
+            (directory / "store.json").unlink()
+        else:
+            (directory / "store.json").write_text(damage)
         assert "rebuilds it from its blocks" in verify(tmp_path).lines()[0]
         other = repair_store(tmp_path, SessionConfig.of(nvme_dir=tmp_path, block_tokens=128, **dense), loaded=lm)
         assert not other.clean and ("unusable" in other.lines()[0] or "nothing dropped" in other.lines()[0])
@@ -482,6 +485,11 @@ def test_an_index_renamed_over_another_document_s_is_not_served_and_verify_names
     again = answer(lm, tmp_path)
     assert again.reused_tokens == 0 and again.tokens == clean.tokens      # prefilled again, and right
     assert verify(tmp_path).clean                                         # its own index written in its place
+    answer(lm, tmp_path, prefill_budget=256)          # the same document under other settings (another identity)
+    (theirs,) = _indexes(tmp_path) - {own}
+    os.replace(theirs, own)
+    third = answer(lm, tmp_path)
+    assert third.reused_tokens == 0 and third.tokens == clean.tokens
 
 
 def test_a_lost_journal_or_data_file_is_named_and_a_torn_tail_counted_in_records(tmp_path):
@@ -499,3 +507,22 @@ def test_a_lost_journal_or_data_file_is_named_and_a_torn_tail_counted_in_records
     (store / "slots.dat").unlink()
     verdict = verify(tmp_path)
     assert not verdict.clean and "6 lost: slots.dat, the file that held them, is missing" in verdict.lines()[0]
+
+
+def test_a_repair_with_other_settings_drops_no_block_of_a_store_whose_store_json_is_another_s(tmp_path):
+    """Opened by a store.json of a larger block size, half the blocks lay past the data file's end, and
+    the repair dropped them for good."""
+    store = tmp_path / "kv-L2-H2-D16-T256-B1-float32"
+    with NvmeTier(store, 4096, 8 * 4096, namespace=store.name) as tier:           # slots.dat: 8 blocks
+        slots = [tier.pool.reserve() for _ in range(8)]
+        tier.write([(BlockKey.of("m", i), slot, torch.full((4096,), i, dtype=torch.uint8))
+                    for i, slot in enumerate(slots)])
+    good = (store / "store.json").read_text()
+    other = tmp_path / "elsewhere" / "kv-L2-H2-D16-T512-B1-float32"
+    NvmeTier(other, 4 * 4096, 64 * 4 * 4096, namespace=other.name).close()
+    (store / "store.json").write_text((other / "store.json").read_text())
+    (line,) = verify(tmp_path, drop=True).lines()[:1]
+    assert "store.json is another store's" in line and "nothing dropped" in line and "dropped:" not in line
+    with NvmeTier(store, 4096, 8 * 4096, namespace=store.name) as tier:         # rebuilt: every block kept
+        assert len(list(tier.items())) == 8
+    assert json.loads((store / "store.json").read_text())["block_bytes"] == json.loads(good)["block_bytes"]

@@ -119,6 +119,8 @@ def test_bad_requests_are_clear_errors(tmp_path):
         for prompt, kind in ((b"abc", "bytes"), (None, "NoneType"), (5, "int")):
             with pytest.raises(ConfigError, match=f"the prompt: expected text .* or token ids .*, got {kind}"):
                 session.complete(prompt)
+        with pytest.raises(ConfigError, match=r"the document: not UTF-8 text \(byte 0xfe at character 1\)"):
+            session.read_text("a\udcfeb")
         with pytest.raises(ConfigError, match=r"the prompt: not UTF-8 text \(byte 0xff at character 3\)"):
             session.complete("abc\udcffd")                        # bytes read with errors="surrogateescape"
         with pytest.raises(ConfigError, match=r"messages\[1\]: not UTF-8 text \(a lone surrogate U\+D800"):

@@ -356,7 +356,8 @@ def test_a_damaged_manifest_is_rebuilt_only_where_the_blocks_vouch_for_the_opene
     good = (store / "store.json").read_text()
     (store / "store.json").write_text(good.replace(str(BB), str(BB + 4096)))      # fails its checksum
     for size, namespace in ((2 * BB, "llama"), (BB // 2, "llama"), (BB, "qwen")):  # the blocks fail, or another name
-        with pytest.raises(ConfigError, match="store.json fails its checksum.*rebuilds it from its blocks"):
+        with pytest.raises(ConfigError, match=f"store.json fails its checksum.*do not vouch for block_bytes={size}, "
+                                              f"namespace={namespace!r}, the settings given"):
             NvmeTier(store, size, 8 * BB, namespace=namespace)
     with NvmeTier(store, BB, 8 * BB, namespace="llama") as tier:                   # rebuilt, the blocks kept
         assert sorted(k for k, _ in tier.items()) == sorted(key(i) for i in range(3))

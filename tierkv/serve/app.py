@@ -31,14 +31,14 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from tierkv.errors import (BudgetExceeded, ConfigError, DiskFullError, StoreReadError, StoreWriteError,
-                           TierKVError)
+from tierkv.errors import (BudgetExceeded, ConfigError, DiskFullError, StoreReadError, StoreUnusable,
+                           StoreWriteError, TierKVError)
 from tierkv.session import Answer
 from tierkv.session.inputs import PromptTooLong, check_length, prompt_ids
 from tierkv.session.session import Session
 from tierkv.serve.metrics import Metrics
 from tierkv.serve.protocol import ChatRequest, CompletionRequest, error_body
-from tierkv.serve.worker import Job, QueueFull, Worker
+from tierkv.serve.worker import Job, QueueFull, TiersTooSmall, Worker
 
 
 DISCONNECT_POLL_S = 0.25    # how often a whole answer's handler asks whether its client is still there
@@ -387,11 +387,16 @@ async def _events(job: Job, reply: _Reply, include_usage: bool, closing: Closing
 def _as_api_error(error: BaseException) -> ApiError:
     if isinstance(error, PromptTooLong):
         return ApiError(400, str(error), param="messages", code="context_length_exceeded")
+    if isinstance(error, StoreUnusable):        # (its path and the operator's advice: in the log)
+        return ApiError(500, "the server's KV store cannot be used; its log has the details", kind="server_error")
     if isinstance(error, ConfigError):
         return ApiError(400, str(error))
-    if isinstance(error, BudgetExceeded):       # the tiers' words (and paths) are the operator's: in the log
+    if isinstance(error, TiersTooSmall):        # the tiers' words (and paths) are the operator's: in the log
         return ApiError(400, "the prompt and its answer need more KV than this server's tiers hold; send a shorter "
                         "prompt or a smaller max_tokens", code="context_length_exceeded")
+    if isinstance(error, BudgetExceeded):       # a store shared with other processes, full for now
+        return ApiError(503, "the server's KV tiers have no room for now; try again later", kind="server_error",
+                        code="server_busy", headers={"Retry-After": "5"})
     if isinstance(error, DiskFullError):
         return ApiError(507, "the server's KV store is out of disk space; its log has the details", kind="server_error")
     if isinstance(error, (StoreReadError, StoreWriteError)):      # its file's path is the operator's: in the log

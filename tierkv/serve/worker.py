@@ -21,12 +21,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierkv.errors import ConfigError, TierKVError
+from tierkv.errors import BudgetExceeded, ConfigError, StoreUnusable, TierKVError
 from tierkv.session import Answer, Sampling, Session
 from tierkv.session.session import Cancelled
 from tierkv.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+
+class TiersTooSmall(BudgetExceeded):
+    """A prompt whose KV the tiers of a server without a store cannot hold: nothing else holds them (one
+    request runs at a time), so the request is too long for this server, not early."""
 
 
 class QueueFull(TierKVError):
@@ -139,8 +144,10 @@ class Worker:
             except Exception as error:       # the job's error goes to its client; the server goes on
                 if not isinstance(error, TierKVError):
                     log.exception("request failed")
-                elif not isinstance(error, ConfigError):      # the server's trouble, not the request's: said here too
-                    log.warning("request failed: %s", error)
+                elif not isinstance(error, ConfigError) or isinstance(error, StoreUnusable):   # the server's
+                    log.warning("request failed: %s", error)            # trouble, not the request's: said here
+                if isinstance(error, BudgetExceeded) and self.session.config.tiers.nvme_dir is None:
+                    error = TiersTooSmall(str(error))
                 job.emit("error", error)
             finally:
                 self.busy, self.current = False, None

@@ -83,7 +83,7 @@ def stored_state(engine: SparseEngine, shelf: Shelf, ids: Sequence[int]) -> Spar
     """The stored state of ``ids``, its missing pages computed again; None if the index is not usable
     (or a missing page cannot be rebuilt): the caller prefills."""
     seq, path, missing = engine.new_sequence(len(ids), root=shelf.key(ids), persist=False), shelf.path(ids), []
-    meta = load_index(seq, path, missing=missing, ids=ids)
+    meta = load_index(seq, path, missing=missing, ids=ids, identity=shelf.identity)
     if meta is None:
         return None
     seq.prefill_s = float(meta.get("prefill_s", 0.0))
@@ -116,7 +116,7 @@ def _prefill_into(seq: SparseSequence, engine: SparseEngine, ids: Sequence[int],
         engine.prefill(seq, ids, progress)
         return Opened(SparseState(engine, seq, ids), 0)
     partial = shelf.checkpoint(ids)
-    if reuse and (meta := load_index(seq, partial, ids=ids)) is not None:
+    if reuse and (meta := load_index(seq, partial, ids=ids, identity=shelf.identity)) is not None:
         seq.resumed_tokens, seq.prefill_s = seq.length(0), float(meta.get("prefill_s", 0.0))
         progress(seq.resumed_tokens)
     path = shelf.path(ids)

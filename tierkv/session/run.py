@@ -111,8 +111,8 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
         except BaseException as error:        # (Ctrl-C, a failure): what was recorded so far, said to be partial
             try:
                 _write_outputs(session, None, out, {"partial": _stopped_by(error)})
-            except Exception:                 # (the run's own error is the one to raise)
-                log.exception("the run stopped, and what it recorded could not be written")
+            except Exception as failed:       # (the run's own error is the one to raise)
+                log.warning("the run stopped, and what it recorded could not be written: %s", failed)
             raise
         _write_outputs(session, backend, out, {"tiers": result.tiers})
     return result

@@ -37,7 +37,7 @@ from tierkv.session.session import Session
 from tierkv.sparse.store import checked, index_name_problem, index_settings, read_checked_meta, read_ids
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.journal import RECORD_BYTES
-from tierkv.tiers.nvme_scan import scan_journal, scan_read_only
+from tierkv.tiers.nvme_scan import Scan, scan_journal, scan_read_only
 from tierkv.tiers.nvme_share import REBUILD, UNUSABLE, ManifestDamaged, foreign_manifest, read_manifest
 
 INDEXES = "sparse-indexes"
@@ -58,8 +58,9 @@ class StoreCheck:
     shared: bool = False          # a repair found another process with the store open: lost blocks only hidden
     size_suspect: bool = False    # every block of several failed, and store.json has no checksum: its
                                   # block size is likely not the one they were written with (nothing dropped)
-    foreign: str | None = None    # every block of several failed, and store.json names another namespace than
-                                  # the store's folder: it is another store's (nothing dropped)
+    foreign: str | None = None    # blocks failed or lie past the data's end, and store.json names another
+                                  # namespace than the store's folder: it is another store's (nothing dropped)
+    kept: bool = False            # a repair dropped nothing: the store's block size is in doubt (see above)
 
     @property
     def clean(self) -> bool:
@@ -69,18 +70,17 @@ class StoreCheck:
         if self.problem:
             return f"store {self.directory.name}: unusable ({self.problem}){self.advice}"
         gone = "lost"
-        if drop:
+        if drop and not self.kept:
             gone = "hidden from this repair: another process has the store open (repair again once it has " \
                    "closed it)" if self.shared else "dropped"
         return f"store {self.directory.name}: {self.blocks} blocks, " + \
             (f"{len(self.damaged)} damaged" if self.damaged else "all sound") + \
             (": every one, which damage does not do block by block; the block size in store.json is likely not "
              "the one they were written with" + ("; nothing dropped" if drop else "") if self.size_suspect else "") + \
-            (f": every one, and {self.foreign}" + ("; nothing dropped" if drop else "") + REBUILD
-             if self.foreign else "") + \
+            (f"; {self.foreign}" + ("; nothing dropped" if drop else "") + REBUILD if self.foreign else "") + \
             (f"; {self.lost} {gone}: " + ("slots.dat, the file that held them, is missing" if self.no_data else
                                           "their slots lie past the end of slots.dat (the file was cut short)")
-             if self.lost else "") + \
+             if self.lost and not self.foreign else "") + \
             ("; index.log is missing: the blocks slots.dat held are lost (no journal names them)"
              if self.no_journal else "") + \
             (f"; {self.bad_records} damaged journal record(s): the blocks they stored are {gone}"
@@ -140,7 +140,9 @@ def _records(nbytes: int) -> str:
 
 
 def stores_in(nvme_dir: Path) -> list[Path]:
-    return sorted(p.parent for p in Path(nvme_dir).glob("*/store.json"))
+    """The stores under ``nvme_dir``: folders with a store.json, or with a store's data without one."""
+    return sorted({p.parent for name in ("store.json", "slots.dat", "index.log")
+                   for p in Path(nvme_dir).glob(f"*/{name}")})
 
 
 def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
@@ -163,12 +165,12 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
             unchecked = "check" not in manifest                   # (a store made before store.json had one)
             foreign = manifest["namespace"] != directory.name and is_layout_name(directory.name)   # (a store
                                                                   # of tierkv's is named after its namespace)
-            if drop:                            # (the journal read before the join drops what is lost)
+            scan = scan_read_only(directory) if not drop or unchecked or foreign else None
+            if scan is not None and drop and _doubtful(scan, foreign):
+                check.kept = True               # its block size may not be its blocks': nothing is dropped
+            elif drop:                          # (the journal read before the join drops what is lost)
                 scan = scan_journal(directory)
-                scan.keys, scan.damaged, check.shared = _drop_damaged(directory, batch,
-                                                                      keep_if_all=unchecked or foreign)
-            else:
-                scan = scan_read_only(directory)
+                scan.keys, scan.damaged, check.shared = _drop_damaged(directory, batch)
         except ConfigError as error:            # (its store.json): the others are checked all the same
             check.problem = str(error).removeprefix(f"NVMe store {directory}: ").removesuffix(UNUSABLE)
             if isinstance(error, ManifestDamaged):
@@ -177,9 +179,8 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
             check.blocks, check.damaged, check.lost = len(scan.keys), scan.damaged, len(scan.lost)
             check.bad_records, check.torn_bytes = scan.bad_records, scan.torn_bytes
             check.no_journal, check.no_data = scan.no_journal, scan.no_data
-            every = len(scan.damaged) == len(scan.keys) > 1
-            check.size_suspect = unchecked and every
-            check.foreign = foreign_manifest(manifest) if foreign and every and not unchecked else None
+            check.size_suspect = unchecked and _doubtful(scan, False)
+            check.foreign = foreign_manifest(manifest) if foreign and _doubtful(scan, True) else None
             sound.update(scan.keys)
             sound.difference_update(scan.damaged)
         verdict.stores.append(check)
@@ -193,12 +194,21 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     return verdict
 
 
-def _drop_damaged(directory: Path, batch: int, *, keep_if_all: bool) -> tuple[list[BlockKey], list[BlockKey], bool]:
+def _doubtful(scan: Scan, foreign: bool) -> bool:
+    """Whether what ``scan`` found says the store's block size is not its blocks': every block of several
+    failing (a store.json without a checksum may have had its block size changed), or, where store.json is
+    another store's (``foreign``), any block failing or lying past the data file's end. Such a store is
+    not opened to drop anything (an opener drops the blocks past the end for good), and a run reads no
+    block that fails its checksum all the same."""
+    if foreign:
+        return bool(scan.damaged or scan.lost)
+    return len(scan.damaged) == len(scan.keys) > 1
+
+
+def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[BlockKey], bool]:
     """The store's keys and those of its blocks that fail their checksum, dropped, read through the store
     (joining it, as any process that uses it: the drops are journaled for every process); and whether
-    another process had it open (then the blocks lost to a short data file are only hidden here).
-    ``keep_if_all``: where every block of several fails, drop none: a store.json without a checksum may
-    have had its block size changed, and a run reads no block that fails its checksum all the same."""
+    another process had it open (then the blocks lost to a short data file are only hidden here)."""
     with NvmeTier.existing(directory) as tier:
         shared = not tier.opened_alone
         items = sorted(tier.items(), key=lambda item: item[1])
@@ -207,7 +217,7 @@ def _drop_damaged(directory: Path, batch: int, *, keep_if_all: bool) -> tuple[li
         for first in range(0, len(items), batch):
             group = items[first:first + batch]
             damaged += tier.read([(key, slot, data[i]) for i, (key, slot) in enumerate(group)])
-        for key in () if keep_if_all and len(damaged) == len(items) > 1 else damaged:
+        for key in damaged:
             tier.drop(key)
         tier.flush()
     return [key for key, _ in items], damaged, shared
@@ -251,7 +261,7 @@ def repair_store(nvme_dir: Path, config: SessionConfig, *, loaded: LoadedModel |
     before = set(stores_in(nvme_dir))
     try:
         if any(_manifest_damaged(directory) for directory in before):
-            _rebuild_manifests(config, loaded)
+            loaded = _rebuild_manifests(config, loaded)          # (its model serves the repair below too)
             _remove_made(nvme_dir, before)
         verdict = verify(nvme_dir, drop=True)
         broken = [i for i in verdict.indexes if i.problem or i.bad_pages]
@@ -280,14 +290,15 @@ def _manifest_damaged(directory: Path) -> bool:
         return False
 
 
-def _rebuild_manifests(config: SessionConfig, loaded: LoadedModel | None) -> None:
+def _rebuild_manifests(config: SessionConfig, loaded: LoadedModel | None) -> LoadedModel:
     """Open the stores of ``config``'s settings (dense and sparse): opening one whose store.json is damaged
     rebuilds it where its blocks vouch for the settings (`nvme_share.check_manifest`); one they do not
-    vouch for stays unusable, and the check after says so."""
+    vouch for stays unusable, and the check after says so. Returns the model it loaded."""
     with Session(config, loaded=loaded) as session:
         for mode in ("dense", "sparse"):
             with contextlib.suppress(ManifestDamaged):
                 session.backend(mode)
+        return session.loaded
 
 
 def _remove_made(nvme_dir: Path, before: set[Path]) -> None:

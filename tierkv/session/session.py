@@ -41,7 +41,8 @@ from tierkv.model.prompt import chat_ids
 from tierkv.model.settings import SessionConfig, as_setting, mode_settings
 from tierkv.session.backend import Backend, open_backend
 from tierkv.session.generation import Answer, Sampling, generate
-from tierkv.session.inputs import Message, check_length, document_text, document_token_ids, prompt_ids
+from tierkv.session.inputs import (Message, check_length, check_text, document_text, document_token_ids,
+                                   prompt_ids)
 from tierkv.session.state import KVState, Progress
 from tierkv.tiers.nvme_share import prepare_store_dir
 
@@ -133,6 +134,7 @@ class Session:
         """``read`` of the document's text, whatever it looks like (a file's content read by the caller)."""
         if not text.strip():
             raise ConfigError("the document is empty")
+        check_text(text, "the document")
         count = self._take_in(self.document_ids(text), progress)
         self._messages = [{"role": "user", "content": text}]
         return count

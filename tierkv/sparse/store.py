@@ -195,10 +195,11 @@ def _not_written(path: Path, error: Exception, nbytes: int) -> OSError:
 
 
 def load_index(seq: SparseSequence, path: Path, *, missing: list[BlockKey] | None = None,
-               ids: Sequence[int] | None = None) -> dict[str, str] | None:
+               ids: Sequence[int] | None = None, identity: BlockKey | None = None) -> dict[str, str] | None:
     """Fill a fresh ``seq`` from ``path`` and return the file's metadata; None (``seq`` untouched)
     if it is absent, damaged or stale, or holds other tokens than ``ids`` (a checkpoint: than a prefix
-    of them), where it records its tokens: a file renamed or copied over another is another document's.
+    of them), or was stored under another ``identity`` (model and settings), where it records them: a
+    file renamed or copied over another is another document's, or another model's.
 
     The file is read one layer at a time into fresh layer states that take the tensors as read
     (no second copy, no mapping of the file kept), each tensor checked against its checksum;
@@ -211,6 +212,8 @@ def load_index(seq: SparseSequence, path: Path, *, missing: list[BlockKey] | Non
             meta, sums = read_checked_meta(f)
             if ids is not None and "ids" in sums:
                 _check_ids(checked(f, "ids", sums["ids"]).tolist(), ids, path)
+            if identity is not None and meta.get("identity", identity.hex()) != identity.hex():
+                raise ValueError("it was stored for another model or settings (a file copied from another store)")
             pages = json.loads(meta["pages"])
             if len(pages) != len(seq.layers):
                 raise ValueError(f"{len(pages)} layers, the model has {len(seq.layers)}")

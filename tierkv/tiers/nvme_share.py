@@ -391,6 +391,8 @@ def read_manifest(directory: Path) -> dict:
                 raise ValueError(f"block_bytes={manifest['block_bytes']!r}")
             if not isinstance(manifest["namespace"], str):
                 raise ValueError(f"namespace={manifest['namespace']!r}")
+    except FileNotFoundError:
+        raise ManifestDamaged(f"NVMe store {directory}: no store.json beside its data{REBUILD}") from None
     except OSError as exc:
         raise ConfigError(f"NVMe store {directory}: unreadable store.json ({exc.strerror or exc})") from None
     except KeyError as exc:
@@ -413,9 +415,13 @@ def check_manifest(directory: Path, block_bytes: int, namespace: str) -> None:
     path = directory / "store.json"
     if not path.exists():
         found = [name for name in ("slots.dat", "index.log") if (directory / name).exists()]
-        if found:
+        vouched = _blocks_vouch(directory, block_bytes, namespace) if found else "it holds nothing"
+        if vouched is None:
             raise ConfigError(f"NVMe store {directory}: has {', '.join(found)} but no store.json; "
-                              f"not a tierkv store, or a damaged one")
+                              f"not a tierkv store, or a damaged one{REBUILD}")
+        if found:
+            log.warning("NVMe store %s: no store.json; rebuilt it for block_bytes=%d, namespace=%r: %s", directory,
+                        block_bytes, namespace, vouched)
         _write_manifest(path, block_bytes, namespace)
         return
     try:
@@ -424,8 +430,10 @@ def check_manifest(directory: Path, block_bytes: int, namespace: str) -> None:
             raise ManifestDamaged(f"NVMe store {directory}: {foreign_manifest(manifest)}{REBUILD}")
     except ManifestDamaged as damaged:
         vouched = _blocks_vouch(directory, block_bytes, namespace)
-        if vouched is None:
-            raise
+        if vouched is None:             # (these settings are not the ones that made it: no rebuild here)
+            raise ManifestDamaged(f"{str(damaged).removesuffix(REBUILD)}; its blocks do not vouch for "
+                                  f"block_bytes={block_bytes}, namespace={namespace!r}, the settings given: "
+                                  "give those that made the store, or move it aside") from None
         log.warning("%s; rebuilt it for block_bytes=%d, namespace=%r: %s", str(damaged).removesuffix(REBUILD),
                     block_bytes, namespace, vouched)
         _write_manifest(path, block_bytes, namespace)

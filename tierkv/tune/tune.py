@@ -303,7 +303,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.top < 1:
         raise ConfigError(f"--top={args.top}: must be >= 1")
     out = args.out or args.trace.with_suffix(".best.json")
-    check_not_read({"--out": out}, {"input": args.trace, "--links": args.links})
+    check_not_read({"--out" if args.out else "the default --out": out}, {"input": args.trace, "--links": args.links})
     trace = AccessTrace.read(args.trace)
     check_writable("--out", out)                  # before the replays, not after them
     if args.plot is not None:
