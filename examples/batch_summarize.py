@@ -4,9 +4,9 @@
     .venv/bin/python examples/batch_summarize.py DIR        # in DIR: run it again, and finished documents are skipped
 
 Writes eight of CPython's own documentation topics to a JSONL file, asks the policy search for the
-best placement under small budgets (the weights' share on the compute device is far below the
-model, so most of it streams from host memory), prints the plan of the first layers, runs the job,
-and reads the summaries back.
+best placement under small budgets (the compute device holds only part of the weights; the rest
+streams from host memory), prints the plan of the first layers, runs the job, and reads the
+summaries back.
 """
 import json
 import sys

@@ -24,7 +24,7 @@ with tempfile.TemporaryDirectory() as store:
         s = result.sparse
         print(f"{attempt} run: {time.perf_counter() - start:.0f} s, reused {result.reused_prompt_tokens} tokens, "
               f"answer {result.text.strip()!r}, passkey {result.answer} found: {result.found}")
-    print(f"per step and layer: {s['tokens_per_layer_step']:.0f} tokens attended beside sinks and window, "
-          f"{100 * s['reuse_rate']:.0f} % of pages reused from the step before; positions {s['positions']}; "
-          f"index in memory {s['index_bytes'] / 2**20:.0f} MiB; NVMe written "
-          f"{result.tiers['nvme']['bytes_written'] / 2**20:.0f} MiB")
+        print(f"  per step and layer: {s['tokens_per_layer_step']:.0f} tokens attended beside sinks and window, "
+              f"{100 * s['reuse_rate']:.0f} % of pages reused from the step before; positions {s['positions']}; "
+              f"index in memory {s['index_bytes'] / 2**20:.0f} MiB; NVMe written "
+              f"{result.tiers['nvme']['bytes_written'] / 2**20:.0f} MiB")

@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the best configuration there (default: print it)")
     args = parser.parse_args()
 
+    source = str(args.trace) if args.trace is not None else "a synthetic decode trace (examples/tune_my_policy.py)"
     with tempfile.TemporaryDirectory(prefix="tierkv-tune-") as scratch:
         if args.trace is None:
             args.trace = Path(scratch) / "decode.tkv"
@@ -84,7 +85,7 @@ def main() -> None:
     ranked = tune(trace, model, points)
     print(format_table(ranked))
 
-    config = run_config(ranked[0], trace.meta, source=str(args.trace))
+    config = run_config(ranked[0], trace.meta, source=source)     # (not the scratch file, gone by then)
     if args.out is None:
         print(f"\nbest: {ranked[0].point}:\n{json.dumps(config, indent=2)}\n(--out FILE writes it for "
               f"tierkv run --config FILE)")
