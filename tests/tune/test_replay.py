@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 
 import pytest
 import torch
@@ -404,3 +405,30 @@ def test_an_engine_run_records_steps_layers_and_times(tmp_path) -> None:
     path = tmp_path / "engine.trace"
     trace.write(path)
     assert AccessTrace.read(path) == trace
+
+
+def test_a_replay_stopped_by_ctrl_c_leaves_no_task_pending(monkeypatch, caplog) -> None:
+    """Ctrl-C mid-replay raised through the loop with the manager's tasks pending: each printed a
+    "Task was destroyed but it is pending!" as the interpreter went on."""
+    import gc
+
+    from tierkv.tune import simulation
+    script = Script(gpu=2, tick=0.001).step()
+    for i in range(40):
+        script.put(i)
+    trace = script.step().get(*range(40)).trace()
+    select, turns = simulation._VirtualSelector.select, []
+
+    def interrupted(self, timeout=None):          # the signal arrives as the loop waits, as Ctrl-C does
+        turns.append(1)
+        if len(turns) == 50:
+            raise KeyboardInterrupt
+        return select(self, timeout)
+    monkeypatch.setattr(simulation._VirtualSelector, "select", interrupted)
+    ignored: list = []                            # ("Exception ignored in: <coroutine _replay>": GeneratorExit)
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+    with pytest.raises(KeyboardInterrupt):
+        replay(trace, TierModel({"*->*": Link(0.01, latency_us=100)}))
+    gc.collect()
+    assert not ignored
+    assert not [r for r in caplog.records if "Task was destroyed but it is pending" in r.getMessage()]

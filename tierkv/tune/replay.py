@@ -26,6 +26,7 @@ recording began: it starts in the store, as a reopened NVMe store's blocks do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -117,6 +118,13 @@ def replay(trace: AccessTrace, model: TierModel, config: ReplayConfig = ReplayCo
     loop = VirtualLoop()
     try:
         return loop.run_until_complete(_replay(trace, model, config))
+    except BaseException:       # (Ctrl-C mid-replay): its tasks are cancelled and run to their end, not
+        tasks = asyncio.all_tasks(loop)                                      # left pending at the exit
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        raise
     finally:
         loop.run_until_complete(loop.shutdown_default_executor())
         loop.close()
