@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 
 import xxhash
@@ -240,6 +241,26 @@ def test_a_truncated_file_is_a_clear_error(trace_file, keep) -> None:
     trace_file.write_bytes(raw[:keep] if keep >= 0 else raw[:len(raw) + keep])
     with pytest.raises(ConfigError, match=r"run\.trace: not a valid tierkv access trace: truncated"):
         AccessTrace.read(trace_file)
+
+
+@pytest.mark.parametrize("cut", [None, -1, "extra"])
+def test_a_trace_read_from_a_pipe_is_read_whole_or_named_truncated(trace_file, tmp_path, cut) -> None:
+    """A pipe (``tierkv tune <(cat run.tkv)``) has no size: it was "truncated: the file has 0" bytes."""
+    import threading
+    raw = trace_file.read_bytes()
+    sent = raw if cut is None else raw[:cut] if cut == -1 else raw + b"\0" * 8
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    writer = threading.Thread(target=pipe.write_bytes, args=(sent,))
+    writer.start()
+    try:
+        if cut is None:
+            assert AccessTrace.read(pipe) == AccessTrace.read(trace_file)
+        else:
+            with pytest.raises(ConfigError, match="truncated" if cut == -1 else "trailing bytes"):
+                AccessTrace.read(pipe)
+    finally:
+        writer.join()
 
 
 @pytest.mark.parametrize("edit, message", [

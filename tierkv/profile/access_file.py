@@ -100,10 +100,10 @@ def read_columns(path: str | Path, parse_meta: Callable[[Any], T]) -> tuple[T, d
 
 
 def _parse(f: BinaryIO, path: Path, parse_meta: Callable[[Any], T]) -> tuple[T, dict[str, np.ndarray]]:
-    size = path.stat().st_size
+    size = path.stat().st_size if path.is_file() else None      # (a pipe's is not known before it is read)
     head = f.read(_PREAMBLE.size)
     if len(head) < _PREAMBLE.size:
-        raise not_a_trace(path, f"truncated: {size} bytes, shorter than the {_PREAMBLE.size}-byte preamble")
+        raise not_a_trace(path, f"truncated: {len(head)} bytes, shorter than the {_PREAMBLE.size}-byte preamble")
     magic, version, header_len = _PREAMBLE.unpack(head)
     if magic != MAGIC:
         raise not_a_trace(path, f"magic {magic!r}, expected {MAGIC!r}")
@@ -120,15 +120,20 @@ def _parse(f: BinaryIO, path: Path, parse_meta: Callable[[Any], T]) -> tuple[T, 
     columns = header["columns"]
     expected = _PREAMBLE.size + header_len + sum(_padded_len(c["count"] * np.dtype(c["dtype"]).itemsize)
                                                  for c in columns)
-    if size != expected:
+    if size is not None and size != expected:
         what = "truncated" if size < expected else "trailing bytes"
         raise not_a_trace(path, f"{what}: the header announces {expected} bytes, the file has {size}")
     digest = xxhash.xxh3_64()
     arrays: dict[str, np.ndarray] = {}
     for column in columns:
-        raw = f.read(_padded_len(column["count"] * np.dtype(column["dtype"]).itemsize))
+        length = _padded_len(column["count"] * np.dtype(column["dtype"]).itemsize)
+        raw = f.read(length)
+        if len(raw) < length:
+            raise not_a_trace(path, f"truncated: the header announces {expected} bytes, and fewer came")
         digest.update(raw)
         arrays[column["name"]] = np.frombuffer(raw, dtype=column["dtype"], count=column["count"]).copy()
+    if size is None and f.read(1):
+        raise not_a_trace(path, f"trailing bytes: the header announces {expected} bytes, and more came")
     if digest.hexdigest() != header["checksum"]:
         raise not_a_trace(path, "the column bytes do not match the header's checksum (the file is corrupt)")
     return meta, arrays
