@@ -142,6 +142,8 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--trace", "no/such/dir/t.json"], "--trace no/such/dir/t.json: no such "
                                                                             "directory no/such/dir"),
     (["run", "--synthetic-tokens", "100", "--record-access", "."], "--record-access .: is a directory"),
+    (["run", "--synthetic-tokens", "100", "--trace", f"{__file__}/t.json"],
+     f"--trace {__file__}/t.json: {__file__} is a file, not a directory"),
     (["run", "--synthetic-tokens", "100", "--trace", "/proc/t.json"], "--trace /proc/t.json: cannot write there"),
     (["run", "--doc", __file__, "--depth", "0.3", "--seed", "2"],
      "--depth, --seed: settings of the --synthetic-tokens haystack, but --doc is given"),
@@ -344,3 +346,11 @@ def test_one_store_s_folder_as_nvme_dir_is_refused_before_the_model_loads(comman
     err = capsys.readouterr().err
     assert f"is the folder of one store (it holds a store.json); give the directory above it ({tmp_path})" in err
     assert [p.name for p in store.iterdir()] == ["store.json"]
+
+
+@pytest.mark.model
+def test_a_run_of_one_token_a_question_says_it_made_no_decode_step():
+    """It said "decode 1 tokens at 0.00 tok/s"."""
+    done = tierkv("run", "--synthetic-tokens", "200", "--max-new-tokens", "1")
+    assert done.returncode == 0, done.stderr
+    assert "decode: no step (1 token(s), each from its prompt's pass)" in done.stdout and "0.00 tok/s" not in done.stdout

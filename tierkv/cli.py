@@ -305,8 +305,11 @@ def _print_run_summary(r, config) -> None:
     for i, a in enumerate(r.answers[1:], 2):
         print(f"question {i}: prompt {a['prompt_tokens']} tokens, reused {a['reused_prompt_tokens']}, "
               f"first token after {a['ttft_s']:.2f} s")
-    print(f"decode {r.generated_tokens} tokens at {r.decode_tokens_per_s:.2f} tok/s, "
-          f"stall {100 * r.stall_fraction:.1f} % of decode time")
+    if r.decode_tokens_per_s:
+        print(f"decode {r.generated_tokens} tokens at {r.decode_tokens_per_s:.2f} tok/s, "
+              f"stall {100 * r.stall_fraction:.1f} % of decode time")
+    else:                            # (each answer's one token came from its prompt's pass)
+        print(f"decode: no step ({r.generated_tokens} token(s), each from its prompt's pass)")
     drafted = sum(a["drafted_tokens"] for a in r.answers)
     if drafted:
         accepted = sum(a["accepted_tokens"] for a in r.answers)

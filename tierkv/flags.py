@@ -118,6 +118,9 @@ def check_writable(flag: str, path: Path) -> None:
     if path.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory; give a file name")
     if not path.parent.is_dir():
+        above = next((p for p in path.parents if p.exists()), None)
+        if above is not None and not above.is_dir():          # (run.json/x: run.json is a file)
+            raise ConfigError(f"{flag} {path}: {above} is a file, not a directory")
         raise ConfigError(f"{flag} {path}: no such directory {path.parent}")
     if path.is_symlink() and not path.exists():
         raise ConfigError(f"{flag} {path}: a link to {os.readlink(path)}, which does not exist")
