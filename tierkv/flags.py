@@ -265,7 +265,7 @@ def _accepted(cls: type) -> dict[str, tuple[tuple[type, ...], str]]:
 
 
 _FIELD = re.compile(r"([a-z][a-z0-9_]*)(?==|: )")
-_NAMED = re.compile(r"(?<![\w.\[-])([a-z][a-z0-9]*_[a-z0-9_]+)(?==)")
+_NAMED = re.compile(r"(?<![\w.\['\"-])([a-z][a-z0-9]*_[a-z0-9_]+)(?==)")   # (quoted: the user's own text)
 
 
 def as_flag(message: str, parser: argparse.ArgumentParser) -> str:

@@ -88,11 +88,27 @@ def test_the_grid_is_every_combination_with_all_policies_by_default(trace: Acces
                        r"next-layer, next-layer-all, none, .*; for a trace of the sparse engine "
                        r"\(tierkv run --sparse-prefetch\): none, speculative, previous-step"),
     ("prefetch=speculative", "holds none: record it with `tierkv run --mode sparse --record-access FILE`"),
-    ("policy=lru", "--grid policy: given twice"),
+    ("policy=lru", "--grid policy= and --policies: name the policies once"),
 ])
 def test_bad_grid_items_are_one_clear_error(trace: AccessTrace, item: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_grid([item], trace.meta, ["arc"] if item.startswith("policy=") else None)
+
+
+def test_a_grid_key_given_twice_is_named_and_a_value_named_twice_replayed_once(trace: AccessTrace) -> None:
+    with pytest.raises(ConfigError, match="--grid gpu_budget: given twice; give its values in one --grid "
+                                          "gpu_budget=v1,v2"):
+        parse_grid(["gpu_budget=2MiB", "gpu_budget=4MiB"], trace.meta)
+    points = parse_grid(["gpu_budget=2MiB,2MiB"], trace.meta, ["lru", "lru"])
+    assert points == [{"gpu_budget": "2MiB", "policy": "lru"}]
+
+
+def test_a_grid_item_the_user_wrote_is_shown_as_written(trace: AccessTrace, tmp_path: Path, capsys) -> None:
+    """--grid cpu_budget= was shown as "--grid '--cpu-budget='": the user's own text rewritten as a flag."""
+    from tierkv.cli import main
+    trace.write(tmp_path / "run.tkv")
+    assert main(["tune", str(tmp_path / "run.tkv"), "--grid", "cpu_budget="]) == 2
+    assert "--grid 'cpu_budget=': expected key=v1,v2" in capsys.readouterr().err
 
 
 def test_grid_keys_follow_the_trace_tiers(trace: AccessTrace) -> None:

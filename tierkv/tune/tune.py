@@ -75,11 +75,13 @@ def parse_grid(items: Sequence[str], meta: TraceMeta, policies: Sequence[str] | 
     axes: dict[str, list[str]] = {}
     for item in items:
         key, values = _grid_item(item, meta)
-        if key in axes or (key == "policy" and policies is not None):
-            raise ConfigError(f"--grid {key}: given twice (policies: --policies or --grid policy=, not both)")
-        axes[key] = values
+        if key == "policy" and policies is not None:
+            raise ConfigError("--grid policy= and --policies: name the policies once")
+        if key in axes:
+            raise ConfigError(f"--grid {key}: given twice; give its values in one --grid {key}=v1,v2")
+        axes[key] = list(dict.fromkeys(values))                 # (a value named twice is replayed once)
     if policies is not None:
-        axes["policy"] = list(policies)
+        axes["policy"] = list(dict.fromkeys(policies))
     elif not any(key.endswith("policy") for key in axes):
         axes["policy"] = available()
     for key, values in axes.items():
