@@ -240,7 +240,10 @@ def test_a_run_config_may_name_a_sparse_prefetch(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("content,message", [
     ("{", "not JSON"),
-    ('{"format": "other", "version": 1}', "not a tierkv-run-config file of version 1"),
+    ('{"format": "other", "version": 1}', r"not a tierkv-run-config file \(format 'other'\)"),
+    ("[1]", r"not a tierkv-run-config file \(a JSON list\)"),
+    ('{"format": "tierkv-run-config", "version": 2}', "tierkv-run-config version 2; this tierkv reads version 1"),
+    ('{"format": "tierkv-run-config", "version": true}', "version True"),
     ('{"format": "tierkv-run-config", "version": 1, "gpu_budgett": "1GiB"}', r"unknown keys \['gpu_budgett'\]"),
     ('{"format": "tierkv-run-config", "version": 1, "cpu_budget": "many"}', "cpu_budget='many'"),
     ('{"format": "tierkv-run-config", "version": 1, "gpu_policy": 3}', "gpu_policy=3: expected a name"),

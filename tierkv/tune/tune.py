@@ -203,8 +203,12 @@ def read_run_config(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read the run config: {err.strerror or err}") from None
     except ValueError as err:
         raise ConfigError(f"{path}: not JSON: {err}") from None
-    if not isinstance(raw, dict) or raw.get("format") != CONFIG_FORMAT or raw.get("version") != CONFIG_VERSION:
-        raise ConfigError(f"{path}: not a {CONFIG_FORMAT} file of version {CONFIG_VERSION}")
+    if not isinstance(raw, dict) or raw.get("format") != CONFIG_FORMAT:
+        found = f"format {raw.get('format')!r}" if isinstance(raw, dict) else f"a JSON {type(raw).__name__}"
+        raise ConfigError(f"{path}: not a {CONFIG_FORMAT} file ({found})")
+    if isinstance(raw.get("version"), bool) or raw.get("version") != CONFIG_VERSION:
+        raise ConfigError(f"{path}: {CONFIG_FORMAT} version {raw.get('version')!r}; this tierkv reads version "
+                          f"{CONFIG_VERSION}")
     values = {k: v for k, v in raw.items() if k not in ("format", "version", "tuned")}
     unknown = sorted(set(values) - set(RUN_KEYS))
     if unknown:
