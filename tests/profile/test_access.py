@@ -323,3 +323,12 @@ def test_columns_that_contradict_each_other_are_a_clear_error(tmp_path) -> None:
 def test_a_missing_file_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="nothing.trace: cannot read the access trace"):
         AccessTrace.read(tmp_path / "nothing.trace")
+
+
+def test_each_kind_of_trace_given_to_the_other_command_says_which_reads_it(trace_file, tmp_path) -> None:
+    from tierkv.profile.trace import read_trace
+    with pytest.raises(ConfigError, match="an access trace of tierkv run --record-access: tierkv tune reads those"):
+        read_trace(trace_file)
+    (tmp_path / "run.json").write_text('{"traceEvents": []}')
+    with pytest.raises(ConfigError, match="a JSON trace of tierkv run --trace\\? tierkv profile reads those"):
+        AccessTrace.read(tmp_path / "run.json")

@@ -106,7 +106,8 @@ def _parse(f: BinaryIO, path: Path, parse_meta: Callable[[Any], T]) -> tuple[T, 
         raise not_a_trace(path, f"truncated: {len(head)} bytes, shorter than the {_PREAMBLE.size}-byte preamble")
     magic, version, header_len = _PREAMBLE.unpack(head)
     if magic != MAGIC:
-        raise not_a_trace(path, f"magic {magic!r}, expected {MAGIC!r}")
+        hint = " (a JSON trace of tierkv run --trace? tierkv profile reads those)" if head.lstrip()[:1] == b"{" else ""
+        raise not_a_trace(path, f"magic {magic!r}, expected {MAGIC!r}{hint}")
     if version not in COLUMNS_OF:
         raise not_a_trace(path, f"format version {version}; this tierkv reads versions "
                                 f"{', '.join(map(str, COLUMNS_OF))}")

@@ -194,7 +194,8 @@ def _load_json(path: Path) -> object:
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory, not a trace file") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a JSON trace (binary data)") from None
+        hint = " (an access trace of tierkv run --record-access: tierkv tune reads those)" if _access_trace(path) else ""
+        raise ConfigError(f"{path}: not a JSON trace (binary data){hint}") from None
     except OSError as error:
         raise ConfigError(f"{path}: cannot read it ({error.strerror or error})") from None
     if len(text) > MAX_TRACE_BYTES:
@@ -211,6 +212,11 @@ def _load_json(path: Path) -> object:
                               "the trace (was the run interrupted while writing it?)") from None
         raise ConfigError(f"{path}: not valid JSON: {error.msg} (line {error.lineno}, "
                           f"column {error.colno})") from None
+
+
+def _access_trace(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(8) == b"TKVTRACE"
 
 
 def _is_tierkv_slice(record: object) -> bool:
