@@ -197,7 +197,8 @@ def test_a_run_stopped_mid_answer_writes_what_it_recorded_as_partial(smollm2, tm
     trace, access = tmp_path / "t.json", tmp_path / "a.tkv"
     trace.write_text("an earlier run's")
     access.write_text("an earlier run's")
-    config = RunConfig.of(trace=trace, record_access=access, nvme_dir=tmp_path / "store", **SMALL_RUN)
+    config = RunConfig.of(trace=trace, record_access=access, nvme_dir=tmp_path / "store",
+                          **SMALL_RUN | dict(synthetic_tokens=600, chunk_tokens=256))
 
     def stop(piece: str) -> None:
         raise KeyboardInterrupt
