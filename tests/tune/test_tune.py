@@ -129,6 +129,8 @@ def test_more_memory_ranks_first(trace: AccessTrace, model: TierModel) -> None:
     points = parse_grid(["cpu_budget=2MiB,16MiB"], trace.meta, ["lru"])
     ranked = tune(trace, model, points)
     assert [r.point["cpu_budget"] for r in ranked] == ["16MiB", "2MiB"]
+    assert "nvme" not in ranked[0].result.hit_rates             # no read got there: no rate ("0.0 %" said one)
+    assert format_table(ranked).splitlines()[1].split()[-1] == "-"
     small, large = ranked[1].result, ranked[0].result
     assert large.stall_s == 0.0 < small.stall_s       # everything fits in memory: nothing to wait for
     assert large.moved_bytes < small.moved_bytes and small.bytes_by_link["nvme->gpu"] > 0

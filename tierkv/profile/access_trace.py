@@ -203,12 +203,14 @@ class AccessTrace:
         return {name: int(counts[i]) for i, name in names.items()}
 
     def hit_rates(self, steps: Sequence[str] = STEP_KINDS) -> dict[str, float]:
-        """Per tier, fastest first: the share of the blocks looked for there (not in a faster tier) it held."""
+        """Per tier, fastest first: the share of the blocks looked for there (not in a faster tier) it held;
+        a tier no block was looked for in has none."""
         served = self.served(steps)
         left = sum(served.values())
         rates = {}
         for tier in self.meta.tiers:
-            rates[tier.name] = served[tier.name] / left if left else 0.0
+            if left:
+                rates[tier.name] = served[tier.name] / left
             left -= served[tier.name]
         return rates
 

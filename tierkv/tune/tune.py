@@ -170,7 +170,8 @@ def _metrics(r: Ranked, tiers: list[str]) -> list[str]:
         return [f"failed: {r.error}"]
     res = r.result
     return [f"{res.stall_s:.4f}", f"{res.decode_stall_s:.4f}", format_size(res.moved_bytes),
-            *(f"{100 * res.hit_rates.get(t, 0.0):.1f} %" for t in tiers)]
+            *(f"{100 * res.hit_rates[t]:.1f} %" if t in res.hit_rates else "-" for t in tiers)]   # (no read
+                                                                                                    # got there)
 
 
 # -- the run config -------------------------------------------------------------
