@@ -275,7 +275,8 @@ async def test_a_body_that_stops_arriving_is_a_408_and_the_app_never_sees_it(mon
 
     from fastapi import FastAPI
 
-    from tierkv.serve import app as served
+    from tierkv.serve import guard as served
+    from tierkv.serve.app import Closing
     from tierkv.serve.metrics import Metrics
     monkeypatch.setattr(served, "BODY_IDLE_S", 0.5)
     reached, sent = [], []
@@ -294,7 +295,7 @@ async def test_a_body_that_stops_arriving_is_a_408_and_the_app_never_sees_it(mon
     async def send(message):
         sent.append(message)
     guard = served.Guard(app, metrics=Metrics(), api_key=None, max_body_bytes=1 << 20, routes=FastAPI(),
-                         closing=served.Closing(0.0))
+                         closing=Closing(0.0))
     scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
     await asyncio.wait_for(guard(scope, stalls, send), 5)
     assert not reached and sent[0]["status"] == 408 and b"stopped arriving" in sent[1]["body"]

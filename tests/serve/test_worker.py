@@ -47,12 +47,12 @@ def test_stopping_takes_every_request_waiting():
 
 def test_the_server_s_own_trouble_is_a_5xx_that_names_no_path_and_a_prompt_too_big_a_400():
     from tierkv.errors import BudgetExceeded, StoreUnusable
-    from tierkv.serve.app import _as_api_error
+    from tierkv.serve.errors import as_api_error
     from tierkv.serve.worker import TiersTooSmall
     cases = [(StoreUnusable("NVMe store /srv/kv: its owner file was removed; reopen it"), 500, None),
              (BudgetExceeded("NVMe store /srv/kv: no free slot for this process"), 503, "server_busy"),
              (TiersTooSmall("tier cpu: all 2 slots are pinned; raise its budget"), 400, "context_length_exceeded")]
     for error, status, code in cases:
-        api = _as_api_error(error)
+        api = as_api_error(error)
         assert (api.status, api.body["error"]["code"]) == (status, code)
         assert "/srv/kv" not in api.body["error"]["message"] and "budget" not in api.body["error"]["message"]

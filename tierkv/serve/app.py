@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hmac
 import json
 import time
 import uuid
@@ -31,26 +30,19 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from tierkv.errors import (BudgetExceeded, ConfigError, DiskFullError, StoreReadError, StoreUnusable,
-                           StoreWriteError, TierKVError)
+from tierkv.errors import ConfigError
 from tierkv.session import Answer
 from tierkv.session.inputs import PromptTooLong, check_length, prompt_ids
 from tierkv.session.session import Session
 from tierkv.serve.metrics import Metrics
+from tierkv.serve.errors import ApiError, as_api_error
+from tierkv.serve.guard import Guard
 from tierkv.serve.protocol import ChatRequest, CompletionRequest, error_body
-from tierkv.serve.worker import Job, QueueFull, TiersTooSmall, Worker
+from tierkv.serve.worker import Job, QueueFull, Worker
 
 
 DISCONNECT_POLL_S = 0.25    # how often a whole answer's handler asks whether its client is still there
 CLOSING_POLL_S = 0.25       # how often an answer's handler looks whether the server began shutting down
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, kind=kind, param=param, code=code)
-        self.headers = headers
 
 
 class Closing:
@@ -195,98 +187,6 @@ class PromptCheck:
         check_length(prompt_ids(self.loaded, job.kind, job.prompt, self.tokenizer), self.most)
 
 
-BODY_IDLE_S = 30.0          # a request whose body stops arriving for this long is a 408
-
-
-class Guard:
-    """Size limit, API key, the request's body and per-request metrics, before anything else sees a
-    request (plain ASGI, so a streamed response still sees its client hang up). The body is read here
-    whole: one past the limit is a 413 however it is sent (with a length or chunked), one that stops
-    arriving a 408 after ``BODY_IDLE_S``, and one still arriving when the server shuts down a 503, so
-    that a client whose body stops arriving holds neither a connection nor the shutdown (one that trickles
-    a byte within every ``BODY_IDLE_S`` is still read, as a slow link is)."""
-
-    def __init__(self, app: Any, *, metrics: Metrics, api_key: str | None, max_body_bytes: int,
-                 routes: FastAPI, closing: Closing) -> None:
-        self.app, self.metrics, self.api_key, self.limit = app, metrics, api_key, max_body_bytes
-        self._routes, self._paths, self.closing = routes, None, closing
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, start, status = scope["path"], time.perf_counter(), [500]
-        if self._paths is None:
-            self._paths = {getattr(route, "path", None) for route in self._routes.routes}
-        label = path if path in self._paths else "other"   # any path a client sends is not a new series
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-
-        async def sending(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-        try:
-            self._check(path, headers)
-            read = await self._whole_body(receive)
-        except ApiError as error:
-            await JSONResponse(error.body, status_code=error.status, headers=error.headers)(scope, receive, sending)
-        else:
-            await self.app(scope, read, sending)
-        finally:
-            self.metrics.requests.labels(label, str(status[0])).inc()
-            self.metrics.latency.labels(label).observe(time.perf_counter() - start)
-
-    def _check(self, path: str, headers: dict[str, str]) -> None:
-        length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            raise _too_large(self.limit)
-        if self.api_key is not None and path.startswith("/v1/"):
-            scheme, _, token = headers.get("authorization", "").strip().partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                               kind="authentication_error", code="invalid_api_key")
-
-    async def _whole_body(self, receive: Any) -> Any:
-        """Read the request's body; returns the ``receive`` the app gets: the body in one message, then
-        the client's own (its hang-up)."""
-        pieces, size, first = [], 0, None
-        while first is None:
-            message = await self._next_piece(receive)
-            if message["type"] != "http.request":
-                first = message                           # it hung up: the app sees that
-                break
-            pieces.append(message.get("body", b""))
-            size += len(pieces[-1])
-            if size > self.limit:
-                raise _too_large(self.limit)
-            if not message.get("more_body", False):
-                first = {"type": "http.request", "body": b"".join(pieces), "more_body": False}
-        given = [first]
-
-        async def read() -> dict:
-            return given.pop() if given else await receive()
-        return read
-
-    async def _next_piece(self, receive: Any) -> dict:
-        piece = asyncio.ensure_future(receive())
-        idle = time.monotonic() + BODY_IDLE_S
-        try:
-            while not (await asyncio.wait([piece], timeout=CLOSING_POLL_S))[0]:
-                if self.closing.cut_at is not None:
-                    raise ApiError(503, "the server is shutting down: the request's body had not all arrived",
-                                   kind="server_error", code="server_shutdown")
-                if time.monotonic() >= idle:
-                    raise ApiError(408, f"the request's body stopped arriving: nothing came for {BODY_IDLE_S:g} s",
-                                   code="request_timeout")
-            return piece.result()
-        finally:
-            piece.cancel()
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than this server takes: at most {limit} bytes "
-                         "(tierkv serve --max-body-bytes)", code="request_too_large")
-
-
 def _check_model(asked: str, served: str) -> None:
     if asked != served:
         raise ApiError(404, f"model {asked!r} is not served here; this server serves {served!r}",
@@ -340,7 +240,7 @@ async def _results(job: Job, closing: Closing) -> AsyncIterator[tuple[str, Any]]
         if kind == "gone":          # its client hung up: nobody reads what would follow
             raise ApiError(499, "the client closed the request", kind="client_closed")
         if kind == "error":
-            raise _as_api_error(value)
+            raise as_api_error(value)
         yield kind, value
         if kind == "done":
             return
@@ -382,29 +282,6 @@ async def _events(job: Job, reply: _Reply, include_usage: bool, closing: Closing
         yield {"data": json.dumps(error.body)}
     finally:
         job.cancel()
-
-
-def _as_api_error(error: BaseException) -> ApiError:
-    if isinstance(error, PromptTooLong):
-        return ApiError(400, str(error), param="messages", code="context_length_exceeded")
-    if isinstance(error, StoreUnusable):        # (its path and the operator's advice: in the log)
-        return ApiError(500, "the server's KV store cannot be used; its log has the details", kind="server_error")
-    if isinstance(error, ConfigError):
-        return ApiError(400, str(error))
-    if isinstance(error, TiersTooSmall):        # the tiers' words (and paths) are the operator's: in the log
-        return ApiError(400, "the prompt and its answer need more KV than this server's tiers hold; send a shorter "
-                        "prompt or a smaller max_tokens", code="context_length_exceeded")
-    if isinstance(error, BudgetExceeded):       # a store shared with other processes, full for now
-        return ApiError(503, "the server's KV tiers have no room for now; try again later", kind="server_error",
-                        code="server_busy", headers={"Retry-After": "5"})
-    if isinstance(error, DiskFullError):
-        return ApiError(507, "the server's KV store is out of disk space; its log has the details", kind="server_error")
-    if isinstance(error, (StoreReadError, StoreWriteError)):      # its file's path is the operator's: in the log
-        return ApiError(500, "the server's KV store failed to read or write; its log has the details",
-                        kind="server_error")
-    if isinstance(error, TierKVError):
-        return ApiError(500, str(error), kind="server_error")
-    return ApiError(500, "internal error; the server's log has the details", kind="server_error")
 
 
 class _Reply:

@@ -38,7 +38,7 @@ from tierkv.sparse.store import checked, index_name_problem, index_settings, rea
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.journal import RECORD_BYTES
 from tierkv.tiers.nvme_scan import Scan, scan_journal, scan_read_only
-from tierkv.tiers.nvme_share import REBUILD, UNUSABLE, ManifestDamaged, foreign_manifest, read_manifest
+from tierkv.tiers.nvme_manifest import REBUILD, UNUSABLE, ManifestDamaged, foreign_manifest, read_manifest
 
 INDEXES = "sparse-indexes"
 

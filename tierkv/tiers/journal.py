@@ -135,6 +135,14 @@ class Replay:
         return self.records + self.damaged - len(self.index)
 
 
+def replay_store(directory: Path, block_bytes: int) -> Replay:
+    """The journal of the store in ``directory`` replayed, read only, against its data file's slots of
+    ``block_bytes`` (either file may be missing: a store that holds nothing)."""
+    journal, data = directory / "index.log", directory / "slots.dat"
+    raw = journal.read_bytes() if journal.exists() else b""
+    return replay(raw, slots=(data.stat().st_size if data.exists() else 0) // block_bytes)[0]
+
+
 def replay(raw: bytes, slots: int | None = None) -> tuple[Replay, int]:
     """Apply the records in ``raw``; returns the state and the length of the valid prefix. Entries
     in slots at or past ``slots`` (the data file's end, the budget) are left out, listed in ``lost``.

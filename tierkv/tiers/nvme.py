@@ -78,7 +78,8 @@ from tierkv.tiers.journal import Journal, Op, Record, encode_puts
 from tierkv.tiers.nvme_io import (BACKENDS, DISK_FULL, block_buffer, choose_backend, disk_full, disk_full_raised,
                                   misaligned_of)
 from tierkv.tiers.nvme_pool import SharedPool
-from tierkv.tiers.nvme_share import Membership, closed_here, opened_here, read_manifest
+from tierkv.tiers.nvme_manifest import read_manifest
+from tierkv.tiers.nvme_share import Membership, closed_here, opened_here
 from tierkv.tiers.nvme_striped import UNREADABLE, URGENT, StripedIO
 from tierkv.tiers.nvme_view import Changes, SharedView
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
-from tierkv.tiers.journal import Replay, replay
-from tierkv.tiers.nvme_share import read_manifest
+from tierkv.tiers.journal import Replay, replay_store
+from tierkv.tiers.nvme_manifest import read_manifest
 from tierkv.tiers.nvme_striped import checksum
 
 
@@ -32,13 +32,9 @@ def journal_state(directory: Path) -> tuple[Replay, int]:
     """The store's journal replayed against its data file's size, and its block size, reading only."""
     block_bytes = read_manifest(directory)["block_bytes"]
     try:
-        raw = (directory / "index.log").read_bytes() if (directory / "index.log").exists() else b""
-        data = directory / "slots.dat"
-        size = data.stat().st_size if data.exists() else 0
+        return replay_store(directory, block_bytes), block_bytes
     except OSError as exc:
         raise ConfigError(f"NVMe store {directory}: cannot read its files ({exc.strerror or exc})") from None
-    state, _ = replay(raw, slots=size // block_bytes)
-    return state, block_bytes
 
 
 def scan_journal(directory: Path) -> Scan:
