@@ -28,7 +28,6 @@ from safetensors import SafetensorError, safe_open
 
 from tierkv.errors import ConfigError
 from tierkv.keys import BlockKey
-from tierkv.layout import is_layout_name
 from tierkv.model.loading import LoadedModel
 from tierkv.model.settings import SessionConfig
 from tierkv.session.prefill import shelf_of, stored_state
@@ -38,7 +37,8 @@ from tierkv.sparse.store import checked, index_name_problem, index_settings, rea
 from tierkv.tiers.nvme import NvmeTier
 from tierkv.tiers.journal import RECORD_BYTES
 from tierkv.tiers.nvme_scan import Scan, scan_journal, scan_read_only
-from tierkv.tiers.nvme_manifest import REBUILD, UNUSABLE, ManifestDamaged, foreign_manifest, read_manifest
+from tierkv.tiers.nvme_manifest import (REBUILD, UNUSABLE, ManifestDamaged, foreign_manifest, is_foreign,
+                                        read_manifest)
 
 INDEXES = "sparse-indexes"
 
@@ -163,8 +163,7 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
         try:
             manifest = read_manifest(directory)
             unchecked = "check" not in manifest                   # (a store made before store.json had one)
-            foreign = manifest["namespace"] != directory.name and is_layout_name(directory.name)   # (a store
-                                                                  # of tierkv's is named after its namespace)
+            foreign = is_foreign(directory, manifest)
             scan = scan_read_only(directory) if not drop or unchecked or foreign else None
             if scan is not None and drop and _doubtful(scan, foreign):
                 check.kept = True               # its block size may not be its blocks': nothing is dropped
@@ -283,7 +282,7 @@ def repair_store(nvme_dir: Path, config: SessionConfig, *, loaded: LoadedModel |
 def _manifest_damaged(directory: Path) -> bool:
     """Whether store.json is damaged, or names another namespace than the store's folder."""
     try:
-        return read_manifest(directory)["namespace"] != directory.name and is_layout_name(directory.name)
+        return is_foreign(directory, read_manifest(directory))
     except ManifestDamaged:
         return True
     except ConfigError:

@@ -15,6 +15,7 @@ import numpy as np
 import xxhash
 
 from tierkv.errors import ConfigError
+from tierkv.layout import is_layout_name
 from tierkv.tiers.journal import replay_store
 from tierkv.tiers.nvme_io import fsync_dir
 from tierkv.tiers.nvme_striped import checksum
@@ -107,6 +108,12 @@ def check_manifest(directory: Path, block_bytes: int, namespace: str) -> None:
         raise ConfigError(f"NVMe store {directory} holds block_bytes={manifest['block_bytes']}, "
                           f"namespace={manifest['namespace']!r}; asked for block_bytes={block_bytes}, "
                           f"namespace={namespace!r}: open it with those values or use another directory")
+
+
+def is_foreign(directory: Path, manifest: dict) -> bool:
+    """Whether ``manifest`` names another namespace than its store's folder, where the folder is named
+    as tierkv names a store's (after its layout's namespace): another store's store.json."""
+    return manifest["namespace"] != directory.name and is_layout_name(directory.name)
 
 
 def foreign_manifest(manifest: dict) -> str:
