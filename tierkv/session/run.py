@@ -70,52 +70,66 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
     with Session(config.session(), loaded=loaded, keep_events=out.trace is not None,
                  record_access=out.record_access is not None) as session:
         try:
-            tokenizer, start = session.loaded.tokenizer, time.perf_counter()
-            prompt = passkey_prompt(tokenizer, p.synthetic_tokens, **p.haystack()) \
-                if p.synthetic_tokens is not None else None
-            result = RunResult(answer=None if prompt is None else prompt.answer)
-            done = [0]
-
-            def progress(n: int) -> None:
-                done[0] += n
-                on_prefill(done[0], result.document_tokens)
-
-            if prompt is None:
-                result.document_tokens = len(session.document_ids(text))
-                session.read_text(text, progress=progress)
-            else:
-                result.document_tokens = len(prompt.ids) - 1
-                session.read_ids(prompt.ids[:-1], progress=progress)
-            result.prefill_s = session.document_s
-            document = session.backend(session.document.mode)
-            before = {name: stats["bytes_read"] for name, stats in document.manager.tier_stats().items()}
-            read_at = start + (time.perf_counter() - start - session.document_s)
-            prefill_event = Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, read_at + result.prefill_s)
-            questions = list(p.questions or [DEFAULT_QUESTION]) if prompt is None else [None]
-            for i, question in enumerate(questions):
-                on_question(i, question or "")
-                stream = session.ask(question, stream=True, max_new_tokens=out.max_new_tokens) if prompt is None \
-                    else session.complete(prompt.ids, stream=True, max_new_tokens=out.max_new_tokens)
-                for piece in stream:
-                    on_text(piece)
-                _add_answer(result, question, stream.answer, start if i == 0 else None, session.document_reused)
-            backend = session.backends[session.last_mode]
-            backend.events.record(prefill_event)
-            _summarise(result, backend, session)
-            prefill_reads = before if backend is document else {}
-            for name, stats in result.tiers.items():    # what the answers read, the document's prefill aside
-                stats["answer_bytes_read"] = stats["bytes_read"] - prefill_reads.get(name, 0)
-            if prompt is not None:
-                result.found = prompt.answer in result.text
-            backend.manager.flush()
+            result, backend = _ask_all(session, config, text, on_text, on_prefill, on_question)
         except BaseException as error:        # (Ctrl-C, a failure): what was recorded so far, said to be partial
-            try:
-                _write_outputs(session, None, out, {"partial": _stopped_by(error)})
-            except Exception as failed:       # (the run's own error is the one to raise)
-                log.warning("the run stopped, and what it recorded could not be written: %s", failed)
+            _write_partial(session, out, error)
             raise
         _write_outputs(session, backend, out, {"tiers": result.tiers})
     return result
+
+
+def _ask_all(session: Session, config: RunConfig, text: str | None, on_text: Callable[[str], None],
+             on_prefill: Callable[[int, int], None],
+             on_question: Callable[[int, str], None]) -> tuple[RunResult, Backend]:
+    """The document read, each question answered, and the figures: the run's result, and the backend
+    that answered last."""
+    p, out = config.prompt, config.output
+    tokenizer, start = session.loaded.tokenizer, time.perf_counter()
+    prompt = passkey_prompt(tokenizer, p.synthetic_tokens, **p.haystack()) \
+        if p.synthetic_tokens is not None else None
+    result = RunResult(answer=None if prompt is None else prompt.answer)
+    done = [0]
+
+    def progress(n: int) -> None:
+        done[0] += n
+        on_prefill(done[0], result.document_tokens)
+
+    if prompt is None:
+        result.document_tokens = len(session.document_ids(text))
+        session.read_text(text, progress=progress)
+    else:
+        result.document_tokens = len(prompt.ids) - 1
+        session.read_ids(prompt.ids[:-1], progress=progress)
+    result.prefill_s = session.document_s
+    document = session.backend(session.document.mode)
+    before = {name: stats["bytes_read"] for name, stats in document.manager.tier_stats().items()}
+    read_at = start + (time.perf_counter() - start - session.document_s)
+    prefill_event = Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, read_at + result.prefill_s)
+    questions = list(p.questions or [DEFAULT_QUESTION]) if prompt is None else [None]
+    for i, question in enumerate(questions):
+        on_question(i, question or "")
+        stream = session.ask(question, stream=True, max_new_tokens=out.max_new_tokens) if prompt is None \
+            else session.complete(prompt.ids, stream=True, max_new_tokens=out.max_new_tokens)
+        for piece in stream:
+            on_text(piece)
+        _add_answer(result, question, stream.answer, start if i == 0 else None, session.document_reused)
+    backend = session.backends[session.last_mode]
+    backend.events.record(prefill_event)
+    _summarise(result, backend, session)
+    prefill_reads = before if backend is document else {}
+    for name, stats in result.tiers.items():    # what the answers read, the document's prefill aside
+        stats["answer_bytes_read"] = stats["bytes_read"] - prefill_reads.get(name, 0)
+    if prompt is not None:
+        result.found = prompt.answer in result.text
+    backend.manager.flush()
+    return result, backend
+
+
+def _write_partial(session: Session, out: OutputSettings, error: BaseException) -> None:
+    try:
+        _write_outputs(session, None, out, {"partial": _stopped_by(error)})
+    except Exception as failed:               # (the run's own error is the one to raise)
+        log.warning("the run stopped, and what it recorded could not be written: %s", failed)
 
 
 def _write_outputs(session: Session, backend: Backend | None, out: OutputSettings, meta: dict) -> None:
