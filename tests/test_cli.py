@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -250,9 +251,13 @@ def test_recorded_access_trace_feeds_tune(tmp_path):
 
 
 @pytest.mark.model
-def test_a_dense_run_takes_the_prompt_tier_and_engine_flags(tmp_path):
+def test_a_dense_run_takes_the_prompt_tier_and_engine_flags(tmp_path, monkeypatch):
     """The passkey, tier and engine flags no other test gives, in one run that must still find the key;
-    the JSON has its documented fields and the trace its write-backs."""
+    the JSON has its documented fields and the trace its write-backs and the links probed on this machine."""
+    from tierkv.profile import probe
+    monkeypatch.setattr(probe, "QUICK", replace(probe.QUICK, copy_bytes=2**20, file_bytes=2**20, min_seconds=0.0))
+    probe.probe_links(tmp_path / "s", cache_dir=tmp_path / "cache")
+    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path / "cache"))
     done = tierkv("run", "--synthetic-tokens", "700", "--depth", "0.2", "--seed", "3", "--filler", "text",
                   "--nvme-dir", str(tmp_path / "s"), "--nvme-budget", "256MiB", "--gpu-budget", "2MiB",
                   "--cpu-budget", "4MiB", "--cxl-budget", "8MiB", "--cxl-preset", "cxl2-x16",
@@ -272,6 +277,7 @@ def test_a_dense_run_takes_the_prompt_tier_and_engine_flags(tmp_path):
     assert result["dtype"] == "float32" and result["kv_dtype"] is None
     trace = json.loads((tmp_path / "t.json").read_text())
     assert any(e.get("name") == "writeback" for e in trace["traceEvents"])
+    assert {"nvme->cpu", "cpu->gpu"} <= set(trace["tierkv"]["links"])          # `tierkv profile`'s limits
     assert result["found"] and result["mode"] == "dense" and result["reused_prompt_tokens"] == 0
     assert set(result["tiers"]) == {"gpu", "cpu", "cxl", "nvme"}
     assert 255 << 20 < result["tiers"]["nvme"]["budget_bytes"] <= 256 << 20     # whole blocks of the cap

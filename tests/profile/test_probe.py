@@ -104,3 +104,18 @@ def test_link_lines_name_each_link_with_its_rate(tiny: None, tmp_path: Path) -> 
     lines = probe.link_lines(probe.probe_links(tmp_path / "d", cache_dir=tmp_path))
     assert [line.split()[0] for line in lines] == ["cpu->cpu", "cpu->gpu", "gpu->cpu", "cpu->nvme", "nvme->cpu"]
     assert all("GB/s" in line and "us/request" in line for line in lines)
+
+
+def test_a_run_finds_the_links_probed_on_this_host_without_measuring(tiny: None, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's trace carries the probed limits (``tierkv profile`` showed '?' for every link): the disk's only
+    where that directory was probed, the memory links of any probe of this host, nothing of another host."""
+    cache = tmp_path / "cache"
+    assert probe.cached_links(tmp_path / "disk", cache_dir=cache) is None
+    probe.probe_links(tmp_path / "disk", cache_dir=cache)
+    monkeypatch.setattr(probe, "measure_links", lambda *a, **k: pytest.fail("cached_links measured"))
+    assert set(probe.cached_links(tmp_path / "disk", cache_dir=cache)["links"]) == MEMORY_LINKS | DISK_LINKS
+    assert set(probe.cached_links(tmp_path / "other", cache_dir=cache)["links"]) == MEMORY_LINKS
+    assert set(probe.cached_links(None, cache_dir=cache)["links"]) == MEMORY_LINKS
+    monkeypatch.setattr(probe.socket, "gethostname", lambda: "another-host")   # a cache dir shared by machines
+    assert probe.cached_links(tmp_path / "disk", cache_dir=cache) is None

@@ -121,6 +121,15 @@ def test_link_limits_from_numbers_probe_records_or_two_hops_through_host_memory(
     assert link_limit("new->gpu", {}) is None
 
 
+def test_links_without_a_limit_say_how_to_measure_them() -> None:
+    notes = summarize(planted(), {}).notes
+    assert any("no measured link limits" in n and "tierkv info --probe" in n for n in notes)
+    notes = summarize(planted(), {"links": {"cpu->cpu": 9.0, "cpu->gpu": 12.0}}).notes   # memory links only
+    assert "no measured limit for nvme->gpu (the disk's links: `tierkv info --probe --nvme-dir DIR` with the run's " \
+           "--nvme-dir)" in notes
+    assert not any("limit" in n for n in summarize(planted(), {"links": {"nvme->cpu": 2.0, "cpu->gpu": 12.0}}).notes)
+
+
 def test_overlapping_transfers_count_once_toward_busy_time() -> None:
     events = [ev("step", 0, 1), ev("load", 0.0, 0.4, "nvme", "gpu", 0, MiB),
               ev("load", 0.2, 0.6, "nvme", "gpu", 0, MiB)]

@@ -72,6 +72,23 @@ def probe_links(nvme_dir: Path | None = None, *, quick: bool = True, refresh: bo
     return result
 
 
+def cached_links(nvme_dir: Path | None = None, cache_dir: Path | None = None) -> dict[str, object] | None:
+    """This machine's links as last measured, without measuring: for a run's trace, so that ``tierkv
+    profile`` shows each link's GB/s next to its limit. The disk links only where ``nvme_dir`` itself was
+    probed (another directory may be another disk); None where nothing was measured on this host."""
+    host = socket.gethostname()
+    cached = {key: hit for key, hit in _read_cache(cache_path(cache_dir)).items()
+              if isinstance(hit, dict) and hit.get("host") == host and isinstance(hit.get("links"), dict)}
+    key = str(Path(nvme_dir).resolve()) if nvme_dir is not None else ""
+    if key in cached:
+        return {"measured_at": cached[key].get("measured_at"), "links": cached[key]["links"]}
+    newest = max(cached.values(), key=lambda hit: str(hit.get("measured_at")), default=None)
+    if newest is None:
+        return None
+    memory = {name: link for name, link in newest["links"].items() if "nvme" not in name}
+    return {"measured_at": newest.get("measured_at"), "links": memory}
+
+
 def measure_links(nvme_dir: Path | None, *, quick: bool = True) -> dict[str, object]:
     size = QUICK if quick else FULL
     links = {"cpu->cpu": memcpy_link(size)} | device_links(size)

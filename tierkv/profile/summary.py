@@ -317,4 +317,9 @@ def _note_gaps(s: Summary, charged: list[tuple[Event, dict]], meta: dict) -> Non
         s.notes.append(f"{100 * lost / s.stall_s:.0f} % of stall overlapped no transfer into the waiting "
                        "tier (blocked on a pin or on the executor queue?)")
     if s.links and not _mapping(meta, "links"):
-        s.notes.append("no measured link limits in the trace: GB/s is shown without its limit")
+        s.notes.append("no measured link limits in the trace: GB/s is shown without its limit (`tierkv info "
+                       "--probe --nvme-dir DIR` measures this machine's links once; later runs record them)")
+    elif unmeasured := [link.link for link in s.links if link.limit_gbps is None and not link.link.startswith("new->")]:
+        disk = " (the disk's links: `tierkv info --probe --nvme-dir DIR` with the run's --nvme-dir)" \
+            if any("nvme" in link for link in unmeasured) else ""
+        s.notes.append(f"no measured limit for {', '.join(unmeasured)}{disk}")

@@ -18,6 +18,7 @@ from tierkv.events import Event, EventKind
 from tierkv.model.loading import LoadedModel
 from tierkv.model.prompt import DEFAULT_QUESTION, passkey_prompt, read_document
 from tierkv.model.settings import OutputSettings, RunConfig
+from tierkv.profile.probe import cached_links
 from tierkv.profile.trace import write_trace
 from tierkv.session.backend import Backend
 from tierkv.session.generation import Answer
@@ -74,7 +75,7 @@ def run(config: RunConfig, *, on_text: Callable[[str], None] = lambda s: None,
         except BaseException as error:        # (Ctrl-C, a failure): what was recorded so far, said to be partial
             _write_partial(session, out, error)
             raise
-        _write_outputs(session, backend, out, {"tiers": result.tiers})
+        _write_outputs(session, backend, out, {"tiers": result.tiers} | _links_meta(config.tiers.nvme_dir))
     return result
 
 
@@ -151,6 +152,12 @@ def _write_outputs(session: Session, backend: Backend | None, out: OutputSetting
         written = [str(p) for p in (out.trace, out.record_access) if p is not None]
         log.warning("the run stopped (%s): %s %s what it did until then", meta["partial"], " and ".join(written),
                     "hold" if len(written) > 1 else "holds")
+
+
+def _links_meta(nvme_dir: Path | None) -> dict:
+    """The links ``tierkv info --probe`` measured on this machine, for the trace (where it did)."""
+    links = cached_links(nvme_dir)
+    return {} if links is None else {"links": links["links"], "links_measured_at": links["measured_at"]}
 
 
 def _stopped_by(error: BaseException) -> str:
