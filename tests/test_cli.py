@@ -280,6 +280,7 @@ def test_a_dense_run_takes_the_prompt_tier_and_engine_flags(tmp_path, monkeypatc
     assert {"nvme->cpu", "cpu->gpu"} <= set(trace["tierkv"]["links"])          # `tierkv profile`'s limits
     assert result["found"] and result["mode"] == "dense" and result["reused_prompt_tokens"] == 0
     assert set(result["tiers"]) == {"gpu", "cpu", "cxl", "nvme"}
+    assert result["tiers"]["cxl"]["backend"].startswith("simulated CXL pool in host memory (")   # not "host memory"
     assert 255 << 20 < result["tiers"]["nvme"]["budget_bytes"] <= 256 << 20     # whole blocks of the cap
     assert result["answers"][0]["drafted_tokens"] > 0
 

@@ -42,6 +42,13 @@ class CxlTier(MemoryTier):
             link = link_spec(link)
         self.link = link if isinstance(link, CxlLink) else CxlLink(link)
 
+    @property
+    def backend(self) -> str:
+        """What the run reports: a model of a pool, whose blocks really live in host memory."""
+        spec = self.link.spec
+        return (f"simulated CXL pool in host memory ({spec.read_gbps:g}/{spec.write_gbps:g} GB/s, "
+                f"{spec.latency_ns:g} ns, {spec.devices} device{'s' if spec.devices > 1 else ''})")
+
     def device_of(self, slot: int) -> int:
         return slot % self.link.spec.devices
 
