@@ -27,6 +27,7 @@ from tierkv.model.loading import LoadedModel
 from tierkv.model.settings import SessionConfig
 from tierkv.session import Session
 from tierkv.session import scrub
+from tierkv.session.repair import Repair
 from tierkv.session.scrub import IndexCheck, Verdict, repair_store, verify
 from tierkv.sparse import restore
 from tierkv.tiers.nvme import NvmeTier
@@ -283,6 +284,8 @@ def test_a_repair_s_own_report_says_what_it_found_was_repaired():
         "damage found; the check after the repair says what is left")
     assert Verdict(indexes=damaged).lines()[-1].startswith("DAMAGED")
     assert Verdict(repaired=True).lines()[-1].startswith("clean")
+    recomputed = [IndexCheck(Path("doc.idx"), "index", tokens=100, pages=10, repair=Repair(1, 10, 0.1, 0, 64, 1.0))]
+    assert Verdict(indexes=recomputed, repaired=True).lines()[-1].startswith("damage found")   # it said "clean"
 
 
 def _six_blocks(directory):

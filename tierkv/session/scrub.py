@@ -127,8 +127,9 @@ class Verdict:
             if i.note:
                 what += f"; {i.note}"
             out.append(what)
-        verdict = "clean" if self.clean else "damage found; the check after the repair says what is left" \
-            if self.repaired else "DAMAGED"
+        recomputed = self.repaired and any(i.repair is not None for i in self.indexes)
+        verdict = "damage found; the check after the repair says what is left" if self.repaired and \
+            (recomputed or not self.clean) else "clean" if self.clean else "DAMAGED"
         out.append(f"{verdict} ({self.seconds:.1f} s)")
         return out
 
