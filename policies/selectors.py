@@ -32,7 +32,7 @@ from tierkv.policy import ChunkSelector, ChunkView, SparsePrefetch
 from tierkv.scoring import bound_scores, landmark_scores, scores_every_chunk, top_chunks, top_landmark_chunks
 
 SELECTORS: Registry[ChunkSelector] = Registry("selector", ChunkSelector, ("select",))
-SPARSE_PREFETCH: Registry[SparsePrefetch] = Registry("sparse prefetch", SparsePrefetch, ("plan",))
+SPARSE_PREFETCH: Registry[SparsePrefetch] = Registry("sparse_prefetch", SparsePrefetch, ("plan",))
 register_selector, selectors, make_selector = SELECTORS.register, SELECTORS.names, SELECTORS.make
 register_sparse_prefetch = SPARSE_PREFETCH.register
 # Runs at the CXL pool's processor: a capability of that tier, named here by path.

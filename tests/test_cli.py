@@ -122,6 +122,8 @@ def test_info_text(capsys):
     (["run", "--synthetic-tokens", "100", "--mode", "fast"], "invalid choice: 'fast' (choose from 'auto', 'dense', 'sparse')"),
     (["run", "--synthetic-tokens", "100", "--sparse-budget", "150%"], "--sparse-budget='150%': a share must be more than 0% and at most 100%"),
     (["run", "--synthetic-tokens", "100", "--selector", "best"], "selector='best': unknown; valid names:"),
+    (["run", "--synthetic-tokens", "100", "--mode", "sparse", "--sparse-prefetch", "next-layer"],
+     "--sparse-prefetch='next-layer': unknown; valid names: none, previous-step, speculative"),   # (no flag named)
     (["run", "--synthetic-tokens", "100", "--sparse-attend", "heads"],
      "invalid choice: 'heads' (choose from 'pages', 'chunks')"),
     (["run", "--synthetic-tokens", "100", "--rank", "500", "--mode", "sparse"], "rank=500: at most the key dimensions"),

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from policies import make_policy
+from policies import available, make_policy, prefetch_policies
 from tierkv.config import TierConfig, store_dir
 from tierkv.device import auto_dtype
 from tierkv.model.weights import WEIGHTS
@@ -86,7 +86,8 @@ class TierSettings:
     cxl_budget: str | int = setting(0, "bytes of a simulated CXL memory pool between cpu and nvme (default: none)",
                                     metavar="SIZE", show_default=False)
     cxl_preset: str = setting(_CXL_PRESET, "the pool's link: cxl2-x8, cxl2-x16, cxl2-x8x4, cmm-b", metavar="NAME")
-    gpu_policy: str = setting("lru", "eviction policy of the gpu tier: a name in policies or module:Class", metavar="NAME")
+    gpu_policy: str = setting("lru", f"eviction policy of the gpu tier: {', '.join(available())} or module:Class",
+                              metavar="NAME")
     cpu_policy: str = setting("lru", "eviction policy of the cpu tier", metavar="NAME")
     nvme_policy: str = setting("lru", "eviction policy of the nvme tier", metavar="NAME")
     cxl_policy: str = setting("lru", "eviction policy of the CXL pool", metavar="NAME")
@@ -153,8 +154,8 @@ class EngineSettings:
                                            "tensor that only appends, so a step attends in one call and reads no "
                                            "block (auto: as much as --gpu-budget; 0: none)", metavar="SIZE")
     chunk_tokens: int = setting(1024, "prefill chunk (dense: a multiple of the block)", metavar="N")
-    prefetch: str = setting("next-layer", "which blocks of the next layer to load ahead (dense mode): a "
-                                          "policies.prefetch name", metavar="NAME")
+    prefetch: str = setting("next-layer", "which blocks of the next layer to load ahead (dense mode): "
+                                          f"{', '.join(prefetch_policies())} or module:Class", metavar="NAME")
     reuse: bool = setting(True, "ignore KV stored by earlier runs", flag="--no-reuse")
     checkpoint_every: float = setting(300.0, "sparse mode with --nvme-dir: save a long prefill's state this often, "
                                              "so a stopped run resumes there (0: never)", metavar="SECONDS")

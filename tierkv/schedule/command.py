@@ -30,26 +30,32 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
                                    "placed on gpu/cpu/disk by a policy (searched for this machine, or a file) "
                                    "and streamed by a zig-zag block schedule. Output: one JSON line per "
                                    "document; rerunning resumes.")
-    p.add_argument("--inputs", type=path_arg, required=True,
+    p.add_argument("--inputs", type=path_arg, required=True, metavar="PATH",
                    help="a .jsonl file (objects with 'text' and optional 'id') or a directory of text files")
-    p.add_argument("--out", type=path_arg, required=True, help="output JSONL (appended; finished ids are skipped)")
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a HF folder")
-    p.add_argument("--policy", default="auto", help="'auto' (searched on this machine) or a policy JSON file "
-                                                     "(default auto)")
-    p.add_argument("--gpu-budget", default=DEFAULTS["gpu_budget"],
+    p.add_argument("--out", type=path_arg, required=True, metavar="FILE",
+                   help="output JSONL (appended; finished ids are skipped)")
+    p.add_argument("--model", default="smollm2", metavar="NAME|PATH",
+                   help="smollm2 (default), a .gguf file or a HF folder")
+    p.add_argument("--policy", default="auto", metavar="auto|FILE",
+                   help="'auto' (searched on this machine within the budgets and --compress-kv) or a policy JSON "
+                        "file, which places weights and KV itself (default auto)")
+    p.add_argument("--gpu-budget", default=DEFAULTS["gpu_budget"], metavar="SIZE",
                    help=f"bytes on the compute device: resident weights, KV, activations (default {DEFAULTS['gpu_budget']})")
-    p.add_argument("--cpu-budget", default=DEFAULTS["cpu_budget"],
+    p.add_argument("--cpu-budget", default=DEFAULTS["cpu_budget"], metavar="SIZE",
                    help=f"bytes of host memory for weights and KV (default {DEFAULTS['cpu_budget']})")
-    p.add_argument("--nvme-dir", type=path_arg, help="scratch directory on NVMe for weights/KV that fit nowhere else")
-    p.add_argument("--nvme-budget", default=DEFAULTS["nvme_budget"], help="cap of the NVMe scratch (default 64GiB)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="summary length in tokens (default 64)")
-    p.add_argument("--max-prompt-tokens", type=int, default=2048,
+    p.add_argument("--nvme-dir", type=path_arg, metavar="DIR",
+                   help="scratch directory on NVMe for weights/KV that fit nowhere else")
+    p.add_argument("--nvme-budget", default=DEFAULTS["nvme_budget"], metavar="SIZE",
+                   help="cap of the NVMe scratch (default 64GiB)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="summary length in tokens (default 64)")
+    p.add_argument("--max-prompt-tokens", type=int, default=2048, metavar="N",
                    help="longer documents are reported as errors (default 2048)")
-    p.add_argument("--instruction", default=DEFAULT_QUESTION, help=f"asked after each document (default: {DEFAULT_QUESTION!r})")
+    p.add_argument("--instruction", default=DEFAULT_QUESTION, metavar="TEXT",
+                   help=f"asked after each document (default: {DEFAULT_QUESTION!r})")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="compute dtype; auto (default): bfloat16 on a GPU or a CPU that computes it natively (AMX, "
                         "AVX512-BF16), float32 elsewhere")
-    p.add_argument("--weight-dtype", default=None,
+    p.add_argument("--weight-dtype", default=None, metavar="DTYPE",
                    help="keep streamed (cpu/disk) weights in bfloat16 or float16 and convert them as each layer "
                         "loads: half the bytes of fp32 in the tiers and on the links; lossless when the "
                         "checkpoint is in that dtype (default: the compute dtype, or the policy file's)")
@@ -64,12 +70,12 @@ def add_batch(sub: argparse._SubParsersAction) -> None:
                      help="run the documents through a Ray Data pipeline of tierkv workers: 'local' (the default "
                           "when the flag has no value) starts Ray on this machine; an address joins a cluster "
                           "(`ray start --head` prints it; 'auto' finds the local one)")
-    ray.add_argument("--workers", type=int, default=1, help="tierkv workers (actors), each with its own model, "
-                                                            "tiers and budgets (default 1)")
-    ray.add_argument("--cpus-per-worker", type=float, default=None,
+    ray.add_argument("--workers", type=int, default=1, metavar="N",
+                     help="tierkv workers (actors), each with its own model, tiers and budgets (default 1)")
+    ray.add_argument("--cpus-per-worker", type=float, default=None, metavar="N",
                      help="cores per worker (default: the cluster's cores shared out)")
-    ray.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs per worker (default 0)")
-    ray.add_argument("--ray-batch", type=int, default=None,
+    ray.add_argument("--gpus-per-worker", type=float, default=0.0, metavar="N", help="GPUs per worker (default 0)")
+    ray.add_argument("--ray-batch", type=int, default=None, metavar="N",
                      help="documents per worker call, the unit a killed worker redoes (default: the documents "
                           "shared out among the workers, at most 64; each call plans its own schedule over them)")
     ray.add_argument("--ray-retries", type=int, default=3, metavar="N",
