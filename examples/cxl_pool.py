@@ -3,7 +3,7 @@
     .venv/bin/python examples/cxl_pool.py
 
 Part 1: the cpu tier holds 8 blocks, a CXL 2.0 x8 pool behind it 64; blocks
-spill from cpu into the pool, and reading them back costs what the link
+the cpu tier has no room for go to the pool, and reading them back costs what the link
 model charges (here a link slowed to 1 GB/s so the time is visible).
 Part 2: the ``near-memory`` selector picks the same chunks as ``shadowkv``
 while only the query and the chosen ids cross the link.

@@ -3,8 +3,9 @@
     .venv/bin/python examples/sparse_decode.py          # a few minutes on 2 CPU cores
 
 A 12K-token passkey document (SmolLM2 was trained on 8K): the first 4K tokens
-are prefilled exactly, the rest sparsely; each decode step attends to 2048
-selected tokens per KV head at remapped positions. The run is repeated: the
+are prefilled exactly, the rest sparsely; each decode step selects 2048 tokens
+per KV head at remapped positions (and attends to up to twice as many: the rest
+of the pages it read, `--sparse-attend pages`). The run is repeated: the
 second one loads the stored index and starts decoding at once.
 """
 import tempfile

@@ -14,7 +14,7 @@ worth more than what prefetching recovers for LRU::
 The same from the command line (with examples/ importable)::
 
     PYTHONPATH=examples tierkv tune TRACE --policies lru,arc,my_policy:MostRecentlyUsed \\
-        --grid gpu_budget=8MiB,16MiB --grid prefetch=none,engine
+        --grid gpu_budget=8MiB,16MiB --grid prefetch=none,next-layer
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def main() -> None:
         trace = AccessTrace.read(args.trace)
     model = load_tier_model(None, None) if args.probe else TierModel.from_dict(HAND_MODEL)
 
-    points = parse_grid(["gpu_budget=8MiB,16MiB", "prefetch=none,engine"], trace.meta,
+    points = parse_grid(["gpu_budget=8MiB,16MiB", "prefetch=none,next-layer"], trace.meta,
                         ["lru", "arc", MY_POLICY])
     ranked = tune(trace, model, points)
     print(format_table(ranked))
