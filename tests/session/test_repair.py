@@ -146,6 +146,20 @@ def test_store_verify_finds_every_damaged_page_and_repair_computes_them_again(lm
     assert again.tokens == clean.tokens and again.report["repairs"] == []
 
 
+def test_an_index_s_pages_count_only_in_its_own_layout_s_store(lm, tmp_path):
+    """verify looked each page up in every store of the directory: pages held only by another layout's store
+    (here the store's folder renamed to another layout's name) were "clean", and a run computed them all again."""
+    answer(lm, tmp_path)
+    directory, _ = page_store(tmp_path)
+    assert verify(tmp_path).clean
+    directory.rename(directory.with_name(directory.name.replace("-P16-", "-P32-")))
+    verdict = verify(tmp_path)
+    (index,) = [i for i in verdict.indexes if i.kind == "index"]
+    assert index.pages > 0 and len(index.bad_pages) == index.pages
+    assert "store.json is another store's" in verdict.lines()[0] and "renamed" in verdict.lines()[0]   # its
+    assert not verdict.stores[0].clean        # blocks all sound, but it is not the store its store.json names
+
+
 def test_verify_writes_nothing_and_finds_the_damage_a_repair_s_joined_read_finds(lm, tmp_path, capsys):
     """Verify reads each store without joining it (joining writes an owner file and the claims, cuts a
     torn journal): a read-only file system or another user's store is verified, and no byte changes."""

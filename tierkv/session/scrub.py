@@ -64,7 +64,7 @@ class StoreCheck:
 
     @property
     def clean(self) -> bool:
-        return not (self.damaged or self.lost or self.bad_records or self.problem or self.no_journal)
+        return not (self.damaged or self.lost or self.bad_records or self.problem or self.no_journal or self.foreign)
 
     def line(self, drop: bool) -> str:
         if self.problem:
@@ -158,7 +158,7 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
             if (Path(nvme_dir) / "store.json").is_file() else ""
         raise ConfigError(f"--nvme-dir {nvme_dir}: no tierkv store in it (a store is a folder with a "
                           f"store.json, as --nvme-dir of tierkv run makes){hint}")
-    sound: set[BlockKey] = set()
+    sound: dict[str, set[BlockKey]] = {}     # the sound keys of each store, by its folder's name
     for directory in stores_in(nvme_dir):
         check = StoreCheck(directory)
         try:
@@ -180,9 +180,8 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
             check.bad_records, check.torn_bytes = scan.bad_records, scan.torn_bytes
             check.no_journal, check.no_data = scan.no_journal, scan.no_data
             check.size_suspect = unchecked and _doubtful(scan, False)
-            check.foreign = foreign_manifest(manifest) if foreign and _doubtful(scan, True) else None
-            sound.update(scan.keys)
-            sound.difference_update(scan.damaged)
+            check.foreign = foreign_manifest(manifest) if foreign else None
+            sound[directory.name] = set(scan.keys).difference(scan.damaged)
         verdict.stores.append(check)
     folder = Path(nvme_dir, INDEXES)
     if folder.exists() and not folder.is_dir():
@@ -223,7 +222,9 @@ def _drop_damaged(directory: Path, batch: int) -> tuple[list[BlockKey], list[Blo
     return [key for key, _ in items], damaged, shared
 
 
-def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:
+def _check_index(path: Path, sound: dict[str, set[BlockKey]]) -> IndexCheck:
+    """``path`` checked, and its pages looked for in the store of its page layout (an index of an earlier
+    version, which does not name it: in any store)."""
     name = path.name.removesuffix(".safetensors")
     kind = "checkpoint" if name.endswith(".partial") else "restore point" if ".restore-" in name else "index"
     check = IndexCheck(path, kind)
@@ -239,6 +240,8 @@ def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:
                 ids = read.tolist() if tensor == "ids" else ids
         check.tokens = max(json.loads(meta["tokens"])) if meta["tokens"].startswith("[") else int(meta["tokens"])
         root = BlockKey(bytes.fromhex(name.split(".")[0].split("-")[2]))     # <identity>-<tokens>-<root>
+        settings = json.loads(meta.get("settings") or "null")
+        store = settings.get("pages") if isinstance(settings, dict) else None
         if kind == "index" and ids is not None:
             check.problem = index_name_problem(path, meta, ids)
     except (OSError, SafetensorError, ValueError, KeyError, RuntimeError, IndexError) as error:
@@ -249,7 +252,8 @@ def _check_index(path: Path, sound: set[BlockKey]) -> IndexCheck:
     if kind == "index":
         keys = [BlockKey.of(root.digest, "page", layer, page)
                 for layer, n in enumerate(json.loads(meta["pages"])) for page in range(n)]
-        check.pages, check.bad_pages = len(keys), [key for key in keys if key not in sound]
+        held = sound.get(store, set()) if isinstance(store, str) else set().union(*sound.values())
+        check.pages, check.bad_pages = len(keys), [key for key in keys if key not in held]
     return check
 
 

@@ -119,7 +119,7 @@ def is_foreign(directory: Path, manifest: dict) -> bool:
 def foreign_manifest(manifest: dict) -> str:
     """A store.json naming another namespace than its store's folder, in words."""
     return (f"store.json is another store's (namespace={manifest['namespace']!r}, block_bytes="
-            f"{manifest['block_bytes']}; copied over this one's?)")
+            f"{manifest['block_bytes']}; copied over this one's, or this folder renamed from that?)")
 
 
 VOUCHING = 16       # blocks read to rebuild a damaged store.json: each must pass its checksum
