@@ -237,6 +237,11 @@ def test_sparse_settings_that_auto_mode_leaves_unused_are_named():
     done = tierkv("run", "--synthetic-tokens", "200", "--max-new-tokens", "1", "--sparse-budget", "512")
     assert done.returncode == 0, done.stderr
     assert "note: --sparse-budget unused: --mode auto ran dense" in done.stdout
+    done = tierkv("run", "--synthetic-tokens", "200", "--max-new-tokens", "1", "--page-dtype", "int4", "--json")
+    assert done.returncode == 0, done.stderr                            # (--json said nothing of it)
+    assert json.loads(done.stdout)["notes"] == ["--page-dtype unused: --mode auto ran dense, the prompt and its "
+                                                "answer being within the model's trained window; --mode sparse "
+                                                "applies them"]
 
 
 @pytest.mark.model

@@ -283,17 +283,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         for bar in bars:
             bar.close()
+    notes = []
+    if sparse_given and result.mode != "sparse":
+        notes.append(f"{', '.join(sparse_given)} unused: --mode auto ran dense, the prompt and its answer being "
+                     "within the model's trained window; --mode sparse applies them")
+    if dense_given and result.mode == "sparse":
+        notes.append(f"{', '.join(dense_given)} unused: --mode auto ran sparse, the prompt and its answer passing "
+                     "the model's trained window (--page-dtype quantizes sparse pages)")
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2))
+        print(json.dumps(result.as_dict() | ({"notes": notes} if notes else {}), indent=2))
     else:
         print()
         _print_run_summary(result, config)
-        if sparse_given and result.mode != "sparse":
-            print(f"note: {', '.join(sparse_given)} unused: --mode auto ran dense, the prompt and its answer "
-                  "being within the model's trained window; --mode sparse applies them")
-        if dense_given and result.mode == "sparse":
-            print(f"note: {', '.join(dense_given)} unused: --mode auto ran sparse, the prompt and its answer "
-                  "passing the model's trained window (--page-dtype quantizes sparse pages)")
+        for note in notes:
+            print(f"note: {note}")
     return 0
 
 
