@@ -111,8 +111,12 @@ def test_smollm2_with_int8_blocks_keeps_dynamic_cache_s_logits_from_a_third_of_t
 
 @pytest.mark.parametrize("name", ["int3", "bfloat16"])     # (a float dtype was taken, and changed nothing)
 def test_a_cache_with_an_unknown_kv_dtype_says_what_is_allowed(name):
-    with pytest.raises(ConfigError, match=f"'{name}': allowed: int8, int4 or int2 .* stored in the compute dtype"):
+    with pytest.raises(ConfigError, match=f"^kv_dtype='{name}': allowed: int8, int4 or int2 .* stored in the dtype "
+                                          "the model computes in"):
         TieredCache(FAMILIES["llama"](), kv_dtype=name)
+    config = FAMILIES["llama"]()
+    with pytest.raises(ConfigError, match=r"^kv_dtype='int4-g3': group=3: must divide the \d+ channels"):
+        TieredCache(config, kv_dtype="int4-g3")            # (it named no argument)
 
 
 def test_a_cache_made_with_arguments_of_the_wrong_kind_names_them(tmp_path):

@@ -285,6 +285,6 @@ def block_codec(text: str | None, block_tokens: int) -> KVCodec | None:
     refused: dense blocks are stored in the compute dtype (it was taken and changed nothing)."""
     if text is not None and text.split("-")[0] not in BITS:
         raise ConfigError(f"{text!r}: allowed: int8, int4 or int2 (lossy), with optional -g<channels per value "
-                          "scale> and -s<f16|bf16|f32>; unquantized, dense KV blocks are stored in the compute dtype "
-                          "(--dtype)")
+                          "scale> and -s<f16|bf16|f32>; unquantized, dense KV blocks are stored in the dtype the model "
+                          "computes in (--dtype on the command line)")
     return KVCodec.parse(text, key_group=KEY_GROUP if block_tokens % KEY_GROUP == 0 else None)

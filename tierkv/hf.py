@@ -162,7 +162,11 @@ class TieredCache(Cache):
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
         self._budgets = dict(gpu=gpu, cpu=cpu, nvme_dir=nvme_dir, nvme_budget=nvme_budget)
         self.block_tokens = block_tokens
-        self.codec = block_codec(kv_dtype, block_tokens)     # validated now, not at the first token
+        try:
+            self.codec = block_codec(kv_dtype, block_tokens)     # validated now, not at the first token
+        except ConfigError as bad:
+            raise ConfigError(f"kv_dtype={bad}") from None
+        self.kv_dtype = kv_dtype
         self.buffers = BufferBudget(parse_size(gpu, "gpu") if buffer is None else parse_size(buffer, "buffer"))
         self.manager = manager
         self._owns_manager = manager is None
@@ -183,8 +187,13 @@ class TieredCache(Cache):
         dtype = getattr(config, "dtype", None) or torch.bfloat16
         dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
         if isinstance(kv_heads, int) and isinstance(head_dim, int) and isinstance(dtype, torch.dtype):
-            layout = BlockLayout.kv(self.num_layers, kv_heads, head_dim, dtype, self.block_tokens, codec=self.codec)
-            TierConfig(block_bytes=layout.block_bytes, **self._budgets)
+            TierConfig(block_bytes=self._layout(kv_heads, head_dim, dtype).block_bytes, **self._budgets)
+
+    def _layout(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> BlockLayout:
+        try:
+            return BlockLayout.kv(self.num_layers, kv_heads, head_dim, dtype, self.block_tokens, codec=self.codec)
+        except ConfigError as bad:     # a group that does not divide the model's heads
+            raise ConfigError(f"kv_dtype={self.kv_dtype!r}: {bad}") from None
 
     # -- called by the layers ---------------------------------------------
     def _open(self, key_states: torch.Tensor) -> None:
@@ -193,7 +202,7 @@ class TieredCache(Cache):
         if self.layout is not None:
             return
         _, Hkv, _, D = key_states.shape
-        self.layout = BlockLayout.kv(self.num_layers, Hkv, D, key_states.dtype, self.block_tokens, codec=self.codec)
+        self.layout = self._layout(Hkv, D, key_states.dtype)
         if self.manager is None:
             budgets = dict(self._budgets)
             if budgets["nvme_dir"] is not None:        # one store per block layout, as tierkv run keeps them
