@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -404,6 +405,14 @@ def test_a_repair_with_other_settings_names_them_and_leaves_no_store_of_its_own(
     assert "(stored with --rank the default (given 8), --page-tokens 16 (given 32))" in index.note
     assert "positions" not in index.note and "dense_prefill" not in index.note    # as resolved for the document
     assert sorted(p.name for p in tmp_path.iterdir()) == stores
+    quantized = SessionConfig.of(**SETTINGS | dict(page_tokens=None, page_dtype="int4"))
+    (index,) = [i for i in repair_store(tmp_path, quantized, loaded=lm).indexes if i.kind == "index"]
+    assert "(stored with --page-dtype the default (given int4))" in index.note   # not --page-tokens 16 (given 96)
+    shutil.rmtree(tmp_path)                                                        # too: the default dtype's own
+    answer(lm, tmp_path, page_tokens=32)                                           # a page size of its own: named
+    flip_high_bytes(tmp_path, stored_slots(tmp_path)[:3], random.Random(3))
+    (index,) = [i for i in repair_store(tmp_path, quantized, loaded=lm).indexes if i.kind == "index"]
+    assert "(stored with --page-tokens 32 (given 96), --page-dtype the default (given int4))" in index.note
 
 
 def test_a_damaged_journal_record_makes_verify_call_the_store_damaged(tmp_path, capsys):

@@ -328,11 +328,22 @@ def _differences(path: Path, engine, ids: list[int]) -> str:
         return ""
     given = json.loads(json.dumps(index_settings(engine.layout, engine.resolved(len(ids))), default=str))
     differ = [name for name, value in stored.items() if name != "pages" and given.get(name) != value]
+    if "page_dtype" in differ and "page_tokens" in differ and stored["page_tokens"] == _own_page_tokens(engine, stored):
+        differ.remove("page_tokens")        # (the stored page dtype's own page size: its flag gives it)
     if not differ and stored.get("pages") != given.get("pages"):
         differ = ["pages"]                  # the page layout alone: the model's shape, or --dtype / --page-dtype
     shown = [f"--{name.replace('_', '-')} {_shown(stored[name])} (given {_shown(given.get(name))})"
              if name != "pages" else f"pages {stored[name]} (given {given.get(name)})" for name in differ]
     return f" (stored with {', '.join(shown)})" if shown else " (the same sparse settings: another model, or --dtype)"
+
+
+def _own_page_tokens(engine, stored: dict) -> int | None:
+    """The page size the stored index's page dtype takes where no page size is given (None: not known)."""
+    try:
+        config = replace(engine.config, page_dtype=stored["page_dtype"], page_tokens=None)
+        return type(engine).page_layout(engine.loaded, config).tokens
+    except (ConfigError, TypeError):
+        return None
 
 
 def _shown(value: object) -> str:
