@@ -114,7 +114,7 @@ def test_a_codec_name_that_is_not_one_says_what_is(text, message):
 
 
 def test_a_group_that_does_not_divide_the_field_is_refused():
-    with pytest.raises(ConfigError, match="group=48: must divide the 64 channels"):
+    with pytest.raises(ConfigError, match="-g48: must divide the 64 channels of a head"):
         BlockLayout.page(56, H, D, R, torch.bfloat16, codec=KVCodec.parse("int4-g48"))
 
 

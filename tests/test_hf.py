@@ -115,7 +115,7 @@ def test_a_cache_with_an_unknown_kv_dtype_says_what_is_allowed(name):
                                           "the model computes in"):
         TieredCache(FAMILIES["llama"](), kv_dtype=name)
     config = FAMILIES["llama"]()
-    with pytest.raises(ConfigError, match=r"^kv_dtype='int4-g3': group=3: must divide the \d+ channels"):
+    with pytest.raises(ConfigError, match=r"^kv_dtype='int4-g3': -g3: must divide the \d+ channels of a head$"):
         TieredCache(config, kv_dtype="int4-g3")            # (it named no argument)
 
 

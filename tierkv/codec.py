@@ -82,8 +82,8 @@ class Quant:
         T, C = shape[-2:]
         along = C if self.axis == "token" else T
         if along % self.group:
-            raise ConfigError(f"group={self.group}: must divide the {along} "
-                              f"{'channels' if self.axis == 'token' else 'tokens'} of a {shape} field")
+            raise ConfigError(f"-g{self.group}: must divide the {along} channels of a head" if self.axis == "token"
+                              else f"group={self.group}: must divide the {along} tokens a key scale spans")
         if C % self.per_byte:
             raise ConfigError(f"{C} channels do not pack {self.per_byte} {self.bits}-bit codes per byte")
 

@@ -144,6 +144,8 @@ def test_bad_requests_are_clear_errors(tmp_path):
         Session.open("tiny", loaded=lm, mode="dense", sparse_budget=64)     # not taken and ignored
     with pytest.raises(ConfigError, match="kv_dtype: dense-mode settings, but mode='sparse'.*use mode='dense'"):
         Session.open("tiny", loaded=lm, mode="sparse", kv_dtype="int8")
+    with pytest.raises(ConfigError, match="^page_dtype='int4-g3': -g3: must divide the .* channels of a head$"):
+        Session.open("tiny", loaded=lm, mode="sparse", page_dtype="int4-g3")    # (it failed at the first read)
     line = "The quick brown fox jumps. " * 12                  # one line, too long for a file's name: text
     assert document_text(line) == line
     with pytest.raises(TierKVError, match="closed"):

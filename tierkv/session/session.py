@@ -39,6 +39,7 @@ from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import chat_ids
 from tierkv.model.settings import SessionConfig, as_setting, mode_settings
+from tierkv.model.sparse_engine import SparseEngine
 from tierkv.session.backend import Backend, open_backend
 from tierkv.session.generation import Answer, Sampling, generate
 from tierkv.session.inputs import (Message, check_length, check_text, document_text, document_token_ids,
@@ -103,6 +104,8 @@ class Session:
             prepare_store_dir(config.tiers.nvme_dir)
         self.loaded = loaded or load_model(config.engine.model, dtype=config.engine.torch_dtype,
                                              weights=config.engine.weights)
+        if config.engine.mode != "dense":        # a page format this model cannot store fails now, not at a read
+            SparseEngine.page_layout(self.loaded, config.sparse)
         self.keep_events, self.record_access, self.max_states = keep_events, record_access, max_states
         self.backends: dict[str, Backend] = {}
         self.document: KVState | None = None            # what read() took in
