@@ -21,7 +21,7 @@ from tierkv.tune import tune as tune_module
 from tierkv.profile.access import AccessRecorder
 from tierkv.profile.access_trace import AccessTrace, TierSpec, TraceMeta
 from tierkv.tune.tier_model import TierModel
-from tierkv.tune.tune import (Ranked, add_tune, format_table, grid_keys, parse_grid,
+from tierkv.tune.tune import (Ranked, add_tune, format_table, tie_note, grid_keys, parse_grid,
                                  read_run_config, replay_config, run_config, tier_model_from_probe, tune,
                                  write_run_config)
 
@@ -134,6 +134,14 @@ def test_more_memory_ranks_first(trace: AccessTrace, model: TierModel) -> None:
     small, large = ranked[1].result, ranked[0].result
     assert large.stall_s == 0.0 < small.stall_s       # everything fits in memory: nothing to wait for
     assert large.moved_bytes < small.moved_bytes and small.bytes_by_link["nvme->gpu"] > 0
+    assert tie_note(ranked) is None
+
+
+def test_settings_the_trace_cannot_tell_apart_are_said_to_tie(trace: AccessTrace, model: TierModel) -> None:
+    """Both fit everything: the same stall and bytes, and the first was written as the best, said of none."""
+    ranked = tune(trace, model, parse_grid(["cpu_budget=16MiB,32MiB"], trace.meta, ["lru"]))
+    assert ranked[0].key == ranked[1].key
+    assert tie_note(ranked).startswith("note: ranks 1-2 tie (the same modelled stall and bytes moved)")
 
 
 def test_rows_rank_by_stall_then_bytes_and_failures_go_last(trace: AccessTrace, model: TierModel) -> None:

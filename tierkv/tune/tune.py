@@ -165,6 +165,16 @@ def format_table(ranked: Sequence[Ranked], top: int | None = None) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
+def tie_note(ranked: Sequence[Ranked]) -> str | None:
+    """What to say where settings tie with the best (the same modelled stall and bytes moved): the trace
+    does not tell them apart, and the one written is only the first listed."""
+    if not ranked or ranked[0].result is None:
+        return None
+    tied = sum(1 for r in ranked if r.key == ranked[0].key)
+    return None if tied < 2 else (f"note: ranks 1-{tied} tie (the same modelled stall and bytes moved): this trace "
+                                  "does not tell them apart, and the best written is the first of them")
+
+
 def _metrics(r: Ranked, tiers: list[str]) -> list[str]:
     if r.result is None:
         return [f"failed: {r.error}"]
@@ -332,6 +342,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                           "ranking": [r.as_dict() for r in ranked]}, indent=2))
         return 0
     print(format_table(ranked, args.top))
+    if note := tie_note(ranked):
+        print(note)
     print(f"\nbest setting written to {out} (tierkv run --config {out})")
     if args.plot is not None:
         print(f"plot written to {args.plot}")
