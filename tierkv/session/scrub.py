@@ -341,7 +341,7 @@ def _own_page_tokens(engine, stored: dict) -> int | None:
     """The page size the stored index's page dtype takes where no page size is given (None: not known)."""
     try:
         config = replace(engine.config, page_dtype=stored["page_dtype"], page_tokens=None)
-        return type(engine).page_layout(engine.loaded, config).tokens
+        return engine.page_layout(engine.loaded, config).tokens
     except (ConfigError, TypeError):
         return None
 
