@@ -688,3 +688,32 @@ def test_a_process_whose_extents_another_unclaimed_stops_claiming(tmp_path: Path
         with pytest.raises(StoreUnusable, match=r"extents \[.*\] of this process were unclaimed by another"):
             for _ in range(8):
                 tier.pool.reserve()
+
+
+def test_a_process_stopped_holding_the_store_s_lock_is_named_while_the_others_wait(tmp_path, monkeypatch, caplog):
+    """A process stopped (Ctrl-Z) inside the store held its lock: every other opener waited for ever, saying
+    nothing. It still waits (the stopped one may go on), and says for whom."""
+    from tierkv.tiers import nvme_io
+    from tierkv.tiers.nvme import NvmeTier
+    NvmeTier(tmp_path, 4096, 16 * 4096).close()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(tmp_path / 'claims')!r}, os.O_RDWR)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        holder.send_signal(signal.SIGSTOP)
+        monkeypatch.setattr(nvme_io, "LOCK_WAIT_SAID_S", 0.3)
+        opened: list[NvmeTier] = []
+        opener = threading.Thread(target=lambda: opened.append(NvmeTier(tmp_path, 4096, 16 * 4096)))
+        with caplog.at_level("WARNING", logger="tierkv.tiers.nvme_io"):
+            opener.start()
+            opener.join(timeout=3)
+            assert opener.is_alive() and not opened                       # waiting, as it must
+            assert f"for a lock another process holds (pid {holder.pid})" in caplog.text, caplog.text
+    finally:
+        holder.kill()
+        holder.send_signal(signal.SIGCONT)
+        holder.wait()
+    opener.join(timeout=10)
+    assert opened and opened[0].close() is None                               # the lock let go: it opened

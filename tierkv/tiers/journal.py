@@ -248,8 +248,9 @@ class Journal:
     def __init__(self, path: Path, *, repair: bool = True, slots: int | None = None) -> None:
         """``slots``: entries at or past it are left out of the index (`replay`)."""
         self.path = path
+        self._what = f"NVMe store {path.parent}"
         self._fd = open_private(path)
-        with flocked(self._fd, fcntl.LOCK_EX if repair else fcntl.LOCK_SH):
+        with flocked(self._fd, fcntl.LOCK_EX if repair else fcntl.LOCK_SH, self._what):
             raw = _read(self._fd, 0, os.fstat(self._fd).st_size)
             self.state, valid = replay(raw, slots)
             if repair and self.state.cut_bytes:
@@ -283,7 +284,7 @@ class Journal:
         half of an append."""
         if os.fstat(self._fd).st_size < self._seen + RECORD_BYTES:
             return []
-        with flocked(self._fd, fcntl.LOCK_SH):
+        with flocked(self._fd, fcntl.LOCK_SH, self._what):
             end = os.fstat(self._fd).st_size // RECORD_BYTES * RECORD_BYTES
             raw = _read(self._fd, self._seen, end)
         self._seen = end
@@ -319,7 +320,7 @@ class Journal:
             self._fd = -1
 
     def _append(self, data: bytes) -> None:
-        with flocked(self._fd, fcntl.LOCK_EX):
+        with flocked(self._fd, fcntl.LOCK_EX, self._what):
             end = self._whole_end()
             written = 0
             if due("journal.mid-record"):           # a crash test: die with half the records written

@@ -24,9 +24,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +39,8 @@ import torch
 from tierkv.device import ALIGN, GDS_INSTALL, has_cuda_driver
 from tierkv.errors import ConfigError, DiskFullError
 from tierkv.sizes import format_size
+
+log = logging.getLogger(__name__)
 
 AUTO_ORDER = ("kvikio", "odirect", "buffered")
 
@@ -63,10 +67,52 @@ def open_private(path: Path, extra_flags: int = 0) -> int:
     return fd
 
 
+LOCK_WAIT_SAID_S = 10.0     # a store's lock held this long by another process is said, once a wait
+
+
+def wait_flock(fd: int, mode: int, what: str) -> None:
+    """Take ``fd``'s flock in ``mode`` (LOCK_SH, LOCK_EX), waiting for as long as it takes; a wait past
+    ``LOCK_WAIT_SAID_S`` is logged once with the processes that hold it (a process stopped inside the store,
+    by Ctrl-Z or SIGSTOP, holds its lock until it goes on or ends: every other one waited, saying nothing)."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    said, delay, since = False, 0.001, time.monotonic()
+    while True:
+        time.sleep(delay)
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            delay = min(2 * delay, 0.05)
+            if not said and time.monotonic() - since >= LOCK_WAIT_SAID_S:
+                holders = lock_holders(fd)
+                log.warning("%s: waiting %.0f s for a lock another process holds (%s); a process stopped inside "
+                            "the store (Ctrl-Z, SIGSTOP) holds it until it goes on or ends", what,
+                            time.monotonic() - since, f"pid {', '.join(map(str, holders))}" if holders else
+                            "which one is not known here")
+                said = True
+
+
+def lock_holders(fd: int) -> list[int]:
+    """The processes /proc/locks says hold a flock on ``fd``'s file, this one aside ([] where not known)."""
+    st = os.fstat(fd)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    holders = {int(f[4]) for f in (line.split() for line in lines)
+               if len(f) > 5 and f[1] == "FLOCK" and f[5] == inode and f[4].isdigit()}
+    return sorted(holders - {os.getpid()})
+
+
 @contextlib.contextmanager
-def flocked(fd: int, mode: int) -> Iterator[None]:
-    """Hold ``fd``'s flock in ``mode`` (LOCK_SH, LOCK_EX) for the block."""
-    fcntl.flock(fd, mode)
+def flocked(fd: int, mode: int, what: str = "NVMe store") -> Iterator[None]:
+    """Hold ``fd``'s flock in ``mode`` (LOCK_SH, LOCK_EX) for the block (``what``: the store, for a wait)."""
+    wait_flock(fd, mode, what)
     try:
         yield
     finally:

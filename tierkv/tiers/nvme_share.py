@@ -66,7 +66,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tierkv.errors import ConfigError, StoreLocked, StoreUnusable
-from tierkv.tiers.nvme_io import open_private
+from tierkv.tiers.nvme_io import open_private, wait_flock
 from tierkv.tiers.nvme_manifest import check_manifest
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class Claims:
                                 f"this one was forked from): open it again")
         with self._mutex:
             try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX)
+                wait_flock(self.fd, fcntl.LOCK_EX, f"NVMe store {self.owners.parent}")
             except OSError as exc:
                 if exc.errno in _NO_FLOCK:
                     raise StoreUnusable(f"NVMe store {self.owners.parent}: the file system does not support "
