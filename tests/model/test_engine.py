@@ -190,7 +190,7 @@ def test_a_forked_sequence_diverges_and_freeing_one_branch_frees_only_its_own_bl
         assert len(mgr.directory) == 0
 
 
-def test_a_run_stopped_mid_answer_writes_what_it_recorded_as_partial(smollm2, tmp_path):
+def test_a_run_stopped_mid_answer_writes_what_it_recorded_as_partial(smollm2, tmp_path, caplog):
     """A stopped run wrote no trace and said nothing, leaving an earlier run's trace to be profiled."""
     from tierkv.profile.trace import read_trace
     from tierkv.profile.summary import summarize
@@ -212,3 +212,8 @@ def test_a_run_stopped_mid_answer_writes_what_it_recorded_as_partial(smollm2, tm
     with pytest.raises(KeyboardInterrupt):                  # stopped before it recorded anything: no file at all
         run(config, loaded=smollm2, on_prefill=lambda done, total: (_ for _ in ()).throw(KeyboardInterrupt()))
     assert not trace.exists() and not access.exists()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tierkv.session.run"):   # no file asked for: nothing said ("the run
+        with pytest.raises(KeyboardInterrupt):                      # stopped (interrupted):  holds what it did")
+            run(config.updated(trace=None, record_access=None), loaded=smollm2, on_text=stop)
+    assert "holds what it did" not in caplog.text and "hold what it did" not in caplog.text

@@ -148,8 +148,8 @@ def _write_outputs(session: Session, backend: Backend | None, out: OutputSetting
     if out.trace is not None:
         events = backend.events
         write_trace(out.trace, events.events, events.origin, meta={"block_bytes": backend.layout.block_bytes} | meta)
-    if "partial" in meta:
-        written = [str(p) for p in (out.trace, out.record_access) if p is not None]
+    written = [str(p) for p in (out.trace, out.record_access) if p is not None]
+    if "partial" in meta and written:            # (no file asked for: nothing to say)
         log.warning("the run stopped (%s): %s %s what it did until then", meta["partial"], " and ".join(written),
                     "hold" if len(written) > 1 else "holds")
 

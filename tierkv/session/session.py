@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import numbers
 import sys
 import time
@@ -46,6 +47,9 @@ from tierkv.session.inputs import (Message, check_length, check_text, document_t
                                    prompt_ids)
 from tierkv.session.state import KVState, Progress
 from tierkv.tiers.nvme_share import prepare_store_dir
+
+log = logging.getLogger(__name__)
+
 
 class Cancelled(TierKVError):
     """The request's ``cancelled()`` came true while its prompt was computed; what it had computed
@@ -248,8 +252,15 @@ class Session:
         self._check_open()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        """Close; where the block raised, a failure to close (a disk full at the last flush) is logged and
+        the block's own error goes on (it replaced it: the user was told of the second failure only)."""
+        try:
+            self.close()
+        except Exception as failed:
+            if error is None:
+                raise
+            log.warning("the session closed after %s, and closing failed too: %s", type(error).__name__, failed)
 
     def backend(self, mode: str) -> Backend:
         """The engine and tiers of ``mode`` (dense, sparse), made on first use."""
