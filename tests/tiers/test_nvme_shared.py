@@ -717,3 +717,47 @@ def test_a_process_stopped_holding_the_store_s_lock_is_named_while_the_others_wa
         holder.wait()
     opener.join(timeout=10)
     assert opened and opened[0].close() is None                               # the lock let go: it opened
+
+
+def _as_another_user(*args: str) -> subprocess.CompletedProcess:
+    """``tierkv args`` as root without the capabilities that pass over file modes: a user the store is not
+    of (skipped where there is no setpriv, or where this is not root)."""
+    if os.geteuid() != 0 or not any(Path(d, "setpriv").exists() for d in os.get_exec_path()):
+        pytest.skip("needs root and setpriv to drop the file-mode capabilities")
+    return subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search,-fowner",
+                           sys.executable, "-m", "tierkv.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_a_store_of_another_user_is_named_so_not_a_bare_errno_nor_no_store(tmp_path):
+    """Checking or using a store this user cannot read said "[Errno 13] Permission denied: '.../store.json'",
+    or that there was no store in the directory."""
+    from tierkv.tiers.nvme import NvmeTier
+    top, inner = tmp_path / "top", tmp_path / "inner"
+    for root in (top, inner):
+        NvmeTier(root / "kv-L2-H1-D8-T16-B1-float32", 4096, 16 * 4096, namespace="kv-L2-H1-D8-T16-B1-float32").close()
+    for other in (top, inner / "kv-L2-H1-D8-T16-B1-float32"):      # the whole directory another user's, or
+        os.chown(other, 65534, 65534)                                # only the store's folder
+        other.chmod(0o700)
+    verify = _as_another_user("store", "verify", "--nvme-dir", str(top))
+    assert verify.returncode == 2 and "cannot read it (Permission denied); a store's directory must belong" in \
+        verify.stderr, verify.stderr
+    run = _as_another_user("run", "--synthetic-tokens", "100", "--nvme-dir", str(top))
+    assert run.returncode == 2 and "cannot look into it (Permission denied)" in run.stderr, run.stderr
+    verify = _as_another_user("store", "verify", "--nvme-dir", str(inner))
+    assert verify.returncode == 1 and "no permission to read store.json; the store must belong to this user" in \
+        verify.stdout, verify.stdout + verify.stderr
+
+
+def test_a_store_on_a_read_only_mount_is_named_so(tmp_path):
+    """Opening a store on a read-only file system said only "[Errno 30] Read-only file system: '.../claims'"."""
+    from tierkv.tiers.nvme import NvmeTier
+    store = tmp_path / "kv"
+    NvmeTier(store, 4096, 16 * 4096).close()
+    if subprocess.run(["mount", "--bind", str(store), str(store)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(store)], check=True, capture_output=True)
+        with pytest.raises(StoreUnusable, match=r"cannot write .*claims \(Read-only file system\); every process"):
+            NvmeTier(store, 4096, 16 * 4096)
+    finally:
+        subprocess.run(["umount", "-l", str(store)], check=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -26,8 +27,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, StoreUnusable
 from tierkv.keys import BlockKey
+from tierkv.layout import is_layout_name
 from tierkv.model.loading import LoadedModel
 from tierkv.model.settings import SessionConfig
 from tierkv.session.prefill import shelf_of, stored_state
@@ -141,9 +143,12 @@ def _records(nbytes: int) -> str:
 
 
 def stores_in(nvme_dir: Path) -> list[Path]:
-    """The stores under ``nvme_dir``: folders with a store.json, or with a store's data without one."""
-    return sorted({p.parent for name in ("store.json", "slots.dat", "index.log")
-                   for p in Path(nvme_dir).glob(f"*/{name}")})
+    """The stores under ``nvme_dir``: folders with a store.json, or with a store's data without one, and
+    folders named as stores are that this user cannot read (a glob passes over them, saying nothing)."""
+    unreadable = {p for p in Path(nvme_dir).glob("*") if is_layout_name(p.name) and p.is_dir()
+                  and not os.access(p, os.R_OK | os.X_OK)}
+    return sorted(unreadable | {p.parent for name in ("store.json", "slots.dat", "index.log")
+                                for p in Path(nvme_dir).glob(f"*/{name}")})
 
 
 def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
@@ -153,6 +158,11 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
     if not Path(nvme_dir).is_dir():
         raise ConfigError(f"--nvme-dir {nvme_dir}: " + ("not a directory" if Path(nvme_dir).exists()
                                                         else "no such directory"))
+    try:
+        os.listdir(nvme_dir)
+    except OSError as error:
+        raise ConfigError(f"--nvme-dir {nvme_dir}: cannot read it ({error.strerror or error}); a store's directory "
+                          "must belong to the user who checks it (tierkv makes it 0700)") from None
     if not stores_in(nvme_dir):      # nothing checked is not "clean"
         hint = f"; give the directory above it ({Path(nvme_dir).resolve().parent})" \
             if (Path(nvme_dir) / "store.json").is_file() else ""
@@ -175,6 +185,8 @@ def verify(nvme_dir: Path, *, drop: bool = False, batch: int = 64) -> Verdict:
             check.problem = str(error).removeprefix(f"NVMe store {directory}: ").removesuffix(UNUSABLE)
             if isinstance(error, ManifestDamaged):
                 check.problem, check.advice = check.problem.removesuffix(REBUILD), REBUILD
+            elif isinstance(error, StoreUnusable):          # (its message says what to change)
+                check.advice = ""
         else:
             check.blocks, check.damaged, check.lost = len(scan.keys), scan.damaged, len(scan.lost)
             check.bad_records, check.torn_bytes = scan.bad_records, scan.torn_bytes

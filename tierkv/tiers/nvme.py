@@ -436,6 +436,12 @@ def _permission_named(directory: Path) -> Iterator[None]:
         raise StoreUnusable(f"NVMe store {directory}: no permission for {exc.filename} ({exc.strerror}); "
                             f"the store must belong to this user (it is created 0700, files 0600): "
                             f"fix its owner or mode, or use another directory") from None
+    except OSError as exc:
+        if exc.errno != errno.EROFS:
+            raise
+        raise StoreUnusable(f"NVMe store {directory}: cannot write {exc.filename} ({exc.strerror}); every process "
+                            f"that opens a store writes to it (tierkv store verify reads one without writing): "
+                            f"give a writable directory") from None
 
 
 def _validate(block_bytes: int, budget_bytes: int, io_threads: int) -> None:

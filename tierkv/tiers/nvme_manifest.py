@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, StoreUnusable
 from tierkv.layout import is_layout_name
 from tierkv.tiers.journal import replay_store
 from tierkv.tiers.nvme_io import fsync_dir
@@ -59,6 +59,9 @@ def read_manifest(directory: Path) -> dict:
                 raise ValueError(f"namespace={manifest['namespace']!r}")
     except FileNotFoundError:
         raise ManifestDamaged(f"NVMe store {directory}: no store.json beside its data{REBUILD}") from None
+    except PermissionError:
+        raise StoreUnusable(f"NVMe store {directory}: no permission to read store.json; the store must belong to "
+                            "this user (it is created 0700, files 0600)") from None
     except OSError as exc:
         raise ConfigError(f"NVMe store {directory}: unreadable store.json ({exc.strerror or exc})") from None
     except KeyError as exc:

@@ -104,7 +104,12 @@ def prepare_store_dir(directory: Path, label: str | None = None) -> None:
                           f"{error.strerror or error}") from None
     if not directory.is_dir():
         raise ConfigError(f"{label}: exists and is not a directory")
-    if (directory / "store.json").is_file():       # (one store's folder: a store in it would be nested, empty)
+    try:
+        nested = (directory / "store.json").is_file()   # (one store's folder: a store in it would be nested, empty)
+    except OSError as error:
+        raise ConfigError(f"{label}: cannot look into it ({error.strerror or error}); the store's directory must "
+                          "belong to this user (tierkv makes it 0700)") from None
+    if nested:
         raise ConfigError(f"{label}: is the folder of one store (it holds a store.json); give the directory above "
                           f"it ({directory.resolve().parent}), which keeps a store for each model and settings")
     try:
