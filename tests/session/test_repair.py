@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from tierkv.model.settings import SessionConfig
 from tierkv.session import Session
 from tierkv.session import scrub
 from tierkv.session.repair import Repair
-from tierkv.session.scrub import IndexCheck, Verdict, repair_store, verify
+from tierkv.session.scrub import IndexCheck, StoreCheck, Verdict, repair_store, verify
 from tierkv.sparse import restore
 from tierkv.tiers.nvme import NvmeTier
 
@@ -299,6 +300,9 @@ def test_a_repair_s_own_report_says_what_it_found_was_repaired():
         "damage found; the check after the repair says what is left")
     assert Verdict(indexes=damaged).lines()[-1].startswith("DAMAGED")
     assert Verdict(repaired=True).lines()[-1].startswith("clean")
+    shared = StoreCheck(Path("kv"), blocks=6, damaged=[BlockKey.of("x")], shared=True)   # (the check after still
+    assert "those in its slots are only hidden from this repair" in shared.line(True)    # found them: why not said)
+    assert "hidden" not in shared.line(False) and "hidden" not in replace(shared, shared=False).line(True)
     recomputed = [IndexCheck(Path("doc.idx"), "index", tokens=100, pages=10, repair=Repair(1, 10, 0.1, 0, 64, 1.0))]
     assert Verdict(indexes=recomputed, repaired=True).lines()[-1].startswith("damage found")   # it said "clean"
 

@@ -77,6 +77,9 @@ class StoreCheck:
                    "closed it)" if self.shared else "dropped"
         return f"store {self.directory.name}: {self.blocks} blocks, " + \
             (f"{len(self.damaged)} damaged" if self.damaged else "all sound") + \
+            ("; another process has the store open: those in its slots are only hidden from this repair (it "
+             "drops them as it reads them; repair again once it has closed the store)"
+             if self.damaged and drop and self.shared and not self.kept else "") + \
             (": every one, which damage does not do block by block; the block size in store.json is likely not "
              "the one they were written with" + ("; nothing dropped" if drop else "") if self.size_suspect else "") + \
             (f"; {self.foreign}" + ("; nothing dropped" if drop else "") + REBUILD if self.foreign else "") + \
