@@ -761,3 +761,18 @@ def test_a_store_on_a_read_only_mount_is_named_so(tmp_path):
             NvmeTier(store, 4096, 16 * 4096)
     finally:
         subprocess.run(["umount", "-l", str(store)], check=False)
+
+
+def test_a_disk_full_past_another_process_s_extent_says_so(tiny_tmpfs: Path) -> None:
+    """The second process on a small disk could not write its first block ("lower the NVMe budget", which
+    does not help): its slots start past the first process's whole extent, which the file must span."""
+    from tierkv.errors import DiskFullError
+    store = tiny_tmpfs / "store"
+    with NvmeTier(store, BB, 1024 * BB) as a, NvmeTier(store, BB, 1024 * BB) as b:   # extents of 128 slots, 2 MiB
+        put(a, "A", range(1))
+        with pytest.raises(DiskFullError, match="each take whole extents of 2.0 MiB of slots, and this one's lie "
+                                                "past others'"):
+            put(b, "B", range(1))
+        with pytest.raises(DiskFullError) as alone:
+            put(a, "A", range(1, 200))                     # its own extent: nothing of others' to say
+        assert "extents" not in str(alone.value)

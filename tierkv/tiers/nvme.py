@@ -73,6 +73,7 @@ from tierkv.knobs import IOKnobs
 from tierkv.failpoints import failpoint
 from tierkv.errors import ConfigError, StoreReadError, StoreUnusable
 from tierkv.keys import BlockKey
+from tierkv.sizes import format_size
 from tierkv.tiers.base import Medium
 from tierkv.tiers.journal import Journal, Op, Record, encode_puts
 from tierkv.tiers.nvme_io import (BACKENDS, DISK_FULL, block_buffer, choose_backend, disk_full, disk_full_raised,
@@ -399,7 +400,11 @@ class NvmeTier:
                     raise
                 continue
             return size
-        raise disk_full(self.directory, end - current)
+        extent = self._share.claims.extent_slots * self.block_bytes
+        past = "" if self.pool.owns(current // self.block_bytes) else (   # the file grows over slots not its own
+            f" (processes sharing a store each take whole extents of {format_size(extent)} of slots, and this "
+            f"one's lie past others': or give it a --nvme-dir of its own)")
+        raise disk_full(self.directory, end - current, why=past)
 
     def _check_slots(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots):

@@ -372,9 +372,10 @@ def disk_full_raised(directory: Path, needed: int) -> Iterator[None]:
         raise
 
 
-def disk_full(directory: Path, needed: int, *, what: str = "") -> DiskFullError:
-    """``what``: the file that did not fit, where it is not a block."""
+def disk_full(directory: Path, needed: int, *, what: str = "", why: str = "") -> DiskFullError:
+    """``what``: the file that did not fit, where it is not a block; ``why``: what else to say of it."""
     fs = os.statvfs(directory)
     return DiskFullError(errno.ENOSPC, f"NVMe store {directory}: no space left for "
                          f"{what + ' of ' if what else ''}{format_size(needed)} ({needed} bytes) more; "
-                         f"{format_size(fs.f_bavail * fs.f_frsize)} free. Free disk space or lower the NVMe budget")
+                         f"{format_size(fs.f_bavail * fs.f_frsize)} free. Free disk space or lower the NVMe budget"
+                         f"{why}")
