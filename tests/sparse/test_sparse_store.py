@@ -85,22 +85,6 @@ def test_the_id_names_prompt_and_the_settings_that_shape_the_index_only(tiny_loa
                                 frozenset({"landmarks"}), IDS)
 
 
-def test_spellings_of_one_page_format_are_one_identity(tiny_loaded):
-    """A document stored with ``--page-dtype int4`` was prefilled again for ``int4-g64`` or ``int4-sf16``, the
-    same bytes, and for ``--landmark-dtype int8``, the default of quantized pages (hours at 1M tokens)."""
-    def key(**settings):
-        config = SparseConfig(**{**_fields(CFG), **settings})
-        return index_id("m", SparseEngine.page_layout(tiny_loaded, config), config, frozenset({"landmarks"}), IDS)
-
-    head_dim = tiny_loaded.spec.head_dim
-    assert key(page_dtype="int4") == key(page_dtype=f"int4-g{head_dim}") == key(page_dtype="int4-sf16") \
-        == key(page_dtype="int4", landmark_dtype="int8")
-    assert key(page_dtype="int4") != key(page_dtype="int4", landmark_dtype="float")
-    assert key(page_dtype="int4-g16-sbf16") == key(page_dtype="int4-sbf16-g16") != key(page_dtype="int4-g16")
-    assert key() == key(landmark_dtype="float") != key(landmark_dtype="int8")
-    assert key(page_dtype="int4") != key(page_dtype="int8") and key() != key(page_dtype="bfloat16")
-
-
 def _fields(cfg):
     return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
 

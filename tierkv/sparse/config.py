@@ -10,10 +10,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from tierkv.codec import SCALES, KVCodec
+from tierkv.codec import KVCodec
 from tierkv.errors import ConfigError
 from tierkv.flags import setting
-from tierkv.layout import BlockLayout
 
 POSITIONS = ("auto", "original", "remap")
 # The fields that shape a stored index (tierkv.sparse.store): what is kept in memory and in the
@@ -184,25 +183,10 @@ class SparseConfig:
     def int8_landmarks(self) -> bool:
         return self.landmark_dtype == "int8" or (self.landmark_dtype is None and self.codec is not None)
 
-    def identity(self, layout: BlockLayout | None = None) -> tuple:
-        """The settings that shape a stored index, as (name, value) pairs (``INDEX_FIELDS``). Spellings of
-        one quantized format are named alike, so that each reads the others' indexes (``int4-sf16``, and
-        ``int4-g64`` for ``layout``'s heads of 64 dims, are ``int4``), and the landmark dtype that is the
-        default anyway is left unnamed, as when not given."""
-        named = {"page_dtype": self._page_dtype_named(layout),
-                 "landmark_dtype": None if self.landmark_dtype == ("int8" if self.codec else "float")
-                 else self.landmark_dtype}
-        values = {name: named.get(name, getattr(self, name)) for name in INDEX_FIELDS}
-        return tuple((name, value) for name, value in values.items() if name not in LATER_FIELDS or value is not None)
-
-    def _page_dtype_named(self, layout: BlockLayout | None) -> str | None:
-        codec = self.codec
-        if codec is None:             # a float dtype (one the model computes in still names itself)
-            return self.page_dtype
-        group = codec.value_group if layout is None or codec.value_group != layout.head_dim else None
-        scale = next(name for name, dtype in SCALES.items() if dtype == codec.scale_dtype)
-        options = ([f"g{group}"] if group else []) + ([f"s{scale}"] if scale != "f16" else [])
-        return "-".join([f"int{codec.bits}", *options])
+    def identity(self) -> tuple:
+        """The settings that shape a stored index, as (name, value) pairs (``INDEX_FIELDS``)."""
+        return tuple((name, getattr(self, name)) for name in INDEX_FIELDS
+                     if name not in LATER_FIELDS or getattr(self, name) is not None)
 
     def budget_tokens(self, context: int, *, prefill: bool = False, layer: int | None = None) -> int:
         """Selected tokens per KV head for a context of ``context`` tokens (whole chunks); a decode

@@ -58,7 +58,7 @@ READABLE = ("1", "2", "3")
 def identity_key(model_id: str, layout: BlockLayout, config: SparseConfig, needs: frozenset[str]) -> BlockKey:
     """What every index stored for this model, page layout and settings (as given, before ``resolve``,
     which depends only on the tokens covered) has in common."""
-    settings = repr((config.identity(layout), sorted(needs)))      # only what shapes the index (INDEX_FIELDS)
+    settings = repr((config.identity(), sorted(needs)))      # only what shapes the index (INDEX_FIELDS)
     return BlockKey.of("tierkv-sparse-v2", model_id, layout.name, settings)
 
 
@@ -152,7 +152,7 @@ def save_index(seq: SparseSequence, path: Path, *, prefill_s: float = 0.0, point
 
 def index_settings(layout: BlockLayout, config: SparseConfig) -> dict[str, object]:
     """What shaped an index besides the model (``identity_key``), as a repair with other settings is told."""
-    return {"pages": layout.name, **dict(config.identity(layout))}
+    return {"pages": layout.name, **dict(config.identity())}
 
 
 def place_file(path: Path, payload: bytes) -> None:
