@@ -540,24 +540,26 @@ def test_a_question_on_a_document_that_lost_a_block_computes_it_again_and_leaks_
         assert sum(entry.holders for entry in manager.manager.directory) <= held       # no fork's holds left over
 
 
-def test_a_failure_to_close_after_the_block_raised_does_not_replace_its_error(monkeypatch, caplog):
-    """A disk full at the block's last write failed the close too, and the user was told of that one only
-    (with other figures); the block's own error goes on, the close's is logged. Alone, a close's raises."""
+def test_a_failure_to_close_after_the_block_raised_does_not_replace_its_error(caplog):
+    """A disk full at the last flush failed the close too, and the user was told of that one only (with
+    other figures); the block's own error goes on, the close's is logged, and every backend's tiers are
+    closed all the same (a flush that failed left them joined, and the backends after it). Alone, a close's
+    failure is raised."""
     from tierkv.errors import DiskFullError
-    from tierkv.session.backend import Backend
-    closed = Backend.close
 
-    def close_then_fail(self):
-        closed(self)                                   # (the tiers are let go of all the same)
-        raise DiskFullError("no space left at close")
+    def open_both(session):
+        backends = [session.backend("dense"), session.backend("sparse")]
+        backends[0].manager.flush = lambda: (_ for _ in ()).throw(DiskFullError("no space left at close"))
+        return backends
 
-    monkeypatch.setattr(Backend, "close", close_then_fail)
     with caplog.at_level("WARNING", logger="tierkv.session.session"):
         with pytest.raises(ConfigError, match="the block's own"):
-            with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=tiny_loaded()) as session:
-                session.backend("dense")
+            with Session(SessionConfig.of(nvme_dir=None), loaded=tiny_loaded()) as session:
+                backends = open_both(session)
                 raise ConfigError("the block's own")
-    assert "closing failed too: no space left at close" in caplog.text
+    assert "closing failed too: DiskFullError: no space left at close" in caplog.text
+    assert all(backend.manager.closed for backend in backends)
     with pytest.raises(DiskFullError, match="at close"):
-        with Session(SessionConfig.of(nvme_dir=None, mode="dense"), loaded=tiny_loaded()) as session:
-            session.backend("dense")
+        with Session(SessionConfig.of(nvme_dir=None), loaded=tiny_loaded()) as session:
+            backends = open_both(session)
+    assert all(backend.manager.closed for backend in backends)

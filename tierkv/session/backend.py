@@ -100,8 +100,11 @@ class Backend:
         return self.manager.held_blocks()
 
     def close(self) -> None:
-        self.manager.flush()
-        self.manager.close()
+        """Flush, then close the tiers, also where the flush fails (a full disk): nothing is left joined."""
+        try:
+            self.manager.flush()
+        finally:
+            self.manager.close()
 
 
 def open_backend(mode: str, config: SessionConfig, loaded: LoadedModel, *, record_access: bool = False) -> Backend:

@@ -231,11 +231,17 @@ class Session:
         self._states, self.document = [], None
         if self._opener is not None and self._opener.closed:
             return                       # its tiers closed with the session it was forked from, and all in them
+        failed: list[Exception] = []
         for state in held:
             state.release()
         if self._opener is None:
-            for backend in self.backends.values():
-                backend.close()
+            for backend in self.backends.values():     # every one closed, whichever fails
+                try:
+                    backend.close()
+                except Exception as error:
+                    failed.append(error)
+        if failed:
+            raise failed[0]
 
     def __del__(self) -> None:
         """A session let go of unclosed (its forks and streams gone too: they hold it) closes its tiers
@@ -260,7 +266,8 @@ class Session:
         except Exception as failed:
             if error is None:
                 raise
-            log.warning("the session closed after %s, and closing failed too: %s", type(error).__name__, failed)
+            log.warning("the session closed after %s, and closing failed too: %s: %s", type(error).__name__,
+                        type(failed).__name__, failed)
 
     def backend(self, mode: str) -> Backend:
         """The engine and tiers of ``mode`` (dense, sparse), made on first use."""
