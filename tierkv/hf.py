@@ -11,7 +11,7 @@ layer keeps it in a buffer that only appends (``tierkv.model.kv_buffer``), on th
 while the buffers fit ``buffer`` bytes (default: as much as ``gpu``); a layer past that gathers its
 blocks into a fresh tensor each step while the next layer's are prefetched. Either way the values
 are bit-identical to what ``DynamicCache`` returns (with ``kv_dtype="int8"`` the sealed blocks are
-stored quantized: lossy, 0.54x the bytes of bf16 KV, 0.27x of fp32), and the blocks sit in the tiers
+stored quantized: lossy, about half the bytes of bf16 KV, a quarter of fp32), and the blocks sit in the tiers
 under their budgets.
 Rows branch without copying KV, which is what beam search and assisted decoding need::
 

@@ -301,7 +301,8 @@ def test_a_repair_s_own_report_says_what_it_found_was_repaired():
     assert Verdict(indexes=damaged).lines()[-1].startswith("DAMAGED")
     assert Verdict(repaired=True).lines()[-1].startswith("clean")
     shared = StoreCheck(Path("kv"), blocks=6, damaged=[BlockKey.of("x")], shared=True)   # (the check after still
-    assert "those in its slots are only hidden from this repair" in shared.line(True)    # found them: why not said)
+    assert "those in another opener's slots are only hidden from this repair" in shared.line(True)   # found them:
+                                                                                                   # why, not said)
     assert "hidden" not in shared.line(False) and "hidden" not in replace(shared, shared=False).line(True)
     recomputed = [IndexCheck(Path("doc.idx"), "index", tokens=100, pages=10, repair=Repair(1, 10, 0.1, 0, 64, 1.0))]
     assert Verdict(indexes=recomputed, repaired=True).lines()[-1].startswith("damage found")   # it said "clean"

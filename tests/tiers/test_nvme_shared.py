@@ -703,14 +703,14 @@ def test_a_process_stopped_holding_the_store_s_lock_is_named_while_the_others_wa
     try:
         assert holder.stdout.readline() == "held\n"
         holder.send_signal(signal.SIGSTOP)
-        monkeypatch.setattr(nvme_io, "LOCK_WAIT_SAID_S", 0.3)
+        monkeypatch.setattr(nvme_io, "LOCK_WAIT_WARN_S", 0.3)
         opened: list[NvmeTier] = []
         opener = threading.Thread(target=lambda: opened.append(NvmeTier(tmp_path, 4096, 16 * 4096)))
         with caplog.at_level("WARNING", logger="tierkv.tiers.nvme_io"):
             opener.start()
             opener.join(timeout=3)
             assert opener.is_alive() and not opened                       # waiting, as it must
-            assert f"for a lock another process holds (pid {holder.pid})" in caplog.text, caplog.text
+            assert f"for a lock another opener holds (pid {holder.pid})" in caplog.text, caplog.text
     finally:
         holder.kill()
         holder.send_signal(signal.SIGCONT)

@@ -141,7 +141,7 @@ def test_settings_the_trace_cannot_tell_apart_are_said_to_tie(trace: AccessTrace
     """Both fit everything: the same stall and bytes, and the first was written as the best, said of none."""
     ranked = tune(trace, model, parse_grid(["cpu_budget=16MiB,32MiB"], trace.meta, ["lru"]))
     assert ranked[0].key == ranked[1].key
-    assert tie_note(ranked).startswith("note: ranks 1-2 tie (the same modelled stall and bytes moved)")
+    assert tie_note(ranked).startswith("ranks 1-2 tie (the same modelled stall and bytes moved)")
 
 
 def test_rows_rank_by_stall_then_bytes_and_failures_go_last(trace: AccessTrace, model: TierModel) -> None:

@@ -88,9 +88,9 @@ class TierSettings:
     cxl_preset: str = setting(_CXL_PRESET, "the pool's link: cxl2-x8, cxl2-x16, cxl2-x8x4, cmm-b", metavar="NAME")
     gpu_policy: str = setting("lru", f"eviction policy of the gpu tier: {', '.join(available())} or module:Class",
                               metavar="NAME")
-    cpu_policy: str = setting("lru", "eviction policy of the cpu tier", metavar="NAME")
-    nvme_policy: str = setting("lru", "eviction policy of the nvme tier", metavar="NAME")
-    cxl_policy: str = setting("lru", "eviction policy of the CXL pool", metavar="NAME")
+    cpu_policy: str = setting("lru", "eviction policy of the cpu tier (the names of --gpu-policy)", metavar="NAME")
+    nvme_policy: str = setting("lru", "eviction policy of the nvme tier (the names of --gpu-policy)", metavar="NAME")
+    cxl_policy: str = setting("lru", "eviction policy of the CXL pool (the names of --gpu-policy)", metavar="NAME")
     remote: str | None = setting(None, "a Redis/Valkey server shared by machines, below the NVMe store: "
                                        "redis://[:password@]host:port[/db] (rediss:// for TLS); blocks are "
                                        "written through and read on a miss where that beats recomputing them",

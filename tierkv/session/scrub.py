@@ -60,8 +60,8 @@ class StoreCheck:
     shared: bool = False          # a repair found another process with the store open: lost blocks only hidden
     size_suspect: bool = False    # every block of several failed, and store.json has no checksum: its
                                   # block size is likely not the one they were written with (nothing dropped)
-    foreign: str | None = None    # blocks failed or lie past the data's end, and store.json names another
-                                  # namespace than the store's folder: it is another store's (nothing dropped)
+    foreign: str | None = None    # store.json names another namespace than the store's folder: it is another
+                                  # store's (nothing dropped where blocks also fail or lie past the data's end)
     kept: bool = False            # a repair dropped nothing: the store's block size is in doubt (see above)
 
     @property
@@ -77,8 +77,7 @@ class StoreCheck:
                    "closed it)" if self.shared else "dropped"
         return f"store {self.directory.name}: {self.blocks} blocks, " + \
             (f"{len(self.damaged)} damaged" if self.damaged else "all sound") + \
-            ("; another process has the store open: those in its slots are only hidden from this repair (it "
-             "drops them as it reads them; repair again once it has closed the store)"
+            ("; those in another opener's slots are only hidden from this repair (it drops them as it reads them)"
              if self.damaged and drop and self.shared and not self.kept else "") + \
             (": every one, which damage does not do block by block; the block size in store.json is likely not "
              "the one they were written with" + ("; nothing dropped" if drop else "") if self.size_suspect else "") + \
@@ -132,9 +131,11 @@ class Verdict:
             if i.note:
                 what += f"; {i.note}"
             out.append(what)
-        recomputed = self.repaired and any(i.repair is not None for i in self.indexes)
-        verdict = "damage found; the check after the repair says what is left" if self.repaired and \
-            (recomputed or not self.clean) else "clean" if self.clean else "DAMAGED"
+        recomputed = any(i.repair is not None for i in self.indexes)
+        if self.repaired and (recomputed or not self.clean):
+            verdict = "damage found; the check after the repair says what is left"
+        else:
+            verdict = "clean" if self.clean else "DAMAGED"
         out.append(f"{verdict} ({self.seconds:.1f} s)")
         return out
 

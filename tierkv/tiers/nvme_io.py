@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -67,50 +68,51 @@ def open_private(path: Path, extra_flags: int = 0) -> int:
     return fd
 
 
-LOCK_WAIT_SAID_S = 10.0     # a store's lock held this long by another process is said, once a wait
+LOCK_WAIT_WARN_S = 10.0     # a store's lock held this long by another process is said, once a wait
 
 
 def wait_flock(fd: int, mode: int, what: str) -> None:
     """Take ``fd``'s flock in ``mode`` (LOCK_SH, LOCK_EX), waiting for as long as it takes; a wait past
-    ``LOCK_WAIT_SAID_S`` is logged once with the processes that hold it (a process stopped inside the store,
+    ``LOCK_WAIT_WARN_S`` is logged once with the processes that hold it (a process stopped inside the store,
     by Ctrl-Z or SIGSTOP, holds its lock until it goes on or ends: every other one waited, saying nothing)."""
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
         return
     except BlockingIOError:
         pass
-    said, delay, since = False, 0.001, time.monotonic()
-    while True:
-        time.sleep(delay)
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            delay = min(2 * delay, 0.05)
-            if not said and time.monotonic() - since >= LOCK_WAIT_SAID_S:
-                holders = lock_holders(fd)
-                log.warning("%s: waiting %.0f s for a lock another process holds (%s); a process stopped inside "
-                            "the store (Ctrl-Z, SIGSTOP) holds it until it goes on or ends", what,
-                            time.monotonic() - since, f"pid {', '.join(map(str, holders))}" if holders else
-                            "which one is not known here")
-                said = True
+    since = time.monotonic()
+
+    def say() -> None:
+        holders = lock_holders(fd)
+        log.warning("%s: waiting %.0f s for a lock another opener holds (%s); a process stopped inside the store "
+                    "(Ctrl-Z, SIGSTOP) holds it until it goes on or ends", what, time.monotonic() - since,
+                    f"pid {', '.join(holders)}" if holders else "which one is not known here")
+
+    timer = threading.Timer(LOCK_WAIT_WARN_S, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        fcntl.flock(fd, mode)             # (woken by the kernel as the lock is let go)
+    finally:
+        timer.cancel()
 
 
-def lock_holders(fd: int) -> list[int]:
-    """The processes /proc/locks says hold a flock on ``fd``'s file, this one aside ([] where not known)."""
+def lock_holders(fd: int) -> list[str]:
+    """The processes /proc/locks says hold a flock on ``fd``'s file ([] where not known); this process is
+    among them where another of its descriptors holds it."""
     st = os.fstat(fd)
     inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
         lines = Path("/proc/locks").read_text().splitlines()
     except OSError:
         return []
-    holders = {int(f[4]) for f in (line.split() for line in lines)
-               if len(f) > 5 and f[1] == "FLOCK" and f[5] == inode and f[4].isdigit()}
-    return sorted(holders - {os.getpid()})
+    pids = sorted({int(f[4]) for f in (line.split() for line in lines)
+                   if len(f) > 5 and f[1] == "FLOCK" and f[5] == inode and f[4].isdigit()})
+    return [f"{pid} (this process)" if pid == os.getpid() else str(pid) for pid in pids]
 
 
 @contextlib.contextmanager
-def flocked(fd: int, mode: int, what: str = "NVMe store") -> Iterator[None]:
+def flocked(fd: int, mode: int, what: str) -> Iterator[None]:
     """Hold ``fd``'s flock in ``mode`` (LOCK_SH, LOCK_EX) for the block (``what``: the store, for a wait)."""
     wait_flock(fd, mode, what)
     try:

@@ -122,7 +122,8 @@ def is_foreign(directory: Path, manifest: dict) -> bool:
 def foreign_manifest(manifest: dict) -> str:
     """A store.json naming another namespace than its store's folder, in words."""
     return (f"store.json is another store's (namespace={manifest['namespace']!r}, block_bytes="
-            f"{manifest['block_bytes']}; copied over this one's, or this folder renamed from that?)")
+            f"{manifest['block_bytes']}): copied over this one's, or this folder renamed from that (then rename it "
+            f"back)")
 
 
 VOUCHING = 16       # blocks read to rebuild a damaged store.json: each must pass its checksum

@@ -105,7 +105,7 @@ def prepare_store_dir(directory: Path, label: str | None = None) -> None:
     if not directory.is_dir():
         raise ConfigError(f"{label}: exists and is not a directory")
     try:
-        nested = (directory / "store.json").is_file()   # (one store's folder: a store in it would be nested, empty)
+        nested = "store.json" in os.listdir(directory)   # (one store's folder: a store in it would be nested, empty)
     except OSError as error:
         raise ConfigError(f"{label}: cannot look into it ({error.strerror or error}); the store's directory must "
                           "belong to this user (tierkv makes it 0700)") from None

@@ -171,7 +171,7 @@ def tie_note(ranked: Sequence[Ranked]) -> str | None:
     if not ranked or ranked[0].result is None:
         return None
     tied = sum(1 for r in ranked if r.key == ranked[0].key)
-    return None if tied < 2 else (f"note: ranks 1-{tied} tie (the same modelled stall and bytes moved): this trace "
+    return None if tied < 2 else (f"ranks 1-{tied} tie (the same modelled stall and bytes moved): this trace "
                                   "does not tell them apart, and the best written is the first of them")
 
 
@@ -338,12 +338,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.plot is not None:
         plot_ranking(ranked, args.plot, args.top)
     if args.json:
+        note = tie_note(ranked)
         print(json.dumps({"trace": str(args.trace), "model": model.as_dict(), "best_config": str(out),
-                          "ranking": [r.as_dict() for r in ranked]}, indent=2))
+                          "ranking": [r.as_dict() for r in ranked]} | ({"note": note} if note else {}), indent=2))
         return 0
     print(format_table(ranked, args.top))
     if note := tie_note(ranked):
-        print(note)
+        print(f"note: {note}")
     print(f"\nbest setting written to {out} (tierkv run --config {out})")
     if args.plot is not None:
         print(f"plot written to {args.plot}")
