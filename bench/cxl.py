@@ -178,6 +178,7 @@ class _View:
     candidates: torch.Tensor
     lo: None = None
     hi: None = None
+    landmark_scale: None = None    # (float landmarks: no int8 scale)
 
 
 class _LandmarkPool:
