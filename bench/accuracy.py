@@ -59,7 +59,7 @@ from transformers import DynamicCache
 from decode import HfDecoder
 from logits import kl, mean, top1
 from quant_rows import add_quant, dense_agreement, quant_configs
-from report import Report, machine, print_grid
+from report import Report, machine, out_file, print_grid, whole
 from tierkv.config import TierConfig
 from tierkv.errors import ConfigError
 from tierkv.manager import BlockingTierManager
@@ -597,14 +597,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="passkey 2K x 3 depths, document 4K x 32 steps (~3 min on 2 busy cores)")
-    parser.add_argument("--out", help="write the result as JSON (format: bench/report.py)")
+    parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--contexts", type=lambda s: [parse_tokens(p) for p in s.split(",") if p],
                         help="passkey contexts (default 2K,4K,8K; quick 2K)")
-    parser.add_argument("--depths", type=int, help="passkey depths, evenly from 0 to 1 (default 10; quick 3)")
+    parser.add_argument("--depths", type=whole(1), help="passkey depths, evenly from 0 to 1 (default 10; quick 3)")
     parser.add_argument("--no-passkey", action="store_true", help="skip the passkey cases")
     parser.add_argument("--doc-tokens", type=parse_tokens, help="document prefix (default 16K; quick 4K; 0: skip)")
-    parser.add_argument("--steps", type=int, help="teacher-forced steps per selector (default 256; quick 32)")
-    parser.add_argument("--control-steps", type=int,
+    parser.add_argument("--steps", type=whole(1), help="teacher-forced steps per selector (default 256; quick 32)")
+    parser.add_argument("--control-steps", type=whole(0),
                         help="steps of the control run: every chunk, full key rank (default 32; quick 8; 0: skip)")
     parser.add_argument("--selectors", type=lambda s: [p for p in s.split(",") if p],
                         help="selectors run at default settings (default shadowkv,quest)")
@@ -616,7 +616,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="quantized KV instead of the selectors: bf16 pages against each of these codecs "
                              "(like int8,int4,int2) on the document and the passkey, landmarks int8 vs float, and "
                              "the dense engine with int8 blocks (bench/quant_rows.py)")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
+    parser.add_argument("--threads", type=whole(1), help="torch intra-op threads (default: torch's own choice)")
     args = parser.parse_args(argv)
     for name in args.page_dtypes or ():
         try:

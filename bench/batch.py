@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from report import Report, machine
+from report import Report, machine, out_file, stop_on_sigterm, whole
 from tierkv.model.loading import LoadedModel, cached_gguf, load_model, resolve_source, weights_digest
 from tierkv.schedule.calibrate import calibrate, in_run_factor
 from tierkv.schedule.cost import Budgets, Machine, ModelShape, Workload, fractions, policy_terms, predict, \
@@ -85,14 +85,14 @@ class Regime:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a reduced run (about two minutes)")
-    p.add_argument("--out", type=Path, help="write the result as JSON")
+    p.add_argument("--out", type=out_file, help="write the result as JSON")
     p.add_argument("--size", choices=sorted(SHAPES), help="the random model of the FlexGen regime "
                                                           "(default 1b; 0.3b with --quick)")
     p.add_argument("--dir", type=Path, default=Path(".tierkv-bench-batch"), help="checkpoints and scratch")
     p.add_argument("--skip", choices=("flexgen", "summaries"), action="append", default=[])
     p.add_argument("--prompt", type=int, help="prompt tokens of the FlexGen regime (default 16); longer "
                                               "prompts cap accelerate's batch by the device budget")
-    p.add_argument("--repeats", type=int, default=2,
+    p.add_argument("--repeats", type=whole(1), default=2,
                    help="runs of each FlexGen-regime configuration; the best counts (default 2): on a "
                         "shared machine others' load only ever slows a run")
     return p.parse_args(argv)
@@ -419,6 +419,7 @@ def hf_generate(model, prompts: list[list[int]], batch: int, new: int, eos: list
 
 def main(argv: list[str] | None = None) -> Report:
     args = parse_args(argv)
+    stop_on_sigterm()
     args.size = args.size or ("0.3b" if args.quick else "1b")
     args.dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="scratch-", dir=args.dir))

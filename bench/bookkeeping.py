@@ -32,7 +32,7 @@ import numpy as np
 import psutil
 import torch
 
-from report import Report, machine
+from report import Report, machine, out_file, stop_on_sigterm
 from tierkv.keys import BlockKey
 from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager, TierManager
@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=982_530, help="blocks in the store (default: a 1M-token prefill's)")
     p.add_argument("--quick", action="store_true", help="100,000 blocks")
     p.add_argument("--dir", type=Path, default=None, help="where to write the store (default: a temporary dir)")
-    p.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+    p.add_argument("--out", type=out_file, default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
     if args.quick:
         args.blocks = 100_000
@@ -122,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Report:
     args = parse_args(argv)
+    stop_on_sigterm()
     start = time.perf_counter()
     base = Path(tempfile.mkdtemp(prefix="tierkv-bookkeeping-", dir=args.dir))
     report = Report("bookkeeping", args.quick, machine(base))

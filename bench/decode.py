@@ -57,7 +57,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, StaticCache
 
-from report import Report, available_ram, filesystem, machine
+from report import Report, available_ram, filesystem, machine, out_file, whole
 from tiers import RawFile, fill_pattern
 from tierkv.config import TierConfig
 from tierkv.device import host_buffer
@@ -77,7 +77,7 @@ from tierkv.layout import BlockLayout
 from tierkv.events import EventRecorder, busy_seconds
 from branch_rows import measure_branching
 from llama_rows import LlamaDecoder, repacking_off, version as llama_version
-from sparse_rows import measure_sparse
+from sparse_rows import SPARSE_ROWS, measure_sparse
 
 K, MiB = 1024, 1024**2
 BLOCK_TOKENS = 256
@@ -513,13 +513,16 @@ def _row_bound(row: dict, weights: int, limits: dict[str, float]) -> str:
 
 
 # -- command line ---------------------------------------------------------------------------
-def parse_contexts(text: str) -> tuple[int, ...]:
+def parse_contexts(text: str, flag: str = "--contexts") -> tuple[int, ...]:
     out = []
-    for part in filter(None, (p.strip().upper() for p in text.split(","))):
+    for part in filter(None, (p.strip() for p in text.split(","))):
         try:
-            out.append(int(part[:-1]) * K if part.endswith("K") else int(part))
+            tokens = int(part[:-1]) * K if part.upper().endswith("K") else int(part)
         except ValueError:
-            raise SystemExit(f"--contexts: {part!r} is not a size like 4K or 16384") from None
+            raise SystemExit(f"{flag}: {part!r} is not a size like 4K or 16384") from None
+        if tokens <= 0:
+            raise SystemExit(f"{flag}: {part!r}: a context must be > 0 tokens")
+        out.append(tokens)
     return tuple(out)
 
 
@@ -527,20 +530,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4K only, 8 steps, reuse at 4K (~2 min on 2 cores)")
-    parser.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
+    parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--contexts", help="comma-separated, like 4K,16K, or 'none' (default 4K,16K,32K; quick 4K)")
     parser.add_argument("--long", action="store_true", help="add 64K and 128K to the contexts")
-    parser.add_argument("--steps", type=int, help="greedy decode steps per config (default 16, quick 8)")
+    parser.add_argument("--steps", type=whole(1), help="greedy decode steps per config (default 16, quick 8)")
     parser.add_argument("--reuse-at", help="context of the prefill-once reuse runs, or 'none' (default 16K, quick 4K)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (default float32)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
                         help="where the NVMe stores go; a real disk, not tmpfs (default: the temp dir)")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
+    parser.add_argument("--threads", type=whole(1), help="torch intra-op threads (default: torch's own choice)")
     parser.add_argument("--sparse-contexts", help="contexts of the sparse rows, or 'none' (default 128K, quick 32K)")
     parser.add_argument("--branch-contexts", help="contexts of the speculative-decoding rows, or 'none' "
                                                   "(default 4K,32K; quick 4K); the beam row runs unless 'none'")
-    parser.add_argument("--sparse-rows", help="only these sparse configurations, like "
-                                               "sparse-ram,sparse-nvme-no-prefetch,dynamic-cache-folded (default: all)")
+    parser.add_argument("--sparse-rows", help="only these sparse configurations, like sparse-ram,sparse-nvme-no-prefetch "
+                                               f"(default: all): {', '.join(SPARSE_ROWS)}")
     parser.add_argument("--dense-rows", help="only these dense configurations, like tiered-cache,native-ram "
                                               f"(default: all; dynamic-cache always runs): {', '.join(DENSE_ROWS)}")
     parser.add_argument("--weights", choices=WEIGHTS, help="keep the weights quantized in memory (tierkv.model.weights; "
@@ -555,6 +558,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(filter(None, (args.dense_rows or "").split(","))) - set(DENSE_ROWS)
     if unknown:
         parser.error(f"--dense-rows: {', '.join(sorted(unknown))} unknown; the dense rows are {', '.join(DENSE_ROWS)}")
+    unknown = set(filter(None, (args.sparse_rows or "").split(","))) - set(SPARSE_ROWS)
+    if unknown:
+        parser.error(f"--sparse-rows: {', '.join(sorted(unknown))} unknown; the sparse rows are "
+                     f"{', '.join(SPARSE_ROWS)}")
     if args.device == "cuda":
         if args.weights:
             parser.error(f"--weights {args.weights} runs on the CPU only; leave it out with --device cuda")
@@ -576,11 +583,12 @@ def main(argv: list[str] | None = None) -> Report:
     contexts = () if args.contexts == "none" else parse_contexts(args.contexts or ("4K" if args.quick else "4K,16K,32K"))
     contexts += (64 * K, 128 * K) if args.long else ()
     steps = args.steps or (8 if args.quick else 16)
-    reuse_at = parse_contexts(args.reuse_at or ("4K" if args.quick else "16K")) if args.reuse_at != "none" else ()
+    reuse_at = parse_contexts(args.reuse_at or ("4K" if args.quick else "16K"), "--reuse-at") \
+        if args.reuse_at != "none" else ()
     sparse_contexts = () if args.sparse_contexts == "none" else \
-        parse_contexts(args.sparse_contexts or ("32K" if args.quick else "128K"))
+        parse_contexts(args.sparse_contexts or ("32K" if args.quick else "128K"), "--sparse-contexts")
     branch_contexts = () if args.branch_contexts == "none" else \
-        parse_contexts(args.branch_contexts or ("4K" if args.quick else "4K,32K"))
+        parse_contexts(args.branch_contexts or ("4K" if args.quick else "4K,32K"), "--branch-contexts")
     if args.threads:
         torch.set_num_threads(args.threads)
     IOKnobs.from_env().apply_to_process()    # as the tierkv command sets its own process, for every row alike

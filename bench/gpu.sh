@@ -17,7 +17,6 @@ done
 cd "$(dirname "$0")/.."
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 OUT=${OUT:-bench/out}
-mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}.
 
 "$PY" - <<'PY' || { echo "gpu.sh: no CUDA device visible to torch; nothing to run" >&2; exit 2; }
@@ -26,6 +25,7 @@ if not torch.cuda.is_available():
     sys.exit(1)
 print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}")
 PY
+mkdir -p "$OUT"    # (once there is something to write into it)
 
 status=0
 step() {   # step NAME SECONDS COMMAND...: run with a time limit, note a failure, go on

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from report import Report, machine
+from report import Report, machine, out_file, stop_on_sigterm
 from reuse import BUDGETS, document
 from tierkv.keys import BlockKey
 from tierkv.model.loading import load_model
@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> Report:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="32K only (about 5 minutes on 2 cores)")
     p.add_argument("--contexts", default=None, help="contexts in K tokens (default 128; quick 32)")
-    p.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
+    p.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     args = p.parse_args(argv)
+    stop_on_sigterm()
     contexts = [int(x) * 1024 for x in (args.contexts or ("32" if args.quick else "128")).split(",") if x]
     start, scratch = time.perf_counter(), Path(tempfile.mkdtemp(prefix="tierkv-bench-repair-"))
     report = Report("repair", args.quick, machine(scratch))

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from report import Report, filesystem, machine, print_grid
+from report import Report, filesystem, machine, out_file, print_grid
 from tierkv.config import TierConfig
 from tierkv.sizes import format_size
 from tierkv.manager import BlockingTierManager
@@ -229,7 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK.tokens}-token prompt, {QUICK.decode} decode steps, policies "
                              f"{','.join(QUICK.policies)} (~1-2 min on 2 idle cores)")
-    parser.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
+    parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
                         help="where the NVMe stores go; a real disk, not tmpfs (default: the temp dir)")
     parser.add_argument("--policies", help="comma-separated eviction policies (the first one's trace is replayed)")

@@ -13,10 +13,12 @@ nothing here measures or decides. Scripts in ``bench/`` import it as
 """
 from __future__ import annotations
 
+import argparse
 import json
 import mmap
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +31,35 @@ Format = Callable[[Any], str]
 
 
 # -- machine facts ----------------------------------------------------------
+def whole(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum`` (a count of steps, rounds, threads, tries)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be >= {minimum}")
+        return value
+    return parse
+
+
+def out_file(text: str) -> Path:
+    """An argparse type: a JSON file the run can write when it ends (checked before it starts, not after)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: a directory; give a file's name")
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written there ({parent} is not a writable directory)")
+    return path
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (``timeout``, ``kill``) ends the run as Ctrl-C does: its ``finally`` blocks remove the scratch."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def machine(disk_path: str | Path = ".") -> dict[str, Any]:
     """CPU model, usable threads, CUDA device, RAM, and the file system under ``disk_path``."""
     fstype, device, mount = filesystem(disk_path)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from report import Report, machine, random_read_rate
+from report import Report, machine, out_file, random_read_rate
 from tierkv.device import auto_dtype
 
 GiB = 1024**3
@@ -173,11 +173,12 @@ def passkey(report: Report, tokens: int, depths: list[float], mode: str, store: 
 def main(argv: list[str] | None = None) -> Report:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="32K sparse + 12K dense, one depth each")
-    parser.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
+    parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-scale",
                         help="NVMe store directory (the 1M run writes ~25 GB)")
     parser.add_argument("--cases", default="1m,passkey",
-                        help="which parts: 1m (the 1M-token run), passkey (32K/128K retrieval), or both (default)")
+                        help="which parts, comma-separated: 1m (the 1M-token run; not with --quick), passkey (32K/128K "
+                             "retrieval) (default 1m,passkey)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="compute dtype of every run (auto: bf16 where the machine computes it natively, "
                              "fp32 elsewhere; tierkv info says which)")

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from report import Report, machine
+from report import Report, machine, out_file, stop_on_sigterm
 from tierkv.model.loading import load_model
 from tierkv.model.settings import RunConfig
 from tierkv.session.run import run
@@ -116,9 +116,10 @@ def ray_rows(report: Report, n: int, scratch: Path) -> None:
 def main(argv: list[str] | None = None) -> Report:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a 4K remote prompt, 24 documents")
-    p.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
+    p.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     p.add_argument("--skip", choices=("remote", "ray"), action="append", default=[], help="leave a part out")
     args = p.parse_args(argv)
+    stop_on_sigterm()
     start, scratch = time.perf_counter(), Path(tempfile.mkdtemp(prefix="tierkv-bench-scale-out-"))
     report = Report("scale_out", args.quick, machine(scratch))
     try:

@@ -18,6 +18,8 @@ import time
 
 import httpx
 
+from report import stop_on_sigterm, whole
+
 ENTRIES = {"tierkv": [sys.executable, "-m", "tierkv"], "tierkv.cli": [sys.executable, "-m", "tierkv.cli"]}
 
 
@@ -49,8 +51,9 @@ def first_answer(entry: str, store: str) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=whole(1), default=3, help="starts timed (median; 3)")
     args = parser.parse_args()
+    stop_on_sigterm()
     seen: dict[str, list[tuple[float, int]]] = {entry: [] for entry in ENTRIES}
     with tempfile.TemporaryDirectory() as store:
         for _ in range(args.runs):

@@ -173,6 +173,10 @@ def ensure_prefilled(loaded: LoadedModel, ids: list[int], store: Path, page_dtyp
     return 0.0 if reused else time.perf_counter() - start
 
 
+SPARSE_ROWS = ("sparse-ram", "sparse-nvme", "sparse-nvme-no-prefetch", "sparse-nvme-no-overlap", "dynamic-cache",
+               "dynamic-cache-folded", "llama-cpp")      # the rows measure_sparse may run, as --sparse-rows names them
+
+
 def measure_sparse(report: Report, loaded: LoadedModel, ctx: int, steps: int, store: Path, interleave,
                    hf_decoder, page_dtypes: tuple[str, ...] = (), rows: frozenset[str] | None = None) -> None:
     """``interleave`` and ``hf_decoder``: decode.py's ``decode_all`` and ``HfDecoder`` (the dense rows' own);

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from report import DirectPages, Report, filesystem, machine
+from report import DirectPages, Report, filesystem, machine, out_file, whole
 from tierkv.knobs import IOKnobs
 from tierkv.sizes import format_size, parse_size
 from tierkv.device import has_cuda, host_buffer
@@ -486,14 +486,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="256 KiB and 1 MiB blocks, 256 MiB each (~1 min)")
-    parser.add_argument("--out", type=Path, help="write the result as JSON (format: bench/report.py)")
+    parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--dir", type=Path, default=Path.cwd(),
                         help="where the temporary files go; must be a real disk, not tmpfs (default: .)")
     parser.add_argument("--total", help="bytes moved per path and block size (default 1GiB, quick 256MiB)")
-    parser.add_argument("--rounds", type=int, help="rounds per path, best counts (default 5, quick 3)")
+    parser.add_argument("--rounds", type=whole(1), help="rounds per path, best counts (default 5, quick 3)")
     parser.add_argument("--pages", help="bytes of random 12 KiB pages read per round (default 256MiB, quick 64MiB)")
-    parser.add_argument("--batch", type=int, default=64, help="blocks per NvmeTier / manager call (default 64)")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
+    parser.add_argument("--batch", type=whole(1), default=64, help="blocks per NvmeTier / manager call (default 64)")
+    parser.add_argument("--threads", type=whole(1), help="torch intra-op threads (default: torch's own choice)")
     return parser.parse_args(argv)
 
 
