@@ -542,8 +542,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sparse-contexts", help="contexts of the sparse rows, or 'none' (default 128K, quick 32K)")
     parser.add_argument("--branch-contexts", help="contexts of the speculative-decoding rows, or 'none' "
                                                   "(default 4K,32K; quick 4K); the beam row runs unless 'none'")
-    parser.add_argument("--sparse-rows", help="only these sparse configurations, like sparse-ram,sparse-nvme-no-prefetch "
-                                               f"(default: all): {', '.join(SPARSE_ROWS)}")
+    parser.add_argument("--sparse-rows", help="only these sparse configurations, like sparse-ram,"
+                                               f"sparse-nvme-no-prefetch (default: all): {', '.join(SPARSE_ROWS)}")
     parser.add_argument("--dense-rows", help="only these dense configurations, like tiered-cache,native-ram "
                                               f"(default: all; dynamic-cache always runs): {', '.join(DENSE_ROWS)}")
     parser.add_argument("--weights", choices=WEIGHTS, help="keep the weights quantized in memory (tierkv.model.weights; "
