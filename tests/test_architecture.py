@@ -11,7 +11,7 @@ Layers, bottom to top (docs/architecture.md draws them)::
     6  sparse                                                  ShadowKV index, selection, the sparse step
     7  model schedule hf                                       engines, batch schedule, transformers' Cache
     8  tune session                                            tuning over access traces; the library API
-    9  cli serve                                               the commands, the HTTP server
+    9  cli info serve                                          the commands, the HTTP server
    10  tierkv                                                  the package itself: the API's names
 
 A module may import its own layer and those below; ``policies`` only the bottom. Imports under
@@ -32,7 +32,7 @@ LAYERS: dict[str, int] = {
                      "tierkv.failpoints", "tierkv.flags"], 0),
     "tierkv.tiers": 1, "policies": 2, "tierkv.config": 3, "tierkv.profile": 4, "tierkv.manager": 5,
     "tierkv.sparse": 6, "tierkv.model": 7, "tierkv.schedule": 7, "tierkv.hf": 7, "tierkv.tune": 8,
-    "tierkv.session": 8, "tierkv.cli": 9, "tierkv.serve": 9,
+    "tierkv.session": 8, "tierkv.cli": 9, "tierkv.info": 9, "tierkv.serve": 9,
     "tierkv": 10,     # the package's face: names the API, imported on first use
 }
 ONLY_BOTTOM = {"policies"}  # layers that may import nothing from tierkv but layer 0
