@@ -60,7 +60,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from itertools import compress
 from operator import itemgetter
 from pathlib import Path
@@ -77,7 +77,7 @@ from tierkv.sizes import format_size
 from tierkv.tiers.base import Medium
 from tierkv.tiers.journal import Journal, Op, Record, encode_puts
 from tierkv.tiers.nvme_io import (BACKENDS, DISK_FULL, block_buffer, choose_backend, disk_full, disk_full_raised,
-                                  misaligned_of)
+                                  misaligned_of, store_errors_named)
 from tierkv.tiers.nvme_pool import SharedPool
 from tierkv.tiers.nvme_manifest import read_manifest
 from tierkv.tiers.nvme_share import Membership, closed_here, opened_here
@@ -105,7 +105,7 @@ class NvmeTier:
         self._capacity = budget_bytes // block_bytes
         self._lock = threading.RLock()   # (re-entered: a claim under it reads the journal's news)
         self._closed = True
-        with _permission_named(self.directory):
+        with store_errors_named(self.directory):
             self._share = Membership(self.directory)
             try:
                 with self._share.claims.locked():  # the gate: one opener at a time
@@ -431,22 +431,6 @@ class NvmeTier:
                     getattr(self, part).close()
         finally:
             self._share.leave(self.pool.give_back() if hasattr(self, "pool") else [])
-
-
-@contextlib.contextmanager
-def _permission_named(directory: Path) -> Iterator[None]:
-    try:
-        yield
-    except PermissionError as exc:
-        raise StoreUnusable(f"NVMe store {directory}: no permission for {exc.filename} ({exc.strerror}); "
-                            f"the store must belong to this user (it is created 0700, files 0600): "
-                            f"fix its owner or mode, or use another directory") from None
-    except OSError as exc:
-        if exc.errno != errno.EROFS:
-            raise
-        raise StoreUnusable(f"NVMe store {directory}: cannot write {exc.filename} ({exc.strerror}); every process "
-                            f"that opens a store writes to it (tierkv store verify reads one without writing): "
-                            f"give a writable directory") from None
 
 
 def _validate(block_bytes: int, budget_bytes: int, io_threads: int) -> None:

@@ -1,4 +1,5 @@
-"""Block files for the NVMe tier: three backends, the probes that pick one, and what a full disk raises.
+"""Block files for the NVMe tier: three backends, the probes that pick one, the store's file locks, and
+what a full disk or a store this user cannot write raises.
 
 Backends, in the order ``auto`` tries them (each must pass a real 4 KiB
 write + read in the store's directory, see `probe_backends`):
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from tierkv.device import ALIGN, GDS_INSTALL, has_cuda_driver
-from tierkv.errors import ConfigError, DiskFullError
+from tierkv.errors import ConfigError, DiskFullError, StoreUnusable
 from tierkv.sizes import format_size
 
 log = logging.getLogger(__name__)
@@ -361,6 +362,23 @@ def choose_backend(requested: str, directory: Path, block_bytes: int) -> str:
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def store_errors_named(directory: Path) -> Iterator[None]:
+    """A store that this user may not use, or on a read-only file system, said so (not a bare errno)."""
+    try:
+        yield
+    except PermissionError as exc:
+        raise StoreUnusable(f"NVMe store {directory}: no permission for {exc.filename} ({exc.strerror}); "
+                            f"the store must belong to this user (it is created 0700, files 0600): "
+                            f"fix its owner or mode, or use another directory") from None
+    except OSError as exc:
+        if exc.errno != errno.EROFS:
+            raise
+        raise StoreUnusable(f"NVMe store {directory}: cannot write {exc.filename} ({exc.strerror}); every process "
+                            f"that opens a store writes to it (tierkv store verify reads one without writing): "
+                            f"give a writable directory") from None
 
 
 @contextlib.contextmanager
