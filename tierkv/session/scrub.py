@@ -148,7 +148,7 @@ def _records(nbytes: int) -> str:
 
 def stores_in(nvme_dir: Path) -> list[Path]:
     """The stores under ``nvme_dir``: folders with a store.json, or with a store's data without one, and
-    folders named as stores are that this user cannot read (a glob passes over them, saying nothing)."""
+    folders named like a store that this user cannot read (a glob passes over them, saying nothing)."""
     unreadable = {p for p in Path(nvme_dir).glob("*") if is_layout_name(p.name) and p.is_dir()
                   and not os.access(p, os.R_OK | os.X_OK)}
     return sorted(unreadable | {p.parent for name in ("store.json", "slots.dat", "index.log")
