@@ -26,6 +26,9 @@ def test_info_json_reports_the_machine_and_probes_the_nvme_dir(tmp_path, capsys)
     assert set(facts["nvme"]["backends"]) == {"kvikio", "odirect", "buffered"}
     assert facts["nvme"]["backends"]["buffered"] == "ok"
     assert not (tmp_path / "not-yet").exists()  # probing creates nothing
+    assert not facts["nvme"]["exists"] and facts["nvme"]["probed_in"] == str(tmp_path)
+    assert main(["info", "--nvme-dir", str(tmp_path / "not-yet")]) == 0
+    assert f"does not exist yet; a run makes it in {tmp_path}" in capsys.readouterr().out
 
 
 def test_info_says_whether_reads_go_by_native_aio(tmp_path, capsys, monkeypatch):

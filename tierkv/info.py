@@ -60,6 +60,8 @@ def _nvme_facts(directory: Path) -> dict[str, object]:
     o_direct = o_direct_supported(probe_dir)
     return {
         "dir": str(directory),
+        "exists": directory.is_dir(),
+        "probed_in": str(probe_dir),    # a missing directory's nearest existing parent, where a run would make it
         "free_bytes": usage.free,
         "o_direct": o_direct,
         "backends": probe_backends(probe_dir),
@@ -87,6 +89,9 @@ def _print_facts(facts: dict[str, object]) -> None:
         print("weights    a bf16 model's decode rows use copies laid out for oneDNN (TIERKV_PACKED_WEIGHTS=0: off)")
     nvme = facts.get("nvme")
     if nvme:
+        if not nvme["exists"]:
+            print(f"NVMe dir   {nvme['dir']}: does not exist yet; a run makes it in {nvme['probed_in']}, "
+                  "whose file system the lines below describe")
         print(f"NVMe dir   {nvme['dir']}: {format_size(nvme['free_bytes'])} free, "
               f"O_DIRECT {'yes' if nvme['o_direct'] else 'no'}, reads by native AIO "
               f"{'yes' if nvme['native_aio_reads'] else 'no (on the I/O worker threads)'}")
