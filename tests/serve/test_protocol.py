@@ -13,6 +13,8 @@ def test_the_neutral_values_agent_frameworks_send_are_taken():
                        tool_choice="none", parallel_tool_calls=False, logit_bias={}, store=False, metadata={"a": "b"})
     assert body.chat_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert CompletionRequest(model="m", prompt=["once upon a time"]).prompt == "once upon a time"
+    named = ChatRequest(model="m", messages=[{"role": "user", "content": "hi", "name": "ann"}, *HI])
+    assert named.chat_messages() == [{"role": "user", "content": "hi", "name": "ann"}, *HI]    # for the template
 
 
 @pytest.mark.parametrize("request_type, fields, message", [

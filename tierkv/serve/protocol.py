@@ -133,7 +133,10 @@ class ChatRequest(_Generation):
         return self
 
     def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """The messages as the chat template takes them; a participant's ``name`` goes with its message,
+        for templates that show it (SmolLM2's does not)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"name": m.name} if m.name else {})} for m in self.messages]
 
 
 class CompletionRequest(_Generation):
