@@ -2,6 +2,8 @@
 states are found again by a new session; cancelled answers leak nothing."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -65,6 +67,31 @@ def test_a_new_session_finds_the_stored_document(smollm2, tmp_path):
         with pytest.raises(ConfigError, match="ask something"):
             again.ask("  ")
     assert after.tokens == before.tokens
+
+
+@pytest.mark.model
+def test_a_stopped_answer_and_a_request_sent_again_go_on_from_the_state_they_left(smollm2, tmp_path):
+    """An answer stopped part-way (Ctrl-C in ``tierkv chat``) is the conversation's turn: the next turn,
+    which repeats it as far as it came, goes on from its state, where it used to go on from the document
+    alone. A request sent again goes on from its first answer's state, cropped to the prompt."""
+    with smollm2_session(smollm2, tmp_path, mode="dense") as session:
+        session.read(DOC)
+        asked = [{"role": "user", "content": DOC}, {"role": "user", "content": "Tell me all about the bakery."}]
+        stop = threading.Event()
+        stream = session.chat(asked, stream=True, cancelled=stop.is_set, max_new_tokens=64)
+        for n, _ in enumerate(stream):
+            if n == 20:
+                stop.set()
+        stopped = stream.answer
+        assert stopped.finish_reason == "cancelled" and stopped.generated_tokens >= 20
+        turn = [*asked, {"role": "assistant", "content": stopped.text}, {"role": "user", "content": "Where is it?"}]
+        after = session.chat(turn, max_new_tokens=4)
+        assert after.reused_tokens >= stopped.prompt_tokens + stopped.generated_tokens - 2
+        assert after.prompt_tokens - after.reused_tokens < 20                    # the new question's turn
+
+        again = session.chat(turn, max_new_tokens=4)
+        assert again.reused_tokens == again.prompt_tokens - 1 and again.tokens == after.tokens
+        assert_only_documents_held(session)
 
 
 @pytest.mark.model

@@ -34,9 +34,11 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
+from tierkv.events import Event, EventKind
 from tierkv.model.loading import LoadedModel, load_model
 from tierkv.model.prompt import chat_ids
 from tierkv.model.settings import SessionConfig, as_setting, mode_settings
@@ -288,8 +290,11 @@ class Session:
                               "stop (or None)")
         check_length(ids, self.max_prompt_tokens)
         progress = None if cancelled is None else functools.partial(_stop_if, cancelled)
+        prompted = time.perf_counter()
         answer, state, logits = self._prompted(ids, prefix, progress, reach=len(ids) + sampling.max_new_tokens)
         self.last_mode = state.mode
+        self.backend(state.mode).events.record(      # the prompt's own pass: in the profile's prefill phase
+            Event(EventKind.PREFILL, "", "", None, 0, prompted, prompted, time.perf_counter()))
         sampling = self._drafts(sampling, state.mode)
         first = state.computed_from if answer.computed_from is None else min(answer.computed_from, state.computed_from)
         answer.reused_tokens = first          # prompt tokens whose KV this answer did not compute
@@ -357,14 +362,14 @@ class Session:
             self._settle(state, answer, keep and whole)
 
     def _settle(self, state: KVState, answer: Answer, keep: bool) -> None:
-        """An answer over: its state kept for the next turn (``keep``, unless cancelled), or let go. After
+        """An answer over: its state kept for the next turn (``keep``), or let go. After
         the session closed (a stream dropped late) there is nothing to do: its tiers went with it; nor as
         the interpreter exits (a stream left unfinished and unclosed), when the tiers' thread no longer runs."""
         if self.closed or (self._opener is not None and self._opener.closed) or sys.is_finalizing():
             return
         backend = self.backend(state.mode)
         answer.report = backend.report(state)
-        if keep and answer.finish_reason != "cancelled":
+        if keep:                              # (a stopped answer too: the next turn goes on from its text)
             self._keep(state)
         else:
             state.release()
@@ -373,38 +378,38 @@ class Session:
 
     def _branch(self, ids: list[int], prefix: list[int], answer: Answer, progress: Progress | None,
                 reach: int) -> tuple[KVState, int]:
-        """A fork of the longest state whose tokens start ``ids`` (the document's prefix state made
-        first when it is longer), and how many tokens of ``ids`` it covers; in the mode for ``reach``
+        """A fork of the held state that covers most of ``ids`` (the document's prefix state made first
+        when it is longer), and how many tokens of ``ids`` it covers; in the mode for ``reach``
         positions (an answer that would decode past the trained window is sparse from its prompt on)."""
         mode = self.config.engine.resolve_mode(reach, self.loaded.spec.max_position)
-        held = [s for s in self._held() if s.mode == mode and len(s.tokens) < len(ids)
-                and ids[:len(s.tokens)] == s.tokens]
-        best = max(held, key=lambda s: len(s.tokens), default=None)
-        grown = bool(prefix) and ids[:len(prefix)] == prefix and (best is None or len(best.tokens) < len(prefix))
+        best, covered = max(((s, _covers(s, ids)) for s in self._held() if s.mode == mode),
+                            key=lambda pair: pair[1], default=(None, 0))
+        grown = bool(prefix) and ids[:len(prefix)] == prefix and covered < len(prefix)
         if grown:
-            best = self._grown(best, prefix, mode, answer, progress)
-        if best is None:
+            best = self._grown(best, covered, prefix, mode, answer, progress)
+            covered = len(prefix)
+        if best is None or not covered:
             return self.backend(mode).empty(len(ids)), 0
         try:
-            fork = best.fork()
+            fork = _fork_at(best, covered)
         except BaseException:
             if grown:
                 best.release()
             raise
         if grown:
             self._keep(best)          # (after the fork: with max_states 0 keeping it lets go of it at once)
-        return fork, len(best.tokens)
+        return fork, covered
 
-    def _grown(self, best: KVState | None, prefix: list[int], mode: str, answer: Answer,
+    def _grown(self, best: KVState | None, covered: int, prefix: list[int], mode: str, answer: Answer,
                progress: Progress | None = None) -> KVState:
-        """The state of ``prefix``: ``best`` (a held state it starts with) grown to it, or found
-        stored / prefilled."""
-        if best is None:
+        """The state of ``prefix``: ``best`` (a held state whose first ``covered`` tokens start it) grown
+        to it, or found stored / prefilled."""
+        if best is None or not covered:
             state, answer.computed_from = self._prefix_state(prefix, progress, mode)
             return state
-        state = best.fork()
+        state = _fork_at(best, covered)
         try:
-            state.absorb(prefix[len(best.tokens):], progress)
+            state.absorb(prefix[covered:], progress)
         except BaseException:
             state.release()
             raise
@@ -434,6 +439,33 @@ class Session:
             raise TierKVError("the session is closed")
         if self._opener is not None and self._opener.closed:
             raise TierKVError("the session this one was forked from is closed, and the tiers they shared with it")
+
+
+def _covers(state: KVState, ids: list[int]) -> int:
+    """How many tokens of ``ids`` a fork of ``state`` can start from: all of its tokens where they start
+    ``ids``; in dense mode, also the tokens it shares with ``ids`` before they differ (the fork crops
+    the rest: a stopped answer whose text comes back tokenized otherwise). At least one token of ``ids``
+    is left to compute, for its logits."""
+    tokens = state.tokens
+    if len(tokens) < len(ids) and ids[:len(tokens)] == tokens:
+        return len(tokens)
+    if state.mode != "dense":                 # (a sparse state crops only within its window)
+        return 0
+    n = min(len(tokens), len(ids) - 1)
+    differ = np.flatnonzero(np.asarray(tokens[:n]) != np.asarray(ids[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+def _fork_at(state: KVState, tokens: int) -> KVState:
+    """A fork of ``state`` that holds its first ``tokens`` tokens."""
+    fork = state.fork()
+    try:
+        if len(fork.tokens) > tokens:
+            fork.crop(len(fork.tokens) - tokens)
+    except BaseException:
+        fork.release()
+        raise
+    return fork
 
 
 def _stop_if(cancelled: Cancel, _tokens: int) -> None:

@@ -119,7 +119,10 @@ class DenseState(_Releasable):
         return self.engine.extend(self.seq, ids, every=True)[0]
 
     def crop(self, tokens: int) -> None:
-        self.seq.crop(tokens)
+        pending = min(tokens, len(self.pending))       # (tokens not computed yet go first: they are the newest)
+        del self.pending[len(self.pending) - pending:]
+        if tokens > pending:
+            self.seq.crop(tokens - pending)
 
     def release(self) -> None:
         self.released = True
