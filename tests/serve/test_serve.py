@@ -270,6 +270,49 @@ async def test_events_already_there_are_delivered_after_the_drain_ended():
         await anext(_results(waiting, closing))
 
 
+async def test_a_connection_whose_headers_do_not_come_is_a_408_and_closed(monkeypatch):
+    """uvicorn waited for a request's headers for ever: a client that connected and sent nothing, or half
+    a request line, held its connection. A real uvicorn server on a real socket, with ``HeadersInTime``."""
+    import asyncio
+
+    import uvicorn
+
+    from tierkv.serve import guard as served
+    monkeypatch.setattr(served, "HEADERS_S", 0.5)
+
+    async def app(scope, receive, send):           # an answer that takes longer than the headers may
+        await asyncio.sleep(1.0)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = uvicorn.Server(uvicorn.Config(app, http=served.HeadersInTime, lifespan="off", log_level="warning",
+                                           timeout_keep_alive=60))
+    listener = socket.create_server(("127.0.0.1", 0))
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
+    port = listener.getsockname()[1]
+
+    async def told(*sends: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for data in sends:
+            writer.write(data)
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        got = await asyncio.wait_for(reader.read(), 10)       # to the server's close
+        writer.close()
+        return got
+    try:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        assert (await told()).startswith(b"HTTP/1.1 408")                                # nothing sent
+        assert (await told(b"GET / HT")).startswith(b"HTTP/1.1 408")                     # half a request line
+        answered = await told(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"GET / HTTP/1.1\r\nHo")
+        assert answered.startswith(b"HTTP/1.1 200") and answered.count(b"HTTP/1.1 ") == 2    # then a half one
+        assert answered.split(b"HTTP/1.1 ")[2].startswith(b"408")
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 10)
+
+
 async def test_a_body_that_stops_arriving_is_a_408_and_the_app_never_sees_it(monkeypatch):
     import asyncio
 

@@ -69,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tierkv.serve.app import Closing, Starting
+    from tierkv.serve.guard import HeadersInTime
     settings, config = build(ServeSettings, given(args, ServeSettings)), build(SessionConfig, given(args, SessionConfig))
     config.engine.check_flags(*mode_flags(args))
     listener = take(settings.host, settings.port)     # (taken already by `tierkv`) before the model loads
@@ -79,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("tierkv.serve").setLevel(logging.INFO)       # one line per answer
     name = settings.served_name or config.engine.model
     starting, closing = Starting(name), Closing(settings.drain_s)
-    server = uvicorn.Server(uvicorn.Config(starting, log_level="warning", lifespan="off",
+    server = uvicorn.Server(uvicorn.Config(starting, log_level="warning", lifespan="off", http=HeadersInTime,
                                            timeout_graceful_shutdown=settings.drain_s + 2))
     server.handle_exit = functools.partial(_stop, server, server.handle_exit, closing, starting)   # (its signals')
     url = f"http://{url_host(settings.host)}:{settings.port}/v1"

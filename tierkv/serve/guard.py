@@ -1,5 +1,5 @@
-"""The gate of every request, before the app sees it: the body's size limit, the API key, the whole
-body read (and timed), and per-request metrics."""
+"""The gate of every request, before the app sees it: its headers in time (`HeadersInTime`), the body's
+size limit, the API key, the whole body read (and timed), and per-request metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tierkv.serve.errors import ApiError
 from tierkv.serve.metrics import Metrics
@@ -18,6 +19,53 @@ if TYPE_CHECKING:
 
 CLOSING_POLL_S = 0.25       # how often a body still arriving looks whether the server began shutting down
 BODY_IDLE_S = 30.0          # a request whose body stops arriving for this long is a 408
+HEADERS_S = 30.0            # a connection whose request's headers are not whole this long after it opened, or
+                            # after its last response, is answered 408 and closed
+TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+             b"content-length: 37\r\n\r\nthe request's headers did not arrive\n")
+
+
+class HeadersInTime(H11Protocol):
+    """uvicorn's HTTP/1.1 connection (``uvicorn.Config(http=HeadersInTime)``), which waits for a
+    request's headers for ever: a client that connected and sent nothing, or part of a request line,
+    held the connection until it left. Its headers must now be whole within ``HEADERS_S`` of the
+    connection's opening or of its last response (a slow link sends them in a few packets, not 30 s);
+    then it is answered 408 and closed. A request being answered is not timed here."""
+
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:     # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:               # a request's headers came whole: it is answered now
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        self._arm()                               # (first: a pipelined request the call below takes disarms it)
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(HEADERS_S, self._late)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _late(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.write(TIMED_OUT)
+            self.transport.close()
 
 
 class Guard:
