@@ -59,7 +59,7 @@ from transformers import DynamicCache
 from decode import HfDecoder
 from logits import kl, mean, top1
 from quant_rows import add_quant, dense_agreement, quant_configs
-from report import Report, machine, out_file, print_grid, whole
+from report import Help, Report, machine, out_file, print_grid, whole
 from tierkv.config import TierConfig
 from tierkv.errors import ConfigError
 from tierkv.manager import BlockingTierManager
@@ -594,7 +594,7 @@ def _value(text: str) -> int | float | str | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=Help)
     parser.add_argument("--quick", action="store_true",
                         help="passkey 2K x 3 depths, document 4K x 32 steps (~3 min on 2 busy cores)")
     parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from report import Report, machine, out_file, stop_on_sigterm, whole
+from report import Help, Report, machine, out_file, stop_on_sigterm, whole
 from tierkv.model.loading import LoadedModel, cached_gguf, load_model, resolve_source, weights_digest
 from tierkv.schedule.calibrate import calibrate, in_run_factor
 from tierkv.schedule.cost import Budgets, Machine, ModelShape, Workload, fractions, policy_terms, predict, \
@@ -83,7 +83,7 @@ class Regime:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--quick", action="store_true", help="a reduced run (about two minutes)")
     p.add_argument("--out", type=out_file, help="write the result as JSON")
     p.add_argument("--size", choices=sorted(SHAPES), help="the random model of the FlexGen regime "

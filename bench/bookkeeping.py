@@ -32,7 +32,7 @@ import numpy as np
 import psutil
 import torch
 
-from report import Report, machine, out_file, stop_on_sigterm
+from report import Help, Report, machine, out_file, stop_on_sigterm
 from tierkv.keys import BlockKey
 from tierkv.knobs import IOKnobs
 from tierkv.manager import BlockingTierManager, TierManager
@@ -107,7 +107,7 @@ def measure(path: Path, n: int, report: Report) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=Help)
     p.add_argument("--blocks", type=int, default=982_530, help="blocks in the store (default: a 1M-token prefill's)")
     p.add_argument("--quick", action="store_true", help="100,000 blocks")
     p.add_argument("--dir", type=Path, default=None, help="where to write the store (default: a temporary dir)")

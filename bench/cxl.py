@@ -35,7 +35,7 @@ from pathlib import Path
 import torch  # noqa: E402  (after the OpenMP setting)
 
 from policies.selectors import make_selector
-from report import Report, machine, out_file, print_grid
+from report import Help, Report, machine, out_file, print_grid
 from tierkv.profile.probe import FULL as PROBE_FULL, QUICK as PROBE_QUICK, memcpy_link
 from tierkv.tiers.cxl import CxlTier
 from tierkv.tiers.cxl_cost import (CONFIGS, GEOMETRIES, SERVER, Geometry, Layer, break_even_budget,
@@ -260,13 +260,16 @@ def _plot_break_even(ax, s: Setup, ctx: int) -> None:
 # -- main --------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=Help)
     parser.add_argument("--quick", action="store_true", help="3 contexts, 4 budgets, measure at 32K (~1 min)")
     parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--plot", type=Path, metavar="OUT.png", help="draw bytes, step times and break-even")
-    parser.add_argument("--geometry", default="smollm2-135m", choices=sorted(GEOMETRIES))
-    parser.add_argument("--link", default="cxl2-x8", choices=sorted(LINK_PRESETS))
-    parser.add_argument("--pnm", default="pnm-ocp25", choices=sorted(PNM_PRESETS))
+    parser.add_argument("--geometry", default="smollm2-135m", choices=sorted(GEOMETRIES),
+                        help="the model whose KV the pool holds (its layers, KV heads and head size)")
+    parser.add_argument("--link", default="cxl2-x8", choices=sorted(LINK_PRESETS), help="the pool's link, as tierkv "
+                        "run --cxl-preset names them")
+    parser.add_argument("--pnm", default="pnm-ocp25", choices=sorted(PNM_PRESETS),
+                        help="the near-memory processor's preset")
     return parser.parse_args(argv)
 
 

@@ -57,7 +57,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, StaticCache
 
-from report import Report, available_ram, filesystem, machine, out_file, whole
+from report import Help, Report, available_ram, filesystem, machine, out_file, whole
 from tiers import RawFile, fill_pattern
 from tierkv.config import TierConfig
 from tierkv.device import host_buffer
@@ -528,7 +528,7 @@ def parse_contexts(text: str, flag: str = "--contexts") -> tuple[int, ...]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=Help)
     parser.add_argument("--quick", action="store_true", help="4K only, 8 steps, reuse at 4K (~2 min on 2 cores)")
     parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--contexts", help="comma-separated, like 4K,16K, or 'none' (default 4K,16K,32K; quick 4K)")

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from report import Report, machine, out_file, stop_on_sigterm
+from report import Help, Report, machine, out_file, stop_on_sigterm
 from reuse import BUDGETS, document
 from tierkv.keys import BlockKey
 from tierkv.model.loading import load_model
@@ -98,7 +98,7 @@ def progress(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> Report:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Help)
     p.add_argument("--quick", action="store_true", help="32K only (about 5 minutes on 2 cores)")
     p.add_argument("--contexts", default=None, help="contexts in K tokens (default 128; quick 32)")
     p.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")

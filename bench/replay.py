@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from report import Report, filesystem, machine, out_file, print_grid
+from report import Help, Report, filesystem, machine, out_file, print_grid
 from tierkv.config import TierConfig
 from tierkv.sizes import format_size
 from tierkv.manager import BlockingTierManager
@@ -225,7 +225,7 @@ def _fmt(value: object) -> str:
 # -- command line -------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=Help)
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK.tokens}-token prompt, {QUICK.decode} decode steps, policies "
                              f"{','.join(QUICK.policies)} (~1-2 min on 2 idle cores)")

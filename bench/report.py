@@ -10,6 +10,11 @@ The JSON format, the same for every benchmark::
 A benchmark measures into a `Report` (data), then prints it and writes it;
 nothing here measures or decides. Scripts in ``bench/`` import it as
 ``from report import Report`` (their own directory is on ``sys.path``).
+
+Run as a command, it prints reports written with ``--out`` again; given
+several, it puts their ratios side by side (runs to compare)::
+
+    python bench/report.py bench/out/tiers-1.json bench/out/tiers-2.json
 """
 from __future__ import annotations
 
@@ -42,6 +47,18 @@ def whole(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{value}: must be >= {minimum}")
         return value
     return parse
+
+
+class Help(argparse.RawDescriptionHelpFormatter):
+    """A bench script's help: its description as written, and each option's default where its text
+    does not speak of it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, default = action.help or "", action.default
+        empty = default is None or isinstance(default, bool) or default in ("", [], ()) or default is argparse.SUPPRESS
+        if empty or not action.option_strings or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def out_file(text: str) -> Path:
@@ -205,6 +222,11 @@ class Report:
     def add_bound(self, text: str) -> None:
         self.bounds.append(text)
 
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Report:
+        return cls(doc["bench"], bool(doc.get("quick")), doc.get("machine") or {}, list(doc.get("rows") or []),
+                   [Ratio(**r) for r in doc.get("ratios") or []], list(doc.get("bounds") or []), doc.get("seconds"))
+
     def to_dict(self) -> dict[str, Any]:
         return {"bench": self.bench, "quick": self.quick, "machine": self.machine, "seconds": self.seconds,
                 "rows": self.rows, "ratios": [asdict(r) for r in self.ratios], "bounds": self.bounds}
@@ -266,3 +288,40 @@ def _cell(value: Any, fmt: Format | None = None) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
+
+
+# -- the command ------------------------------------------------------------
+def read_report(path: Path) -> Report:
+    try:
+        return Report.from_dict(json.loads(path.read_text()))
+    except OSError as error:
+        raise SystemExit(f"report.py: {path}: cannot read it ({error.strerror or error})") from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"report.py: {path}: not a report a bench script wrote with --out ({error!r:.120})") from None
+
+
+def side_by_side(reports: Sequence[Report], names: Sequence[str], file: TextIO = sys.stdout) -> None:
+    """Each ratio's value in every report (``-`` where one lacks it), with its target."""
+    values = [{r.name: r for r in report.ratios} for report in reports]
+    ratios = list(dict.fromkeys(name for found in values for name in found))
+    target = {name: next(found[name].target for found in values if name in found) for name in ratios}
+    cells = [[name, *(_cell(found[name].value) if name in found else "-" for found in values), _cell(target[name])]
+             for name in ratios]
+    print_grid(["ratio", *names, "target"], cells, file)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("reports", nargs="+", type=Path, metavar="FILE", help="a report written with --out")
+    args = parser.parse_args(argv)
+    reports = [read_report(path) for path in args.reports]
+    if len(reports) == 1:
+        reports[0].print_table()
+    else:
+        names = [path.name for path in args.reports]
+        side_by_side(reports, names if len(set(names)) == len(names) else [str(path) for path in args.reports])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from report import Report, machine, out_file, stop_on_sigterm, whole
+from report import Help, Report, machine, out_file, stop_on_sigterm, whole
 from tierkv.model.loading import load_model
 from tierkv.model.settings import SessionConfig
 from tierkv.session import Session
@@ -162,12 +162,13 @@ def progress(text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> Report:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Help)
     p.add_argument("--quick", action="store_true", help="dense 4K and sparse 12K (about 10 minutes on 2 cores)")
     p.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     p.add_argument("--dense", default=None, help="dense contexts in K tokens (default 8; quick 4)")
     p.add_argument("--sparse", default=None, help="sparse contexts in K tokens (default 32; quick 12)")
-    p.add_argument("--tries", type=whole(1), default=5, help="second questions asked of each, in turn (median; 5)")
+    p.add_argument("--tries", type=whole(1), default=5,
+                   help="second questions asked of each, in turn (their median counts)")
     args = p.parse_args(argv)
     stop_on_sigterm()
     dense = [int(x) * 1024 for x in (args.dense or ("4" if args.quick else "8")).split(",") if x]

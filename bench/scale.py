@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from report import Report, machine, out_file, random_read_rate
+from report import Help, Report, machine, out_file, random_read_rate
 from tierkv.device import auto_dtype
 
 GiB = 1024**3
@@ -171,7 +171,7 @@ def passkey(report: Report, tokens: int, depths: list[float], mode: str, store: 
 
 
 def main(argv: list[str] | None = None) -> Report:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=Help)
     parser.add_argument("--quick", action="store_true", help="32K sparse + 12K dense, one depth each")
     parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-scale",

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from report import Report, machine, out_file, stop_on_sigterm
+from report import Help, Report, machine, out_file, stop_on_sigterm
 from tierkv.model.loading import load_model
 from tierkv.model.settings import RunConfig
 from tierkv.session.run import run
@@ -114,7 +114,7 @@ def ray_rows(report: Report, n: int, scratch: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> Report:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Help)
     p.add_argument("--quick", action="store_true", help="a 4K remote prompt, 24 documents")
     p.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     p.add_argument("--skip", choices=("remote", "ray"), action="append", default=[], help="leave a part out")

@@ -18,7 +18,7 @@ import time
 
 import httpx
 
-from report import stop_on_sigterm, whole
+from report import Help, stop_on_sigterm, whole
 
 ENTRIES = {"tierkv": [sys.executable, "-m", "tierkv"], "tierkv.cli": [sys.executable, "-m", "tierkv.cli"]}
 
@@ -50,8 +50,8 @@ def first_answer(entry: str, store: str) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=whole(1), default=3, help="starts timed (median; 3)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Help)
+    parser.add_argument("--runs", type=whole(1), default=3, help="starts timed (their median counts)")
     args = parser.parse_args()
     stop_on_sigterm()
     seen: dict[str, list[tuple[float, int]]] = {entry: [] for entry in ENTRIES}

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from report import DirectPages, Report, filesystem, machine, out_file, whole
+from report import DirectPages, Help, Report, filesystem, machine, out_file, whole
 from tierkv.knobs import IOKnobs
 from tierkv.sizes import format_size, parse_size
 from tierkv.device import has_cuda, host_buffer
@@ -484,7 +484,7 @@ def table_formats() -> dict[str, Callable[[object], str]]:
 # -- command line -----------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=Help)
     parser.add_argument("--quick", action="store_true", help="256 KiB and 1 MiB blocks, 256 MiB each (~1 min)")
     parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--dir", type=Path, default=Path.cwd(),
