@@ -286,7 +286,7 @@ async def test_a_connection_whose_headers_do_not_come_is_a_408_and_closed(monkey
         await send({"type": "http.response.body", "body": b"ok"})
 
     server = uvicorn.Server(uvicorn.Config(app, http=served.HeadersInTime, lifespan="off", log_level="warning",
-                                           timeout_keep_alive=60))
+                                           timeout_keep_alive=0.2))    # (an idle line after an answer: closed)
     listener = socket.create_server(("127.0.0.1", 0))
     serving = asyncio.create_task(server.serve(sockets=[listener]))
     port = listener.getsockname()[1]
@@ -308,6 +308,10 @@ async def test_a_connection_whose_headers_do_not_come_is_a_408_and_closed(monkey
         answered = await told(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"GET / HTTP/1.1\r\nHo")
         assert answered.startswith(b"HTTP/1.1 200") and answered.count(b"HTTP/1.1 ") == 2    # then a half one
         assert answered.split(b"HTTP/1.1 ")[2].startswith(b"408")
+        pipelined = await told(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HT")      # one packet: the idle timer
+        assert pipelined.count(b"HTTP/1.1 ") == 2 and pipelined.split(b"HTTP/1.1 ")[2].startswith(b"408")  # not
+        idle = await told(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")                   # its silent close
+        assert idle.startswith(b"HTTP/1.1 200") and idle.count(b"HTTP/1.1 ") == 1
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, 10)

@@ -47,6 +47,8 @@ class HeadersInTime(H11Protocol):
     def on_response_complete(self) -> None:
         self._arm()                               # (first: a pipelined request the call below takes disarms it)
         super().on_response_complete()
+        if self._deadline is not None and self.conn.trailing_data[0]:
+            self._unset_keepalive_if_required()  # part of the next request came with this one: not an idle line
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
