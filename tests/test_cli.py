@@ -289,6 +289,7 @@ def test_a_dense_run_takes_the_prompt_tier_and_engine_flags(tmp_path, monkeypatc
     assert any(e.get("name") == "writeback" for e in trace["traceEvents"])
     prefills = [e for e in trace["traceEvents"] if e.get("name") == "prefill"]
     assert len(prefills) == 2         # the document, then the prompt's own pass (its last token): a phase's too
+    assert min(e["ts"] for e in trace["traceEvents"] if "ts" in e) >= 0       # none before the trace's origin
     assert {"nvme->cpu", "cpu->gpu"} <= set(trace["tierkv"]["links"])          # `tierkv profile`'s limits
     assert result["found"] and result["mode"] == "dense" and result["reused_prompt_tokens"] == 0
     assert set(result["tiers"]) == {"gpu", "cpu", "cxl", "nvme"}

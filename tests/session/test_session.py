@@ -152,6 +152,10 @@ def test_bad_requests_are_clear_errors(tmp_path):
             session.complete("abc\udcffd")                        # bytes read with errors="surrogateescape"
         with pytest.raises(ConfigError, match=r"messages\[1\]: not UTF-8 text \(a lone surrogate U\+D800"):
             session.chat([{"role": "user", "content": "hi"}, {"role": "user", "content": "\ud800"}])
+        with pytest.raises(ConfigError, match=r"messages\[0\]'s name: not UTF-8 text \(a lone surrogate U\+D800"):
+            session.chat([{"role": "user", "content": "hi", "name": "\ud800"}])     # (templates that show it)
+        with pytest.raises(ConfigError, match=r"messages\[0\]: 'name' is text, got int"):
+            session.chat([{"role": "user", "content": "hi", "name": 5}])
         with pytest.raises(ConfigError, match="stream='yes': expected True or False"):
             session.complete([1, 2, 3], stream="yes")
         with pytest.raises(ConfigError, match="cancelled=5: expected a function"):

@@ -90,6 +90,10 @@ def check_messages(messages: Sequence[Message]) -> None:
             raise ConfigError(f"messages[{i}]: expected {{'role': 'system'|'user'|'assistant', 'content': "
                               f"text}}, got {m!r}")
         check_text(m["content"], f"messages[{i}]")
+        if m.get("name") is not None:         # (a participant's name: templates that show it tokenize it)
+            if not isinstance(m["name"], str):
+                raise ConfigError(f"messages[{i}]: 'name' is text, got {type(m['name']).__name__}")
+            check_text(m["name"], f"messages[{i}]'s name")
 
 
 def check_text(text: str, what: str) -> None:

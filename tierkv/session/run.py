@@ -105,7 +105,6 @@ def _ask_all(session: Session, config: RunConfig, text: str | None, on_text: Cal
     document = session.backend(session.document.mode)
     before = {name: stats["bytes_read"] for name, stats in document.manager.tier_stats().items()}
     read_at = start + (time.perf_counter() - start - session.document_s)
-    prefill_event = Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, read_at + result.prefill_s)
     questions = list(p.questions or [DEFAULT_QUESTION]) if prompt is None else [None]
     for i, question in enumerate(questions):
         on_question(i, question or "")
@@ -115,7 +114,8 @@ def _ask_all(session: Session, config: RunConfig, text: str | None, on_text: Cal
             on_text(piece)
         _add_answer(result, question, stream.answer, start if i == 0 else None, session.document_reused)
     backend = session.backends[session.last_mode]
-    backend.events.record(prefill_event)
+    done_at, read_at = read_at + result.prefill_s, max(read_at, backend.events.origin)   # (not before the trace's 0)
+    backend.events.record(Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, done_at))
     _summarise(result, backend, session)
     prefill_reads = before if backend is document else {}
     for name, stats in result.tiers.items():    # what the answers read, the document's prefill aside
