@@ -91,7 +91,59 @@ def test_a_stopped_answer_and_a_request_sent_again_go_on_from_the_state_they_lef
 
         again = session.chat(turn, max_new_tokens=4)
         assert again.reused_tokens == again.prompt_tokens - 1 and again.tokens == after.tokens
+
+        kept = list(session._states)                 # a stopped answer whose stream is closed: a client that left
+        stop.clear()
+        left = session.chat(turn, stream=True, cancelled=stop.is_set, max_new_tokens=64)
+        for n, _ in enumerate(left):
+            if n == 2:
+                stop.set()
+        left.close()
+        assert left.answer.finish_reason == "cancelled" and all(state in kept for state in session._states)
         assert_only_documents_held(session)
+
+
+@pytest.mark.model
+def test_a_turn_after_its_conversation_was_let_go_of_finds_its_blocks_stored(smollm2, tmp_path):
+    """A conversation the session no longer holds (``max_states=0`` here; a busy server's turns push
+    each other out) is stored: its next turn, which goes on from the document's state, adopts the
+    stored blocks that follow it, where it used to compute the whole conversation again."""
+    config = SessionConfig.of(model="smollm2", nvme_dir=tmp_path / "store", mode="dense", block_tokens=16, **SMALL)
+    with Session(config, loaded=smollm2, max_states=0) as session:
+        session.read(DOC)
+        asked = [{"role": "user", "content": DOC}, {"role": "user", "content": "Tell me all about the bakery."}]
+        first = session.chat(asked, max_new_tokens=24)
+        turn = [*asked, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Where is it?"}]
+        later = session.chat(turn, max_new_tokens=6)
+        assert later.reused_tokens >= (first.prompt_tokens + first.generated_tokens - 1) // 16 * 16
+    with smollm2_session(smollm2, tmp_path / "fresh", mode="dense", block_tokens=16) as fresh:
+        assert fresh.chat(turn, max_new_tokens=6).tokens == later.tokens
+
+
+def test_a_crop_into_a_block_that_cannot_be_read_computes_it_again(monkeypatch):
+    """A held state is cropped to the tokens it shares with a prompt; where the block the crop ends in
+    is lost or damaged, the state goes on from its tokens (found by content, the rest computed), not
+    failing the request."""
+    from tierkv.errors import BlockMissing
+    from tierkv.model.sequence import TieredSequence
+    lm = tiny_loaded()
+    with Session(SessionConfig.of(nvme_dir=None, mode="dense", block_tokens=16), loaded=lm) as session:
+        ids = random_ids(100, 6)
+        state, _ = session.backend("dense").state_of(ids)
+        fork = state.fork()
+
+        def lost(self, tokens):
+            raise BlockMissing("injected: a block of the crop is lost")
+        with monkeypatch.context() as patched:
+            patched.setattr(TieredSequence, "crop", lost)
+            fork.crop(40)
+        assert fork.tokens == ids[:60]
+        cropped = fork.extend([7])
+        fresh, _ = session.backend("dense").state_of([*ids[:60], 7])
+        expected = fresh.extend([8])
+        assert torch.allclose(fork.extend([8]), expected, atol=1e-4) and cropped.shape == expected.shape
+        for held in (state, fork, fresh):
+            held.release()
 
 
 @pytest.mark.model
@@ -154,7 +206,7 @@ def test_bad_requests_are_clear_errors(tmp_path):
             session.chat([{"role": "user", "content": "hi"}, {"role": "user", "content": "\ud800"}])
         with pytest.raises(ConfigError, match=r"messages\[0\]'s name: not UTF-8 text \(a lone surrogate U\+D800"):
             session.chat([{"role": "user", "content": "hi", "name": "\ud800"}])     # (templates that show it)
-        with pytest.raises(ConfigError, match=r"messages\[0\]: 'name' is text, got int"):
+        with pytest.raises(ConfigError, match=r"messages\[0\]: 'name': expected text \(a str\), got int"):
             session.chat([{"role": "user", "content": "hi", "name": 5}])
         with pytest.raises(ConfigError, match="stream='yes': expected True or False"):
             session.complete([1, 2, 3], stream="yes")

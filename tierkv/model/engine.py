@@ -135,25 +135,33 @@ class Engine:
         if not ids:
             raise ValueError("the prompt is empty")
         seq.add_tokens(ids)
-        reused = self._reuse(seq, len(ids))
+        reused = self._reuse(seq, 0)
         if progress and reused:
             progress(reused)
         logits, computed_from = self._extend(seq, reused, progress)
         return logits, min(reused, computed_from)     # (a damaged stored block made it compute from earlier)
 
-    def _reuse(self, seq: TieredSequence, n_prompt: int) -> int:
-        """Adopt the stored blocks of the longest stored prefix; returns its tokens. The rest is
-        computed from there on the usual chunk grid (the first chunk ends at the next multiple of
-        chunk_tokens), so a reused prompt computes the tokens a fresh one would, in the same chunks
-        past that point."""
-        usable = (n_prompt - 1) // self.config.block_tokens     # at least one token is left to compute
-        found = 0
+    def _reuse(self, seq: TieredSequence, held: int) -> int:
+        """Adopt the stored blocks of the longest stored prefix past the ``held`` tokens ``seq`` computed
+        (all of a prompt, or what follows a state's tokens: a conversation the session let go of but
+        stored); returns the first token to compute (at least one is left). A partial last block gives
+        way to the stored block that holds its tokens. The rest is computed from there on the usual chunk
+        grid (the first chunk ends at the next multiple of chunk_tokens), so a reused prompt computes the
+        tokens a fresh one would, in the same chunks past that point."""
+        T = self.config.block_tokens
+        whole, usable = held // T, (len(seq.token_ids) - 1) // T
+        found = whole
         while found < usable and self.manager.protect(self._layer_keys(seq, found)):
             found += 1
-        for index in range(found):
+        if found == whole:
+            return held
+        if held % T:
+            for state in seq.layers:          # (its tokens' KV as the stored block has it)
+                state.crop(held % T, keep=seq.persist)
+        for index in range(whole, found):
             for layer, key in enumerate(self._layer_keys(seq, index)):
                 seq.adopt(layer, key)
-        return found * self.config.block_tokens
+        return found * T
 
     def _layer_keys(self, seq: TieredSequence, index: int) -> list:
         return [seq.block_key(layer, index) for layer in range(self.layout.num_layers)]
@@ -208,9 +216,13 @@ class Engine:
                *, every: bool = False) -> tuple[Tensor, int]:
         """Compute ``ids`` after what ``seq`` holds; returns the logits [vocab] that follow them (``every``:
         the logits after each of them [len(ids), vocab], as a draft's verification needs) and the first
-        position computed (before ``ids`` where a stored block it read was lost)."""
-        start = len(seq.token_ids)
+        position computed (past the start of ``ids`` where the store holds their blocks, before it where a
+        stored block it read was lost)."""
+        held = len(seq.token_ids)
         seq.add_tokens(ids)
+        start = held if every else self._reuse(seq, held)      # (a draft's verification: every token's logits)
+        if progress and start > held:
+            progress(start - held)
         return self._extend(seq, start, progress, every=every)
 
     # -- decode ----------------------------------------------------------------

@@ -64,13 +64,15 @@ Cancel = Callable[[], bool]
 class Stream:
     """The text pieces of an answer as they are generated; ``answer`` is complete once the stream
     is exhausted. ``close()`` (or leaving it unfinished and dropping it) stops the generation and
-    lets go of what it held."""
+    lets go of what it held; an answer its ``cancelled`` stopped is kept for the next turn, read to
+    its end, unless its stream is then closed (a server's client that left)."""
 
     def __init__(self, pieces: Generator[str, None, None], answer: Answer,
-                 unstarted: Callable[[], None] | None = None) -> None:
+                 unstarted: Callable[[], None] | None = None, stopped: Callable[[], None] | None = None) -> None:
         """``unstarted``: what lets go of the answer's state where the stream is closed before its
-        first piece (a generator closed unstarted runs none of its body, its cleanup included)."""
-        self._pieces, self.answer, self._unstarted = pieces, answer, unstarted
+        first piece (a generator closed unstarted runs none of its body, its cleanup included);
+        ``stopped``: where it is closed after its ``cancelled`` stopped it."""
+        self._pieces, self.answer, self._unstarted, self._stopped = pieces, answer, unstarted, stopped
 
     def __iter__(self) -> Iterator[str]:
         return self._pieces
@@ -79,10 +81,13 @@ class Stream:
         return next(self._pieces)
 
     def close(self) -> None:
-        unstarted = inspect.getgeneratorstate(self._pieces) == inspect.GEN_CREATED
+        was = inspect.getgeneratorstate(self._pieces)
         self._pieces.close()
-        if unstarted and self._unstarted is not None:
+        if was == inspect.GEN_CREATED and self._unstarted is not None:
             self._unstarted, let_go = None, self._unstarted
+            let_go()
+        elif was == inspect.GEN_CLOSED and self.answer.finish_reason == "cancelled" and self._stopped is not None:
+            self._stopped, let_go = None, self._stopped
             let_go()
 
     def __del__(self) -> None:
@@ -304,7 +309,8 @@ class Session:
                                               eos=backend.eos, events=backend.events,
                                               cancelled=cancelled or (lambda: False)), answer, keep)
         if stream:
-            return Stream(pieces, answer, functools.partial(self._settle, state, answer, False))
+            return Stream(pieces, answer, functools.partial(self._settle, state, answer, False),
+                          functools.partial(self._unkeep, state))
         for _ in pieces:
             pass
         return answer
@@ -428,6 +434,12 @@ class Session:
 
     def _held(self) -> list[KVState]:
         return [*([self.document] if self.document is not None else []), *self._states]
+
+    def _unkeep(self, state: KVState) -> None:
+        """Let go of a state kept for the next turn (where it still is)."""
+        if state in self._states and not self.closed:
+            self._states.remove(state)
+            state.release()
 
     def _keep(self, state: KVState) -> None:
         self._states.append(state)

@@ -121,8 +121,14 @@ class DenseState(_Releasable):
     def crop(self, tokens: int) -> None:
         pending = min(tokens, len(self.pending))       # (tokens not computed yet go first: they are the newest)
         del self.pending[len(self.pending) - pending:]
-        if tokens > pending:
-            self.seq.crop(tokens - pending)
+        if tokens <= pending:
+            return
+        kept = self.tokens[:len(self.tokens) - tokens]
+        try:
+            self.seq.crop(tokens - pending)            # (a crop into a sealed block reads it)
+        except BlockMissing:                           # lost or damaged: found by content, the rest computed
+            self.seq.release(keep=True)
+            self.seq, self.pending = self.engine.new_sequence(), kept
 
     def release(self) -> None:
         self.released = True
