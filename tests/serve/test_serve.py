@@ -281,17 +281,23 @@ async def test_a_connection_whose_headers_do_not_come_is_a_408_and_closed(monkey
     monkeypatch.setattr(served, "HEADERS_S", 0.5)
 
     async def app(scope, receive, send):           # an answer that takes longer than the headers may
-        await asyncio.sleep(1.0)
+        if scope["path"] != "/early":
+            await asyncio.sleep(1.0)
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    server = uvicorn.Server(uvicorn.Config(app, http=served.HeadersInTime, lifespan="off", log_level="warning",
-                                           timeout_keep_alive=0.2))    # (an idle line after an answer: closed)
-    listener = socket.create_server(("127.0.0.1", 0))
-    serving = asyncio.create_task(server.serve(sockets=[listener]))
-    port = listener.getsockname()[1]
+    servers = []
 
-    async def told(*sends: bytes) -> bytes:
+    async def serve(keep_alive: float) -> int:      # (keep_alive: uvicorn closes an idle line after an answer)
+        server = uvicorn.Server(uvicorn.Config(app, http=served.HeadersInTime, lifespan="off", log_level="warning",
+                                               timeout_keep_alive=keep_alive))
+        listener = socket.create_server(("127.0.0.1", 0))
+        servers.append((server, asyncio.create_task(server.serve(sockets=[listener]))))
+        while not server.started:
+            await asyncio.sleep(0.05)
+        return listener.getsockname()[1]
+
+    async def told(port: int, *sends: bytes) -> bytes:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         for data in sends:
             writer.write(data)
@@ -301,20 +307,23 @@ async def test_a_connection_whose_headers_do_not_come_is_a_408_and_closed(monkey
         writer.close()
         return got
     try:
-        while not server.started:
-            await asyncio.sleep(0.05)
-        assert (await told()).startswith(b"HTTP/1.1 408")                                # nothing sent
-        assert (await told(b"GET / HT")).startswith(b"HTTP/1.1 408")                     # half a request line
-        answered = await told(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"GET / HTTP/1.1\r\nHo")
+        short, long = await serve(0.2), await serve(60)
+        assert (await told(short)).startswith(b"HTTP/1.1 408")                            # nothing sent
+        assert (await told(short, b"GET / HT")).startswith(b"HTTP/1.1 408")               # half a request line
+        answered = await told(short, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"GET / HTTP/1.1\r\nHo")
         assert answered.startswith(b"HTTP/1.1 200") and answered.count(b"HTTP/1.1 ") == 2    # then a half one
         assert answered.split(b"HTTP/1.1 ")[2].startswith(b"408")
-        pipelined = await told(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HT")      # one packet: the idle timer
+        pipelined = await told(short, b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HT")  # one packet: the idle timer
         assert pipelined.count(b"HTTP/1.1 ") == 2 and pipelined.split(b"HTTP/1.1 ")[2].startswith(b"408")  # not
-        idle = await told(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")                   # its silent close
+        idle = await told(short, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")              # its silent close
         assert idle.startswith(b"HTTP/1.1 200") and idle.count(b"HTTP/1.1 ") == 1
+        # a request answered before its body came (as a 401 is): closed in time, not given a 408 after its answer
+        unread = await told(long, b"POST /early HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nxy")
+        assert unread.startswith(b"HTTP/1.1 200") and unread.count(b"HTTP/1.1 ") == 1
     finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, 10)
+        for server, task in servers:
+            server.should_exit = True
+            await asyncio.wait_for(task, 10)
 
 
 async def test_a_body_that_stops_arriving_is_a_408_and_the_app_never_sees_it(monkeypatch):

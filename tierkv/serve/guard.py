@@ -7,6 +7,7 @@ import hmac
 import time
 from typing import TYPE_CHECKING, Any
 
+import h11
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -63,10 +64,15 @@ class HeadersInTime(H11Protocol):
             self._deadline.cancel()
             self._deadline = None
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        self._disarm()                            # (the connection is a websocket's from here)
+        super().handle_websocket_upgrade(event)
+
     def _late(self) -> None:
         self._deadline = None
         if not self.transport.is_closing():
-            self.transport.write(TIMED_OUT)
+            if self.conn.their_state is h11.IDLE:   # (not a body still coming for a request answered already)
+                self.transport.write(TIMED_OUT)
             self.transport.close()
 
 
