@@ -553,7 +553,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sparse-page-dtypes", default="",
                         help="quantized pages measured beside bf16 in the sparse rows, like int4 (their own prefill)")
     parser.add_argument("--sparse-store", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-sparse-store",
-                        help="NVMe store of the sparse rows, kept between runs: the prefill runs once")
+                        help="NVMe store of the sparse rows, kept between runs: the prefill runs once (default: "
+                             "tierkv-sparse-store in the temp dir)")
     args = parser.parse_args(argv)
     unknown = set(filter(None, (args.dense_rows or "").split(","))) - set(DENSE_ROWS)
     if unknown:

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--quick", action="store_true", help="32K sparse + 12K dense, one depth each")
     parser.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "tierkv-scale",
-                        help="NVMe store directory (the 1M run writes ~25 GB)")
+                        help="NVMe store directory (the 1M run writes ~25 GB; default: tierkv-scale in the temp dir)")
     parser.add_argument("--cases", default="1m,passkey",
                         help="which parts, comma-separated: 1m (the 1M-token run; not with --quick), passkey (32K/128K "
                              "retrieval) (default 1m,passkey)")

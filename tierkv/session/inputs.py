@@ -92,7 +92,7 @@ def check_messages(messages: Sequence[Message]) -> None:
         check_text(m["content"], f"messages[{i}]")
         if m.get("name") is not None:         # (a participant's name: templates that show it tokenize it)
             if not isinstance(m["name"], str):
-                raise ConfigError(f"messages[{i}]: 'name' is text, got {type(m['name']).__name__}")
+                raise ConfigError(f"messages[{i}]: 'name': expected text (a str), got {type(m['name']).__name__}")
             check_text(m["name"], f"messages[{i}]'s name")
 
 

@@ -114,8 +114,10 @@ def _ask_all(session: Session, config: RunConfig, text: str | None, on_text: Cal
             on_text(piece)
         _add_answer(result, question, stream.answer, start if i == 0 else None, session.document_reused)
     backend = session.backends[session.last_mode]
-    done_at, read_at = read_at + result.prefill_s, max(read_at, backend.events.origin)   # (not before the trace's 0)
-    backend.events.record(Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, done_at))
+    # the document's read, on the time line of the trace: it starts where the answering backend was made
+    done_at, read_at = read_at + result.prefill_s, max(read_at, backend.events.origin)
+    if done_at > read_at:
+        backend.events.record(Event(EventKind.PREFILL, "", "", None, 0, read_at, read_at, done_at))
     _summarise(result, backend, session)
     prefill_reads = before if backend is document else {}
     for name, stats in result.tiers.items():    # what the answers read, the document's prefill aside
