@@ -120,6 +120,29 @@ def test_a_turn_after_its_conversation_was_let_go_of_finds_its_blocks_stored(smo
         assert fresh.chat(turn, max_new_tokens=6).tokens == later.tokens
 
 
+def test_a_document_stored_under_another_spelling_of_its_page_format_is_named(tmp_path, caplog):
+    """``int4`` and ``int4-g<head dims>`` store the same pages, but each names an index of its own (the
+    pages' keys derive from it): a run that spells it otherwise computes the document again, hours at 1M
+    tokens. It now says which spelling holds the document."""
+    import logging
+    lm = tiny_loaded()
+    ids = random_ids(1200, 9)
+    settings = dict(nvme_dir=tmp_path, mode="sparse", gpu_budget="1MiB", cpu_budget="2MiB", chunk_tokens=256,
+                    sparse_budget=128)
+    with Session(SessionConfig.of(page_dtype="int4", **settings), loaded=lm) as session:
+        session.read_ids(ids)
+    with caplog.at_level(logging.WARNING, logger="tierkv.session.prefill"):
+        with Session(SessionConfig.of(page_dtype=f"int4-g{lm.spec.head_dim}", **settings), loaded=lm) as session:
+            session.read_ids(ids)
+            assert session.document_reused == 0                 # an index of its own, as before
+    assert "1200 tokens of this document are stored under --page-dtype int4 (the same format" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tierkv.session.prefill"):
+        with Session(SessionConfig.of(page_dtype="int8", **settings), loaded=lm) as session:
+            session.read_ids(ids)                               # another format: nothing to say
+    assert "stored under" not in caplog.text
+
+
 def test_a_crop_into_a_block_that_cannot_be_read_computes_it_again(monkeypatch):
     """A held state is cropped to the tokens it shares with a prompt; where the block the crop ends in
     is lost or damaged, the state goes on from its tokens (found by content, the rest computed), not

@@ -63,6 +63,8 @@ def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, 
     found = shelf.longest(ids, at_most=len(ids)) if shelf is not None and reuse else 0
     if shelf is not None and reuse and found < len(ids) and fetch_index(engine, shelf, ids, longer_than=found):
         found = shelf.longest(ids, at_most=len(ids))
+    if shelf is not None and reuse and found < len(ids):
+        _name_other_spelling(engine, shelf, ids, found)
     if found:
         state = stored_state(engine, shelf, ids[:found])
         if state is not None:
@@ -77,6 +79,28 @@ def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, 
             return Opened(state, found)
     return _prefill(engine, ids, shelf if store else None, reuse=reuse, checkpoint_every=checkpoint_every,
                     progress=progress)
+
+
+def _name_other_spelling(engine: SparseEngine, shelf: Shelf, ids: Sequence[int], found: int) -> None:
+    """Where the document is stored further under another spelling of the same page format (``int4`` and
+    ``int4-g64`` name indexes of their own, whose pages' keys derive from them), say so: a prefill of
+    hours may be one flag away from a read."""
+    spec = engine.loaded.spec
+    for other in engine.config.spellings(spec.head_dim, str(spec.dtype).removeprefix("torch.")):
+        layout = SparseEngine.page_layout(engine.loaded, other)
+        there = Shelf(shelf.directory, identity_key(engine.kv_of, layout, other, engine.needs))
+        covered = there.longest(ids, at_most=len(ids))
+        if covered > found:
+            own, flags = engine.config, []
+            if other.page_dtype != own.page_dtype:
+                flags.append(f"--page-dtype {other.page_dtype}" if other.page_dtype else "no --page-dtype")
+            if other.landmark_dtype != own.landmark_dtype:
+                flags.append(f"--landmark-dtype {other.landmark_dtype}" if other.landmark_dtype
+                             else "no --landmark-dtype")
+            log.warning("sparse index: %d tokens of this document are stored under %s (the same format, spelled "
+                        "otherwise: an index of its own); give that to read them instead of computing them",
+                        covered, " and ".join(flags))
+            return
 
 
 def stored_state(engine: SparseEngine, shelf: Shelf, ids: Sequence[int]) -> SparseState | None:

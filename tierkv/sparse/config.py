@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from tierkv.codec import KVCodec
+from tierkv.codec import SCALES, KVCodec
 from tierkv.errors import ConfigError
 from tierkv.flags import setting
 
@@ -24,6 +24,18 @@ INDEX_FIELDS = ("prefill_budget", "rank", "chunk_tokens", "page_tokens", "page_d
 LATER_FIELDS = {"landmark_dtype"}       # named in an identity only when set: earlier stores keep theirs
 ALLOCATIONS = ("uniform", "adaptive")   # tierkv.sparse.allocation
 ATTENDS = ("pages", "chunks")           # what a decode step attends of what it read
+
+
+def _page_spellings(page_dtype: str | None, codec: KVCodec | None, head_dim: int, model_dtype: str) -> list:
+    """Every ``page_dtype`` that stores pages as ``page_dtype`` does (see ``SparseConfig.spellings``)."""
+    if codec is None:
+        return [None, model_dtype] if page_dtype in (None, model_dtype) else [page_dtype]
+    head = page_dtype.split("-")[0]
+    groups = ["", f"g{head_dim}"] if codec.value_group in (None, head_dim) else [f"g{codec.value_group}"]
+    scale = next(name for name, dtype in SCALES.items() if dtype == codec.scale_dtype)
+    scales = ["", "sf16"] if scale == "f16" else [f"s{scale}"]
+    options = [[o for o in pair if o] for g in groups for s in scales for pair in ((g, s), (s, g))]
+    return list(dict.fromkeys("-".join([head, *parts]) for parts in options))
 
 
 def parse_budget(value: str | int | float, field: str = "sparse_budget") -> int | float:
@@ -182,6 +194,16 @@ class SparseConfig:
     @property
     def int8_landmarks(self) -> bool:
         return self.landmark_dtype == "int8" or (self.landmark_dtype is None and self.codec is not None)
+
+    def spellings(self, head_dim: int, model_dtype: str) -> list[SparseConfig]:
+        """This configuration under the other spellings of its page and landmark formats: ``int4``,
+        ``int4-g64`` and ``int4-sf16-g64`` for heads of 64 dims; no page dtype and the model's own; no
+        landmark dtype and its default. Each names a stored index of its own (``identity``)."""
+        landmark = "int8" if self.codec is not None else "float"
+        landmarks = [None, landmark] if self.landmark_dtype in (None, landmark) else [self.landmark_dtype]
+        found = [replace(self, page_dtype=page, landmark_dtype=mark)
+                 for page in _page_spellings(self.page_dtype, self.codec, head_dim, model_dtype) for mark in landmarks]
+        return [config for config in found if config.identity() != self.identity()]
 
     def identity(self) -> tuple:
         """The settings that shape a stored index, as (name, value) pairs (``INDEX_FIELDS``)."""
