@@ -101,6 +101,12 @@ def test_a_stopped_answer_and_a_request_sent_again_go_on_from_the_state_they_lef
         left.close()
         assert left.answer.finish_reason == "cancelled" and all(state in kept for state in session._states)
         assert_only_documents_held(session)
+        stop.clear()
+        late = session.fork().chat(turn, stream=True, cancelled=stop.is_set, max_new_tokens=64)
+        for n, _ in enumerate(late):
+            if n == 2:
+                stop.set()
+    late.close()                 # after the tiers closed with the session: nothing to let go of, and no error
 
 
 @pytest.mark.model
@@ -165,7 +171,14 @@ def test_a_crop_into_a_block_that_cannot_be_read_computes_it_again(monkeypatch):
         fresh, _ = session.backend("dense").state_of([*ids[:60], 7])
         expected = fresh.extend([8])
         assert torch.allclose(fork.extend([8]), expected, atol=1e-4) and cropped.shape == expected.shape
-        for held in (state, fork, fresh):
+        stepped, verified = state.fork(), state.fork()         # a decode step or a draft goes on from there too
+        with monkeypatch.context() as patched:
+            patched.setattr(TieredSequence, "crop", lost)
+            stepped.crop(40)
+            verified.crop(40)
+        assert torch.allclose(stepped.step(7), cropped, atol=1e-4) and stepped.tokens == [*ids[:60], 7]
+        assert torch.allclose(verified.verify([7, 8])[1], expected, atol=1e-4)
+        for held in (state, fork, fresh, stepped, verified):
             held.release()
 
 

@@ -265,10 +265,10 @@ class BlockingTierManager:
     def persist(self, keys: Sequence[BlockKey]) -> None:
         self._call(self.manager.persist, keys)
 
-    def protect(self, keys: Sequence[BlockKey]) -> bool:
-        """Hold all of ``keys`` (reading those stored nowhere locally from the remote store, if any), or
-        none of them: False where one is missing."""
-        if self.manager.remote is None:
+    def protect(self, keys: Sequence[BlockKey], *, remote: bool = True) -> bool:
+        """Hold all of ``keys`` (reading those stored nowhere locally from the remote store, if any, and
+        ``remote``), or none of them: False where one is missing."""
+        if self.manager.remote is None or not remote:
             return self._call(self.manager.protect, keys)
         missing = self.hold(keys)
         if missing:

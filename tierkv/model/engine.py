@@ -151,7 +151,8 @@ class Engine:
         T = self.config.block_tokens
         whole, usable = held // T, (len(seq.token_ids) - 1) // T
         found = whole
-        while found < usable and self.manager.protect(self._layer_keys(seq, found)):
+        # past a state, only the local tiers are asked: a remote store's miss would cost every turn a round trip
+        while found < usable and self.manager.protect(self._layer_keys(seq, found), remote=not held):
             found += 1
         if found == whole:
             return held

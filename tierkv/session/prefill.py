@@ -81,26 +81,34 @@ def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, 
                     progress=progress)
 
 
+_NAMED: set[tuple] = set()       # the stored documents a warning named already
+
+
 def _name_other_spelling(engine: SparseEngine, shelf: Shelf, ids: Sequence[int], found: int) -> None:
     """Where the document is stored further under another spelling of the same page format (``int4`` and
     ``int4-g64`` name indexes of their own, whose pages' keys derive from them), say so: a prefill of
     hours may be one flag away from a read."""
-    spec = engine.loaded.spec
-    for other in engine.config.spellings(spec.head_dim, str(spec.dtype).removeprefix("torch.")):
-        layout = SparseEngine.page_layout(engine.loaded, other)
-        there = Shelf(shelf.directory, identity_key(engine.kv_of, layout, other, engine.needs))
-        covered = there.longest(ids, at_most=len(ids))
-        if covered > found:
-            own, flags = engine.config, []
-            if other.page_dtype != own.page_dtype:
-                flags.append(f"--page-dtype {other.page_dtype}" if other.page_dtype else "no --page-dtype")
-            if other.landmark_dtype != own.landmark_dtype:
-                flags.append(f"--landmark-dtype {other.landmark_dtype}" if other.landmark_dtype
-                             else "no --landmark-dtype")
-            log.warning("sparse index: %d tokens of this document are stored under %s (the same format, spelled "
-                        "otherwise: an index of its own); give that to read them instead of computing them",
-                        covered, " and ".join(flags))
-            return
+    spec, best, covered = engine.loaded.spec, None, found
+    try:
+        for other in engine.config.spellings(spec.head_dim, str(spec.dtype).removeprefix("torch.")):
+            layout = SparseEngine.page_layout(engine.loaded, other)
+            there = Shelf(shelf.directory, identity_key(engine.kv_of, layout, other, engine.needs))
+            if (n := there.longest(ids, at_most=len(ids))) > covered:
+                best, covered = other, n
+    except Exception as error:                 # (a hint: it never stops a prefill)
+        log.debug("other spellings of the page format not looked for: %s", error)
+    said = (str(shelf.directory), shelf.identity.digest, covered)
+    if best is None or said in _NAMED:
+        return
+    _NAMED.add(said)                          # once a process: a server's every conversation starts with it
+    own, flags = engine.config, []
+    if best.page_dtype != own.page_dtype:
+        flags.append(f"--page-dtype {best.page_dtype}" if best.page_dtype else "no --page-dtype")
+    if best.landmark_dtype != own.landmark_dtype:
+        flags.append(f"--landmark-dtype {best.landmark_dtype}" if best.landmark_dtype else "no --landmark-dtype")
+    log.warning("sparse index: %d tokens of this document are stored under %s (the same format, spelled "
+                "otherwise: an index of its own); give that to read them instead of computing them",
+                covered, " and ".join(flags))
 
 
 def stored_state(engine: SparseEngine, shelf: Shelf, ids: Sequence[int]) -> SparseState | None:

@@ -437,7 +437,8 @@ class Session:
 
     def _unkeep(self, state: KVState) -> None:
         """Let go of a state kept for the next turn (where it still is)."""
-        if state in self._states and not self.closed:
+        gone = self.closed or (self._opener is not None and self._opener.closed) or sys.is_finalizing()
+        if state in self._states and not gone:        # (after the tiers closed, there is nothing to let go of)
             self._states.remove(state)
             state.release()
 

@@ -112,10 +112,16 @@ class DenseState(_Releasable):
 
     def step(self, token: int) -> Tensor:
         self._check_held()
+        if self.pending:                               # (a crop fell back to its tokens: computed first)
+            return self.extend([token])
         return self.engine.decode(self.seq, token)
 
     def verify(self, ids: Sequence[int]) -> Tensor:
         """Compute ``ids`` in one pass; the logits after each of them [len(ids), vocab]."""
+        self._check_held()
+        if self.pending:
+            self.engine.prefill(self.seq, self.pending)
+            self.pending = []
         return self.engine.extend(self.seq, ids, every=True)[0]
 
     def crop(self, tokens: int) -> None:
@@ -123,7 +129,7 @@ class DenseState(_Releasable):
         del self.pending[len(self.pending) - pending:]
         if tokens <= pending:
             return
-        kept = self.tokens[:len(self.tokens) - tokens]
+        kept = self.tokens[:len(self.tokens) - (tokens - pending)]
         try:
             self.seq.crop(tokens - pending)            # (a crop into a sealed block reads it)
         except BlockMissing:                           # lost or damaged: found by content, the rest computed
