@@ -24,17 +24,15 @@ A session is not thread-safe: one request at a time (``tierkv serve`` queues the
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import numbers
 import sys
 import time
 from dataclasses import replace
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from torch import Tensor
 
 from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
@@ -47,7 +45,8 @@ from tierkv.session.backend import Backend, open_backend
 from tierkv.session.generation import Answer, Sampling, generate
 from tierkv.session.inputs import (Message, check_length, check_text, document_text, document_token_ids,
                                    prompt_ids)
-from tierkv.session.state import KVState, Progress
+from tierkv.session.state import KVState, Progress, covers, fork_at
+from tierkv.session.stream import Stream
 from tierkv.tiers.nvme_share import prepare_store_dir
 
 log = logging.getLogger(__name__)
@@ -59,41 +58,6 @@ class Cancelled(TierKVError):
 
 
 Cancel = Callable[[], bool]
-
-
-class Stream:
-    """The text pieces of an answer as they are generated; ``answer`` is complete once the stream
-    is exhausted. ``close()`` (or leaving it unfinished and dropping it) stops the generation and
-    lets go of what it held; an answer its ``cancelled`` stopped is kept for the next turn, read to
-    its end, unless its stream is then closed (a server's client that left)."""
-
-    def __init__(self, pieces: Generator[str, None, None], answer: Answer,
-                 unstarted: Callable[[], None] | None = None, stopped: Callable[[], None] | None = None) -> None:
-        """``unstarted``: what lets go of the answer's state where the stream is closed before its
-        first piece (a generator closed unstarted runs none of its body, its cleanup included);
-        ``stopped``: where it is closed after its ``cancelled`` stopped it."""
-        self._pieces, self.answer, self._unstarted, self._stopped = pieces, answer, unstarted, stopped
-
-    def __iter__(self) -> Iterator[str]:
-        return self._pieces
-
-    def __next__(self) -> str:
-        return next(self._pieces)
-
-    def close(self) -> None:
-        was = inspect.getgeneratorstate(self._pieces)
-        self._pieces.close()
-        if was == inspect.GEN_CREATED and self._unstarted is not None:
-            self._unstarted, let_go = None, self._unstarted
-            let_go()
-        elif was == inspect.GEN_CLOSED and self.answer.finish_reason == "cancelled" and self._stopped is not None:
-            self._stopped, let_go = None, self._stopped
-            let_go()
-
-    def __del__(self) -> None:
-        """Dropped unstarted: let go of the state (a started one's generator does, as it is collected)."""
-        if self._unstarted is not None and inspect.getgeneratorstate(self._pieces) == inspect.GEN_CREATED:
-            self.close()
 
 
 class Session:
@@ -388,7 +352,7 @@ class Session:
         when it is longer), and how many tokens of ``ids`` it covers; in the mode for ``reach``
         positions (an answer that would decode past the trained window is sparse from its prompt on)."""
         mode = self.config.engine.resolve_mode(reach, self.loaded.spec.max_position)
-        best, covered = max(((s, _covers(s, ids)) for s in self._held() if s.mode == mode),
+        best, covered = max(((s, covers(s, ids)) for s in self._held() if s.mode == mode),
                             key=lambda pair: pair[1], default=(None, 0))
         grown = bool(prefix) and ids[:len(prefix)] == prefix and covered < len(prefix)
         if grown:
@@ -397,7 +361,7 @@ class Session:
         if best is None or not covered:
             return self.backend(mode).empty(len(ids)), 0
         try:
-            fork = _fork_at(best, covered)
+            fork = fork_at(best, covered)
         except BaseException:
             if grown:
                 best.release()
@@ -413,7 +377,7 @@ class Session:
         if best is None or not covered:
             state, answer.computed_from = self._prefix_state(prefix, progress, mode)
             return state
-        state = _fork_at(best, covered)
+        state = fork_at(best, covered)
         try:
             state.absorb(prefix[covered:], progress)
         except BaseException:
@@ -452,33 +416,6 @@ class Session:
             raise TierKVError("the session is closed")
         if self._opener is not None and self._opener.closed:
             raise TierKVError("the session this one was forked from is closed, and the tiers they shared with it")
-
-
-def _covers(state: KVState, ids: list[int]) -> int:
-    """How many tokens of ``ids`` a fork of ``state`` can start from: all of its tokens where they start
-    ``ids``; in dense mode, also the tokens it shares with ``ids`` before they differ (the fork crops
-    the rest: a stopped answer whose text comes back tokenized otherwise). At least one token of ``ids``
-    is left to compute, for its logits."""
-    tokens = state.tokens
-    if len(tokens) < len(ids) and ids[:len(tokens)] == tokens:
-        return len(tokens)
-    if state.mode != "dense":                 # (a sparse state crops only within its window)
-        return 0
-    n = min(len(tokens), len(ids) - 1)
-    differ = np.flatnonzero(np.asarray(tokens[:n]) != np.asarray(ids[:n]))
-    return int(differ[0]) if differ.size else n
-
-
-def _fork_at(state: KVState, tokens: int) -> KVState:
-    """A fork of ``state`` that holds its first ``tokens`` tokens."""
-    fork = state.fork()
-    try:
-        if len(fork.tokens) > tokens:
-            fork.crop(len(fork.tokens) - tokens)
-    except BaseException:
-        fork.release()
-        raise
-    return fork
 
 
 def _stop_if(cancelled: Cancel, _tokens: int) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -188,3 +189,30 @@ class SparseState(_Releasable):
     def release(self) -> None:
         self.released = True
         self.seq.release(keep=self.engine.manager.has_store)
+
+
+def covers(state: KVState, ids: list[int]) -> int:
+    """How many tokens of ``ids`` a fork of ``state`` can start from: all of its tokens where they start
+    ``ids``; in dense mode, also the tokens it shares with ``ids`` before they differ (the fork crops
+    the rest: a stopped answer whose text comes back tokenized otherwise). At least one token of ``ids``
+    is left to compute, for its logits."""
+    tokens = state.tokens
+    if len(tokens) < len(ids) and ids[:len(tokens)] == tokens:
+        return len(tokens)
+    if state.mode != "dense":                 # (a sparse state crops only within its window)
+        return 0
+    n = min(len(tokens), len(ids) - 1)
+    differ = np.flatnonzero(np.asarray(tokens[:n]) != np.asarray(ids[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+def fork_at(state: KVState, tokens: int) -> KVState:
+    """A fork of ``state`` that holds its first ``tokens`` tokens."""
+    fork = state.fork()
+    try:
+        if len(fork.tokens) > tokens:
+            fork.crop(len(fork.tokens) - tokens)
+    except BaseException:
+        fork.release()
+        raise
+    return fork
