@@ -38,11 +38,13 @@ demo: $(STAMP)
 # Two pytest workers: most of the suite's time is one thread's (imports, model loads, subprocesses, the
 # manager's loop), so two of them share two cores (6-8.5 minutes against 12.3 in one process there).
 # The tests marked serial time real waits against a model and run alone after the rest; the two local
-# Ray clusters share one worker (their xdist group).
+# Ray clusters share one worker (their xdist group). OMP_WAIT_POLICY=PASSIVE: each worker's (and each
+# subprocess's) torch threads sleep between parallel regions instead of spinning, which on two shared
+# cores took the time the other worker needed (a quarter of the parallel run's wall time).
 test: $(STAMP)
 	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; } \
 		|| { echo "redis-server is needed by the tests: apt-get install redis-server" >&2; exit 1; }
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'not serial'
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'not serial'
 	$(BIN)/python -m pytest -q -m serial
 
 clean:
