@@ -110,6 +110,70 @@ def test_a_stopped_answer_and_a_request_sent_again_go_on_from_the_state_they_lef
 
 
 @pytest.mark.model
+def test_threads_sharing_a_session_get_the_answers_each_gets_alone(smollm2, tmp_path, monkeypatch):
+    """A turn that chose a kept conversation forks it while another thread's answer ends and pushes that
+    conversation out (``max_states=1``): the fork raised "this dense state was released"; the other answer
+    now waits for it. Streams read side by side from four threads give the answers each gets alone."""
+    import tierkv.session.session as module
+    config = SessionConfig.of(model="smollm2", nvme_dir=tmp_path / "store", mode="dense", **SMALL)
+    with Session(config, loaded=smollm2, max_states=1) as session:
+        session.read(DOC)
+        asked = [{"role": "user", "content": DOC}, {"role": "user", "content": "Tell me about the bakery."}]
+        first = session.chat(asked, max_new_tokens=6)
+        turn = [*asked, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Where is it?"}]
+        other = [asked[0], {"role": "user", "content": "Who founded it?"}]
+        questions = ["Who met Bob?", "What bread is it famous for?", "Where is the second shop?", "When?"]
+        with session.fork() as alone:
+            want = {name: alone.chat(messages, max_new_tokens=6).tokens for name, messages in
+                    (("turn", turn), ("other", other))}
+            want |= {q: alone.ask(q, max_new_tokens=8).tokens for q in questions}
+
+        real_fork_at, forking, ended = module.fork_at, threading.Event(), threading.Event()
+
+        def slow_fork_at(state, tokens):
+            if threading.current_thread() is later:    # the other answer ends meanwhile, where nothing stops it
+                forking.set()
+                ended.wait(3)
+            return real_fork_at(state, tokens)
+
+        monkeypatch.setattr(module, "fork_at", slow_fork_at)
+        got, errors = {}, []
+
+        def answer(name, request):
+            try:
+                got[name] = request()
+            except Exception as error:          # noqa: BLE001 - the test reports it
+                errors.append(error)
+
+        later = threading.Thread(target=answer, args=("turn", lambda: session.chat(turn, max_new_tokens=6)))
+        later.start()
+        assert forking.wait(60)
+        answer("other", lambda: session.chat(other, max_new_tokens=6))
+        ended.set()
+        later.join()
+        assert not errors, errors
+        assert got["turn"].tokens == want["turn"] and got["other"].tokens == want["other"]
+        assert got["turn"].reused_tokens > first.prompt_tokens     # it went on from the kept conversation
+
+        def streamed(question):
+            def read():
+                stream = session.ask(question, stream=True, max_new_tokens=8)
+                "".join(stream)
+                return stream.answer
+            return read
+
+        threads = [threading.Thread(target=answer, args=(q, streamed(q))) for q in questions]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert {q: got[q].tokens for q in questions} == {q: want[q] for q in questions}
+        assert session._turns.answering == 0
+        assert_only_documents_held(session)
+
+
+@pytest.mark.model
 def test_a_turn_after_its_conversation_was_let_go_of_finds_its_blocks_stored(smollm2, tmp_path):
     """A conversation the session no longer holds (``max_states=0`` here; a busy server's turns push
     each other out) is stored: its next turn, which goes on from the document's state, adopts the

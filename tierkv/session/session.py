@@ -19,7 +19,10 @@ the document's tokens are a prefix of every question's prompt::
 
 Dense mode reuses whole stored blocks; sparse mode the stored index of the prefix. The mode
 is chosen per prompt (``EngineSettings.mode``: auto is sparse past the trained window).
-A session is not thread-safe: one request at a time (``tierkv serve`` queues them).
+A session (and its forks) may be shared by threads. Each request computes on a fork of its own;
+choosing and computing a prompt's state, keeping it and letting it go run one request at a time,
+and the decode steps of answers run side by side (on a CPU they share its cores). Answers generated
+side by side share one record of transfers: each one's ``stall_s`` counts the waits of those beside it.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import functools
 import logging
 import numbers
 import sys
+import threading
 import time
 from dataclasses import replace
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +62,16 @@ class Cancelled(TierKVError):
 
 
 Cancel = Callable[[], bool]
+
+
+class _Turns:
+    """What a session and its forks share between threads: one lock over choosing, making, keeping and
+    letting go of states, and the answers being generated (the last to end clears the transfer events
+    they record into)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.answering = 0
 
 
 class Session:
@@ -92,6 +106,7 @@ class Session:
         self.closed = False
         self._opener: Session | None = None             # a fork's: the session whose backends it shares
         self._made_as = id(self)                        # the session that opened the backends (not a copy of it)
+        self._turns = _Turns()                          # (shared with its forks, as the backends are)
 
     @classmethod
     def open(cls, model: str = "smollm2", *, loaded: LoadedModel | None = None, **settings: Any) -> Session:
@@ -135,10 +150,11 @@ class Session:
         self._check_open()
         ids = document_token_ids(ids, self.loaded.spec.vocab)
         start = time.perf_counter()
-        old, self.document, self._messages, self.document_reused = self.document, None, [], 0
-        if old is not None:
-            old.release()
-        self.document, self.document_reused = self._prefix_state(ids, progress)
+        with self._turns.lock:
+            old, self.document, self._messages, self.document_reused = self.document, None, [], 0
+            if old is not None:
+                old.release()
+            self.document, self.document_reused = self._prefix_state(ids, progress)
         self.document_s = time.perf_counter() - start
         return len(ids)
 
@@ -188,18 +204,20 @@ class Session:
         twin = Session.__new__(Session)
         twin.__dict__.update(self.__dict__)
         twin._opener, twin.document, twin._states = self._opener or self, None, []   # before anything can fail:
-        twin.document = None if self.document is None else self.document.fork()    # a twin is never an opener
+        with self._turns.lock:                                                      # a twin is never an opener
+            twin.document = None if self.document is None else self.document.fork()
         twin._messages = list(self._messages)
         return twin
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
         """Let go of every state; the backends close with the session that opened them (not a fork)."""
-        if self.closed:
-            return
-        self.closed = True
-        held = [*self._states, *([self.document] if self.document is not None else [])]
-        self._states, self.document = [], None
+        with self._turns.lock:             # (a prompt another thread is computing ends first)
+            if self.closed:
+                return
+            self.closed = True
+            held = [*self._states, *([self.document] if self.document is not None else [])]
+            self._states, self.document = [], None
         if self._opener is not None and self._opener.closed:
             return                       # its tiers closed with the session it was forked from, and all in them
         failed: list[Exception] = []
@@ -243,9 +261,10 @@ class Session:
     def backend(self, mode: str) -> Backend:
         """The engine and tiers of ``mode`` (dense, sparse), made on first use."""
         self._check_open()
-        if mode not in self.backends:
-            self.backends[mode] = open_backend(mode, self.config, self.loaded, record_access=self.record_access)
-        return self.backends[mode]
+        with self._turns.lock:                           # (two threads' first requests open it once)
+            if mode not in self.backends:
+                self.backends[mode] = open_backend(mode, self.config, self.loaded, record_access=self.record_access)
+            return self.backends[mode]
 
     # -- the request path -----------------------------------------------------------------------------------
     def _respond(self, ids: list[int], prefix: list[int], sampling: Sampling, stream: bool, keep: bool,
@@ -260,10 +279,12 @@ class Session:
         check_length(ids, self.max_prompt_tokens)
         progress = None if cancelled is None else functools.partial(_stop_if, cancelled)
         prompted = time.perf_counter()
-        answer, state, logits = self._prompted(ids, prefix, progress, reach=len(ids) + sampling.max_new_tokens)
-        self.last_mode = state.mode
-        self.backend(state.mode).events.record(      # the prompt's own pass: in the profile's prefill phase
-            Event(EventKind.PREFILL, "", "", None, 0, prompted, prompted, time.perf_counter()))
+        with self._turns.lock:
+            answer, state, logits = self._prompted(ids, prefix, progress, reach=len(ids) + sampling.max_new_tokens)
+            self.last_mode = state.mode
+            self.backend(state.mode).events.record(      # the prompt's own pass: in the profile's prefill phase
+                Event(EventKind.PREFILL, "", "", None, 0, prompted, prompted, time.perf_counter()))
+            self._turns.answering += 1                   # (one _settle of this answer counts it out)
         sampling = self._drafts(sampling, state.mode)
         first = state.computed_from if answer.computed_from is None else min(answer.computed_from, state.computed_from)
         answer.reused_tokens = first          # prompt tokens whose KV this answer did not compute
@@ -335,16 +356,18 @@ class Session:
         """An answer over: its state kept for the next turn (``keep``), or let go. After
         the session closed (a stream dropped late) there is nothing to do: its tiers went with it; nor as
         the interpreter exits (a stream left unfinished and unclosed), when the tiers' thread no longer runs."""
-        if self.closed or (self._opener is not None and self._opener.closed) or sys.is_finalizing():
-            return
-        backend = self.backend(state.mode)
-        answer.report = backend.report(state)
-        if keep:                              # (a stopped answer too: the next turn goes on from its text)
-            self._keep(state)
-        else:
-            state.release()
-        if not self.keep_events:
-            backend.events.clear()
+        with self._turns.lock:
+            self._turns.answering -= 1
+            if self.closed or (self._opener is not None and self._opener.closed) or sys.is_finalizing():
+                return
+            backend = self.backend(state.mode)
+            answer.report = backend.report(state)
+            if keep:                          # (a stopped answer too: the next turn goes on from its text)
+                self._keep(state)
+            else:
+                state.release()
+            if not self.keep_events and not self._turns.answering:   # (those beside it still count theirs)
+                backend.events.clear()
 
     def _branch(self, ids: list[int], prefix: list[int], answer: Answer, progress: Progress | None,
                 reach: int) -> tuple[KVState, int]:
@@ -401,10 +424,11 @@ class Session:
 
     def _unkeep(self, state: KVState) -> None:
         """Let go of a state kept for the next turn (where it still is)."""
-        gone = self.closed or (self._opener is not None and self._opener.closed) or sys.is_finalizing()
-        if state in self._states and not gone:        # (after the tiers closed, there is nothing to let go of)
-            self._states.remove(state)
-            state.release()
+        with self._turns.lock:
+            gone = self.closed or (self._opener is not None and self._opener.closed) or sys.is_finalizing()
+            if state in self._states and not gone:    # (after the tiers closed, there is nothing to let go of)
+                self._states.remove(state)
+                state.release()
 
     def _keep(self, state: KVState) -> None:
         self._states.append(state)
