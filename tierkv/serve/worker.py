@@ -1,9 +1,10 @@
 """The one thread that runs requests, in arrival order, on the server's session.
 
-One request runs at a time: a decode step keeps every core busy (attention and the weights
-stream through the same caches), the engines step one sequence at a time, and the tiers'
-budgets are the server's as a whole; a second request interleaved token by token would slow
-both without finishing either sooner. Others wait in a bounded queue (a full queue is a 503)::
+One request runs at a time: the tiers' budgets are the server's as a whole, and a server without
+a store must hold a whole prompt's KV in them (``TiersTooSmall``). Answers decoded side by side
+on the session's forks would give more tokens a second in all (1.1-1.3x on two cores,
+``bench/threads.py``), each one later, but they would share those budgets; the server does not
+take that yet. Others wait in a bounded queue (a full queue is a 503)::
 
     HTTP handler (event loop)            worker thread
     submit(job) ──queue──▶               session.chat / complete, stream=True
