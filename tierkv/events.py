@@ -89,6 +89,13 @@ class EventRecorder:
     def clear(self) -> None:
         self.events.clear()
 
+    def drop_before(self, moment: float) -> None:
+        """Drop the events that ended before ``moment`` (perf_counter seconds; all of them at infinity),
+        in place: other threads record on meanwhile."""
+        events = self.events
+        n = next((i for i, e in enumerate(events) if e.done >= moment), len(events))
+        del events[:n]
+
     def of_kind(self, *kinds: EventKind | str) -> list[Event]:
         return [e for e in self.events if e.kind in kinds]
 

@@ -113,7 +113,10 @@ def test_a_stopped_answer_and_a_request_sent_again_go_on_from_the_state_they_lef
 def test_threads_sharing_a_session_get_the_answers_each_gets_alone(smollm2, tmp_path, monkeypatch):
     """A turn that chose a kept conversation forks it while another thread's answer ends and pushes that
     conversation out (``max_states=1``): the fork raised "this dense state was released"; the other answer
-    now waits for it. Streams read side by side from four threads give the answers each gets alone."""
+    now waits for it. Streams read side by side from four threads give the answers each gets alone. A fork
+    closed while its answer streams lets go of that answer's state as the stream closes (it kept it), as
+    does a stream closed through ``iter()`` before its first piece; a question asked while another thread
+    reads a new document waits for it (it raised "read a document first")."""
     import tierkv.session.session as module
     config = SessionConfig.of(model="smollm2", nvme_dir=tmp_path / "store", mode="dense", **SMALL)
     with Session(config, loaded=smollm2, max_states=1) as session:
@@ -131,7 +134,7 @@ def test_threads_sharing_a_session_get_the_answers_each_gets_alone(smollm2, tmp_
         real_fork_at, forking, ended = module.fork_at, threading.Event(), threading.Event()
 
         def slow_fork_at(state, tokens):
-            if threading.current_thread() is later:    # the other answer ends meanwhile, where nothing stops it
+            if threading.current_thread() is later:    # without the session's lock the other answer ends meanwhile
                 forking.set()
                 ended.wait(3)
             return real_fork_at(state, tokens)
@@ -169,8 +172,36 @@ def test_threads_sharing_a_session_get_the_answers_each_gets_alone(smollm2, tmp_
             thread.join()
         assert not errors, errors
         assert {q: got[q].tokens for q in questions} == {q: want[q] for q in questions}
-        assert session._turns.answering == 0
+        assert not session._turns.answering
         assert_only_documents_held(session)
+
+        released, real_release = [], DenseState.release
+        monkeypatch.setattr(DenseState, "release", lambda state: (released.append(state), real_release(state))[1])
+        fork = session.fork()
+        stream = fork.ask(questions[0], stream=True, max_new_tokens=8)
+        next(stream)
+        fork.close()                            # (another thread's, say) while its answer runs
+        before = len(released)
+        stream.close()
+        assert len(released) == before + 1 and not session._turns.answering   # its answer's state let go of
+        unread = session.ask(questions[0], stream=True, max_new_tokens=8)
+        iter(unread).close()                    # closed through what iter() gave, before its first piece
+        assert len(released) == before + 2 and not session._turns.answering
+
+        reading = threading.Event()
+
+        def read_slowly(tokens: int) -> None:
+            reading.set()
+            threading.Event().wait(0.5)
+
+        changed = DOC + "A new line.\n"
+        reader = threading.Thread(target=answer, args=("read", lambda: session.read(changed, progress=read_slowly)))
+        reader.start()
+        assert reading.wait(60)
+        asked_meanwhile = session.ask(questions[1], max_new_tokens=2)  # it raised "read a document first"
+        reader.join()
+        assert not errors, errors
+        assert asked_meanwhile.prompt_tokens > len(session.document_ids(changed))    # asked of the new document
 
 
 @pytest.mark.model

@@ -135,7 +135,6 @@ def generate(state: KVState, logits: Tensor, answer: Answer, sampling: Sampling,
              events: EventRecorder, cancelled: Callable[[], bool] = lambda: False) -> Iterator[str]:
     """Text pieces of the answer that follows ``logits``; fills ``answer`` as it goes."""
     shown, start = "", time.perf_counter()
-    first_event = len(events.events)
     tokens = _speculative(state, logits, sampling.draft_tokens, answer, events) if sampling.draft_tokens else \
         _one_by_one(state, logits, sampling.sampler(), events)
     try:
@@ -161,7 +160,8 @@ def generate(state: KVState, logits: Tensor, answer: Answer, sampling: Sampling,
     finally:
         tokens.close()
         answer.decode_s = time.perf_counter() - start
-        answer.stall_s = sum(e.done - e.start for e in events.events[first_event:] if e.kind == EventKind.WAIT)
+        answer.stall_s = sum(e.done - e.start for e in list(events.events)   # (waits are on the decoding threads)
+                             if e.kind == EventKind.WAIT and e.start >= start)
     if len(answer.text) > len(shown):
         yield answer.text[len(shown):]
 

@@ -23,6 +23,8 @@ A session (and its forks) may be shared by threads. Each request computes on a f
 choosing and computing a prompt's state, keeping it and letting it go run one request at a time,
 and the decode steps of answers run side by side (on a CPU they share its cores). Answers generated
 side by side share one record of transfers: each one's ``stall_s`` counts the waits of those beside it.
+A ``progress`` or ``cancelled`` function runs while its request holds the session: one that waits
+for another thread's request on the same session waits for ever.
 """
 from __future__ import annotations
 
@@ -66,12 +68,12 @@ Cancel = Callable[[], bool]
 
 class _Turns:
     """What a session and its forks share between threads: one lock over choosing, making, keeping and
-    letting go of states, and the answers being generated (the last to end clears the transfer events
-    they record into)."""
+    letting go of states, and when each answer being generated began (an answer ending drops the
+    transfer events recorded before the earliest of them)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.answering = 0
+        self.answering: dict[int, float] = {}     # id(Answer) -> when its request's prompt began
 
 
 class Session:
@@ -128,9 +130,7 @@ class Session:
         if not text.strip():
             raise ConfigError("the document is empty")
         check_text(text, "the document")
-        count = self._take_in(self.document_ids(text), progress)
-        self._messages = [{"role": "user", "content": text}]
-        return count
+        return self._take_in(self.document_ids(text), progress, [{"role": "user", "content": text}])
 
     def document_ids(self, text: str) -> list[int]:
         """The tokens ``read(text)`` takes in: the document as the first user message."""
@@ -139,14 +139,12 @@ class Session:
     def read_ids(self, ids: Sequence[int], *, progress: Progress | None = None) -> int:
         """``read`` for token ids (a prompt built by hand). Prompts that start with them (``complete``,
         ``chat``) go on from their state; ``ask`` needs a document's text to put a question after."""
-        count = self._take_in(ids, progress)
-        self._messages = []
-        return count
+        return self._take_in(ids, progress, [])
 
-    def _take_in(self, ids: Sequence[int], progress: Progress | None) -> int:
-        """The document's state made from ``ids``. The one before is let go of first (the tiers may
-        hold one of them, not both); where the new one fails, the session holds none, so that no
-        question is asked of a document whose KV is gone."""
+    def _take_in(self, ids: Sequence[int], progress: Progress | None, messages: list[Message]) -> int:
+        """The document's state made from ``ids`` (``messages``: the document's, for ``ask``). The one
+        before is let go of first (the tiers may hold one of them, not both); where the new one fails,
+        the session holds none, so that no question is asked of a document whose KV is gone."""
         self._check_open()
         ids = document_token_ids(ids, self.loaded.spec.vocab)
         start = time.perf_counter()
@@ -155,6 +153,7 @@ class Session:
             if old is not None:
                 old.release()
             self.document, self.document_reused = self._prefix_state(ids, progress)
+            self._messages = messages
         self.document_s = time.perf_counter() - start
         return len(ids)
 
@@ -165,15 +164,17 @@ class Session:
         (of every request call): asked as the prompt is computed and at every token; once it is true
         the answer stops (``Cancelled`` while the prompt is computed, ``finish_reason`` "cancelled" after)."""
         self._check_open()
-        if self.document is None:
-            raise TierKVError("read a document first: session.read(Path(file)) or session.read(text)")
-        if not self._messages:
-            raise TierKVError("the document was read as token ids (read_ids), and ask() puts a question after a "
-                              "document's text: read(text) instead, or complete() a prompt that starts with the ids")
         if not isinstance(question, str) or not question.strip():
             raise ConfigError(f"question={question!r}: ask something (a non-empty string)")
-        return self._chat([*self._messages, {"role": "user", "content": question}], stream, sampling, keep=False,
-                          cancelled=cancelled)
+        with self._turns.lock:                 # (a document another thread is reading: asked of once it is in)
+            if self.document is None:
+                raise TierKVError("read a document first: session.read(Path(file)) or session.read(text)")
+            if not self._messages:
+                raise TierKVError("the document was read as token ids (read_ids), and ask() puts a question after "
+                                  "a document's text: read(text) instead, or complete() a prompt that starts with "
+                                  "the ids")
+            messages = [*self._messages, {"role": "user", "content": question}]
+        return self._chat(messages, stream, sampling, keep=False, cancelled=cancelled)
 
     def chat(self, messages: Sequence[Message], *, stream: bool = False, cancelled: Cancel | None = None,
              **sampling: Any) -> Answer | Stream:
@@ -206,7 +207,7 @@ class Session:
         twin._opener, twin.document, twin._states = self._opener or self, None, []   # before anything can fail:
         with self._turns.lock:                                                      # a twin is never an opener
             twin.document = None if self.document is None else self.document.fork()
-        twin._messages = list(self._messages)
+            twin._messages = list(self._messages)
         return twin
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -282,14 +283,14 @@ class Session:
         with self._turns.lock:
             answer, state, logits = self._prompted(ids, prefix, progress, reach=len(ids) + sampling.max_new_tokens)
             self.last_mode = state.mode
-            self.backend(state.mode).events.record(      # the prompt's own pass: in the profile's prefill phase
+            backend = self.backend(state.mode)
+            backend.events.record(                       # the prompt's own pass: in the profile's prefill phase
                 Event(EventKind.PREFILL, "", "", None, 0, prompted, prompted, time.perf_counter()))
-            self._turns.answering += 1                   # (one _settle of this answer counts it out)
+            self._turns.answering[id(answer)] = prompted  # (its _settle counts it out: nothing here fails after)
         sampling = self._drafts(sampling, state.mode)
         first = state.computed_from if answer.computed_from is None else min(answer.computed_from, state.computed_from)
         answer.reused_tokens = first          # prompt tokens whose KV this answer did not compute
         answer.ttft_s = time.perf_counter() - start
-        backend = self.backend(state.mode)
         pieces = self._finish(state, generate(state, logits, answer, sampling, tokenizer=self.loaded.tokenizer,
                                               eos=backend.eos, events=backend.events,
                                               cancelled=cancelled or (lambda: False)), answer, keep)
@@ -357,8 +358,12 @@ class Session:
         the session closed (a stream dropped late) there is nothing to do: its tiers went with it; nor as
         the interpreter exits (a stream left unfinished and unclosed), when the tiers' thread no longer runs."""
         with self._turns.lock:
-            self._turns.answering -= 1
-            if self.closed or (self._opener is not None and self._opener.closed) or sys.is_finalizing():
+            answering = self._turns.answering
+            answering.pop(id(answer), None)
+            if (self._opener or self).closed or sys.is_finalizing():
+                return
+            if self.closed:                   # a fork closed meanwhile: its tiers are its opener's, still open
+                state.release()
                 return
             backend = self.backend(state.mode)
             answer.report = backend.report(state)
@@ -366,8 +371,8 @@ class Session:
                 self._keep(state)
             else:
                 state.release()
-            if not self.keep_events and not self._turns.answering:   # (those beside it still count theirs)
-                backend.events.clear()
+            if not self.keep_events:          # (what the answers still running recorded stays: their stalls)
+                backend.events.drop_before(min(answering.values(), default=float("inf")))
 
     def _branch(self, ids: list[int], prefix: list[int], answer: Answer, progress: Progress | None,
                 reach: int) -> tuple[KVState, int]:

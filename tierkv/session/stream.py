@@ -22,7 +22,7 @@ class Stream:
         self._pieces, self.answer, self._unstarted, self._stopped = pieces, answer, unstarted, stopped
 
     def __iter__(self) -> Iterator[str]:
-        return self._pieces
+        return self                     # (closing what iter() gave closes the stream, and lets go of its state)
 
     def __next__(self) -> str:
         return next(self._pieces)
