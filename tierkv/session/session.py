@@ -354,9 +354,10 @@ class Session:
             self._settle(state, answer, keep and whole)
 
     def _settle(self, state: KVState, answer: Answer, keep: bool) -> None:
-        """An answer over: its state kept for the next turn (``keep``), or let go. After
-        the session closed (a stream dropped late) there is nothing to do: its tiers went with it; nor as
-        the interpreter exits (a stream left unfinished and unclosed), when the tiers' thread no longer runs."""
+        """An answer over: its state kept for the next turn (``keep``), or let go. After the tiers closed
+        (with the session, or the one a fork was made from: a stream dropped late) there is nothing to do;
+        nor as the interpreter exits (a stream left unfinished and unclosed), when the tiers' thread no
+        longer runs. A fork closed meanwhile lets go of the state: its tiers are still open."""
         with self._turns.lock:
             answering = self._turns.answering
             answering.pop(id(answer), None)
