@@ -188,7 +188,7 @@ def test_threads_sharing_a_session_get_the_answers_each_gets_alone(smollm2, tmp_
         iter(unread).close()                    # closed through what iter() gave, before its first piece
         assert len(released) == before + 2 and not session._turns.answering
 
-        reading = threading.Event()
+        reading, old_prompt = threading.Event(), session.ask(questions[1], max_new_tokens=1).prompt_tokens
 
         def read_slowly(tokens: int) -> None:
             reading.set()
@@ -201,7 +201,8 @@ def test_threads_sharing_a_session_get_the_answers_each_gets_alone(smollm2, tmp_
         asked_meanwhile = session.ask(questions[1], max_new_tokens=2)  # it raised "read a document first"
         reader.join()
         assert not errors, errors
-        assert asked_meanwhile.prompt_tokens > len(session.document_ids(changed))    # asked of the new document
+        assert asked_meanwhile.prompt_tokens == session.ask(questions[1], max_new_tokens=1).prompt_tokens > \
+            old_prompt                                          # asked of the new document, not the old
 
 
 @pytest.mark.model

@@ -160,10 +160,22 @@ def generate(state: KVState, logits: Tensor, answer: Answer, sampling: Sampling,
     finally:
         tokens.close()
         answer.decode_s = time.perf_counter() - start
-        answer.stall_s = sum(e.done - e.start for e in list(events.events)   # (waits are on the decoding threads)
-                             if e.kind == EventKind.WAIT and e.start >= start)
+        answer.stall_s = _waited_since(events, start)
     if len(answer.text) > len(shown):
         yield answer.text[len(shown):]
+
+
+def _waited_since(events: EventRecorder, start: float) -> float:
+    """Seconds of the waits that began at ``start`` or later (other threads' answers record theirs in
+    the same record). Events are recorded as they end, so the walk goes from the newest back and stops
+    at one that ended a second before ``start``."""
+    waited = 0.0
+    for e in reversed(list(events.events)):
+        if e.done < start - 1.0:
+            break
+        if e.kind == EventKind.WAIT and e.start >= start:
+            waited += e.done - e.start
+    return waited
 
 
 def _one_by_one(state: KVState, logits: Tensor, choose: Callable[[Tensor], int],

@@ -286,7 +286,6 @@ class Session:
             backend = self.backend(state.mode)
             backend.events.record(                       # the prompt's own pass: in the profile's prefill phase
                 Event(EventKind.PREFILL, "", "", None, 0, prompted, prompted, time.perf_counter()))
-            self._turns.answering[id(answer)] = prompted  # (its _settle counts it out: nothing here fails after)
         sampling = self._drafts(sampling, state.mode)
         first = state.computed_from if answer.computed_from is None else min(answer.computed_from, state.computed_from)
         answer.reused_tokens = first          # prompt tokens whose KV this answer did not compute
@@ -294,6 +293,8 @@ class Session:
         pieces = self._finish(state, generate(state, logits, answer, sampling, tokenizer=self.loaded.tokenizer,
                                               eos=backend.eos, events=backend.events,
                                               cancelled=cancelled or (lambda: False)), answer, keep)
+        with self._turns.lock:
+            self._turns.answering[id(answer)] = prompted   # (from here its _settle counts it out)
         if stream:
             return Stream(pieces, answer, functools.partial(self._settle, state, answer, False),
                           functools.partial(self._unkeep, state))
@@ -365,15 +366,14 @@ class Session:
                 return
             if self.closed:                   # a fork closed meanwhile: its tiers are its opener's, still open
                 state.release()
-                return
-            backend = self.backend(state.mode)
-            answer.report = backend.report(state)
-            if keep:                          # (a stopped answer too: the next turn goes on from its text)
-                self._keep(state)
             else:
-                state.release()
+                answer.report = self.backend(state.mode).report(state)
+                if keep:                      # (a stopped answer too: the next turn goes on from its text)
+                    self._keep(state)
+                else:
+                    state.release()
             if not self.keep_events:          # (what the answers still running recorded stays: their stalls)
-                backend.events.drop_before(min(answering.values(), default=float("inf")))
+                self.backends[state.mode].events.drop_before(min(answering.values(), default=float("inf")))
 
     def _branch(self, ids: list[int], prefix: list[int], answer: Answer, progress: Progress | None,
                 reach: int) -> tuple[KVState, int]:
