@@ -19,12 +19,10 @@ the document's tokens are a prefix of every question's prompt::
 
 Dense mode reuses whole stored blocks; sparse mode the stored index of the prefix. The mode
 is chosen per prompt (``EngineSettings.mode``: auto is sparse past the trained window).
-A session (and its forks) may be shared by threads. Each request computes on a fork of its own;
-choosing and computing a prompt's state, keeping it and letting it go run one request at a time,
-and the decode steps of answers run side by side (on a CPU they share its cores). Answers generated
-side by side share one record of transfers: each one's ``stall_s`` counts the waits of those beside it.
-A ``progress`` or ``cancelled`` function runs while its request holds the session: one that waits
-for another thread's request on the same session waits for ever.
+Threads may share a session and its forks: prompts are computed one request at a time, answers
+decode side by side on forks of their own (each one's ``stall_s`` counts the waits of those beside
+it). A ``progress`` or ``cancelled`` function runs while its request holds the session: one that
+waits for another thread's request on the same session waits for ever.
 """
 from __future__ import annotations
 
@@ -66,16 +64,6 @@ class Cancelled(TierKVError):
 Cancel = Callable[[], bool]
 
 
-class _Turns:
-    """What a session and its forks share between threads: one lock over choosing, making, keeping and
-    letting go of states, and when each answer being generated began (an answer ending drops the
-    transfer events recorded before the earliest of them)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.answering: dict[int, float] = {}     # id(Answer) -> when its request's prompt began
-
-
 class Session:
     def __init__(self, config: SessionConfig = SessionConfig(), *, loaded: LoadedModel | None = None,
                  keep_events: bool = False, record_access: bool = False, max_states: int = 4,
@@ -108,7 +96,10 @@ class Session:
         self.closed = False
         self._opener: Session | None = None             # a fork's: the session whose backends it shares
         self._made_as = id(self)                        # the session that opened the backends (not a copy of it)
-        self._turns = _Turns()                          # (shared with its forks, as the backends are)
+        # shared with its forks, as the backends are: one lock over choosing, making, keeping and letting go
+        # of states; when each answer being generated began (one ending drops the events before the earliest)
+        self._lock = threading.RLock()
+        self._answering: dict[int, float] = {}          # id(Answer) -> when its request's prompt began
 
     @classmethod
     def open(cls, model: str = "smollm2", *, loaded: LoadedModel | None = None, **settings: Any) -> Session:
@@ -148,7 +139,7 @@ class Session:
         self._check_open()
         ids = document_token_ids(ids, self.loaded.spec.vocab)
         start = time.perf_counter()
-        with self._turns.lock:
+        with self._lock:
             old, self.document, self._messages, self.document_reused = self.document, None, [], 0
             if old is not None:
                 old.release()
@@ -166,7 +157,7 @@ class Session:
         self._check_open()
         if not isinstance(question, str) or not question.strip():
             raise ConfigError(f"question={question!r}: ask something (a non-empty string)")
-        with self._turns.lock:                 # (a document another thread is reading: asked of once it is in)
+        with self._lock:                 # (a document another thread is reading: asked of once it is in)
             if self.document is None:
                 raise TierKVError("read a document first: session.read(Path(file)) or session.read(text)")
             if not self._messages:
@@ -205,7 +196,7 @@ class Session:
         twin = Session.__new__(Session)
         twin.__dict__.update(self.__dict__)
         twin._opener, twin.document, twin._states = self._opener or self, None, []   # before anything can fail:
-        with self._turns.lock:                                                      # a twin is never an opener
+        with self._lock:                                                      # a twin is never an opener
             twin.document = None if self.document is None else self.document.fork()
             twin._messages = list(self._messages)
         return twin
@@ -213,7 +204,7 @@ class Session:
     # -- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
         """Let go of every state; the backends close with the session that opened them (not a fork)."""
-        with self._turns.lock:             # (a prompt another thread is computing ends first)
+        with self._lock:             # (a prompt another thread is computing ends first)
             if self.closed:
                 return
             self.closed = True
@@ -262,7 +253,7 @@ class Session:
     def backend(self, mode: str) -> Backend:
         """The engine and tiers of ``mode`` (dense, sparse), made on first use."""
         self._check_open()
-        with self._turns.lock:                           # (two threads' first requests open it once)
+        with self._lock:                           # (two threads' first requests open it once)
             if mode not in self.backends:
                 self.backends[mode] = open_backend(mode, self.config, self.loaded, record_access=self.record_access)
             return self.backends[mode]
@@ -280,7 +271,7 @@ class Session:
         check_length(ids, self.max_prompt_tokens)
         progress = None if cancelled is None else functools.partial(_stop_if, cancelled)
         prompted = time.perf_counter()
-        with self._turns.lock:
+        with self._lock:
             answer, state, logits = self._prompted(ids, prefix, progress, reach=len(ids) + sampling.max_new_tokens)
             self.last_mode = state.mode
             backend = self.backend(state.mode)
@@ -293,8 +284,8 @@ class Session:
         pieces = self._finish(state, generate(state, logits, answer, sampling, tokenizer=self.loaded.tokenizer,
                                               eos=backend.eos, events=backend.events,
                                               cancelled=cancelled or (lambda: False)), answer, keep)
-        with self._turns.lock:
-            self._turns.answering[id(answer)] = prompted   # (from here its _settle counts it out)
+        with self._lock:
+            self._answering[id(answer)] = prompted   # (from here its _settle counts it out)
         if stream:
             return Stream(pieces, answer, functools.partial(self._settle, state, answer, False),
                           functools.partial(self._unkeep, state))
@@ -359,8 +350,8 @@ class Session:
         (with the session, or the one a fork was made from: a stream dropped late) there is nothing to do;
         nor as the interpreter exits (a stream left unfinished and unclosed), when the tiers' thread no
         longer runs. A fork closed meanwhile lets go of the state: its tiers are still open."""
-        with self._turns.lock:
-            answering = self._turns.answering
+        with self._lock:
+            answering = self._answering
             answering.pop(id(answer), None)
             if (self._opener or self).closed or sys.is_finalizing():
                 return
@@ -430,7 +421,7 @@ class Session:
 
     def _unkeep(self, state: KVState) -> None:
         """Let go of a state kept for the next turn (where it still is)."""
-        with self._turns.lock:
+        with self._lock:
             gone = self.closed or (self._opener is not None and self._opener.closed) or sys.is_finalizing()
             if state in self._states and not gone:    # (after the tiers closed, there is nothing to let go of)
                 self._states.remove(state)
