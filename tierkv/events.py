@@ -9,6 +9,7 @@ stall = time compute waited on a transfer. Recording is an append to a list
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -71,30 +72,33 @@ class Event:
 
 
 class EventRecorder:
-    """Collects events; ``enabled=False`` makes recording a no-op."""
+    """Collects events; ``enabled=False`` makes recording a no-op. The seconds each thread waited are
+    counted apart, recording or not (`waited`): answers decoded side by side each take their own stall."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.events: list[Event] = []
         self.origin = time.perf_counter()
+        self._waited: dict[int, float] = {}     # thread ident -> seconds; each written only while it waits
 
     def record(self, event: Event) -> None:
         if self.enabled:
             self.events.append(event)
 
-    def wait(self, src: str, dst: str, layer: int | None, nbytes: int, start: float, blocks: int = 1) -> None:
+    def wait(self, src: str, dst: str, layer: int | None, nbytes: int, start: float, blocks: int = 1, *,
+             thread: int | None = None) -> None:
+        """A wait from ``start`` to now, of ``thread`` (its ident; the calling thread's by default)."""
         now = time.perf_counter()
+        thread = threading.get_ident() if thread is None else thread
+        self._waited[thread] = self._waited.get(thread, 0.0) + (now - start)
         self.record(Event(EventKind.WAIT, src, dst, layer, nbytes, start, start, now, blocks))
+
+    def waited(self) -> float:
+        """Seconds the calling thread has waited on transfers, in all (take differences)."""
+        return self._waited.get(threading.get_ident(), 0.0)
 
     def clear(self) -> None:
         self.events.clear()
-
-    def drop_before(self, moment: float) -> None:
-        """Drop the events that ended before ``moment`` (perf_counter seconds; all of them at infinity),
-        in place: other threads record on meanwhile."""
-        events = self.events
-        n = next((i for i, e in enumerate(events) if e.done >= moment), len(events))
-        del events[:n]
 
     def of_kind(self, *kinds: EventKind | str) -> list[Event]:
         return [e for e in self.events if e.kind in kinds]

@@ -223,6 +223,31 @@ async def test_events_and_waits_are_recorded(knobs):
         assert m.events.of_kind("wait")[0].nbytes == 4 * BLOCK
 
 
+def test_a_wait_is_the_waiting_thread_s_recording_or_not(knobs):
+    """Answers decoded side by side take their stalls from their own threads' waits: an acquire's wait,
+    recorded on the loop's thread, is the caller's; and it counts while events are not recorded (a
+    document read meanwhile turns recording off)."""
+    import threading
+
+    from tierkv.manager import BlockingTierManager
+    with BlockingTierManager(TierManager(two_tiers(), knobs=knobs)) as m:
+        for i in range(8):
+            m.put(key(i), block(i), tier="cpu")
+        events, waited = m.manager.events, {}
+        events.enabled = False
+        events.clear()
+
+        def acquire(name: str, keys: list) -> None:
+            m.acquire(keys, "gpu").release()
+            waited[name] = events.waited()
+        other = threading.Thread(target=acquire, args=("other", [key(i) for i in range(4)]))
+        other.start()
+        other.join()
+        assert waited["other"] > 0 and events.waited() == 0 and not events.events
+        acquire("this", [key(i) for i in range(4, 8)])
+        assert 0 < waited["this"] and events.waited() == waited["this"]
+
+
 def test_blocking_facade(knobs):
     from tierkv.manager import BlockingTierManager
     with BlockingTierManager(TierManager(two_tiers(), knobs=knobs)) as m:

@@ -172,7 +172,6 @@ def test_threads_sharing_a_session_get_the_answers_each_gets_alone(smollm2, tmp_
             thread.join()
         assert not errors, errors
         assert {q: got[q].tokens for q in questions} == {q: want[q] for q in questions}
-        assert not session._answering
         assert_only_documents_held(session)
 
         released, real_release = [], DenseState.release
@@ -183,10 +182,10 @@ def test_threads_sharing_a_session_get_the_answers_each_gets_alone(smollm2, tmp_
         fork.close()                            # (another thread's, say) while its answer runs
         before = len(released)
         stream.close()
-        assert len(released) == before + 1 and not session._answering   # its answer's state let go of
+        assert len(released) == before + 1      # its answer's state let go of
         unread = session.ask(questions[0], stream=True, max_new_tokens=8)
         iter(unread).close()                    # closed through what iter() gave, before its first piece
-        assert len(released) == before + 2 and not session._answering
+        assert len(released) == before + 2
 
         reading, old_prompt = threading.Event(), session.ask(questions[1], max_new_tokens=1).prompt_tokens
 

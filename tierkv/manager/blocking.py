@@ -91,6 +91,7 @@ class BlockingTierManager:
         self._run(self.manager.put_many(items, layer=layer, first_index=first_index, persist=persist))
 
     def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Lease:
+        kw.setdefault("thread", threading.get_ident())      # the wait is this thread's
         return self._callers(self._run(self.manager.acquire(keys, tier, **kw),
                                        undo=lambda lease: self._callers(lease).release()))
 

@@ -299,14 +299,16 @@ class TierManager:
 
     # -- reading --------------------------------------------------------
     async def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, *,
-                      layer: int | None = None, priority: Priority = Priority.NOW) -> Lease:
+                      layer: int | None = None, priority: Priority = Priority.NOW, thread: int | None = None) -> Lease:
         """Pin ``keys`` in ``tier`` (None: any memory tier, loading into the fastest). Raises BlockMissing
         for a block stored nowhere and BlockCorrupt for one whose stored bytes failed their checksum (it
-        is dropped: recompute it)."""
-        return await self._acquire(keys, tier, layer=layer, priority=priority, rest_of=False)
+        is dropped: recompute it). ``thread``: the ident of the thread waiting for it (its stall; None: the
+        loop's)."""
+        return await self._acquire(keys, tier, layer=layer, priority=priority, rest_of=False, thread=thread)
 
     async def _acquire(self, keys: Sequence[BlockKey], tier: str | None, *, layer: int | None,
-                       priority: Priority, rest_of: bool, rows: np.ndarray | None = None) -> Lease:
+                       priority: Priority, rest_of: bool, rows: np.ndarray | None = None,
+                       thread: int | None = None) -> Lease:
         """``acquire``; ``rest_of``: ``load_missing``'s (``rows``: its guesses), whose caller records its own stall."""
         self._check_read(tier)
         if self.access is not None and not rest_of:
@@ -337,7 +339,8 @@ class TierManager:
                 places = self._pin_resident(keys, tier, loaded)
                 if places is not None:
                     if not rest_of:
-                        self.events.wait("", target, layer, not_in_place * self.block_bytes, start, not_in_place)
+                        self.events.wait("", target, layer, not_in_place * self.block_bytes, start, not_in_place,
+                                         thread=thread)
                     return Lease(tuple(keys), places, self.tiers, self._unpin)
         finally:
             self.directory.unwant(wanted)

@@ -116,6 +116,7 @@ class Answer:
     drafted: int = 0                    # tokens proposed by prompt lookup (speculative decoding)
     accepted: int = 0                   # of those, what greedy decoding would have chosen
     report: dict[str, object] = field(default_factory=dict)   # what the sparse step did (sparse mode)
+    mode: str = ""                      # the engine that answered: dense or sparse
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -136,7 +137,7 @@ def generate(state: KVState, logits: Tensor, answer: Answer, sampling: Sampling,
     """Text pieces of the answer that follows ``logits``; fills ``answer`` as it goes."""
     shown, start = "", time.perf_counter()
     tokens = _speculative(state, logits, sampling.draft_tokens, answer, events) if sampling.draft_tokens else \
-        _one_by_one(state, logits, sampling.sampler(), events)
+        _one_by_one(state, logits, sampling.sampler(), answer, events)
     try:
         for token in tokens:
             answer.tokens.append(token)
@@ -160,32 +161,20 @@ def generate(state: KVState, logits: Tensor, answer: Answer, sampling: Sampling,
     finally:
         tokens.close()
         answer.decode_s = time.perf_counter() - start
-        answer.stall_s = _waited_since(events, start)
     if len(answer.text) > len(shown):
         yield answer.text[len(shown):]
 
 
-def _waited_since(events: EventRecorder, start: float) -> float:
-    """Seconds of the waits that began at ``start`` or later (other threads' answers record theirs in
-    the same record). Events are recorded as they end, so the walk goes from the newest back and stops
-    at one that ended a second before ``start``."""
-    waited = 0.0
-    for e in reversed(list(events.events)):
-        if e.done < start - 1.0:
-            break
-        if e.kind == EventKind.WAIT and e.start >= start:
-            waited += e.done - e.start
-    return waited
-
-
-def _one_by_one(state: KVState, logits: Tensor, choose: Callable[[Tensor], int],
+def _one_by_one(state: KVState, logits: Tensor, choose: Callable[[Tensor], int], answer: Answer,
                 events: EventRecorder) -> Iterator[int]:
-    """Each token chosen from the logits the step before left; the reader stops pulling when done."""
+    """Each token chosen from the logits the step before left; the reader stops pulling when done. A
+    step's stall is what its thread waited during it (answers on other threads wait on their own)."""
     while True:
         token = choose(logits)
         yield token
-        step = time.perf_counter()
+        step, waited = time.perf_counter(), events.waited()
         logits = state.step(token)
+        answer.stall_s += events.waited() - waited
         events.record(Event(EventKind.STEP, "", "", None, 0, step, step, time.perf_counter()))
 
 
@@ -206,9 +195,13 @@ def _speculative(state: KVState, logits: Tensor, k: int, answer: Answer, events:
         step = time.perf_counter()
         if not draft:
             yield token
+            waited = events.waited()
             token = int(state.step(token).argmax())
+            answer.stall_s += events.waited() - waited
         else:
+            waited = events.waited()
             picks = state.verify([token, *draft]).argmax(dim=-1).tolist()
+            answer.stall_s += events.waited() - waited
             held = next((i for i, d in enumerate(draft) if d != picks[i]), len(draft))
             size = min(k, 2 * size) if held == len(draft) else held + 1
             state.crop(len(draft) - held)

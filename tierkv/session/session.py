@@ -20,9 +20,9 @@ the document's tokens are a prefix of every question's prompt::
 Dense mode reuses whole stored blocks; sparse mode the stored index of the prefix. The mode
 is chosen per prompt (``EngineSettings.mode``: auto is sparse past the trained window).
 Threads may share a session and its forks: prompts are computed one request at a time, answers
-decode side by side on forks of their own (each one's ``stall_s`` counts the waits of those beside
-it). A ``progress`` or ``cancelled`` function runs while its request holds the session: one that
-waits for another thread's request on the same session waits for ever.
+decode side by side on forks of their own (each one's ``stall_s`` is its own thread's waits). A
+``progress`` or ``cancelled`` function runs while its request holds the session: one that waits
+for another thread's request on the same session waits for ever.
 """
 from __future__ import annotations
 
@@ -96,10 +96,8 @@ class Session:
         self.closed = False
         self._opener: Session | None = None             # a fork's: the session whose backends it shares
         self._made_as = id(self)                        # the session that opened the backends (not a copy of it)
-        # shared with its forks, as the backends are: one lock over choosing, making, keeping and letting go
-        # of states; when each answer being generated began (one ending drops the events before the earliest)
+        # shared with its forks, as the backends are: one lock over choosing, making, keeping and letting go of states
         self._lock = threading.RLock()
-        self._answering: dict[int, float] = {}          # id(Answer) -> when its request's prompt began
 
     @classmethod
     def open(cls, model: str = "smollm2", *, loaded: LoadedModel | None = None, **settings: Any) -> Session:
@@ -273,7 +271,7 @@ class Session:
         prompted = time.perf_counter()
         with self._lock:
             answer, state, logits = self._prompted(ids, prefix, progress, reach=len(ids) + sampling.max_new_tokens)
-            self.last_mode = state.mode
+            self.last_mode = answer.mode = state.mode
             backend = self.backend(state.mode)
             backend.events.record(                       # the prompt's own pass: in the profile's prefill phase
                 Event(EventKind.PREFILL, "", "", None, 0, prompted, prompted, time.perf_counter()))
@@ -284,8 +282,6 @@ class Session:
         pieces = self._finish(state, generate(state, logits, answer, sampling, tokenizer=self.loaded.tokenizer,
                                               eos=backend.eos, events=backend.events,
                                               cancelled=cancelled or (lambda: False)), answer, keep)
-        with self._lock:
-            self._answering[id(answer)] = prompted   # (from here its _settle counts it out)
         if stream:
             return Stream(pieces, answer, functools.partial(self._settle, state, answer, False),
                           functools.partial(self._unkeep, state))
@@ -351,8 +347,6 @@ class Session:
         nor as the interpreter exits (a stream left unfinished and unclosed), when the tiers' thread no
         longer runs. A fork closed meanwhile lets go of the state: its tiers are still open."""
         with self._lock:
-            answering = self._answering
-            answering.pop(id(answer), None)
             if (self._opener or self).closed or sys.is_finalizing():
                 return
             if self.closed:                   # a fork closed meanwhile: its tiers are its opener's, still open
@@ -363,8 +357,8 @@ class Session:
                     self._keep(state)
                 else:
                     state.release()
-            if not self.keep_events:          # (what the answers still running recorded stays: their stalls)
-                self.backends[state.mode].events.drop_before(min(answering.values(), default=float("inf")))
+            if not self.keep_events:          # (each answer's stall is its thread's waits, counted apart)
+                self.backends[state.mode].events.clear()
 
     def _branch(self, ids: list[int], prefix: list[int], answer: Answer, progress: Progress | None,
                 reach: int) -> tuple[KVState, int]:
