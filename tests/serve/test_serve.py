@@ -436,3 +436,43 @@ def test_a_full_disk_is_a_507_that_names_no_path_and_the_server_goes_on(launch, 
     assert ok.status_code == 200, ok.text
     assert server.stop() == 0
     assert "no space left" in server.log.read_text()
+
+
+def test_parallel_requests_answer_side_by_side_and_one_that_does_not_fit_beside_runs_again_alone(launch,
+                                                                                               tiny_model_dir):
+    """--parallel 2 without a store: a short request is answered while a long one streams, and one whose
+    KV the tiers hold only alone (all 6 of their blocks) waits for the long one and then runs, where it was
+    a 400 "too long" though it fits the server."""
+    server = launch("--model", str(tiny_model_dir), "--mode", "dense", "--dtype", "float32", "--parallel", "2",
+                    "--gpu-budget", "192KiB", "--cpu-budget", "192KiB", "--served-name", "tiny")
+    key, url = {"Authorization": f"Bearer {API_KEY}"}, f"{server.url}/v1/completions"
+
+    def complete(prompt: list[int], max_tokens: int) -> httpx.Response:
+        return httpx.post(url, headers=key, timeout=120, json={"model": "tiny", "prompt": prompt,
+                                                               "max_tokens": max_tokens, "temperature": 0})
+    short, big = [5, 6, 7], list(range(5, 785))    # 780 tokens: 3 blocks a layer, all the tiers hold
+    import threading
+    streaming, done = threading.Event(), {}
+
+    def long() -> None:                            # one block a layer for its whole answer
+        with httpx.stream("POST", url, headers=key, timeout=120, json={
+                "model": "tiny", "prompt": list(range(2000, 2260)), "max_tokens": 250, "temperature": 0,
+                "stream": True}) as response:
+            for line in filter(None, response.iter_lines()):
+                streaming.set()
+                done["last"] = line
+        done["ended"] = True
+    reader = threading.Thread(target=long)
+    reader.start()
+    assert streaming.wait(60)
+    beside = complete(short, 2)
+    held_up = "ended" in done                      # the short answer came after the long one
+    fitted = complete(big, 2)
+    reader.join(60)
+    assert beside.status_code == 200 and fitted.status_code == 200, fitted.text
+    assert not held_up and done["last"] == "data: [DONE]" and server.health()["running"] == 0
+    log = server.log.read_text()
+    assert "did not fit the tiers beside the others': it runs again alone" in log
+    assert log.index("250 tokens") < log.index("780 prompt tokens (0 stored)")   # alone: after the long one
+    assert complete(big, 2).json()["choices"] == fitted.json()["choices"]
+    assert server.stop() == 0

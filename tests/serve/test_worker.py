@@ -1,6 +1,7 @@
 """The line of requests waiting for the server's worker (tierkv.serve.worker.Waiting)."""
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -35,6 +36,20 @@ def test_the_worker_waits_for_a_request_and_stops_after_those_waiting():
     line.end()
     thread.join(timeout=10)
     assert got == jobs and not thread.is_alive()
+
+
+def test_every_thread_of_the_worker_stops_at_the_end():
+    line, got = Waiting(4), []
+    threads = [threading.Thread(target=lambda: got.extend(iter(line.get, None))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    j = job()
+    line.put(j)
+    time.sleep(0.2)                     # every thread waits for the next request
+    line.end()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert got == [j] and not any(thread.is_alive() for thread in threads)
 
 
 def test_stopping_takes_every_request_waiting():

@@ -3,11 +3,11 @@
     GET  /v1/models               the one model served
     POST /v1/chat/completions     messages -> reply; stream=true: server-sent events, then [DONE]
     POST /v1/completions          prompt -> continuation (no chat template)
-    GET  /health                  {"status": "ok", queue, busy, pinned_blocks, held_blocks}; while the
+    GET  /health                  {"status": "ok", queue, busy, running, pinned_blocks, held_blocks}; while the
                                   model loads, a 503 {"status": "loading"} (every request: a 503)
     GET  /metrics                 Prometheus text (tierkv.serve.metrics)
 
-Every request runs on the worker (``tierkv.serve.worker``) from the longest stored prefix of its
+Every request runs on the worker's threads (``tierkv.serve.worker``) from the longest stored prefix of its
 prompt; ``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens that served.
 With an API key, /v1/* wants ``Authorization: Bearer KEY`` (401 without). Bodies over the
 limit are a 413, malformed ones a 400, both in OpenAI's error format; nothing a client sends
@@ -149,6 +149,7 @@ def create_app(worker: Worker, metrics: Metrics, *, model_name: str, api_key: st
     async def health() -> dict[str, Any]:
         pinned, held = await asyncio.to_thread(_pool_figures, worker)
         return {"status": "ok", "model": model_name, "queue": len(worker.jobs), "busy": worker.busy,
+                "running": len(worker.running),
                 "pinned_blocks": pinned, "held_blocks": held}
 
     @app.get("/metrics")

@@ -23,6 +23,8 @@ from tierkv.model.settings import SessionConfig, mode_flags
 from tierkv.serve.listen import DEFAULT_HOST, DEFAULT_PORT, take, url_host
 from tierkv.sizes import parse_size
 
+MOST_PARALLEL = 64
+
 
 @dataclass(frozen=True, slots=True)
 class ServeSettings:
@@ -31,7 +33,9 @@ class ServeSettings:
     api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' (default: no key)",
                                   metavar="KEY")
     served_name: str | None = setting(None, "the model's name in the API (default: --model's)", metavar="NAME")
-    max_queue: int = setting(16, "requests that may wait for the one running; more get a 503", metavar="N")
+    parallel: int = setting(1, "requests answered side by side, each on a thread of its own (their prompts are "
+                               "computed one at a time; they share the tiers' budgets)", metavar="N")
+    max_queue: int = setting(16, "requests that may wait for those running; more get a 503", metavar="N")
     max_prompt_tokens: int = setting(1 << 20, "longest prompt taken, in tokens (longer: a 400)", metavar="N")
     max_new_tokens: int = setting(4096, "most tokens one answer may ask for (max_tokens)", metavar="N")
     max_body_bytes: str | int = setting("16MiB", "largest request body taken (larger: a 413)", metavar="SIZE")
@@ -42,9 +46,12 @@ class ServeSettings:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port={self.port}: must be 1..65535")
-        for name in ("max_queue", "max_prompt_tokens", "max_new_tokens"):
+        for name in ("parallel", "max_queue", "max_prompt_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.parallel > MOST_PARALLEL:
+            raise ConfigError(f"parallel={self.parallel}: at most {MOST_PARALLEL} (each runs a thread and a fork of "
+                              "the session; past the cores, more only share them)")
         if not self.drain_s >= 0:
             raise ConfigError(f"drain_s={self.drain_s}: must be >= 0")
         if self.api_key is not None and (not self.api_key.strip() or self.api_key != self.api_key.strip()):
@@ -134,7 +141,8 @@ class _Load:
             for used in ("dense", "sparse") if mode == "auto" else (mode,):
                 self.session.backend(used)   # a store that cannot be used stops the start, not every request
             metrics = Metrics()
-            self.worker = Worker(self.session, metrics, max_queue=self.settings.max_queue).start()
+            self.worker = Worker(self.session, metrics, max_queue=self.settings.max_queue,
+                                 parallel=self.settings.parallel).start()
             app = create_app(self.worker, metrics, model_name=self.name, api_key=self.settings.api_key,
                              closing=self.closing, max_body_bytes=self.settings.max_body_bytes,
                              max_new_tokens=self.settings.max_new_tokens)

@@ -1,12 +1,14 @@
-"""The one thread that runs requests, in arrival order, on the server's session.
+"""The threads that run requests, in arrival order, on the server's session (``--parallel``, 1 by default).
 
-One request runs at a time: the tiers' budgets are the server's as a whole, and a server without
-a store must hold a whole prompt's KV in them (``TiersTooSmall``). Answers decoded side by side
-on the session's forks would give more tokens a second in all (1.1-1.3x on two cores,
-``bench/threads.py``), each one later, but they would share those budgets; the server does not
-take that yet. Others wait in a bounded queue (a full queue is a 503)::
+With one, a request runs alone, and a server without a store must hold a whole prompt's KV in the
+tiers (``TiersTooSmall`` where they cannot). With several, answers decode side by side, each on a
+fork of the session: more tokens a second in all (1.1-1.3x on two cores, ``bench/threads.py``), and
+a short answer is not held up behind a long one; their prompts are still computed one at a time.
+They share the tiers' budgets: a request whose KV did not fit beside the others' runs again alone,
+before any of its answer went out; one that ran out of room mid-answer ends with a 503. Others
+wait in a bounded queue (a full queue is a 503)::
 
-    HTTP handler (event loop)            worker thread
+    HTTP handler (event loop)            worker threads
     submit(job) ──queue──▶               session.chat / complete, stream=True
     await job.events  ◀──call_soon_threadsafe──  ("text", piece) ... ("done", answer) | ("error", exc)
     client hung up: job.cancel() ──▶     stops at the prompt's next chunk or the next token; its state
@@ -31,8 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class TiersTooSmall(BudgetExceeded):
-    """A prompt whose KV the tiers of a server without a store cannot hold: nothing else holds them (one
-    request runs at a time), so the request is too long for this server, not early."""
+    """A prompt whose KV the tiers of a server without a store cannot hold with no other request running
+    beside it: the request is too long for this server, not early."""
 
 
 class QueueFull(TierKVError):
@@ -48,11 +50,14 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    sent: bool = False                     # a piece of its answer went to its client
+    beside: bool = False                   # another request ran while it did
 
     def cancel(self) -> None:
         self.cancelled.set()
 
     def emit(self, kind: str, value: Any) -> None:
+        self.sent = self.sent or kind == "text"
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:      # the server's event loop is closed (shutting down): nobody is listening
@@ -79,15 +84,16 @@ class Waiting:
             self._changed.notify()
 
     def end(self) -> None:
-        """After the jobs waiting: the worker stops at it."""
+        """After the jobs waiting: the worker's threads stop at it."""
         with self._changed:
             self._jobs.append(None)
-            self._changed.notify()
+            self._changed.notify_all()
 
     def get(self) -> Job | None:
+        """The next request; None once ``end`` was reached (it stays there for every thread that asks)."""
         with self._changed:
             self._changed.wait_for(lambda: self._jobs)
-            return self._jobs.popleft()
+            return self._jobs.popleft() if self._jobs[0] is not None else None
 
     def take_all(self) -> list[Job]:
         with self._changed:
@@ -106,15 +112,30 @@ class Waiting:
 
 
 class Worker:
-    def __init__(self, session: Session, metrics: Metrics, *, max_queue: int = 16) -> None:
+    """``parallel`` threads answering the requests waiting, each request on a fork of the session.
+
+    A request whose KV did not fit the tiers beside the others' (``BudgetExceeded`` before its first
+    token) runs again once nothing else runs, and nothing starts beside it meanwhile.
+    """
+
+    def __init__(self, session: Session, metrics: Metrics, *, max_queue: int = 16, parallel: int = 1) -> None:
         self.session, self.metrics = session, metrics
         self.jobs = Waiting(max_queue)
-        self.busy = False
-        self.current: Job | None = None       # the request running
-        self._thread = threading.Thread(target=self._run, name="tierkv-serve", daemon=True)
+        self.running: set[Job] = set()        # the requests running
+        self._taken: set[Job] = set()         # and those a thread took that wait for their turn
+        self._alone: Job | None = None        # the one running with nothing beside it
+        self._turns = threading.Condition()
+        self._threads = [threading.Thread(target=self._run, name=f"tierkv-serve-{i}", daemon=True)
+                         for i in range(parallel)]
+
+    @property
+    def busy(self) -> bool:
+        """A request runs, or waits for its turn to run alone."""
+        return bool(self._taken)
 
     def start(self) -> Worker:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def submit(self, job: Job) -> None:
@@ -123,35 +144,76 @@ class Worker:
 
     def stop(self, *, cancel: bool = False) -> None:
         """Drop the waiting requests (their clients get an error, where they still listen), then stop once
-        the request running is over; ``cancel``: stop that one too, at its next token (the server has
+        the requests running are over; ``cancel``: stop those too, at their next token (the server has
         stopped listening: nobody would read the rest)."""
         for job in self.jobs.take_all():
             job.emit("error", TierKVError("the server is shutting down"))
-        if cancel and (running := self.current) is not None:
-            running.cancel()
+        if cancel:
+            with self._turns:
+                taken = list(self._taken)
+            for job in taken:
+                job.cancel()
         self.jobs.end()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
             self.metrics.queued.set(len(self.jobs))
             if job.cancelled.is_set():
                 continue                     # its client left while it waited
-            self.busy, self.current = True, job
+            try:
+                self._turn(job)
+                self._answer(job)
+            finally:
+                self._done(job)
+
+    def _answer(self, job: Job) -> None:
+        try:
             try:
                 self._serve(job)
-            except Cancelled:                # its client left while its prompt was computed
-                self.metrics.cancelled.inc()
-            except Exception as error:       # the job's error goes to its client; the server goes on
-                if not isinstance(error, TierKVError):
-                    log.exception("request failed")
-                elif not isinstance(error, ConfigError) or isinstance(error, StoreUnusable):   # the server's
-                    log.warning("request failed: %s", error)            # trouble, not the request's: said here
-                if isinstance(error, BudgetExceeded) and self.session.config.tiers.nvme_dir is None:
-                    error = TiersTooSmall(str(error))
-                job.emit("error", error)
-            finally:
-                self.busy, self.current = False, None
+            except BudgetExceeded:
+                if not job.beside or job.sent:          # the tiers are too small for it, or its client has a part
+                    raise
+                log.info("a request's KV did not fit the tiers beside the others': it runs again alone")
+                self._turn(job, alone=True)
+                if job.cancelled.is_set():
+                    raise Cancelled("its client left while it waited to run alone") from None
+                self._serve(job)
+        except Cancelled:                    # its client left while its prompt was computed
+            self.metrics.cancelled.inc()
+        except Exception as error:           # the job's error goes to its client; the server goes on
+            if not isinstance(error, TierKVError):
+                log.exception("request failed")
+            elif not isinstance(error, ConfigError) or isinstance(error, StoreUnusable):   # the server's
+                log.warning("request failed: %s", error)            # trouble, not the request's: said here
+            if isinstance(error, BudgetExceeded) and self.session.config.tiers.nvme_dir is None and (
+                    not job.beside or job is self._alone):
+                error = TiersTooSmall(str(error))    # (beside others: the server's load, a 503)
+            job.emit("error", error)
+
+    def _turn(self, job: Job, *, alone: bool = False) -> None:
+        """Count ``job`` in as running, once no request runs alone (``alone``: once none runs at all)."""
+        with self._turns:
+            self._taken.add(job)
+            if alone:
+                self.running.discard(job)
+                self._turns.notify_all()
+            self._turns.wait_for(lambda: self._alone is None and not (alone and self.running))
+            self.running.add(job)
+            if alone:
+                self._alone = job
+            elif len(self.running) > 1:
+                for running in self.running:
+                    running.beside = True
+
+    def _done(self, job: Job) -> None:
+        with self._turns:
+            self.running.discard(job)
+            self._taken.discard(job)
+            if self._alone is job:
+                self._alone = None
+            self._turns.notify_all()
 
     def _serve(self, job: Job) -> None:
         started = time.perf_counter()
@@ -165,7 +227,7 @@ class Worker:
         finally:
             stream.close()                   # a cancelled answer lets go of its state here
         log.info("%s, %s mode: %d prompt tokens (%d stored), first token after %.3f s (%.3f s queued), %d tokens "
-                 "at %.2f tok/s, %s", job.kind, self.session.last_mode, answer.prompt_tokens, answer.reused_tokens,
+                 "at %.2f tok/s, %s", job.kind, answer.mode, answer.prompt_tokens, answer.reused_tokens,
                  answer.ttft_s, started - job.submitted, answer.generated_tokens, answer.decode_tokens_per_s,
                  answer.finish_reason)
         try:
