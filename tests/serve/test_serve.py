@@ -467,12 +467,35 @@ def test_parallel_requests_answer_side_by_side_and_one_that_does_not_fit_beside_
     assert streaming.wait(60)
     beside = complete(short, 2)
     held_up = "ended" in done                      # the short answer came after the long one
-    fitted = complete(big, 2)
+    got = {}
+    waiting = threading.Thread(target=lambda: got.update(fitted=complete(big, 2)))
+    waiting.start()
+    deadline = time.monotonic() + 60
+    while "runs again alone" not in server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "ended" not in done                     # sent while the long answer runs and the big one waits
+    later = complete([8, 9, 10, 11], 2)
+    waiting.join(60)
     reader.join(60)
-    assert beside.status_code == 200 and fitted.status_code == 200, fitted.text
+    fitted = got["fitted"]
+    assert beside.status_code == 200 and fitted.status_code == 200 and later.status_code == 200, fitted.text
     assert not held_up and done["last"] == "data: [DONE]" and server.health()["running"] == 0
     log = server.log.read_text()
     assert "did not fit the tiers beside the others': it runs again alone" in log
     assert log.index("250 tokens") < log.index("780 prompt tokens (0 stored)")   # alone: after the long one
+    assert log.index("780 prompt tokens (0 stored)") < log.index(" 4 prompt tokens")    # not overtaken by one after
     assert complete(big, 2).json()["choices"] == fitted.json()["choices"]
+
+    done.clear(), streaming.clear()                # a client that leaves while its request waits to run alone
+    reader = threading.Thread(target=long)
+    reader.start()
+    assert streaming.wait(60)
+    with httpx.stream("POST", url, headers=key, timeout=120, json={"model": "tiny", "prompt": list(range(5, 790)),
+                                                                  "max_tokens": 2, "stream": True}):
+        while server.log.read_text().count("runs again alone") < 2 and time.monotonic() < deadline + 60:
+            time.sleep(0.02)
+    freed = complete([8, 9, 10, 11, 12], 2)       # its thread is free again: not held up behind the long answer
+    held_up = "ended" in done
+    reader.join(60)
+    assert freed.status_code == 200 and not held_up and "785 prompt tokens" not in server.log.read_text()
     assert server.stop() == 0

@@ -30,6 +30,7 @@ from tierkv.session.session import Cancelled
 from tierkv.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
+CANCEL_POLL_S = 0.1       # how often a request waiting for its turn looks whether its client left
 
 
 class TiersTooSmall(BudgetExceeded):
@@ -104,7 +105,7 @@ class Waiting:
         """Requests waiting whose clients still wait."""
         with self._changed:
             self._drop_cancelled()
-            return len(self._jobs)
+            return sum(job is not None for job in self._jobs)
 
     def _drop_cancelled(self) -> None:
         if any(job is not None and job.cancelled.is_set() for job in self._jobs):
@@ -124,6 +125,7 @@ class Worker:
         self.running: set[Job] = set()        # the requests running
         self._taken: set[Job] = set()         # and those a thread took that wait for their turn
         self._alone: Job | None = None        # the one running with nothing beside it
+        self._wanting_alone = 0               # requests waiting to run alone: none starts beside them
         self._turns = threading.Condition()
         self._threads = [threading.Thread(target=self._run, name=f"tierkv-serve-{i}", daemon=True)
                          for i in range(parallel)]
@@ -163,7 +165,6 @@ class Worker:
             if job.cancelled.is_set():
                 continue                     # its client left while it waited
             try:
-                self._turn(job)
                 self._answer(job)
             finally:
                 self._done(job)
@@ -171,16 +172,15 @@ class Worker:
     def _answer(self, job: Job) -> None:
         try:
             try:
+                self._turn(job)
                 self._serve(job)
             except BudgetExceeded:
-                if not job.beside or job.sent:          # the tiers are too small for it, or its client has a part
+                if not job.beside or job.sent:      # the tiers are too small for it, or its client has a part
                     raise
                 log.info("a request's KV did not fit the tiers beside the others': it runs again alone")
                 self._turn(job, alone=True)
-                if job.cancelled.is_set():
-                    raise Cancelled("its client left while it waited to run alone") from None
                 self._serve(job)
-        except Cancelled:                    # its client left while its prompt was computed
+        except Cancelled:                    # its client left while it waited for its turn or its prompt ran
             self.metrics.cancelled.inc()
         except Exception as error:           # the job's error goes to its client; the server goes on
             if not isinstance(error, TierKVError):
@@ -193,13 +193,24 @@ class Worker:
             job.emit("error", error)
 
     def _turn(self, job: Job, *, alone: bool = False) -> None:
-        """Count ``job`` in as running, once no request runs alone (``alone``: once none runs at all)."""
+        """Count ``job`` in as running once no request runs alone or waits to (``alone``: once none runs
+        at all, before any request taken after it). Raises Cancelled if its client leaves meanwhile."""
         with self._turns:
             self._taken.add(job)
             if alone:
                 self.running.discard(job)
+                self._wanting_alone += 1
                 self._turns.notify_all()
-            self._turns.wait_for(lambda: self._alone is None and not (alone and self.running))
+            try:
+                free = (lambda: self._alone is None and not self.running) if alone else \
+                    (lambda: self._alone is None and not self._wanting_alone)
+                while not self._turns.wait_for(lambda: free() or job.cancelled.is_set(), timeout=CANCEL_POLL_S):
+                    pass
+            finally:
+                self._wanting_alone -= alone
+            if job.cancelled.is_set():
+                self._turns.notify_all()
+                raise Cancelled("its client left while it waited for its turn")
             self.running.add(job)
             if alone:
                 self._alone = job
