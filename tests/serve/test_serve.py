@@ -480,6 +480,7 @@ def test_parallel_requests_answer_side_by_side_and_one_that_does_not_fit_beside_
     fitted = got["fitted"]
     assert beside.status_code == 200 and fitted.status_code == 200 and later.status_code == 200, fitted.text
     assert not held_up and done["last"] == "data: [DONE]" and server.health()["running"] == 0
+    assert "tierkv_requests_running 0.0" in httpx.get(f"{server.url}/metrics").text
     log = server.log.read_text()
     assert "did not fit the tiers beside the others': it runs again alone" in log
     assert log.index("250 tokens") < log.index("780 prompt tokens (0 stored)")   # alone: after the long one

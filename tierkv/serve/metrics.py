@@ -4,6 +4,7 @@
     tierkv_request_seconds{endpoint}                   from arrival to the last byte (histogram)
     tierkv_ttft_seconds                                from the start of the work to the first token
     tierkv_queue_depth                                 requests waiting for the worker
+    tierkv_requests_running                            requests answered now (up to --parallel)
     tierkv_prompt_tokens_total                         prompt tokens of answered requests
     tierkv_prefix_cache_hit_tokens_total               of those, served from stored KV (not computed)
     tierkv_generated_tokens_total
@@ -33,6 +34,7 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("tierkv_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.queued = Gauge("tierkv_queue_depth", "requests waiting", registry=r)
+        self.running = Gauge("tierkv_requests_running", "requests answered now", registry=r)
         self.prompt_tokens = Counter("tierkv_prompt_tokens", "prompt tokens", registry=r)
         self.hit_tokens = Counter("tierkv_prefix_cache_hit_tokens", "prompt tokens served from stored KV",
                                   registry=r)

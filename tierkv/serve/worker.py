@@ -129,6 +129,7 @@ class Worker:
         self._turns = threading.Condition()
         self._threads = [threading.Thread(target=self._run, name=f"tierkv-serve-{i}", daemon=True)
                          for i in range(parallel)]
+        metrics.running.set_function(lambda: len(self.running))
 
     @property
     def busy(self) -> bool:
