@@ -615,7 +615,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--page-dtypes", type=lambda s: [p for p in s.split(",") if p],
                         help="quantized KV instead of the selectors: bf16 pages against each of these codecs "
                              "(like int8,int4,int2) on the document and the passkey, landmarks int8 vs float, and "
-                             "the dense engine with int8 blocks (bench/quant_rows.py)")
+                             "the dense engine with blocks in each codec (bench/quant_rows.py)")
     parser.add_argument("--threads", type=whole(1), help="torch intra-op threads (default: torch's own choice)")
     args = parser.parse_args(argv)
     for name in args.page_dtypes or ():
@@ -679,8 +679,8 @@ def main(argv: list[str] | None = None) -> Report:
         runs, ids, dense = document_runs(loaded, args.doc_tokens,
                                          document_configs(args, spec.num_kv_heads * spec.head_dim), report)
         add_document(report, loaded, runs, args.doc_tokens)
-        if args.page_dtypes:
-            dense_agreement(report, loaded, ids, args.doc_tokens, dense, args.steps)
+        for kv_dtype in args.page_dtypes or ():       # the dense engine's blocks in the same codes
+            dense_agreement(report, loaded, ids, args.doc_tokens, dense, args.steps, kv_dtype)
     if args.page_dtypes:
         add_quant(report, loaded, runs, cases, args.page_dtypes)
     add_bounds(report, loaded, args, cases, runs)

@@ -6,13 +6,13 @@
                          per channel over the page), landmarks int8 (the default with quantized pages)
     bf16+int8-landmarks  bf16 pages, int8 landmarks: what quantizing the landmarks alone costs
     int4+float-landmarks int4 pages with landmarks in the model's dtype: the other half of that answer
-    dense-int8           the dense engine with int8 KV blocks (--kv-dtype int8), teacher-forced over the
-                         same steps, against transformers' DynamicCache logits
+    dense-int8 / -int4 / -int2   the dense engine with KV blocks in that codec (--kv-dtype), teacher-forced
+                         over the same steps, against transformers' DynamicCache logits
 
 Ratios: ``page_bytes_vs_bf16@X`` (bytes per stored token, 4 KiB padding and scales included),
 ``kl_vs_bf16@X`` (mean KL(bf16 run || X run), nats per step), ``top1_vs_bf16@X`` (steps whose argmax
 equals the bf16 run's), ``passkey_quant_vs_bf16`` (cases bf16 solves that every codec solves),
-``dense_int8_vs_dynamic`` (steps whose argmax equals DynamicCache's), ``store_bytes_vs_bf16@1M@int4``
+``dense_X_vs_dynamic`` (steps whose argmax equals DynamicCache's), ``store_bytes_vs_bf16@1M@int4``
 (pages and landmarks of a 1M-token document, computed from the layouts), and the encode cost.
 """
 from __future__ import annotations
