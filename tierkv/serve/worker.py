@@ -129,7 +129,9 @@ class Worker:
         self._turns = threading.Condition()
         self._threads = [threading.Thread(target=self._run, name=f"tierkv-serve-{i}", daemon=True)
                          for i in range(parallel)]
+        self._cancelling = False              # stop(cancel=True) was called: every request taken stops
         metrics.running.set_function(lambda: len(self.running))
+        metrics.queued.set_function(lambda: len(self.jobs))
 
     @property
     def busy(self) -> bool:
@@ -143,7 +145,6 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
-        self.metrics.queued.set(len(self.jobs))
 
     def stop(self, *, cancel: bool = False) -> None:
         """Drop the waiting requests (their clients get an error, where they still listen), then stop once
@@ -151,22 +152,24 @@ class Worker:
         stopped listening: nobody would read the rest)."""
         for job in self.jobs.take_all():
             job.emit("error", TierKVError("the server is shutting down"))
-        if cancel:
-            with self._turns:
-                taken = list(self._taken)
-            for job in taken:
-                job.cancel()
+        with self._turns:
+            self._cancelling = cancel
+            taken = list(self._taken) if cancel else []
+        for job in taken:
+            job.cancel()
         self.jobs.end()
         for thread in self._threads:
             thread.join()
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            self.metrics.queued.set(len(self.jobs))
-            if job.cancelled.is_set():
-                continue                     # its client left while it waited
+            with self._turns:
+                self._taken.add(job)
+                if self._cancelling:
+                    job.cancel()
             try:
-                self._answer(job)
+                if not job.cancelled.is_set():          # (its client left while it waited: nothing to do)
+                    self._answer(job)
             finally:
                 self._done(job)
 
@@ -197,7 +200,6 @@ class Worker:
         """Count ``job`` in as running once no request runs alone or waits to (``alone``: once none runs
         at all, before any request taken after it). Raises Cancelled if its client leaves meanwhile."""
         with self._turns:
-            self._taken.add(job)
             if alone:
                 self.running.discard(job)
                 self._wanting_alone += 1
