@@ -125,7 +125,7 @@ class Worker:
         self.running: set[Job] = set()        # the requests running
         self._taken: set[Job] = set()         # and those a thread took that wait for their turn
         self._alone: Job | None = None        # the one running with nothing beside it
-        self._wanting_alone = 0               # requests waiting to run alone: none starts beside them
+        self._wanting_alone: deque[Job] = deque()   # waiting to run alone, in turn: none starts beside them
         self._turns = threading.Condition()
         self._threads = [threading.Thread(target=self._run, name=f"tierkv-serve-{i}", daemon=True)
                          for i in range(parallel)]
@@ -181,7 +181,6 @@ class Worker:
             except BudgetExceeded:
                 if not job.beside or job.sent:      # the tiers are too small for it, or its client has a part
                     raise
-                log.info("a request's KV did not fit the tiers beside the others': it runs again alone")
                 self._turn(job, alone=True)
                 self._serve(job)
         except Cancelled:                    # its client left while it waited for its turn or its prompt ran
@@ -198,19 +197,22 @@ class Worker:
 
     def _turn(self, job: Job, *, alone: bool = False) -> None:
         """Count ``job`` in as running once no request runs alone or waits to (``alone``: once none runs
-        at all, before any request taken after it). Raises Cancelled if its client leaves meanwhile."""
+        at all, before any request taken after it, and after those waiting to run alone before it).
+        Raises Cancelled if its client leaves meanwhile."""
         with self._turns:
             if alone:
                 self.running.discard(job)
-                self._wanting_alone += 1
+                self._wanting_alone.append(job)
                 self._turns.notify_all()
+                log.info("a request's KV did not fit the tiers beside the others': it runs again alone")
             try:
-                free = (lambda: self._alone is None and not self.running) if alone else \
-                    (lambda: self._alone is None and not self._wanting_alone)
+                free = (lambda: self._alone is None and not self.running and self._wanting_alone[0] is job) \
+                    if alone else (lambda: self._alone is None and not self._wanting_alone)
                 while not self._turns.wait_for(lambda: free() or job.cancelled.is_set(), timeout=CANCEL_POLL_S):
                     pass
             finally:
-                self._wanting_alone -= alone
+                if alone:
+                    self._wanting_alone.remove(job)
             if job.cancelled.is_set():
                 self._turns.notify_all()
                 raise Cancelled("its client left while it waited for its turn")
