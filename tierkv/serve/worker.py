@@ -123,7 +123,7 @@ class Worker:
         self.session, self.metrics = session, metrics
         self.jobs = Waiting(max_queue)
         self.running: set[Job] = set()        # the requests running
-        self._taken: set[Job] = set()         # and those a thread took that wait for their turn
+        self._taken: set[Job] = set()         # those and the ones a thread took that wait for their turn
         self._alone: Job | None = None        # the one running with nothing beside it
         self._wanting_alone: deque[Job] = deque()   # waiting to run alone, in turn: none starts beside them
         self._turns = threading.Condition()
@@ -135,7 +135,7 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        """A request runs, or waits for its turn to run alone."""
+        """A thread holds a request: running, or waiting for its turn."""
         return bool(self._taken)
 
     def start(self) -> Worker:
