@@ -300,15 +300,13 @@ class TierManager:
     # -- reading --------------------------------------------------------
     async def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, *,
                       layer: int | None = None, priority: Priority = Priority.NOW, thread: int | None = None) -> Lease:
-        """Pin ``keys`` in ``tier`` (None: any memory tier, loading into the fastest). Raises BlockMissing
-        for a block stored nowhere and BlockCorrupt for one whose stored bytes failed their checksum (it
-        is dropped: recompute it). ``thread``: the ident of the thread waiting for it (its stall; None: the
-        loop's)."""
+        """Pin ``keys`` in ``tier`` (None: any memory tier, loading into the fastest) for ``thread`` (an ident,
+        whose stall the wait is; None: the loop's). Raises BlockMissing for a block stored nowhere and
+        BlockCorrupt for one whose stored bytes failed their checksum (it is dropped: recompute it)."""
         return await self._acquire(keys, tier, layer=layer, priority=priority, rest_of=False, thread=thread)
 
-    async def _acquire(self, keys: Sequence[BlockKey], tier: str | None, *, layer: int | None,
-                       priority: Priority, rest_of: bool, rows: np.ndarray | None = None,
-                       thread: int | None = None) -> Lease:
+    async def _acquire(self, keys: Sequence[BlockKey], tier: str | None, *, layer: int | None, priority: Priority,
+                       rest_of: bool, rows: np.ndarray | None = None, thread: int | None = None) -> Lease:
         """``acquire``; ``rest_of``: ``load_missing``'s (``rows``: its guesses), whose caller records its own stall."""
         self._check_read(tier)
         if self.access is not None and not rest_of:
