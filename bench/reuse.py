@@ -13,6 +13,13 @@ CTX tokens, SmolLM2, an NVMe store in a scratch directory::
     serve_overhead@CTX             server TTFT of Q2 / the session's TTFT of Q2 (both with the document
                                    held in memory)
 
+Past the window (auto mode, no store): a document just inside SmolLM2's 8K window is read dense; a
+question whose answer may run past the window is sparse from its prompt on. Its sparse state takes
+the document's KV from the dense one; before, it prefilled the document again in sparse mode::
+
+    ttft_past_window_vs_sparse_prefill   TTFT of that question / (a sparse prefill of the document +
+                                         the same question's TTFT after it), medians of --tries
+
     python bench/reuse.py --quick --out bench/out/reuse-quick.json     dense 4K, sparse 12K
     python bench/reuse.py --out bench/out/reuse.json                   dense 8K, sparse 32K
 """
@@ -44,6 +51,7 @@ from tierkv.model.settings import SessionConfig
 from tierkv.session import Session
 
 QUESTIONS = ("What is this document about?", "Name one keyword the document explains.")
+PAST_ANSWER = 1024               # max_tokens of the question past the window (its first pieces are measured)
 BUDGETS = dict(gpu_budget="256MiB", cpu_budget="1GiB")
 TARGETS = {"ttft_question_vs_prefill@32K": 0.02, "serve_overhead": 1.1}
 
@@ -85,14 +93,53 @@ def measure_both(loaded, text: str, mode: str, store: Path, tries: int) -> tuple
     return inproc, served
 
 
-def _first_piece(session: Session, question: str):
-    """Seconds from the call to the first piece of text (as a client of the server sees it), and the answer."""
+def _first_piece(session: Session, question: str, *, max_new_tokens: int = 8, pieces: int = 8):
+    """Seconds from the call to the first piece of text (as a client of the server sees it), and the answer
+    (its first ``pieces`` pieces: the stream is closed there)."""
     start = time.perf_counter()
-    stream = session.ask(question, stream=True, max_new_tokens=8)
+    stream = session.ask(question, stream=True, max_new_tokens=max_new_tokens)
     first = None
-    for _ in stream:
+    for n, _ in enumerate(stream, 1):
         first = time.perf_counter() - start if first is None else first
+        if n == pieces:
+            break
+    stream.close()
     return first, stream.answer
+
+
+def measure_past_window(report: Report, loaded, tokens: int, tries: int) -> None:
+    """A document read dense, then a question whose answer may pass the window: its TTFT, against a sparse
+    prefill of the same document and the question after it (what that question cost before). In turn."""
+    text, window = document(loaded.tokenizer, tokens), loaded.spec.max_position
+    progress(f"past the window: a {tokens}-token document read dense, then sparse prefills of it, in turn")
+    seeded, prefilled = [], []
+    for _ in range(tries):
+        with Session(SessionConfig.of(model="smollm2", mode="auto", **BUDGETS), loaded=loaded) as session:
+            n = session.read(text)
+            ttft, answer = _first_piece(session, QUESTIONS[0], max_new_tokens=PAST_ANSWER)
+            seeded.append((ttft, answer, session.document_s))
+        with Session(SessionConfig.of(model="smollm2", mode="sparse", **BUDGETS), loaded=loaded) as session:
+            session.read(text)
+            ttft, answer = _first_piece(session, QUESTIONS[0], max_new_tokens=PAST_ANSWER)
+            prefilled.append((session.document_s + ttft, answer, session.document_s))
+    if answer.prompt_tokens + PAST_ANSWER <= window or seeded[0][1].mode != "sparse":
+        raise SystemExit(f"the question does not pass the {window}-token window: {answer.prompt_tokens} prompt tokens")
+    s, p = statistics.median(t for t, _, _ in seeded), statistics.median(t for t, _, _ in prefilled)
+    config = f"auto@{n}"
+    report.add_row(config, "document_dense_prefill_s", round(statistics.median(x[2] for x in seeded), 2), "s",
+                   tokens=n)
+    report.add_row(config, "ttft_past_window_s", round(s, 3), "s", reused=seeded[0][1].reused_tokens,
+                   prompt=seeded[0][1].prompt_tokens, mode=seeded[0][1].mode)
+    report.add_row(f"sparse@{n}", "document_sparse_prefill_s", round(statistics.median(x[2] for x in prefilled), 2),
+                   "s", tokens=n)
+    report.add_row(f"sparse@{n}", "prefill_and_ttft_s", round(p, 3), "s")
+    agree = sum(a == b for a, b in zip(seeded[0][1].tokens, prefilled[0][1].tokens))
+    report.add_ratio("ttft_past_window_vs_sparse_prefill", round(s / p, 4), None,
+                     "auto: TTFT of a question past the window after a dense read / a sparse prefill of the document "
+                     "and the question's TTFT after it, medians, same run", ceiling=True)
+    report.add_bound(f"past the window: the question's first {len(seeded[0][1].tokens)} tokens agree with those after "
+                     f"a sparse prefill at {agree} positions (greedy; the document's keys read back through RoPE's "
+                     "inverse, in the model's dtype)")
 
 
 def _ttft(url: str, text: str, question: str) -> tuple[float, int]:
@@ -165,14 +212,19 @@ def main(argv: list[str] | None = None) -> Report:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=Help)
     p.add_argument("--quick", action="store_true", help="dense 4K and sparse 12K (about 10 minutes on 2 cores)")
     p.add_argument("--out", type=out_file, help="write the result as JSON (format: bench/report.py)")
-    p.add_argument("--dense", default=None, help="dense contexts in K tokens (default 8; quick 4)")
-    p.add_argument("--sparse", default=None, help="sparse contexts in K tokens (default 32; quick 12)")
+    p.add_argument("--dense", default=None, help="dense contexts in K tokens (default 8; quick 4; '': none)")
+    p.add_argument("--sparse", default=None, help="sparse contexts in K tokens (default 32; quick 12; '': none)")
     p.add_argument("--tries", type=whole(1), default=5,
                    help="second questions asked of each, in turn (their median counts)")
+    p.add_argument("--past", type=whole(0), default=None, metavar="TOKENS",
+                   help="the document read dense before a question past the window (default: 512 tokens inside "
+                        "the window; 0: not measured)")
     args = p.parse_args(argv)
     stop_on_sigterm()
-    dense = [int(x) * 1024 for x in (args.dense or ("4" if args.quick else "8")).split(",") if x]
-    sparse = [int(x) * 1024 for x in (args.sparse or ("12" if args.quick else "32")).split(",") if x]
+    given = {"dense": args.dense, "sparse": args.sparse}
+    default = {"dense": "4" if args.quick else "8", "sparse": "12" if args.quick else "32"}
+    dense, sparse = ([int(x) * 1024 for x in (default[m] if given[m] is None else given[m]).split(",") if x]
+                     for m in ("dense", "sparse"))
     start, scratch = time.perf_counter(), Path(tempfile.mkdtemp(prefix="tierkv-bench-reuse-"))
     report = Report("reuse", args.quick, machine(scratch))
     try:
@@ -180,6 +232,9 @@ def main(argv: list[str] | None = None) -> Report:
         for mode, contexts in (("dense", dense), ("sparse", sparse)):
             for ctx in contexts:
                 measure(report, loaded, mode, ctx, scratch, args.tries)
+        past = loaded.spec.max_position - 512 if args.past is None else args.past
+        if past:
+            measure_past_window(report, loaded, past, min(args.tries, 3))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return report.finish(start, args.out)

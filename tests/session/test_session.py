@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.errors import BudgetExceeded, ConfigError, TierKVError
+from tierkv.errors import BlockMissing, BudgetExceeded, ConfigError, TierKVError
 from tierkv.model.arch import model_spec
 from tierkv.model.loading import LoadedModel
+from tierkv.model.sequence import TieredSequence
 from tierkv.model.settings import SessionConfig
 from tierkv.session import Session
 from tierkv.session.inputs import document_text
@@ -707,6 +708,64 @@ def test_past_the_trained_window_a_second_prompt_reuses_the_stored_sparse_index(
         assert second.reused_tokens == len(ids)                   # the stored document; 9 and 10 computed
         third = again.complete([*ids, 5, 6, 7], max_new_tokens=4)
         assert third.tokens == first.tokens                       # no trace of the second prompt
+
+
+def sparse_layers_of(session: Session) -> list:
+    """The layers of the sparse state a session keeps for its document (the prefix of its last prompt)."""
+    return next(state for state in session._states if state.mode == "sparse").seq.layers
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_an_answer_past_the_window_starts_its_sparse_state_from_the_dense_document(tmp_path, store):
+    """The 480-token document is read dense; an answer of 64 tokens would pass the 512-token window, so its
+    prompt is sparse: the sparse state takes the document's KV from the dense one (post-RoPE keys turned
+    back) instead of computing it again, and holds what a sparse prefill computes; stored, a new session
+    finds it."""
+    lm, ids = tiny_loaded(), random_ids(480, 6)
+    settings = dict(mode="auto", chunk_tokens=256, sparse_budget=128, page_tokens=16,
+                    **({"nvme_dir": tmp_path / "seeded"} if store else {}))
+    with Session(SessionConfig.of(**settings), loaded=lm) as computed:   # nothing dense held: all computed
+        alone = computed.complete([*ids, 5, 6, 7], max_new_tokens=64)
+        assert alone.mode == "sparse" and alone.reused_tokens == 0
+        expected = sparse_layers_of(computed)
+        with Session(SessionConfig.of(**{**settings, "nvme_dir": tmp_path / "other"} if store else settings),
+                     loaded=lm) as session:
+            session.read_ids(ids)
+            answer = session.complete([*ids, 5, 6, 7], max_new_tokens=64)
+            assert answer.mode == "sparse" and answer.reused_tokens == len(ids)       # read, not computed
+            assert answer.tokens == alone.tokens
+            for got, want in zip(sparse_layers_of(session), expected, strict=True):
+                assert got.length == want.length == len(ids) + 2
+                torch.testing.assert_close(got.sink_k, want.sink_k, atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(got.win_k.rows(), want.win_k.rows(), atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(got.win_v.rows(), want.win_v.rows())
+                torch.testing.assert_close(got.basis.basis.abs(), want.basis.basis.abs(), atol=1e-3, rtol=1e-3)
+    if store:
+        with Session(SessionConfig.of(**{**settings, "nvme_dir": tmp_path / "other"}), loaded=lm) as again:
+            found = again.complete([*ids, 5, 6, 7], max_new_tokens=64)
+            assert found.reused_tokens == len(ids) + 2 and found.tokens == alone.tokens
+
+
+def test_a_dense_document_whose_kv_cannot_be_read_or_is_quantized_is_computed_again_in_sparse(monkeypatch):
+    lm, ids = tiny_loaded(), random_ids(480, 6)
+    settings = dict(mode="auto", chunk_tokens=256, sparse_budget=128, page_tokens=16)
+    with Session(SessionConfig.of(**settings), loaded=lm) as computed:
+        alone = computed.complete([*ids, 5, 6, 7], max_new_tokens=64)
+    with Session(SessionConfig.of(**settings, kv_dtype="int8"), loaded=lm) as quantized:
+        quantized.read_ids(ids)                  # (its blocks hold int8 codes, not the KV a sparse prefill computes)
+        assert quantized.complete([*ids, 5, 6, 7], max_new_tokens=64).reused_tokens == 0
+    read = TieredSequence.read
+
+    def lost_at_layer_1(seq, layer):
+        if layer == 1:
+            raise BlockMissing("block lost")
+        return read(seq, layer)
+
+    with Session(SessionConfig.of(**settings), loaded=lm) as session:
+        session.read_ids(ids)
+        monkeypatch.setattr(TieredSequence, "read", lost_at_layer_1)
+        answer = session.complete([*ids, 5, 6, 7], max_new_tokens=64)
+        assert answer.reused_tokens == 0 and answer.tokens == alone.tokens      # layer 0's seeded KV went too
 
 
 @pytest.mark.model

@@ -52,7 +52,7 @@ from tierkv.manager.remote import Recompute
 from tierkv.model.arch import decoder_layers, embed, final_logits, finish_attention, mlp_block, \
     project_qkv_pre, project_query_pre, recompute_seconds, rope_cos_sin
 from tierkv.model.loading import LoadedModel
-from tierkv.ops.rope import RopeTable
+from tierkv.ops.rope import RopeTable, unrope
 from tierkv.policy import SharesScores, implements
 from tierkv.profile.trace import profiler_range
 from tierkv.sparse.config import SparseConfig
@@ -165,6 +165,31 @@ class SparseEngine:
                 checkpoint(seq)
         if pos >= len(ids):
             self.finish_prefill(seq)
+
+    @torch.inference_mode()
+    def seed(self, seq: SparseSequence, tokens: int, kv: Callable[[int], tuple[Tensor, Tensor]]) -> int:
+        """Fill an empty ``seq`` with its prompt's first tokens (at most ``tokens``) from KV computed
+        already: ``kv(layer)`` gives a layer's post-RoPE keys and values [1, Hkv, >= tokens, D] at real
+        positions (a dense run's). That is what ``prefill`` computes of the tokens it attends exactly
+        (up to ``dense_prefill_tokens``, at real positions); it goes on from there. Returns the tokens
+        taken (none where ``seq`` is not empty or keeps positions of its own); where ``kv`` fails,
+        ``seq`` is left empty."""
+        tokens = min(tokens, seq.config.dense_prefill_tokens)
+        if tokens <= 0 or seq.length(0) or seq.config.positions != "original":
+            return 0
+        device = self.model.device
+        cos, sin = rope_cos_sin(self.model, torch.arange(tokens, device=device))
+        seq.reserve(tokens + 1)
+        try:
+            for layer in range(len(self.layers)):
+                k, v = (x[:, :, :tokens].to(device) for x in kv(layer))
+                seq.append(layer, unrope(k, cos, sin)[0].transpose(0, 1), v[0].transpose(0, 1))  # [tokens, Hkv, D]
+        except BaseException:
+            seq.layers = [seq.new_layer(layer) for layer in range(len(self.layers))]   # nothing was sealed yet
+            raise
+        if tokens == seq.config.dense_prefill_tokens:
+            self.finish_prefill(seq)
+        return tokens
 
     def finish_prefill(self, seq: SparseSequence) -> None:
         """Fit the key basis of layers still without one (a prompt shorter than the exact part)."""

@@ -20,7 +20,7 @@ from tierkv.model.settings import SessionConfig
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.profile.access import AccessRecorder
 from tierkv.session.prefill import shelf_of, sparse_state
-from tierkv.session.state import DenseState, KVState, Progress, SparseState
+from tierkv.session.state import DenseState, KVState, Progress, Seed, SparseState
 from tierkv.sparse.store import Shelf
 
 
@@ -48,8 +48,10 @@ class Backend:
         seq.detach()
         return SparseState(self.engine, seq, [])
 
-    def state_of(self, ids: Sequence[int], progress: Progress | None = None) -> tuple[KVState, int]:
-        """The state covering ``ids``, found stored where it can be, and the tokens found."""
+    def state_of(self, ids: Sequence[int], progress: Progress | None = None,
+                 seed: Seed | None = None) -> tuple[KVState, int]:
+        """The state covering ``ids``, found stored where it can be, and the tokens found (or, in sparse
+        mode, taken from ``seed``: a dense state's KV of its first tokens)."""
         if self.mode == "dense":
             state = DenseState(self.engine)
             try:
@@ -60,7 +62,7 @@ class Backend:
             return state, state.reused
         settings = self.config.engine
         opened = sparse_state(self.engine, list(ids), self.shelf, reuse=settings.reuse,
-                              checkpoint_every=settings.checkpoint_every, progress=progress)
+                              checkpoint_every=settings.checkpoint_every, progress=progress, seed=seed)
         opened.state.seq.document_tokens = len(ids)
         return opened.state, opened.reused
 

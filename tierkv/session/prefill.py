@@ -30,7 +30,7 @@ from tierkv.errors import BlockMissing
 from tierkv.keys import BlockKey
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.session.repair import repair
-from tierkv.session.state import Progress, SparseState
+from tierkv.session.state import Progress, Seed, SparseState
 from tierkv.sparse.restore import Origin, restore_path, restore_points, save_restore, spacing
 from tierkv.sparse.sequence import SparseSequence
 from tierkv.sparse.store import Shelf, identity_key, load_index, place_file, save_index
@@ -54,9 +54,10 @@ def shelf_of(engine: SparseEngine, nvme_dir: Path | None) -> Shelf | None:
 
 def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, *, reuse: bool = True,
                  store: bool = True, checkpoint_every: float = 300.0,
-                 progress: Progress | None = None) -> Opened:
+                 progress: Progress | None = None, seed: Seed | None = None) -> Opened:
     """The state covering ``ids`` (see the module notes); ``store``: save it on the shelf when it
-    was computed here."""
+    was computed here; ``seed``: KV of its first tokens a dense state computed, taken where nothing
+    is found stored (read, not computed again)."""
     progress = progress or (lambda n: None)
     if shelf is not None and store:
         shelf.check(ids)
@@ -78,7 +79,7 @@ def sparse_state(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, 
                 raise
             return Opened(state, found)
     return _prefill(engine, ids, shelf if store else None, reuse=reuse, checkpoint_every=checkpoint_every,
-                    progress=progress)
+                    progress=progress, seed=seed)
 
 
 _NAMED: set[tuple] = set()       # the stored documents a warning named already
@@ -132,25 +133,27 @@ def stored_state(engine: SparseEngine, shelf: Shelf, ids: Sequence[int]) -> Spar
 
 
 def _prefill(engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, *, reuse: bool,
-             checkpoint_every: float, progress: Progress) -> Opened:
+             checkpoint_every: float, progress: Progress, seed: Seed | None) -> Opened:
     seq = engine.new_sequence(len(ids), root=None if shelf is None else shelf.key(ids), persist=shelf is not None)
     try:
         return _prefill_into(seq, engine, ids, shelf, reuse=reuse, checkpoint_every=checkpoint_every,
-                             progress=progress)
+                             progress=progress, seed=seed)
     except BaseException:     # what it sealed is let go of, kept in the store where there is one
         seq.release(keep=engine.manager.has_store)
         raise
 
 
 def _prefill_into(seq: SparseSequence, engine: SparseEngine, ids: Sequence[int], shelf: Shelf | None, *,
-                  reuse: bool, checkpoint_every: float, progress: Progress) -> Opened:
+                  reuse: bool, checkpoint_every: float, progress: Progress, seed: Seed | None) -> Opened:
     if shelf is None:
+        seeded = _seeded(engine, seq, ids, seed, progress)
         engine.prefill(seq, ids, progress)
-        return Opened(SparseState(engine, seq, ids), 0)
+        return Opened(SparseState(engine, seq, ids), seeded)
     partial = shelf.checkpoint(ids)
     if reuse and (meta := load_index(seq, partial, ids=ids, identity=shelf.identity)) is not None:
         seq.resumed_tokens, seq.prefill_s = seq.length(0), float(meta.get("prefill_s", 0.0))
         progress(seq.resumed_tokens)
+    seeded = _seeded(engine, seq, ids, seed, progress)
     path = shelf.path(ids)
     checkpoints = _Checkpoints(engine, partial, path, ids, shelf.identity, seq.prefill_s, checkpoint_every)
     engine.prefill(seq, ids, progress, checkpoints)
@@ -161,7 +164,23 @@ def _prefill_into(seq: SparseSequence, engine: SparseEngine, ids: Sequence[int],
     partial.unlink(missing_ok=True)
     seq.origin = Origin.of(seq, path, ids)
     seq.detach()                 # pages sealed after this are not part of the stored state: keyed apart
-    return Opened(SparseState(engine, seq, ids), 0, seq.resumed_tokens)
+    return Opened(SparseState(engine, seq, ids), seeded, seq.resumed_tokens)
+
+
+def _seeded(engine: SparseEngine, seq: SparseSequence, ids: Sequence[int], seed: Seed | None,
+            progress: Progress) -> int:
+    """The tokens of ``seed`` the empty ``seq`` takes (``SparseEngine.seed``); none where its KV cannot
+    be read (a block lost or damaged): they are computed."""
+    if seed is None:
+        return 0
+    try:
+        seeded = engine.seed(seq, min(seed.tokens, len(ids)), seed.kv)
+    except BlockMissing as error:
+        log.warning("the dense KV of the first %d tokens could not be read (%s); computing them", seed.tokens,
+                    error)
+        return 0
+    progress(seeded)
+    return seeded
 
 
 def share_index(engine: SparseEngine, path: Path) -> None:

@@ -18,7 +18,8 @@ the document's tokens are a prefix of every question's prompt::
     computed                                                [user: question]  then the answer
 
 Dense mode reuses whole stored blocks; sparse mode the stored index of the prefix. The mode
-is chosen per prompt (``EngineSettings.mode``: auto is sparse past the trained window).
+is chosen per prompt (``EngineSettings.mode``: auto is sparse past the trained window); a sparse
+prefix held dense (a question whose answer would pass the window) takes the dense KV, not computed again.
 Threads may share a session and its forks: prompts are computed one request at a time, answers
 decode side by side on forks of their own (each one's ``stall_s`` is its own thread's waits). A
 ``progress`` or ``cancelled`` function runs while its request holds the session: one that waits
@@ -404,9 +405,13 @@ class Session:
                       mode: str | None = None) -> tuple[KVState, int]:
         mode = mode or self.config.engine.resolve_mode(len(ids) + 1, self.loaded.spec.max_position)
         backend = self.backend(mode)
+        # a sparse state starts from the KV a dense one computed of its tokens (an answer to pass the window)
+        seeds = [seed for state in self._held() if mode == "sparse" and state.mode == "dense"
+                 and (seed := state.seed(ids)) is not None]
+        seed = max(seeds, key=lambda seed: seed.tokens, default=None)
         backend.events.enabled = self.keep_events    # a 1M-token prefill makes millions of transfer events
         try:
-            return backend.state_of(ids, progress)
+            return backend.state_of(ids, progress, seed=seed)
         finally:
             backend.events.enabled = True
 

@@ -24,6 +24,7 @@ is one decode step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -59,6 +60,15 @@ class KVState(Protocol):
     def crop(self, tokens: int) -> None: ...                  # forget the last tokens
 
     def release(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Seed:
+    """KV a dense state computed of a prompt's first ``tokens`` tokens: a sparse state of the prompt
+    starts from it instead of computing them again (``SparseEngine.seed``)."""
+
+    tokens: int
+    kv: Callable[[int], tuple[Tensor, Tensor]]     # layer -> post-RoPE K and V [1, Hkv, >= tokens, D]
 
 
 class _Releasable:
@@ -97,6 +107,14 @@ class DenseState(_Releasable):
 
     def absorb(self, ids: Sequence[int], progress: Progress | None = None) -> None:
         self.extend(ids, progress)
+
+    def seed(self, ids: Sequence[int]) -> Seed | None:
+        """The KV this state computed of the longest prefix of ``ids`` it shares, for a sparse state of
+        ``ids`` to start from; None where it shares none, or its blocks hold the KV quantized."""
+        if self.released or self.engine.layout.codec is not None:
+            return None
+        tokens = shared_prefix(self.seq.token_ids, ids)
+        return Seed(tokens, self.seq.read) if tokens else None
 
     def extend(self, ids: Sequence[int], progress: Progress | None = None) -> Tensor:
         self._check_held()
@@ -201,8 +219,13 @@ def covers(state: KVState, ids: list[int]) -> int:
         return len(tokens)
     if state.mode != "dense":                 # (a sparse state crops only within its window)
         return 0
-    n = min(len(tokens), len(ids) - 1)
-    differ = np.flatnonzero(np.asarray(tokens[:n]) != np.asarray(ids[:n]))
+    return shared_prefix(tokens, ids[:len(ids) - 1])
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens ``a`` and ``b`` share before they differ."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(differ[0]) if differ.size else n
 
 
