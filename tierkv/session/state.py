@@ -211,15 +211,16 @@ class SparseState(_Releasable):
 
 def covers(state: KVState, ids: list[int]) -> int:
     """How many tokens of ``ids`` a fork of ``state`` can start from: all of its tokens where they start
-    ``ids``; in dense mode, also the tokens it shares with ``ids`` before they differ (the fork crops
-    the rest: a stopped answer whose text comes back tokenized otherwise). At least one token of ``ids``
-    is left to compute, for its logits."""
+    ``ids``; else the tokens it shares with ``ids`` before they differ (the fork crops the rest: a
+    stopped answer whose text comes back tokenized otherwise), in sparse mode where the rest is in
+    its window. At least one token of ``ids`` is left to compute, for its logits."""
     tokens = state.tokens
     if len(tokens) < len(ids) and ids[:len(tokens)] == tokens:
         return len(tokens)
-    if state.mode != "dense":                 # (a sparse state crops only within its window)
+    shared = shared_prefix(tokens, ids[:len(ids) - 1])
+    if state.mode != "dense" and len(tokens) - shared > state.seq.croppable():   # (sealed pages stay)
         return 0
-    return shared_prefix(tokens, ids[:len(ids) - 1])
+    return shared
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
