@@ -18,6 +18,10 @@ reach, measured in the same process on the same bytes::
                                               manager-pages-  the same, copied      page_reads_copied_vs_raw
                                               copied          into the caller's     (informational)
                                                               rows
+    page-memcpy  one copy_ of the pages'      manager-page-   put_many of 526 new   page_puts_vs_memcpy
+                 bytes                        puts            pages a call into a   (informational)
+                                                              cpu tier (a sparse
+                                                              prefill's sealing)
 
 Every probe runs once per round, rounds repeat, and the best round counts:
 the machine is shared and noisy, and interleaving lets noise hit a path and
@@ -327,15 +331,43 @@ def page_probes(workdir: Path, plan: Plan, stack: contextlib.ExitStack) -> list[
             Probe("page-verify", PAGES_PER_READ * PAGE, PAGES_PER_READ, verify)]
 
 
+def page_put_probes(plan: Plan, stack: contextlib.ExitStack) -> list[Probe]:
+    """New ``PAGE`` pages into a memory tier as a sparse prefill seals a layer's: ``put_many`` of
+    ``PAGES_PER_READ`` a call into a cpu tier that holds them all, against one ``copy_`` of the same
+    bytes. Each round's pages are let go of before the next (untimed); the last are read back."""
+    n = plan.page_total // PAGE
+    manager = stack.enter_context(BlockingTierManager(TierManager([CpuTier(PAGE, n * PAGE)], knobs=IOKnobs())))
+    src = host_buffer(n * PAGE, pinned=False)
+    fill_pattern(src, seed=2 * PAGE)
+    pages, dst = src.view(n, PAGE), torch.empty_like(src)
+    keys = [BlockKey.of("bench-page-puts", PAGE, i) for i in range(n)]
+
+    def put_all() -> None:
+        for lo in range(0, n, PAGES_PER_READ):
+            manager.put_many(keys[lo:lo + PAGES_PER_READ], pages[lo:lo + PAGES_PER_READ])
+
+    def verify() -> None:
+        check = list(range(0, n, 7))
+        rows = host_buffer(len(check) * PAGE, pinned=False).view(len(check), PAGE)
+        manager.read([keys[i] for i in check], into=rows, tier="cpu").wait()
+        if not torch.equal(rows, pages[check]):
+            raise RuntimeError("pages put through the manager read back different bytes")
+
+    return [Probe("page-memcpy", n * PAGE, n, lambda: dst.copy_(src)),
+            Probe("manager-page-puts", n * PAGE, n, put_all, prepare=lambda: manager.drop(keys)),
+            Probe("page-put-verify", n * PAGE, n, verify)]
+
+
 def measure_pages(plan: Plan, workdir: Path) -> list[Probe]:
     with contextlib.ExitStack() as stack:
         raw, through, copied, verify = page_probes(workdir, plan, stack)
+        memcpy, puts, puts_verify = page_put_probes(plan, stack)
         for _ in range(plan.rounds):
-            raw.once()
-            through.once()
-            copied.once()
+            for probe in (raw, through, copied, memcpy, puts):
+                probe.once()
         verify.once()
-        return [raw, through, copied]
+        puts_verify.once()
+        return [raw, through, copied, memcpy, puts]
 
 
 # -- one block size -------------------------------------------------------------
@@ -413,7 +445,9 @@ RATIOS = {  # name -> (path, what it divides)
 
 
 def add_page_rows(report: Report, probes: list[Probe]) -> None:
-    raw, through, copied = probes
+    raw, through, copied, memcpy, puts = probes
+    add_page_put_rows(report, memcpy, puts)
+    probes = [raw, through, copied]
     for probe in probes:
         against = {} if probe is raw else {
             "limit_gbps": round(raw.gbps, 3), "limit_config": raw.config, "vs_limit": round(probe.gbps / raw.gbps, 3),
@@ -438,6 +472,20 @@ def add_page_rows(report: Report, probes: list[Probe]) -> None:
                      f"page (all threads); through the manager, lent {through.us_per_block:.1f} us and "
                      f"{cpu_us[through.config]:.1f} us of CPU, copied {copied.us_per_block:.1f} us and "
                      f"{cpu_us[copied.config]:.1f} us of CPU")
+
+
+def add_page_put_rows(report: Report, memcpy: Probe, puts: Probe) -> None:
+    for probe in (memcpy, puts):
+        report.add_row(probe.config, "throughput", round(probe.gbps, 3), "GB/s", block_bytes=PAGE,
+                       us_per_block=round(probe.us_per_block, 2), cpu_us_per_block=round(min(probe.cpu_seconds)
+                                                                                         / probe.nblocks * 1e6, 2),
+                       nbytes=probe.nbytes, rounds_gbps=[round(probe.nbytes / s / 1e9, 3) for s in probe.seconds])
+    report.add_ratio("page_puts_vs_memcpy", round(puts.gbps / memcpy.gbps, 3), None,
+                     f"new {format_size(PAGE)} pages through BlockingTierManager.put_many ({PAGES_PER_READ} a call, "
+                     "into a cpu tier) / one copy_ of the same bytes")
+    report.add_bound(f"page puts: {puts.us_per_block:.1f} us a page through the manager ("
+                     f"{min(puts.cpu_seconds) / puts.nblocks * 1e6:.1f} us of CPU, all threads), "
+                     f"{memcpy.us_per_block:.2f} us to copy it")
 
 
 def add_ratios(report: Report, plan: Plan) -> None:

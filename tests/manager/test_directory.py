@@ -55,6 +55,29 @@ def test_bulk_lookups_agree_with_entries_one_by_one() -> None:
         d.plan_loads([key(999)], "cpu", ["cpu", "nvme"])
 
 
+@pytest.mark.parametrize("twice", [False, True])
+def test_adding_many_keys_at_once_agrees_with_adding_them_one_by_one(twice) -> None:
+    """Over known keys (stored or not), new ones and rows freed for reuse; ``twice``: a new key named
+    twice in the call (made once, held twice)."""
+    one, many = Directory(), Directory()
+    for d in (one, many):
+        for i in range(40):
+            entry = d.add(key(i), hold=i % 2 == 0, layer=1, index=i)
+            if i % 3:
+                entry.copies["cpu"] = i
+        d.forget_if_empty(key(3))                              # a row free for reuse
+    keys = [key(i) for i in (5, 6, 3, 41, 42, 7)] + ([key(41)] if twice else [])
+    expected = [i % 3 != 0 and i < 40 for i in (5, 6, 3, 41, 42, 7)] + ([False] if twice else [])
+    for i, k in enumerate(keys):
+        one.add(k, hold=True, layer=4, index=20 + i)
+    assert many.add_many(keys, hold=True, layer=4, first_index=20).tolist() == expected
+    for k in {*keys, *map(key, range(45))}:
+        a, b = one.get(k), many.get(k)
+        assert (a and (a.holders, a.layer, a.index, dict(a.copies))) == (b and (b.holders, b.layer, b.index,
+                                                                                  dict(b.copies)))
+    assert one.get(key(41)).holders == (2 if twice else 1)
+
+
 def test_the_held_count_is_the_entries_held_after_holds_releases_and_reused_rows() -> None:
     d = Directory()
     for i in range(50):

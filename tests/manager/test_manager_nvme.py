@@ -51,9 +51,10 @@ async def test_a_put_of_many_blocks_places_them_together_and_writes_them_back_in
     writes, real = [], NvmeTier.write
     monkeypatch.setattr(NvmeTier, "write", lambda self, items, **kw: (writes.append(len(items)),
                                                                       real(self, items, **kw))[1])
-    items = [(key(i), block(i)) for i in range(12)] + [(key(3), block(3))]
+    named = [*range(12), 3]
     async with TierManager(tiers(tmp_path / "s"), knobs=knobs) as m:
-        await m.put_many(items, layer=0, first_index=0, persist=True)
+        await m.put_many([key(i) for i in named], torch.stack([block(i) for i in named]), layer=0, first_index=0,
+                         persist=True)
         await m.flush()
         puts = [(e.dst, e.blocks) for e in m.events.of_kind("put")]
         assert puts[:2] == [("gpu", 2), ("cpu", 4)] and sum(n for _, n in puts) == 12
@@ -70,12 +71,12 @@ async def test_a_put_of_many_blocks_places_them_together_and_writes_them_back_in
 
 async def test_a_put_of_many_that_finds_no_room_stores_none_of_what_it_could_not_place(knobs):
     async with TierManager([CpuTier(BLOCK, 3 * BLOCK)], knobs=knobs) as m:
-        await m.put_many([(key(i), block(i)) for i in range(2)])
+        await m.put_many([key(i) for i in range(2)], torch.stack([block(i) for i in range(2)]))
         with pytest.raises(BudgetExceeded, match="cpu"):
-            await m.put_many([(key(i), block(i)) for i in range(2, 5)])   # one fits, two cannot
+            await m.put_many([key(i) for i in range(2, 5)], torch.stack([block(i) for i in range(2, 5)]))  # 1 fits
         assert m.contains(key(2)) and not m.contains(key(3)) and not m.contains(key(4))
         assert m.directory.entry(key(2)).holders == 0            # the failed call holds nothing
-        await m.put_many([(key(2), block(2))])                   # asked again: held, not stored twice
+        await m.put_many([key(2)], block(2))                     # asked again: held, not stored twice
         assert m.directory.entry(key(2)).holders == 1 and m.used_bytes("cpu") == 3 * BLOCK
         assert_quiescent(m)
 

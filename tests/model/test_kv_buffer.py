@@ -167,15 +167,15 @@ def test_a_chunk_seals_its_whole_blocks_in_one_put_and_a_failed_put_leaves_the_l
     layer.append(k[:, :, :5], v[:, :, :5], keys_for(3), persist=False)
     puts, real = [], BlockingTierManager.put_many
 
-    def failing(self, items, **kw):
-        puts.append(len(items))
+    def failing(self, keys, rows, **kw):
+        puts.append(len(keys))
         raise OSError("the tier refused the write")
     monkeypatch.setattr(BlockingTierManager, "put_many", failing)
     with pytest.raises(OSError, match="refused"):
         layer.append(k[:, :, 5:], v[:, :, 5:], keys_for(3), persist=False)
     assert layer.length == 5 and not layer.blocks and torch.equal(layer.tail()[0], k[:, :, :5])
-    monkeypatch.setattr(BlockingTierManager, "put_many", lambda self, items, **kw: (puts.append(len(items)),
-                                                                                  real(self, items, **kw))[1])
+    monkeypatch.setattr(BlockingTierManager, "put_many", lambda self, keys, rows, **kw: (puts.append(len(keys)),
+                                                                                       real(self, keys, rows, **kw))[1])
     layer.append(k[:, :, 5:], v[:, :, 5:], keys_for(3), persist=False)
     assert puts == [5, 5] and len(layer.blocks) == 5 and layer.tail_len == 3
     got_k, got_v = by_blocks(layer)

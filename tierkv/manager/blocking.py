@@ -84,11 +84,11 @@ class BlockingTierManager:
     def put(self, key: BlockKey, data: torch.Tensor, **kw: Any) -> None:
         self._run(self.manager.put(key, data, **kw))
 
-    def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]], *, layer: int | None = None,
+    def put_many(self, keys: Sequence[BlockKey], rows: torch.Tensor, *, layer: int | None = None,
                  first_index: int | None = None, persist: bool = False) -> None:
-        """``put`` each (key, data), in one hop to the loop thread and one placement (see
-        `TierManager.put_many`); block i gets index ``first_index + i``."""
-        self._run(self.manager.put_many(items, layer=layer, first_index=first_index, persist=persist))
+        """``put`` block ``keys[i]`` with the bytes of ``rows[i]``, in one hop to the loop thread and one
+        placement (see `TierManager.put_many`); block i gets index ``first_index + i``."""
+        self._run(self.manager.put_many(keys, rows, layer=layer, first_index=first_index, persist=persist))
 
     def acquire(self, keys: Sequence[BlockKey], tier: str | None = None, **kw: Any) -> Lease:
         kw.setdefault("thread", threading.get_ident())      # the wait is this thread's

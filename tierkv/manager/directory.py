@@ -162,6 +162,28 @@ class Directory:
             rows.indexes[row] = index + 1
         return BlockEntry(key, rows, row)
 
+    def add_many(self, keys: Sequence[BlockKey], *, hold: bool, layer: int | None = None,
+                 first_index: int | None = None) -> np.ndarray:
+        """`add` of each key (``keys[i]`` at index ``first_index + i``) in a few numpy passes; whether each
+        block was stored before (a copy somewhere, or one on its way). A key named twice is made once."""
+        rows, stored = self.stored(keys)
+        new = np.flatnonzero(rows < 0)
+        if len(new) and len({keys[i] for i in new.tolist()}) < len(new):    # (rare: one key by one)
+            for i, key in enumerate(keys):
+                self.add(key, hold=hold, layer=layer, index=None if first_index is None else first_index + i)
+            return stored
+        if len(new):
+            rows[new] = self._rows.take_many(len(new))
+            self._table.add_many(split(keys)[new], rows[new])
+        meta = self._rows.meta
+        if hold:
+            self.hold_rows(rows)
+        if layer is not None:
+            meta["layer"][rows] = layer + 1
+        if first_index is not None:
+            meta["index"][rows] = np.arange(first_index + 1, first_index + 1 + len(keys))
+        return stored
+
     def add_copies(self, keys: Sequence[BlockKey], name: str, slots: Sequence[int]) -> None:
         """``keys[i]`` READY in ``slots[i]`` of ``name``, made where new and held by nobody (a reopened
         store's blocks: a million at once). The keys are distinct and have no copy in ``name`` yet."""

@@ -37,7 +37,6 @@ from tierkv.keys import BlockKey
 from tierkv.manager import placement
 from tierkv.manager.build import build_policies, build_tiers, check_tiers, named_policies
 from tierkv.manager.directory import Directory, Place
-from tierkv.manager.rows import BlockEntry
 from tierkv.manager.executor import Executor
 from tierkv.manager.lease import Lease
 from tierkv.manager.moves import Moves
@@ -181,42 +180,45 @@ class TierManager:
                   layer: int | None = None, index: int | None = None, protect: bool = True,
                   persist: bool = False, share: bool = True) -> None:
         """Store a new block (exactly ``block_bytes``): `put_many` of one, ``index`` its position in its layer."""
-        await self.put_many([(key, data)], tier=tier, layer=layer, first_index=index, protect=protect,
+        await self.put_many([key], data, tier=tier, layer=layer, first_index=index, protect=protect,
                             persist=persist, share=share)
 
-    async def put_many(self, items: Sequence[tuple[BlockKey, torch.Tensor]], *, tier: str | None = None,
+    async def put_many(self, keys: Sequence[BlockKey], rows: torch.Tensor, *, tier: str | None = None,
                        layer: int | None = None, first_index: int | None = None, protect: bool = True,
                        persist: bool = False, share: bool = True) -> None:
         """Store new blocks in ``tier`` (default: the fastest with room), together: a reservation (an
-        eviction) and a copy per tier, one write-back. A key names its content: putting a key that is
-        already stored only adds a holder (``protect``: the caller holds the block until it ``drop``s or
-        ``unprotect``s it). ``persist`` also writes them back to the NVMe store and, with ``share``,
-        through to the remote store. ``layer`` and ``first_index + i`` (block i's position in its layer)
-        are hints for policies that rank by position (see tierkv.policy). A call that raises holds none
-        of them (what it placed stays as cache nobody holds)."""
+        eviction) and a copy per tier, one write-back. ``rows`` holds them in order, ``block_bytes``
+        each (``[len(keys), block_bytes]``, or any tensor of those bytes). A key names its content:
+        putting a key that is already stored only adds a holder (``protect``: the caller holds the block
+        until it ``drop``s or ``unprotect``s it). ``persist`` also writes them back to the NVMe store and,
+        with ``share``, through to the remote store. ``layer`` and ``first_index + i`` (block i's position
+        in its layer) are hints for policies that rank by position (see tierkv.policy). A call that
+        raises holds none of them (what it placed stays as cache nobody holds)."""
         self._check_running()
+        if not keys:
+            return
         order = placement.put_order(tier, self.order)
-        raws = [_as_bytes(data, self.block_bytes) for _, data in items]
-        new: dict[BlockKey, torch.Tensor] = {}   # a key already stored (or twice in items) only gains a holder
-        for i, ((key, _), raw) in enumerate(zip(items, raws)):
-            if self.access is not None:
+        rows = _as_rows(rows, len(keys), self.block_bytes)
+        if self.access is not None:
+            for key in keys:
                 self.access.on_put(key, layer)
-            index = None if first_index is None else first_index + i
-            entry = self.directory.add(key, hold=protect, layer=layer, index=index)
-            if not (_stored(entry) or key in new):
-                new[key] = raw
+        stored = self.directory.add_many(keys, hold=protect, layer=layer, first_index=first_index)
+        new: dict[BlockKey, int] = {}       # a key already stored (or twice in keys) only gains a holder
+        for i in np.flatnonzero(~stored).tolist():
+            new.setdefault(keys[i], i)
         if not new:
             return
+        placed = rows if len(new) == len(keys) else rows[list(new.values())]
         try:
-            await self._moves.put_new(list(new), torch.stack(list(new.values())), order, layer)
+            await self._moves.put_new(list(new), placed, order, layer)
         except BaseException:
             if protect:
-                self.unprotect(key for key, _ in items)
+                self.unprotect(keys)
             raise
         if persist:
             self.persist(new)
             if share and self._write_through is not None:
-                for key, raw in new.items():
+                for key, raw in zip(new, placed):
                     self._write_through.offer(key, raw.cpu().numpy().tobytes())
 
     def persist(self, keys: Iterable[BlockKey]) -> None:
@@ -439,13 +441,9 @@ class TierManager:
             raise ManagerClosed(f"tier manager is {self._state}; use `async with` or await start()")
 
 
-def _as_bytes(data: torch.Tensor, block_bytes: int) -> torch.Tensor:
+def _as_rows(data: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:
+    """``data``'s bytes as ``n`` rows of ``block_bytes`` (a view where it is contiguous)."""
     raw = data.contiguous().view(torch.uint8).reshape(-1)
-    if raw.numel() != block_bytes:
-        raise ValueError(f"block of {raw.numel()} bytes; this manager stores blocks of exactly {block_bytes}")
-    return raw
-
-
-def _stored(entry: BlockEntry | None) -> bool:
-    """The block has a copy somewhere, or one on its way."""
-    return entry is not None and bool(entry.copies or entry.arriving)
+    if raw.numel() != n * block_bytes:
+        raise ValueError(f"{raw.numel()} bytes for {n} block(s); this manager stores blocks of exactly {block_bytes}")
+    return raw.view(n, block_bytes)

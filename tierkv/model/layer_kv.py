@@ -77,7 +77,7 @@ class LayerKV:
         as_blocks = [x.unflatten(2, (n, T)).movedim(2, 0).cpu() for x in (k, v)]   # [n, B, Hkv, T, D]
         raws = self.layout.pack(*as_blocks)                  # [n, block_bytes]; sealed from host memory
         keys = [key_of(first + i) for i in range(n)]
-        self.manager.put_many(list(zip(keys, raws)), layer=self.layer, first_index=first, persist=persist)
+        self.manager.put_many(keys, raws, layer=self.layer, first_index=first, persist=persist)
         self.blocks.extend(keys)
         if self.layout.codec is not None:
             self.exact_last = (first + n - 1, as_blocks[0][-1].clone(), as_blocks[1][-1].clone())

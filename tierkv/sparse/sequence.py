@@ -199,7 +199,7 @@ class SparseSequence:
         first = len(state.pages)
         keys = self.page_key_run(layer, first, n_pages)
         raws = self.layout.pack(v.reshape(n_pages, P, *v.shape[1:]), factors.reshape(n_pages, P, -1))   # [n, bytes]
-        self.manager.put_many(list(zip(keys, raws)), layer=layer, first_index=first, persist=self.persist)
+        self.manager.put_many(keys, raws, layer=layer, first_index=first, persist=self.persist)
         state.pages.extend(keys)
 
     def _outlier_target(self, chunks: int) -> int:
