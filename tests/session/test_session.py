@@ -746,25 +746,6 @@ def test_an_answer_past_the_window_starts_its_sparse_state_from_the_dense_docume
             assert found.reused_tokens == len(ids) + 2 and found.tokens == alone.tokens
 
 
-def test_a_sparse_prompt_that_parts_from_a_held_state_within_its_window_starts_from_the_tokens_they_share():
-    """A sparse document state covers a prompt that parts from it 10 tokens before its end (a stopped answer
-    tokenized otherwise): forked and cropped, not computed again. Past its window (sealed pages), it is not."""
-    lm, doc = tiny_loaded(), random_ids(1400, 3)
-    settings = dict(mode="sparse", chunk_tokens=256, sparse_budget=128, page_tokens=16)
-    with Session(SessionConfig.of(**settings), loaded=lm) as session:
-        session.read_ids(doc)
-        document = session.document
-        assert 10 <= document.seq.croppable() < 600
-        parted, far = [*doc[:-10], 5, 6, 7], [*doc[:-600], 5, 6, 7]
-        answer = session.complete(parted, max_new_tokens=8)
-        assert answer.reused_tokens == len(doc) - 10
-        assert session.complete(far, max_new_tokens=8).reused_tokens == 0
-        assert document.tokens == doc and document.seq.length(0) == len(doc)     # (a fork was cropped, not it)
-        assert session.complete([*doc, 9], max_new_tokens=8).reused_tokens == len(doc)
-    with Session(SessionConfig.of(**settings), loaded=lm) as fresh:
-        assert fresh.complete(parted, max_new_tokens=8).tokens == answer.tokens
-
-
 def test_a_dense_document_whose_kv_cannot_be_read_or_is_quantized_is_computed_again_in_sparse(monkeypatch):
     lm, ids = tiny_loaded(), random_ids(480, 6)
     settings = dict(mode="auto", chunk_tokens=256, sparse_budget=128, page_tokens=16)

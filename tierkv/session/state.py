@@ -211,16 +211,15 @@ class SparseState(_Releasable):
 
 def covers(state: KVState, ids: list[int]) -> int:
     """How many tokens of ``ids`` a fork of ``state`` can start from: all of its tokens where they start
-    ``ids``; else the tokens it shares with ``ids`` before they differ (the fork crops the rest: a
-    stopped answer whose text comes back tokenized otherwise), in sparse mode where the rest is in
-    its window. At least one token of ``ids`` is left to compute, for its logits."""
+    ``ids``; in dense mode, also the tokens it shares with ``ids`` before they differ (the fork crops
+    the rest: a stopped answer whose text comes back tokenized otherwise). At least one token of ``ids``
+    is left to compute, for its logits."""
     tokens = state.tokens
     if len(tokens) < len(ids) and ids[:len(tokens)] == tokens:
         return len(tokens)
-    shared = shared_prefix(tokens, ids[:len(ids) - 1])
-    if state.mode != "dense" and len(tokens) - shared > state.seq.croppable():   # (sealed pages stay)
+    if state.mode != "dense":    # (cropped, it would keep pages and a key basis the prompt computed afresh lacks)
         return 0
-    return shared
+    return shared_prefix(tokens, ids[:len(ids) - 1])
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -104,15 +104,9 @@ class SparseSequence:
         return twin
 
     def crop(self, tokens: int) -> None:
-        """Forget the newest ``tokens`` tokens in every layer (``LayerState.crop``: at most ``croppable()``)."""
-        if tokens > self.croppable():
-            raise ValueError(f"crop: {tokens} tokens, but only the newest {self.croppable()} (the window) can go")
+        """Forget the newest ``tokens`` tokens in every layer (``LayerState.crop``)."""
         for state in self.layers:
             state.crop(tokens)
-
-    def croppable(self) -> int:
-        """The most tokens a crop can forget: those still in every layer's window."""
-        return min(len(state.win_k) for state in self.layers)
 
     def detach(self) -> None:
         """From now on the pages this sequence seals are its own (a private root, not stored for reuse):
