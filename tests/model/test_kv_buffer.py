@@ -53,6 +53,30 @@ def test_the_buffer_holds_what_the_blocks_and_tail_hold(manager):
     assert budget.used == 0
 
 
+@pytest.mark.parametrize("room", [1 << 20, 48 * PER_TOKEN])
+def test_a_read_of_every_token_reserves_nothing_and_reads_what_the_buffer_lacks(manager, room):
+    """``read`` gives every token's K/V, from the buffer, the tiers and the tail, and leaves the buffer and
+    its budget as they were (``contiguous`` would grow it for the tail); ``room`` for 48 tokens: the
+    buffer gave its bytes back when the layer outgrew it, and every block is read from the tiers."""
+    budget = BufferBudget(room)
+    layer = LayerKV(manager, LAYOUT, 0, budget=budget)
+    k, v = fill(layer, 40)
+    layer.contiguous()
+    more_k, more_v = fill(layer, 45, seed=1)                     # 85 tokens: 5 blocks and a tail of 5
+    used, filled, capacity = budget.used, layer.buffer.filled, layer.buffer.capacity
+    got_k, got_v = layer.read()
+    assert torch.equal(got_k, torch.cat([k, more_k], 2)) and torch.equal(got_v, torch.cat([v, more_v], 2))
+    assert (budget.used, layer.buffer.filled, layer.buffer.capacity) == (used, filled, capacity)
+    assert filled == (5 * T if room > 48 * PER_TOKEN else 0)
+    got_k[:] = 0                                                  # a copy: the layer's own K is untouched
+    assert torch.equal(by_blocks(layer)[0], torch.cat([k, more_k], 2))
+    bare = LayerKV(manager, LAYOUT, 0)                            # no buffer: every block read
+    k, v = fill(bare, 37, seed=2)
+    assert all(map(torch.equal, bare.read(), (k, v))) and bare.buffer is None
+    layer.release(keep=False)
+    bare.release(keep=False)
+
+
 def test_crop_fork_and_truncate_keep_buffer_and_blocks_in_agreement(manager):
     budget = BufferBudget(1 << 20)
     layer = LayerKV(manager, LAYOUT, 0, budget=budget)

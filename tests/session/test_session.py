@@ -19,7 +19,7 @@ from tierkv.session.session import Cancelled
 from tierkv.session.generation import Sampling
 from tierkv.session.state import DenseState
 
-from tinymodels import tiny_model
+from tinymodels import TINY, tiny_model
 
 DOC = ("Alice met Bob in Paris in 1999. They founded a bakery called Blue Oven on Rue Cler. "
        "The bakery became famous for its rye bread. In 2010 they opened a second shop in Lyon.\n") * 12
@@ -754,6 +754,18 @@ def test_a_dense_document_whose_kv_cannot_be_read_or_is_quantized_is_computed_ag
     with Session(SessionConfig.of(**settings, kv_dtype="int8"), loaded=lm) as quantized:
         quantized.read_ids(ids)                  # (its blocks hold int8 codes, not the KV a sparse prefill computes)
         assert quantized.complete([*ids, 5, 6, 7], max_new_tokens=64).reused_tokens == 0
+    import transformers                          # RoPE scaled by the length: the sparse engine's table is not the run's
+    config = transformers.LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                                              "factor": 2.0})
+    torch.manual_seed(0)
+    dynamic = transformers.AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    loaded = LoadedModel(dynamic, None, "tiny-dynamic", model_spec(dynamic))
+    with Session(SessionConfig.of(**settings), loaded=loaded) as fresh:
+        expected = fresh.complete([*ids, 5, 6, 7], max_new_tokens=64).tokens
+    with Session(SessionConfig.of(**settings), loaded=loaded) as session:
+        session.read_ids(ids)
+        answer = session.complete([*ids, 5, 6, 7], max_new_tokens=64)
+        assert answer.reused_tokens == 0 and answer.tokens == expected
     read = TieredSequence.read
 
     def lost_at_layer_1(seq, layer):

@@ -185,6 +185,18 @@ class LayerKV:
             buffer.write(sealed * T, *self.tail())
         return buffer.view(self.length)
 
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every token [B, Hkv, length, D] on the layer's device, copied: the sealed blocks its
+        buffer holds, the others read from the tiers (BlockMissing where one is lost or damaged), then the
+        tail. Unlike ``contiguous`` it reserves and keeps nothing: the layer reads as it did before."""
+        T = self.layout.tokens
+        have = 0 if self.buffer is None else min(self.buffer.filled // T, len(self.blocks))
+        parts = [self.buffer.view(have * T)] if have else []
+        for _, blocks in self.groups(self.manager.pin_group(), first=have):     # (views valid for one group)
+            parts.append(tuple(torch.cat([block[i] for block in blocks], dim=2).to(self.device) for i in (0, 1)))
+        parts.append(self.tail())
+        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+
     def groups(self, group: int, *, first: int = 0) -> Iterator[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """Pinned K/V views of the sealed blocks, ``group`` blocks at a time: ``(first index, [(k, v)])``,
         valid until the next iteration. The next group is prefetched while one is used."""

@@ -144,17 +144,8 @@ class TieredSequence:
         return self.layers[layer].contiguous()
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer``'s K and V of every token [B, Hkv, length, D]: its buffer, or its blocks read from the
-        tiers (BlockMissing where one is lost or damaged) and the tail, joined."""
-        whole = self.contiguous(layer)
-        if whole is not None:
-            return whole
-        ks, vs = [], []
-        for _, blocks in self.block_groups(layer, self.manager.pin_group()):     # (views valid for one group)
-            ks.append(torch.cat([k for k, _ in blocks], dim=2))
-            vs.append(torch.cat([v for _, v in blocks], dim=2))
-        tail_k, tail_v = self.tail(layer)
-        return torch.cat([*ks, tail_k], dim=2), torch.cat([*vs, tail_v], dim=2)
+        """``layer``'s K and V of every token, copied (``LayerKV.read``)."""
+        return self.layers[layer].read()
 
     def reads_blocks(self, layer: int) -> bool:
         """A read of ``layer`` would load blocks from the tiers (none in its buffer yet, or not all)."""

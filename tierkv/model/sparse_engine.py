@@ -172,13 +172,17 @@ class SparseEngine:
         already: ``kv(layer)`` gives a layer's post-RoPE keys and values [1, Hkv, >= tokens, D] at real
         positions (a dense run's). That is what ``prefill`` computes of the tokens it attends exactly
         (up to ``dense_prefill_tokens``, at real positions); it goes on from there. Returns the tokens
-        taken (none where ``seq`` is not empty or keeps positions of its own); where ``kv`` fails,
-        ``seq`` is left empty."""
+        taken: none where ``seq`` is not empty or keeps positions of its own, or where the dense run's
+        RoPE is not this engine's table (a scaling that depends on the length, as ``dynamic``: the
+        layers past the first would differ); where ``kv`` fails, ``seq`` is left empty."""
         tokens = min(tokens, seq.config.dense_prefill_tokens)
         if tokens <= 0 or seq.length(0) or seq.config.positions != "original":
             return 0
         device = self.model.device
         cos, sin = rope_cos_sin(self.model, torch.arange(tokens, device=device))
+        if not all(torch.allclose(dense.float().cpu(), own, rtol=0, atol=1e-3)
+                   for dense, own in zip((cos, sin), self.rope.span(0, tokens))):
+            return 0
         seq.reserve(tokens + 1)
         try:
             for layer in range(len(self.layers)):

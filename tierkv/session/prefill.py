@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierkv.errors import BlockMissing
+from tierkv.errors import BlockMissing, TierKVError
 from tierkv.keys import BlockKey
 from tierkv.model.sparse_engine import SparseEngine
 from tierkv.session.repair import repair
@@ -170,14 +170,14 @@ def _prefill_into(seq: SparseSequence, engine: SparseEngine, ids: Sequence[int],
 def _seeded(engine: SparseEngine, seq: SparseSequence, ids: Sequence[int], seed: Seed | None,
             progress: Progress) -> int:
     """The tokens of ``seed`` the empty ``seq`` takes (``SparseEngine.seed``); none where its KV cannot
-    be read (a block lost or damaged): they are computed."""
+    be read (a block lost or damaged, no room to load it): they are computed."""
     if seed is None:
         return 0
     try:
         seeded = engine.seed(seq, min(seed.tokens, len(ids)), seed.kv)
-    except BlockMissing as error:
-        log.warning("the dense KV of the first %d tokens could not be read (%s); computing them", seed.tokens,
-                    error)
+    except TierKVError as error:
+        log.warning("the dense KV of the first %d tokens could not be read (%s: %s); computing them", seed.tokens,
+                    type(error).__name__, error)
         return 0
     progress(seeded)
     return seeded
