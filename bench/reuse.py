@@ -229,10 +229,13 @@ def main(argv: list[str] | None = None) -> Report:
     report = Report("reuse", args.quick, machine(scratch))
     try:
         loaded = load_model("smollm2")
+        past = loaded.spec.max_position - 512 if args.past is None else args.past
+        if past >= loaded.spec.max_position - 64:
+            raise SystemExit(f"--past {past}: the document and its question must fit the model's "
+                             f"{loaded.spec.max_position}-token window, to be read dense")
         for mode, contexts in (("dense", dense), ("sparse", sparse)):
             for ctx in contexts:
                 measure(report, loaded, mode, ctx, scratch, args.tries)
-        past = loaded.spec.max_position - 512 if args.past is None else args.past
         if past:
             measure_past_window(report, loaded, past, min(args.tries, 3))
     finally:
