@@ -406,9 +406,8 @@ class Session:
         mode = mode or self.config.engine.resolve_mode(len(ids) + 1, self.loaded.spec.max_position)
         backend = self.backend(mode)
         # a sparse state starts from the KV a dense one computed of its tokens (an answer to pass the window)
-        seeds = [seed for state in self._held() if mode == "sparse" and state.mode == "dense"
-                 and (seed := state.seed(ids)) is not None]
-        seed = max(seeds, key=lambda seed: seed.tokens, default=None)
+        seeds = (state.seed(ids) for state in self._held() if state.mode == "dense") if mode == "sparse" else ()
+        seed = max(filter(None, seeds), key=lambda seed: seed.tokens, default=None)
         backend.events.enabled = self.keep_events    # a 1M-token prefill makes millions of transfer events
         try:
             return backend.state_of(ids, progress, seed=seed)
